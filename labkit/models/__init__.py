@@ -1,0 +1,1 @@
+"""Models: a from-scratch GPT and transformers builders from offline presets."""
