@@ -1,0 +1,133 @@
+"""Model families as shape-only forward walks: labkit's GPT, transformers' GPT-2 and Llama.
+
+Each function mirrors its model's forward code line by line with `Walk` primitives, so the
+activation estimate follows the implementation a learner actually runs. Attention is either fused
+(scaled_dot_product_attention's flash/efficient kernels: no (s, s) matrix is kept) or materialised
+(the s^2 terms of Korthikanti et al. 2022, arXiv 2205.05198).
+"""
+
+from __future__ import annotations
+
+from .walk import T, Walk
+
+
+def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bool:
+    """SDPA runs a fused kernel on CUDA, and on CPU only without dropout (else its math fallback)."""
+    return attention == "sdpa" and (device == "cuda" or attn_dropout == 0)
+
+
+def sdpa_fused(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, out_numel: int) -> T:
+    """Flash/efficient attention saves q, k, v, its output and a logsumexp (fp32) per query row."""
+    out = w.new(out_numel, w.mm_bytes, "attention out")
+    w.save(q, k, v, out, w.new(B * heads * S, 4, "logsumexp"))
+    return out
+
+
+def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float) -> T:
+    """SDPA's math fallback (CPU with dropout): scaled q and k, contiguous v, probabilities,
+    dropout mask and dropped probabilities are kept; on CPU it upcasts 16-bit inputs to fp32."""
+    b = 4 if w.device == "cpu" else w.mm_bytes
+    for part in ("q scaled", "k^T scaled", "v contiguous"):
+        w.save(w.new(n, b, part))
+    probs = w.new(B * heads * S * S, b, "attention probs")
+    w.save(probs, w.dropout(probs, p, "attention dropout"))
+    return w.new(n, w.mm_bytes, "attention out (contiguous)")  # saved by the output projection
+
+
+def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: float) -> T:
+    """labkit GPT's textbook attention: q, k^T, v are made contiguous for the matmuls; the scores'
+    softmax, the causal mask and, with dropout, mask and dropped copy stay. Autocast runs softmax
+    in fp32 on CUDA (then probs @ v takes a 16-bit copy) but in 16-bit on CPU."""
+    for part in ("q contiguous", "k^T contiguous", "v contiguous"):
+        w.save(w.new(n, w.mm_bytes, part))
+    w.save(w.new(S * S, 1, "causal mask"))
+    probs = w.new(B * heads * S * S, 4 if w.autocast and w.device == "cuda" else w.mm_bytes, "attention probs")
+    w.save(probs)
+    dropped = w.dropout(probs, p, "attention dropout")
+    w.save(w.as_matmul_input(dropped))  # probs @ v takes a 16-bit copy under autocast
+    return w.new(n, w.mm_bytes, "attention out (contiguous)")  # transpose(1, 2).contiguous()
+
+
+def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
+    """labkit.models.gpt.GPT: learned positions, pre-LN blocks, exact GELU, tied head."""
+    r, h = B * S, spec.hidden
+    n = r * h
+    w.save(w.new(S, 8, "position ids"))
+    x = w.add(w.new(n, w.x_bytes, "token embeddings"), w.new(S * h, w.x_bytes), "embeddings")
+    x = w.dropout(x, spec.dropout, "embedding dropout")
+    fused = fused_attention_used(w.device, spec.attention, spec.attn_dropout)
+    for i in range(spec.n_layer):
+        layer_marks.append(w.saved_bytes)
+        a = w.layer_norm(x, r, f"ln_1.{i}")
+        qkv = w.linear(a, r, 3 * h, f"qkv.{i}")
+        if fused:
+            y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n)
+        else:
+            y = attention_manual(w, qkv, B, spec.n_head, S, n, spec.attn_dropout)
+        o = w.dropout(w.linear(y, r, h, f"attn proj.{i}"), spec.dropout, f"resid dropout.{i}")
+        x = w.add(x, o, f"residual.{i}")
+        f = w.linear(w.layer_norm(x, r, f"ln_2.{i}"), r, spec.ffn, f"fc.{i}")
+        o = w.linear(w.gelu(f, f"gelu.{i}"), r, h, f"mlp proj.{i}")
+        x = w.add(x, w.dropout(o, spec.dropout, f"resid dropout.{i}"), f"residual.{i}")
+    layer_marks.append(w.saved_bytes)
+    logits = w.linear(w.layer_norm(x, r, "ln_f"), r, spec.vocab, "logits")
+    w.cross_entropy(logits, r, spec.vocab, upcast=False)
+
+
+def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
+    """transformers' GPT2LMHeadModel: Conv1D projections, NewGELU in Python ops, fp32 loss."""
+    r, h = B * S, spec.hidden
+    n = r * h
+    w.save(w.new(S, 8, "position ids"), w.new(r, 8, "shifted labels"))
+    x = w.add(w.new(n, w.x_bytes, "token embeddings"), w.new(S * h, w.x_bytes), "embeddings")
+    x = w.dropout(x, spec.dropout, "embedding dropout")
+    fused = fused_attention_used(w.device, spec.attention, spec.attn_dropout)
+    for i in range(spec.n_layer):
+        layer_marks.append(w.saved_bytes)
+        qkv = w.linear(w.layer_norm(x, r, f"ln_1.{i}"), r, 3 * h, f"c_attn.{i}")
+        if fused:
+            y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n)
+        elif spec.attention == "sdpa":
+            y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout)
+        else:
+            y = attention_manual(w, qkv, B, spec.n_head, S, n, spec.attn_dropout)
+        o = w.dropout(w.linear(y, r, h, f"c_proj.{i}"), spec.dropout, f"resid dropout.{i}")
+        x = w.add(x, o, f"residual.{i}")
+        f = w.linear(w.layer_norm(x, r, f"ln_2.{i}"), r, spec.ffn, f"c_fc.{i}")
+        o = w.linear(w.gelu_tanh_python(f, f"gelu_new.{i}"), r, h, f"mlp c_proj.{i}")
+        x = w.add(x, w.dropout(o, spec.dropout, f"resid dropout.{i}"), f"residual.{i}")
+    layer_marks.append(w.saved_bytes)
+    logits = w.linear(w.layer_norm(x, r, "ln_f"), r, spec.vocab, "logits")
+    w.cross_entropy(logits, r, spec.vocab, upcast=True)
+
+
+def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
+    """transformers' LlamaForCausalLM: RMSNorm in Python ops, rotary q/k, SwiGLU MLP, GQA."""
+    r, h = B * S, spec.hidden
+    hd = h // spec.n_head
+    kv = spec.n_kv_head * hd
+    w.save(w.new(r, 8, "shifted labels"))
+    w.save(w.new(2 * S * hd, w.x_bytes, "rotary cos and sin"))
+    x = w.new(r * h, w.x_bytes, "token embeddings")
+    for i in range(spec.n_layer):
+        layer_marks.append(w.saved_bytes)
+        a = w.rms_norm_python(x, r, f"input_layernorm.{i}")
+        q = w.linear(a, r, h, f"q_proj.{i}")
+        w.linear(a, r, kv, f"k_proj.{i}")
+        v = w.linear(a, r, kv, f"v_proj.{i}")
+        q = w.new(q.numel, q.itemsize, f"q rotated.{i}")
+        k = w.new(r * kv, q.itemsize, f"k rotated.{i}")
+        if fused_attention_used(w.device, spec.attention, spec.attn_dropout):
+            y = sdpa_fused(w, q, k, v, B, spec.n_head, S, r * h)
+        else:
+            y = sdpa_math(w, B, spec.n_head, S, r * h, spec.attn_dropout)
+        x = w.add(x, w.linear(y, r, h, f"o_proj.{i}"), f"residual.{i}")
+        a = w.rms_norm_python(x, r, f"post_attention_layernorm.{i}")
+        gate, up = w.linear(a, r, spec.ffn, f"gate_proj.{i}"), w.linear(a, r, spec.ffn, f"up_proj.{i}")
+        x = w.add(x, w.linear(w.silu_glu(gate, up, f"swiglu.{i}"), r, h, f"down_proj.{i}"), f"residual.{i}")
+    layer_marks.append(w.saved_bytes)
+    logits = w.linear(w.rms_norm_python(x, r, "norm"), r, spec.vocab, "logits")
+    w.cross_entropy(logits, r, spec.vocab, upcast=True)
+
+
+WALKS = {"labkit-gpt": walk_labkit_gpt, "gpt2": walk_hf_gpt2, "llama": walk_hf_llama}

@@ -1,0 +1,339 @@
+"""The ledger: count every tensor storage an op creates, by category and phase, until it is freed.
+
+It is a `TorchDispatchMode`, so it sees every aten op on any device and counts logical bytes
+(`storage.nbytes()`): the same figures on a CPU laptop and on a GPU. Tags are final, not first
+guesses: a storage created in the forward pass and still alive when backward starts was saved for
+backward (ACT); one that autograd accumulates into `.grad` is a gradient (GRAD) from its birth; one
+the optimizer keeps in its state is optimizer state (OPT). Everything else is a temporary (TEMP).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.optim.optimizer as _optim_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .report import CATEGORIES, PHASES, Breakdown, Category, Measurement, Timeline
+from .units import fmt_bytes
+
+_CAST_OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
+
+
+class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
+    """Raised by a ledger with a budget, where a device with that much memory would have failed."""
+
+    def __init__(self, message: str, requested: int, budget: int, live: Breakdown):
+        super().__init__(message)
+        self.requested, self.budget, self.live = requested, budget, live
+
+
+@dataclass
+class _Rec:
+    nbytes: int
+    tag: Category
+    phase: str  # phase it was created in
+    step: int
+    op: str  # the aten op that created it ("" for tensors made outside the ledger)
+    shape: tuple  # shape and dtype of the first tensor seen on it
+    dtype: torch.dtype | None
+
+
+class Ledger(TorchDispatchMode):
+    """Count live bytes by category while the `with` block runs any number of training steps.
+
+    model, optimizer: their parameters, buffers, gradients and state are tagged from the start.
+    budget: bytes; a new allocation that would exceed it raises `SimulatedOutOfMemoryError`.
+    device: count storages on this device type only (default: the model's, else every device).
+    """
+
+    def __init__(self, model=None, optimizer=None, budget: int | None = None, label: str = "", device=None):
+        super().__init__()
+        if budget is not None and budget <= 0:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+        self.model, self.optimizer, self.budget, self.label = model, optimizer, budget, label
+        if device is None and model is not None:
+            first = next(iter(model.parameters()), None)
+            device = first.device if first is not None else None
+        self.device_type = torch.device(device).type if device is not None else None
+        self._recs: list[_Rec] = []  # sid -> record; tags may change until the end
+        self._live: dict[int, int] = {}  # id(storage) -> sid, for live storages only
+        self._events: list[tuple[int, int]] = []  # (sid, +bytes or -bytes)
+        self._marks: list[tuple[int, str, int]] = []  # (event index, phase, step)
+        self._live_bytes = 0
+        self._phase, self._step, self._in_optimizer = "forward", 1, False
+        self._params: dict[int, torch.nn.Parameter] = {}
+        self._handles: list = []
+        self._allocator: dict[str, int] | None = None
+
+    # ---- entering and leaving -------------------------------------------------------------
+    def __enter__(self):
+        self._baseline_sids = set()
+        self._track_module(self.model)
+        self._track_optimizer(self.optimizer)
+        self._baseline_sids = set(self._live.values())
+        self._marks.append((len(self._events), "forward", 1))
+        self._handles.append(_optim_hooks.register_optimizer_step_pre_hook(self._pre_step))
+        self._handles.append(_optim_hooks.register_optimizer_step_post_hook(self._post_step))
+        for p in self._params.values():
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if self.model is not None:  # a step's forward starts when the model's forward does
+            self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._set_phase("forward")))
+        if torch.cuda.is_available() and self.device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._params.clear()  # hold no model tensors after the block: they must be free to go
+        self.model = self.optimizer = None
+        if torch.cuda.is_available() and self.device_type == "cuda":
+            self._allocator = {
+                "allocated": torch.cuda.memory_allocated(),
+                "max_allocated": torch.cuda.max_memory_allocated(),
+                "reserved": torch.cuda.memory_reserved(),
+                "max_reserved": torch.cuda.max_memory_reserved(),
+            }
+        return super().__exit__(*exc)
+
+    # ---- registering storages ---------------------------------------------------------------
+    def _counts(self, t: torch.Tensor) -> bool:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return False
+        return self.device_type is None or t.device.type == self.device_type
+
+    def _storage(self, t: torch.Tensor):
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+            return None
+
+    def _add(self, st, tag: Category, t: torch.Tensor | None = None, op: str = "") -> int:
+        sid = len(self._recs)
+        n = st.nbytes()
+        shape, dtype = (tuple(t.shape), t.dtype) if t is not None else ((), None)
+        self._recs.append(_Rec(n, tag, self._phase, self._step, op, shape, dtype))
+        self._live[id(st)] = sid
+        self._events.append((sid, n))
+        self._live_bytes += n
+        weakref.finalize(st, _freed, weakref.ref(self), id(st), sid)  # no strong ref to the ledger
+        return sid
+
+    def _on_free(self, key: int, sid: int) -> None:
+        if self._live.get(key) == sid:
+            del self._live[key]
+        n = self._recs[sid].nbytes
+        self._events.append((sid, -n))
+        self._live_bytes -= n
+
+    def track(self, tensor: torch.Tensor, tag: Category) -> None:
+        """Tag a tensor made outside the ledger (or retag one made inside it)."""
+        if not self._counts(tensor):
+            return
+        st = self._storage(tensor)
+        if st is None:
+            return
+        sid = self._live.get(id(st))
+        if sid is None:
+            self._add(st, tag, tensor)
+        else:
+            self._recs[sid].tag = tag
+
+    def _track_module(self, model) -> None:
+        if model is None:
+            return
+        for p in model.parameters():
+            self._params[id(p)] = p
+            self.track(p, Category.PARAM)
+            if p.grad is not None:
+                self.track(p.grad, Category.GRAD)
+        for b in model.buffers():
+            self.track(b, Category.BUFFER)
+
+    def _track_optimizer(self, opt) -> None:
+        if opt is None:
+            return
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._params:
+                    self._params[id(p)] = p
+                    self.track(p, Category.PARAM)
+                if p.grad is not None:
+                    self.track(p.grad, Category.GRAD)
+        for state in opt.state.values():
+            for t in tree_flatten(state)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.track(t, Category.OPT)
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.track(p.grad, Category.GRAD)
+
+    def _pre_step(self, opt, args, kwargs) -> None:
+        self._set_phase("optimizer")
+        self._in_optimizer = True
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.track(p.grad, Category.GRAD)
+
+    def _post_step(self, opt, args, kwargs) -> None:
+        self._in_optimizer = False
+        for state in opt.state.values():
+            for t in tree_flatten(state)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.track(t, Category.OPT)
+
+    def _set_phase(self, phase: str) -> None:
+        if phase == self._phase:
+            return
+        if phase == "forward" and self._phase == "optimizer":
+            self._step += 1  # micro-batches (forward after backward) belong to the same step
+        elif phase == "backward" and self._phase == "forward":
+            # Whatever the forward pass made and is still alive now is saved for backward.
+            for sid in self._live.values():
+                rec = self._recs[sid]
+                if rec.tag is Category.TEMP and rec.phase == "forward":
+                    rec.tag = Category.ACT
+        self._phase = phase
+        self._marks.append((len(self._events), phase, self._step))
+        if self._allocator_marks is not None:
+            self._allocator_marks.append((len(self._events), torch.cuda.memory_allocated()))
+
+    _allocator_marks = None
+
+    # ---- the dispatch mode ----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._in_optimizer:
+            self._set_phase("optimizer")
+        elif torch._C._current_graph_task_id() != -1:
+            self._set_phase("backward")
+        elif self.model is None:
+            self._set_phase("forward")  # no model hook to say when a forward starts
+        # else: ops between phases (loss.item(), gradient clipping) keep the current phase
+        out = func(*args, **kwargs)
+        inputs = {}
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                st = self._storage(t)
+                if st is not None:
+                    inputs[id(st)] = t
+        new = []
+        for t in tree_flatten(out)[0]:
+            if not self._counts(t):
+                continue
+            st = self._storage(t)
+            if st is None:
+                continue
+            key = id(st)
+            sid = self._live.get(key)
+            if sid is not None:
+                self._resized(sid, st)
+            elif key not in inputs and all(s is not st for s, _ in new):
+                new.append((st, t))
+        if new:
+            self._allocate(func, new, inputs)
+        return out
+
+    def _resized(self, sid: int, st) -> None:
+        n = st.nbytes()
+        rec = self._recs[sid]
+        if n != rec.nbytes:
+            self._events.append((sid, n - rec.nbytes))
+            self._live_bytes += n - rec.nbytes
+            rec.nbytes = n
+
+    def _allocate(self, func, new, inputs) -> None:
+        requested = sum(st.nbytes() for st, _ in new)
+        if self.budget is not None and self._live_bytes + requested > self.budget:
+            live = self.live()
+            raise SimulatedOutOfMemoryError(
+                f"out of memory (simulated): {func} tried to allocate {fmt_bytes(requested)} in the "
+                f"{self._phase} pass of step {self._step} with {fmt_bytes(live.total)} of the "
+                f"{fmt_bytes(self.budget)} budget in use ({_describe(live)})",
+                requested, self.budget, live,
+            )
+        # A cast of a parameter (autocast's 16-bit weight copy) counts as parameter memory.
+        cast_of_param = func in _CAST_OPS and any(
+            self._recs[self._live[k]].tag is Category.PARAM for k in inputs if k in self._live
+        )
+        name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+        for st, t in new:
+            self._add(st, Category.PARAM if cast_of_param else Category.TEMP, t, name)
+
+    # ---- results ----------------------------------------------------------------------------------
+    def live(self) -> Breakdown:
+        """Live bytes per category right now (tags as known so far)."""
+        b = Breakdown()
+        for sid in self._live.values():
+            rec = self._recs[sid]
+            b.bytes[rec.tag] += rec.nbytes
+        return b
+
+    def live_tensors(self, tag: Category | None = None) -> list[tuple[str, tuple, str, int, str]]:
+        """Live storages, largest first: (op, shape, dtype, bytes, category), optionally one category."""
+        rows = []
+        for sid in self._live.values():
+            r = self._recs[sid]
+            if tag is None or r.tag is Category(tag):
+                rows.append((r.op or "(outside)", r.shape, str(r.dtype).replace("torch.", ""), r.nbytes, r.tag.name))
+        return sorted(rows, key=lambda row: -row[3])
+
+    @property
+    def live_bytes(self) -> int:
+        return self._live_bytes
+
+    def measurement(self) -> Measurement:
+        """Replay the events with final tags: the timeline and each phase's peak breakdown."""
+        cur = {c: 0 for c in CATEGORIES}
+        series = {c: [] for c in CATEGORIES}
+        peaks: dict[str, Breakdown] = {}
+        marks = sorted(self._marks)
+        mi, phase = 0, "forward"
+        baseline = Breakdown()
+        for i, (sid, delta) in enumerate(self._events):
+            while mi < len(marks) and marks[mi][0] <= i:
+                phase = marks[mi][1]
+                mi += 1
+                start = Breakdown(dict(cur))  # a phase's peak may be its first moment
+                if phase not in peaks or start.total > peaks[phase].total:
+                    peaks[phase] = start
+            cur[self._recs[sid].tag] += delta
+            for c in CATEGORIES:
+                series[c].append(cur[c])
+            if sid in self._baseline_sids and delta > 0:
+                baseline.bytes[self._recs[sid].tag] += delta
+            total = sum(cur.values())
+            best = peaks.get(phase)
+            if best is None or total > best.total:
+                peaks[phase] = Breakdown(dict(cur))
+        phases = {p: peaks[p] for p in PHASES if p in peaks}
+        for p in peaks:
+            phases.setdefault(p, peaks[p])
+        if not phases:
+            phases["forward"] = Breakdown(dict(cur))
+        return Measurement(
+            label=self.label,
+            phases=phases,
+            timeline=Timeline(series, [(i, p, s) for i, p, s in marks]),
+            baseline=baseline,
+            allocator=self._allocator,
+        )
+
+
+def _freed(ledger_ref, key: int, sid: int) -> None:
+    ledger = ledger_ref()
+    if ledger is not None:
+        ledger._on_free(key, sid)
+
+
+def _describe(b: Breakdown) -> str:
+    parts = [f"{c.value} {fmt_bytes(b.bytes[c])}" for c in sorted(CATEGORIES, key=lambda c: -b.bytes[c]) if b.bytes[c]]
+    return ", ".join(parts) or "nothing"

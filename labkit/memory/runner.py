@@ -1,0 +1,171 @@
+"""Run real training steps under the ledger, and turn an out-of-memory into a result, not a crash."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .estimate import DTYPES, OPTIMIZERS, Precision
+from .ledger import Ledger, SimulatedOutOfMemoryError, _describe
+from .report import Measurement
+from .units import fmt_bytes
+
+_LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "mixed-fp16": torch.float16, "mixed-bf16": torch.bfloat16}
+
+
+def build_model(model, dtype: str = "fp32", device=None, **overrides) -> torch.nn.Module:
+    """A trainable model on `device`: a GPTConfig, a preset name or path, or a module as it is."""
+    from labkit.models.gpt import GPT, GPTConfig
+
+    prec = Precision.of(dtype)
+    if isinstance(model, GPTConfig):
+        m = GPT(model)
+    elif isinstance(model, str):
+        from labkit.models import hf
+
+        m = hf.build(model, device="cpu", **overrides)
+    elif isinstance(model, torch.nn.Module):
+        m = model
+    else:
+        raise TypeError(f"cannot build a model from {type(model).__name__}")
+    m = m.to(device or "cpu")
+    if prec.weight == 2:
+        m = m.to(_LOW[dtype])
+    return m.train()
+
+
+def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float = 1e-3, foreach=None):
+    """torch.optim's SGD, SGD with momentum 0.9, Adam or AdamW over the model's parameters."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    params = model.parameters()
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, foreach=foreach)
+    if optimizer == "sgd-momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=foreach)
+    cls = torch.optim.Adam if optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=lr, foreach=foreach)
+
+
+def train_step(model, opt, x, y, dtype: str = "fp32") -> torch.Tensor:
+    """One step: forward (autocast for mixed-*), backward, optimizer step, gradients set to None.
+
+    The logits are not kept past the loss, so nothing outside autograd holds them in backward.
+    """
+    device_type = x.device.type
+    with torch.autocast(device_type, dtype=_LOW.get(dtype, torch.float32), enabled=dtype.startswith("mixed")):
+        if hasattr(model, "config") and hasattr(model.config, "model_type"):  # transformers
+            out = model(input_ids=x, labels=y, use_cache=False)
+            loss = out.loss
+            del out
+        else:
+            loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = "adamw",
+                 steps: int = 2, budget: int | None = None, device=None, lr: float = 1e-3,
+                 foreach=None, data: torch.Tensor | None = None, seed: int = 0, **overrides) -> Measurement:
+    """Build the model, then run `steps` training steps under a Ledger and return what it measured.
+
+    data: a 1-D tensor of token ids to sample batches from (default: random tokens).
+    budget: bytes; exceeding it raises SimulatedOutOfMemoryError where a real device would fail.
+    """
+    for name, v in (("batch", batch), ("seq", seq), ("steps", steps)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    torch.manual_seed(seed)
+    device = torch.device(device or "cpu")
+    m = build_model(model, dtype, device, **overrides)
+    opt = make_optimizer(m, optimizer, lr, foreach)
+    vocab = m.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch_xy():
+        if data is None:
+            t = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        else:
+            i = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+            t = torch.stack([data[j: j + seq + 1] for j in i.tolist()])
+        return t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)
+
+    label = f"{getattr(model, 'name', model if isinstance(model, str) else type(m).__name__)} B={batch} S={seq} {dtype} {optimizer}"
+    real = device.type == "cuda" and budget is not None  # on CUDA the allocator enforces the budget
+    with cuda_limit(budget if real else None, device), \
+            Ledger(m, opt, budget=None if real else budget, label=label, device=device) as led:
+        for _ in range(steps):
+            x, y = batch_xy()
+            train_step(m, opt, x, y, dtype)
+            del x, y
+    return led.measurement()
+
+
+@contextlib.contextmanager
+def cuda_limit(budget: int | None, device=None):
+    """Cap this process's CUDA memory at `budget` bytes (set_per_process_memory_fraction), then lift it."""
+    if budget is None:
+        yield
+        return
+    dev = torch.device(device or "cuda")
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), dev)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+
+
+@dataclass
+class BudgetResult:
+    """The outcome of an experiment run against a memory budget."""
+
+    fits: bool
+    message: str  # "fits: 1.20 GiB of 8.00 GiB" or "does not fit: ..."
+    peak: int  # bytes: measured peak if it ran, else the bytes in use plus the failed request
+    measurement: Measurement | None = None
+    value: object = None  # what fn returned, when it was not a Measurement
+
+
+def run_within_budget(fn: Callable[[], object], budget: int) -> BudgetResult:
+    """Run fn (which should measure under `budget`); an out-of-memory becomes a result.
+
+    Memory returns to its baseline afterwards: the error's frames are cleared, garbage is collected
+    and, on CUDA, the allocator's cache is emptied, so the notebook goes on.
+    """
+    if budget is None or budget <= 0:
+        raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+    try:
+        out = fn()
+    except SimulatedOutOfMemoryError as e:
+        need = e.live.total + e.requested
+        msg = (f"does not fit: {fmt_bytes(need)} > {fmt_bytes(e.budget)} budget; "
+               f"{_describe(e.live)} in use when {fmt_bytes(e.requested)} more was asked for")
+        result = BudgetResult(False, msg, need)
+        _release(e)
+        return result
+    except torch.OutOfMemoryError as e:  # a real device's allocator said no
+        result = BudgetResult(False, f"does not fit (device out of memory): {str(e).splitlines()[0]}", budget)
+        _release(e)
+        return result
+    meas = out if isinstance(out, Measurement) else None
+    peak = meas.peak.total if meas else 0
+    msg = f"fits: peak {fmt_bytes(peak)} of {fmt_bytes(budget)} budget" if meas else "fits"
+    return BudgetResult(True, msg, peak, meas, None if meas else out)
+
+
+def _release(e: BaseException) -> None:
+    traceback.clear_frames(e.__traceback__)
+    e.__traceback__ = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

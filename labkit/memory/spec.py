@@ -1,0 +1,122 @@
+"""The architecture facts an estimate needs, read from a labkit GPT, a transformers model or a preset."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ModelSpec:
+    name: str  # what the learner called it
+    family: str  # "labkit-gpt", "gpt2" or "llama" (selects the forward walk)
+    n_layer: int
+    hidden: int  # h
+    n_head: int  # a
+    n_kv_head: int  # grouped-query attention: key/value heads (= n_head without GQA)
+    ffn: int  # MLP inner size (4h for GPT-2)
+    vocab: int  # V
+    max_positions: int  # longest sequence the model accepts (0: no limit)
+    tied: bool  # input embedding and output head share one matrix
+    dropout: float  # embedding and residual dropout probability
+    attn_dropout: float  # dropout on attention probabilities
+    attention: str  # "sdpa" (fused where possible), "manual" or "eager" (s*s scores kept)
+    n_params: int  # all parameters, a tied matrix once
+    param_numels: list[int] = field(default_factory=list)  # elements of each parameter tensor
+    layer_params: int = 0  # parameters of one transformer block
+    matmul_params: int = 0  # parameters that enter a matmul (autocast copies these to 16-bit)
+    layer_matmul_params: int = 0  # the same, in one block
+
+    @property
+    def largest_param(self) -> int:
+        return max(self.param_numels, default=0)
+
+
+def _from_module(name: str, family: str, cfg: dict, model: torch.nn.Module) -> ModelSpec:
+    params = list(model.parameters())  # parameters() yields a tied matrix once
+    per_layer: dict[str, int] = {}
+    seen = set()
+    for pname, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        m = re.search(r"\.(\d+)\.", pname)
+        if m:
+            per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + p.numel()
+    layer_params = max(per_layer.values(), default=0)
+    mm_ids, layer_mm = {}, 0
+    for mname, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D":
+            for p in mod.parameters(recurse=False):
+                mm_ids[id(p)] = p.numel()
+                if re.search(r"\.0\.", mname + "."):
+                    layer_mm += p.numel()
+    return ModelSpec(name=name, family=family, n_params=sum(p.numel() for p in params),
+                     param_numels=[p.numel() for p in params], layer_params=layer_params,
+                     matmul_params=sum(mm_ids.values()), layer_matmul_params=layer_mm, **cfg)
+
+
+def _gpt_spec(name: str, gcfg, model=None) -> ModelSpec:
+    from labkit.models.gpt import GPT
+
+    if model is None:
+        with torch.device("meta"):
+            model = GPT(gcfg)
+    cfg = dict(n_layer=gcfg.n_layer, hidden=gcfg.n_embd, n_head=gcfg.n_head, n_kv_head=gcfg.n_head,
+               ffn=4 * gcfg.n_embd, vocab=gcfg.vocab_size, max_positions=gcfg.block_size, tied=True,
+               dropout=gcfg.dropout, attn_dropout=gcfg.dropout, attention=gcfg.attention)
+    return _from_module(name, "labkit-gpt", cfg, model)
+
+
+def _hf_spec(name: str, hcfg, model=None) -> ModelSpec:
+    mt = getattr(hcfg, "model_type", "")
+    attention = getattr(hcfg, "_attn_implementation", None) or "sdpa"
+    if mt == "gpt2":
+        cfg = dict(n_layer=hcfg.n_layer, hidden=hcfg.n_embd, n_head=hcfg.n_head, n_kv_head=hcfg.n_head,
+                   ffn=hcfg.n_inner or 4 * hcfg.n_embd, vocab=hcfg.vocab_size, max_positions=hcfg.n_positions,
+                   tied=bool(getattr(hcfg, "tie_word_embeddings", True)), dropout=hcfg.resid_pdrop,
+                   attn_dropout=hcfg.attn_pdrop, attention=attention)
+        family = "gpt2"
+    elif mt == "llama":
+        cfg = dict(n_layer=hcfg.num_hidden_layers, hidden=hcfg.hidden_size, n_head=hcfg.num_attention_heads,
+                   n_kv_head=hcfg.num_key_value_heads or hcfg.num_attention_heads, ffn=hcfg.intermediate_size,
+                   vocab=hcfg.vocab_size, max_positions=hcfg.max_position_embeddings,
+                   tied=bool(getattr(hcfg, "tie_word_embeddings", False)), dropout=0.0,
+                   attn_dropout=float(getattr(hcfg, "attention_dropout", 0.0)), attention=attention)
+        family = "llama"
+    else:
+        raise ValueError(f"the estimator knows GPT-2 and Llama architectures, not {mt!r} ({name})")
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hcfg)
+    return _from_module(name, family, cfg, model)
+
+
+def spec_from(model, **overrides) -> ModelSpec:
+    """A ModelSpec from a labkit GPTConfig or GPT, a transformers config or model, or a name/path.
+
+    Names are labkit presets (see `labkit.models.hf.PRESETS`), local config paths, or hub ids when
+    online. overrides are passed to the preset's config (for example n_layer=2).
+    """
+    from labkit.models.gpt import GPT, GPTConfig
+
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, GPTConfig):
+        return _gpt_spec("gpt", model)
+    if isinstance(model, GPT):
+        return _gpt_spec("gpt", model.config, model)
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        return _hf_spec(getattr(model.config, "name_or_path", "") or model.config.model_type, model.config, model)
+    if hasattr(model, "model_type"):  # a transformers config
+        return _hf_spec(model.model_type, model)
+    if isinstance(model, str):
+        from labkit.models import hf
+
+        return _hf_spec(model, hf.get_config(model, **overrides))
+    raise TypeError(f"cannot read a model from {type(model).__name__}: give a preset name, a path, "
+                    "a GPTConfig or a model")

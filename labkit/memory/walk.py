@@ -1,0 +1,140 @@
+"""A shape-only forward pass that records what autograd saves for backward: the activation terms.
+
+Each primitive below says, in its docstring, which tensors PyTorch's autograd keeps for the backward
+pass (the rules of `tools/autograd/derivatives.yaml`) and so how many bytes it adds. A tensor saved
+by two ops (a LayerNorm's output read by three projections) is counted once, as in memory. Model
+families are written as short sequences of primitives in `labkit.memory.families`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class T:
+    """A tensor of the walk: `numel` elements of `itemsize` bytes; a view points at its base."""
+
+    numel: int
+    itemsize: int
+    name: str = ""
+    base: "T | None" = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def root(self) -> "T":
+        return self.base.root() if self.base is not None else self
+
+
+@dataclass
+class Walk:
+    """Walk a forward pass on shapes. autocast: matmuls run in 16-bit on 16-bit copies of inputs.
+
+    x_bytes: bytes per element of the residual stream (the parameters' dtype).
+    low_bytes: bytes per element of autocast's low precision (2), unused without autocast.
+    device: "cpu" or "cuda" (dropout masks and fused attention differ).
+    """
+
+    x_bytes: int
+    autocast: bool = False
+    low_bytes: int = 2
+    device: str = "cpu"
+    saved: dict[int, T] = field(default_factory=dict)  # id(root) -> root tensor
+    log: list[tuple[str, int]] = field(default_factory=list)  # (what, bytes) as saved
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def new(self, numel: int, itemsize: int, name: str = "") -> T:
+        return T(int(numel), int(itemsize), name)
+
+    def save(self, *ts: T) -> None:
+        """Keep tensors for backward (once each, by storage)."""
+        for t in ts:
+            r = t.root()
+            if id(r) not in self.saved:
+                self.saved[id(r)] = r
+                self.log.append((r.name, r.nbytes))
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(t.nbytes for t in self.saved.values())
+
+    @property
+    def mm_bytes(self) -> int:
+        """Bytes per element of a matmul's output: 16-bit under autocast, else the stream dtype."""
+        return self.low_bytes if self.autocast else self.x_bytes
+
+    def as_matmul_input(self, x: T) -> T:
+        """Under autocast an fp32 input is copied to 16-bit first, and the copy is what is saved."""
+        if self.autocast and x.itemsize != self.low_bytes:
+            return self.new(x.numel, self.low_bytes, f"{x.name} (16-bit copy)")
+        return x
+
+    # ---- primitives --------------------------------------------------------------------------
+    def linear(self, x: T, rows: int, out_features: int, name: str) -> T:
+        """y = x W^T + b saves x (to form dW = dy^T x); W is a parameter, already counted."""
+        xin = self.as_matmul_input(x)
+        self.save(xin)
+        return self.new(rows * out_features, self.mm_bytes, name)
+
+    def layer_norm(self, x: T, rows: int, name: str) -> T:
+        """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the
+        input's dtype on CPU."""
+        self.save(x, self.new(2 * rows, 4 if self.device == "cuda" else x.itemsize, f"{name} stats"))
+        return self.new(x.numel, 4 if self.autocast else x.itemsize, f"{name} out")
+
+    def rms_norm_python(self, x: T, rows: int, name: str) -> T:
+        """transformers' LlamaRMSNorm: h = x.float(); h = h * rsqrt(mean(h^2)+eps); weight * h.to(dtype).
+
+        Saves the fp32 input (a copy if x is 16-bit), rsqrt's output (one fp32 per row) and the
+        normalised tensor in x's dtype (the weight's gradient needs it).
+        """
+        x32 = x if x.itemsize == 4 else self.new(x.numel, 4, f"{name} fp32 copy")
+        self.save(x32, self.new(rows, 4, f"{name} rsqrt"))
+        self.save(self.new(x.numel, x.itemsize, f"{name} normed"))
+        return self.new(x.numel, x.itemsize, f"{name} out")
+
+    def gelu(self, x: T, name: str) -> T:
+        """Exact (erf) GELU in one kernel: saves its input only."""
+        self.save(x)
+        return self.new(x.numel, x.itemsize, name)
+
+    def gelu_tanh_python(self, x: T, name: str) -> T:
+        """0.5*x*(1+tanh(c*(x+0.044715*x^3))) as separate ops (transformers' NewGELU).
+
+        pow saves x; tanh saves its output; the final product saves both factors 0.5*x and 1+tanh:
+        three new tensors of x's size besides x itself (the fused kernel would keep only x).
+        """
+        self.save(x)
+        for part in ("tanh", "0.5x", "1+tanh"):
+            self.save(self.new(x.numel, x.itemsize, f"{name} {part}"))
+        return self.new(x.numel, x.itemsize, name)
+
+    def silu_glu(self, gate: T, up: T, name: str) -> T:
+        """silu(gate) * up: silu saves gate; the product saves silu's output and up."""
+        s = self.new(gate.numel, gate.itemsize, f"{name} silu")
+        self.save(gate, s, up)
+        return self.new(gate.numel, gate.itemsize, name)
+
+    def dropout(self, x: T, p: float, name: str) -> T:
+        """Training dropout saves its mask: 1 byte (bool) on CUDA; on CPU a mask in x's dtype."""
+        if p <= 0:
+            return x
+        self.save(self.new(x.numel, 1 if self.device == "cuda" else x.itemsize, f"{name} mask"))
+        return self.new(x.numel, x.itemsize, name)
+
+    def add(self, a: T, b: T, name: str) -> T:
+        """Residual add: saves nothing; the result takes the wider dtype."""
+        return self.new(max(a.numel, b.numel), max(a.itemsize, b.itemsize), name)
+
+    def cross_entropy(self, logits: T, rows: int, vocab: int, upcast: bool) -> T:
+        """log_softmax saves its output (rows x vocab) and nll_loss the target; fp32 if upcast.
+
+        Autocast runs the loss in fp32, as does `logits.float()` (transformers): then the fp32 copy
+        of the logits exists while log_softmax runs, and its output is fp32.
+        """
+        itemsize = 4 if (upcast or self.autocast) else logits.itemsize
+        lsm = self.new(rows * vocab, itemsize, "log_softmax(logits)")
+        self.save(lsm)
+        return lsm

@@ -1,0 +1,119 @@
+"""Every estimator term against hand-counted bytes, the known errata, and the ledger."""
+
+import pytest
+
+from labkit.memory import Category, estimate, measure_step
+from labkit.memory.estimate import Precision, autocast_copy_bytes, grad_bytes, optimizer_state_bytes, param_bytes
+from labkit.memory.families import WALKS
+from labkit.memory.spec import spec_from
+from labkit.memory.walk import Walk
+from labkit.models.gpt import GPTConfig
+
+GPT2 = 124_439_808
+
+
+def _per_param(dtype, optimizer="adamw"):
+    spec = spec_from("gpt2")
+    p = Precision.of(dtype)
+    total = param_bytes(spec, p) + autocast_copy_bytes(spec, p) + grad_bytes(spec, p)
+    counters = 4 * len(spec.param_numels) if optimizer.startswith("adam") else 0  # Adam's step tensors
+    total += optimizer_state_bytes(spec, p, optimizer) - counters
+    return total / spec.n_params
+
+
+def test_bytes_per_parameter_16_18_and_8():
+    assert spec_from("gpt2").n_params == GPT2
+    assert _per_param("fp32") == 16  # 4 weights + 4 grads + 8 Adam
+    # mixed precision: fp32 master weights, a 2-byte autocast copy of the matmul weights, fp32 grads
+    mixed = _per_param("mixed-bf16")
+    spec = spec_from("gpt2")
+    assert mixed == pytest.approx(16 + 2 * spec.matmul_params / spec.n_params)
+    assert 17.2 < mixed < 18  # the HF docs' "18": wpe, norms and biases... only the embeddings stay fp32
+    assert _per_param("bf16") == 8  # 2 + 2 + 4 (Adam's state in bf16, as torch.optim keeps it)
+    assert _per_param("fp32", "sgd") == 8 and _per_param("fp32", "sgd-momentum") == 12
+
+
+def test_mixed_precision_gradients_are_fp32():
+    """Playbook discussion #104 / ml-engineering #23: the 4N of fp32 gradients is not optional."""
+    e = estimate("gpt2", 1, 128, "mixed-bf16", "adamw")
+    assert e.phases["optimizer"][Category.GRAD] == 4 * GPT2
+
+
+def test_logits_term_is_BSV_in_fp32():
+    for dtype in ("fp32", "mixed-bf16", "bf16"):
+        e = estimate("gpt2", 2, 512, dtype)
+        lsm = next(t for t in e.terms if t.name == "log-softmax of the logits")
+        assert lsm.bytes == 2 * 512 * 50257 * 4  # transformers upcasts logits to fp32 for the loss
+    e = estimate(GPTConfig(block_size=64), 2, 64, "bf16")
+    assert next(t for t in e.terms if t.name.startswith("log-softmax")).bytes == 2 * 64 * 256 * 2
+
+
+def test_attention_s2_term_only_without_fused_attention():
+    def acts(attention, S, device="cuda"):
+        cfg = GPTConfig(n_layer=3, n_head=4, n_embd=64, block_size=1024, attention=attention)
+        w = Walk(x_bytes=2, device=device)
+        WALKS["labkit-gpt"](w, spec_from(cfg), 2, S, [])
+        return w.saved_bytes
+    extra = {S: acts("manual", S) - acts("sdpa", S) for S in (128, 256)}
+    # materialised scores: probs (2 B) per head plus a shared bool mask per layer, ~S^2 each
+    per = lambda S: 3 * (2 * 4 * S * S * 2 + S * S)  # noqa: E731
+    lse = lambda S: 3 * 2 * 4 * S * 4  # noqa: E731 - the fused kernel's logsumexp, which manual lacks
+    for S, d in extra.items():
+        assert d == per(S) - lse(S)  # the q, k, v copies cost what the fused kernel keeps of qkv
+    assert extra[256] > 3.5 * extra[128]
+
+
+def test_korthikanti_34_plus_5as_over_h():
+    """One 16-bit layer with dropout and materialised attention saves sbh(34 + 5as/h) bytes, plus the
+    LayerNorm statistics and causal mask that the paper leaves out."""
+    s, b, h, a = 128, 2, 64, 4
+    cfg = GPTConfig(n_layer=2, n_head=a, n_embd=h, block_size=s, attention="manual", dropout=0.1)
+    w = Walk(x_bytes=2, device="cuda")
+    marks = []
+    WALKS["labkit-gpt"](w, spec_from(cfg), b, s, marks)
+    per_layer = marks[2] - marks[1]
+    extras = 2 * (2 * s * b * 4) + s * s  # two LayerNorms' fp32 mean and rstd; the bool mask
+    assert per_layer - extras == s * b * h * 34 + 5 * a * s * s * b
+
+
+def test_peak_is_the_max_over_phases_not_the_sum():
+    e = estimate("gpt2-tiny", 4, 64)
+    totals = [b.total for b in e.phases.values()]
+    assert e.peak.total == max(totals) < sum(totals)
+
+
+CONFIGS = [
+    (GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128), 4, 128, "fp32", "adamw"),
+    (GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128), 2, 64, "bf16", "sgd"),
+    (GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, attention="manual", dropout=0.1), 4, 128, "mixed-bf16", "adamw"),
+    (GPTConfig(n_layer=3, n_head=2, n_embd=64, block_size=64), 1, 8, "fp32", "sgd-momentum"),  # weights dominate
+    ("gpt2-tiny", 4, 64, "mixed-bf16", "adam"),
+    ("llama-tiny", 4, 64, "bf16", "adamw"),
+    ("llama-tiny", 2, 128, "fp32", "sgd"),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{getattr(c[0], 'n_embd', c[0])}-{c[1]}x{c[2]}-{c[3]}-{c[4]}")
+def test_estimate_within_3_percent_of_the_ledger(cfg):
+    model, B, S, dtype, opt = cfg
+    e = estimate(model, B, S, dtype, opt)
+    m = measure_step(model, B, S, dtype, opt, steps=2)
+    assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total
+    for phase in ("forward", "optimizer"):
+        assert abs(e.phases[phase].total - m.phases[phase].total) <= 0.03 * m.phases[phase].total
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch=0), "batch"), (dict(seq=-1), "seq"), (dict(dtype="fp8"), "dtype"),
+    (dict(optimizer="adagrad"), "optimizer"), (dict(seq=4096), "positions"), (dict(device="tpu"), "device"),
+])
+def test_bad_input(kwargs, match):
+    args = dict(model="gpt2-tiny", batch=2, seq=32) | kwargs
+    with pytest.raises(ValueError, match=match):
+        estimate(**args)
+
+
+def test_big_presets_estimate_without_memory():
+    e = estimate("llama2-70b", 1, 4096, "mixed-bf16", "adamw")
+    assert e.n_params == 68_976_648_192
+    assert e.peak.total > 16 * e.n_params  # weights, gradients and Adam alone: over a TB
