@@ -6,3 +6,4 @@ from .units import GiB, KiB, MiB, fmt_bytes, parse_bytes
 from .estimate import DTYPES, OPTIMIZERS, Precision, estimate
 from .runner import BudgetResult, build_model, cuda_limit, make_optimizer, measure_step, run_within_budget, train_step
 from .spec import ModelSpec, spec_from
+from .wall import fit_table

@@ -130,7 +130,6 @@ def _phases(spec, prec, B, S, dtype, optimizer, device, foreach) -> Estimate:
     L, layer_A = spec.n_layer, (marks[-1] - marks[0]) // max(spec.n_layer, 1)
     C_layer = 2 * spec.layer_matmul_params if prec.autocast else 0
     C_head = 2 * V * h if prec.autocast else 0
-    head_params = spec.n_params - L * spec.layer_params - (0 if not spec.tied else 0)
     G_head = (V * h + 2 * h) * gb  # output matrix and final norm
     stream = r * h * gb
     # MLP backward: the gradient into the activation and out of it are both alive while the
@@ -145,11 +144,10 @@ def _phases(spec, prec, B, S, dtype, optimizer, device, foreach) -> Estimate:
         act = A - (w.saved_bytes - marks[-1]) - (L - 1 - i) * layer_A
         bounds.append(bd(P + C - C_head - (L - 1 - i) * C_layer, G_head + (L - 1 - i) * spec.layer_params * gb,
                          O, act, stream + tau))
-    emb_temp = V * h * gb if spec.tied else 0
+    emb_temp = 2 * V * h * gb if spec.tied else 0  # tied: the dense embedding gradient and the sum
     end = bd(P, G, O, input_bytes(B, S), stream + emb_temp)
     bwd = max([start, head, *bounds, end], key=lambda b: b.total)
     opt = bd(P, G, O, input_bytes(B, S), optimizer_temp_bytes(spec, prec, optimizer, foreach))
-    del head_params
     terms = _terms(spec, prec, optimizer, B, S, w, P, C, G, O, lsm, logits + upcast)
     label = f"{spec.name} B={B} S={S} {dtype} {optimizer}"
     return Estimate(label, spec.n_params, {"forward": fwd, "backward": bwd, "optimizer": opt}, terms)

@@ -203,10 +203,6 @@ class Ledger(TorchDispatchMode):
                     rec.tag = Category.ACT
         self._phase = phase
         self._marks.append((len(self._events), phase, self._step))
-        if self._allocator_marks is not None:
-            self._allocator_marks.append((len(self._events), torch.cuda.memory_allocated()))
-
-    _allocator_marks = None
 
     # ---- the dispatch mode ----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

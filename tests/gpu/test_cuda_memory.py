@@ -1,0 +1,42 @@
+"""On a real GPU: the ledger's logical bytes equal the CPU's, and the estimate matches the allocator."""
+
+import pytest
+import torch
+
+from labkit.memory import estimate, measure_step, run_within_budget
+from labkit.models.gpt import GPTConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+# manual attention, no dropout, fp32: the same kernels' saved tensors on both devices
+SAME = GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, attention="manual")
+
+
+def test_logical_bytes_equal_on_cpu_and_cuda():
+    cpu = measure_step(SAME, 4, 256, "fp32", "adamw", device="cpu", foreach=False)
+    gpu = measure_step(SAME, 4, 256, "fp32", "adamw", device="cuda", foreach=False)
+    for phase in ("forward", "optimizer"):
+        assert gpu.phases[phase].total == cpu.phases[phase].total
+    assert abs(gpu.peak.total - cpu.peak.total) <= 0.01 * cpu.peak.total
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "mixed-bf16", "bf16"])
+@pytest.mark.parametrize("model", [GPTConfig(n_layer=6, n_head=8, n_embd=512, block_size=1024), "gpt2", "llama-tiny"])
+def test_estimate_within_5_percent_of_max_memory_allocated(model, dtype):
+    torch.cuda.empty_cache()
+    e = estimate(model, 8, 512, dtype, "adamw", device="cuda")
+    m = measure_step(model, 8, 512, dtype, "adamw", device="cuda")
+    allocated = m.allocator["max_allocated"]
+    assert abs(e.peak.total - allocated) <= 0.05 * allocated, (e.peak.total, allocated, m.peak.total)
+    assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total
+
+
+def test_real_budget_out_of_memory_is_a_result():
+    free, _ = torch.cuda.mem_get_info()
+    r = run_within_budget(lambda: measure_step("gpt2", 32, 1024, "fp32", "adamw", device="cuda", budget=2 * 2**30), 2 * 2**30)
+    assert not r.fits and "does not fit" in r.message
+    torch.cuda.empty_cache()
+    assert torch.cuda.mem_get_info()[0] >= free - 64 * 2**20  # memory came back
