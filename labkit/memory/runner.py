@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from .estimate import DTYPES, OPTIMIZERS, Precision
 from .ledger import Ledger, SimulatedOutOfMemoryError, _describe
@@ -73,11 +74,13 @@ def train_step(model, opt, x, y, dtype: str = "fp32") -> torch.Tensor:
 
 def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = "adamw",
                  steps: int = 2, budget: int | None = None, device=None, lr: float = 1e-3,
-                 foreach=None, data: torch.Tensor | None = None, seed: int = 0, **overrides) -> Measurement:
+                 foreach=None, data: torch.Tensor | None = None, seed: int = 0, progress: bool | None = None,
+                 **overrides) -> Measurement:
     """Build the model, then run `steps` training steps under a Ledger and return what it measured.
 
     data: a 1-D tensor of token ids to sample batches from (default: random tokens).
     budget: bytes; exceeding it raises SimulatedOutOfMemoryError where a real device would fail.
+    progress: a tqdm bar over the steps (default: when there are 10 or more).
     """
     for name, v in (("batch", batch), ("seq", seq), ("steps", steps)):
         if not isinstance(v, int) or v <= 0:
@@ -103,7 +106,7 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
     real = device.type == "cuda" and budget is not None  # on CUDA the allocator enforces the budget
     with cuda_limit(budget if real else None, device), \
             Ledger(m, opt, budget=None if real else budget, label=label, device=device) as led:
-        for _ in range(steps):
+        for _ in tqdm(range(steps), desc=label, disable=not (steps >= 10 if progress is None else progress)):
             x, y = batch_xy()
             train_step(m, opt, x, y, dtype)
             del x, y
