@@ -62,6 +62,8 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
         qkv = w.linear(a, r, 3 * h, f"qkv.{i}")
         if fused:
             y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n)
+        elif spec.attention == "sdpa":
+            y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout)
         else:
             y = attention_manual(w, qkv, B, spec.n_head, S, n, spec.attn_dropout)
         o = w.dropout(w.linear(y, r, h, f"attn proj.{i}"), spec.dropout, f"resid dropout.{i}")

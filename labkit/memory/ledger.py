@@ -35,7 +35,7 @@ class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
 class _Rec:
     nbytes: int
     tag: Category
-    phase: str  # phase it was created in
+    phase: str  # phase it was created in ("between": after an optimizer step, before the next forward)
     step: int
     op: str  # the aten op that created it ("" for tensors made outside the ledger)
     shape: tuple  # shape and dtype of the first tensor seen on it
@@ -117,7 +117,9 @@ class Ledger(TorchDispatchMode):
         sid = len(self._recs)
         n = st.nbytes()
         shape, dtype = (tuple(t.shape), t.dtype) if t is not None else ((), None)
-        self._recs.append(_Rec(n, tag, self._phase, self._step, op, shape, dtype))
+        # made after the optimizer step but before the next forward (the next batch): "between"
+        phase = "between" if self._phase == "optimizer" and not self._in_optimizer else self._phase
+        self._recs.append(_Rec(n, tag, phase, self._step, op, shape, dtype))
         self._live[id(st)] = sid
         self._events.append((sid, n))
         self._live_bytes += n
@@ -199,7 +201,7 @@ class Ledger(TorchDispatchMode):
             # Whatever the forward pass made and is still alive now is saved for backward.
             for sid in self._live.values():
                 rec = self._recs[sid]
-                if rec.tag is Category.TEMP and rec.phase == "forward":
+                if rec.tag is Category.TEMP and rec.phase in ("forward", "between"):
                     rec.tag = Category.ACT
         self._phase = phase
         self._marks.append((len(self._events), phase, self._step))
@@ -291,7 +293,7 @@ class Ledger(TorchDispatchMode):
         cur = {c: 0 for c in CATEGORIES}
         series = {c: [] for c in CATEGORIES}
         peaks: dict[str, Breakdown] = {}
-        marks = sorted(self._marks)
+        marks = self._marks  # in the order they happened (two may share an event index)
         mi, phase = 0, "forward"
         baseline = Breakdown()
         for i, (sid, delta) in enumerate(self._events):

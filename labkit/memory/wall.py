@@ -32,7 +32,10 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, batch: int = 1, seq:
         raise ValueError(f"budgets must be positive numbers of GiB, got {budgets_gib!r}")
     rows = []
     for model in models:
-        e = estimate(model, batch, seq, dtype, optimizer, device=device)
+        try:
+            e = estimate(model, batch, seq, dtype, optimizer, device=device)
+        except ValueError as err:  # name the model that failed
+            raise ValueError(f"{model}: {err}") from err
         peak = e.peak.total  # bytes
         rows.append({
             "model": model if isinstance(model, str) else e.label.split(" ")[0],
