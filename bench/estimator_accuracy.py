@@ -1,0 +1,146 @@
+"""How close labkit.memory.estimate comes to the ledger's measurement, over many small CPU training steps.
+
+    python bench/estimator_accuracy.py [--quick]
+
+For each configuration it predicts one step, measures two real steps on the CPU (measure_step) and
+prints predicted vs measured peak, the error as a percentage of the measured peak, both peak phases
+and the category with the largest error (also in % of the measured peak). Configurations over the
+tolerance are then shown category by category. The last line is the summary:
+`estimator: configs=N max_error=X% median_error=Y%`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from labkit.memory import CATEGORIES, estimate, fmt_bytes, measure_step
+from labkit.models.gpt import GPTConfig
+
+TOLERANCE = 3.0  # % of the measured peak, as the lessons state it
+
+
+@dataclass
+class Config:
+    label: str
+    model: object  # a GPTConfig or a preset name
+    batch: int
+    seq: int
+    dtype: str
+    optimizer: str
+    overrides: dict = field(default_factory=dict)  # preset config overrides, e.g. n_layer=3
+
+
+def _gpt(attention: str, dropout: float, **kw) -> GPTConfig:
+    return GPTConfig(**{"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 128,
+                        "attention": attention, "dropout": dropout, **kw})
+
+
+def configs(quick: bool = False) -> list[Config]:
+    """labkit GPT (fused and manual attention, with and without dropout) and the tiny transformers presets."""
+    out = []
+    # labkit GPT: the four attention/dropout variants, across dtypes and optimizers
+    gpt_plan = [  # (attention, dropout, B, S, dtype, optimizer)
+        ("sdpa", 0.0, 4, 128, "fp32", "adamw"), ("sdpa", 0.0, 2, 64, "bf16", "sgd"),
+        ("sdpa", 0.0, 4, 128, "mixed-bf16", "adam"), ("sdpa", 0.0, 2, 128, "mixed-fp16", "sgd-momentum"),
+        ("sdpa", 0.0, 8, 32, "fp16", "adamw"),
+        ("sdpa", 0.1, 4, 128, "fp32", "sgd"), ("sdpa", 0.1, 2, 128, "mixed-bf16", "adamw"),
+        ("sdpa", 0.1, 4, 64, "bf16", "adam"), ("sdpa", 0.1, 2, 64, "mixed-fp16", "adamw"),
+        ("manual", 0.0, 4, 128, "fp32", "adam"), ("manual", 0.0, 2, 128, "mixed-bf16", "sgd"),
+        ("manual", 0.0, 4, 64, "fp16", "sgd-momentum"), ("manual", 0.0, 2, 64, "mixed-fp16", "adamw"),
+        ("manual", 0.1, 4, 128, "mixed-bf16", "adamw"), ("manual", 0.1, 2, 128, "fp32", "sgd-momentum"),
+        ("manual", 0.1, 4, 64, "bf16", "adamw"), ("manual", 0.1, 2, 64, "fp16", "sgd"),
+    ]
+    for att, p, B, S, dtype, opt in gpt_plan:
+        out.append(Config(f"gpt {att} p={p:g}", _gpt(att, p), B, S, dtype, opt))
+    out.append(Config("gpt L4 h256 sdpa", _gpt("sdpa", 0.0, n_layer=4, n_embd=256, block_size=256),
+                      2, 256, "mixed-bf16", "adamw"))
+    out.append(Config("gpt L3 h64 (weights dominate)", _gpt("sdpa", 0.0, n_layer=3, n_head=2, n_embd=64,
+                                                             block_size=64), 1, 8, "fp32", "sgd-momentum"))
+    # small batches: the end of backward or the optimizer step holds the peak, not the activations
+    out.append(Config("gpt L4 h256 (optimizer peak)", _gpt("sdpa", 0.0, n_layer=4, n_embd=256, block_size=64),
+                      1, 16, "fp32", "adamw"))
+    out.append(Config("gpt L4 h256 (optimizer peak)", _gpt("manual", 0.0, n_layer=4, n_embd=256, block_size=64),
+                      1, 8, "mixed-bf16", "adam"))
+    # transformers presets (sdpa; gpt2-tiny has dropout 0.1, so CPU SDPA takes its math path)
+    hf_plan = [  # (preset, overrides, B, S, dtype, optimizer)
+        ("gpt2-tiny", {}, 4, 64, "fp32", "adamw"), ("gpt2-tiny", {}, 4, 64, "mixed-bf16", "adam"),
+        ("gpt2-tiny", {}, 2, 128, "bf16", "sgd"), ("gpt2-tiny", {}, 2, 128, "mixed-fp16", "adamw"),
+        ("gpt2-tiny", {"n_layer": 3}, 4, 128, "fp16", "sgd-momentum"),
+        ("gpt2-tiny", {"n_layer": 3}, 8, 32, "mixed-bf16", "adamw"),
+        ("llama-tiny", {}, 4, 64, "bf16", "adamw"), ("llama-tiny", {}, 2, 128, "fp32", "sgd"),
+        ("llama-tiny", {}, 4, 128, "mixed-bf16", "adamw"), ("llama-tiny", {}, 2, 64, "mixed-fp16", "adam"),
+        ("llama-tiny", {"num_hidden_layers": 3}, 4, 64, "fp16", "sgd-momentum"),
+        ("llama-tiny", {"num_hidden_layers": 3}, 8, 32, "fp32", "adamw"),
+        ("llama-tiny", {"num_hidden_layers": 3}, 2, 128, "mixed-bf16", "sgd"),
+        ("llama-tiny", {}, 1, 8, "fp32", "adamw"), ("gpt2-tiny", {}, 1, 8, "bf16", "adam"),
+    ]
+    for name, ov, B, S, dtype, opt in hf_plan:
+        label = name + "".join(f" {k}={v}" for k, v in ov.items())
+        out.append(Config(label, name, B, S, dtype, opt, ov))
+    if quick:  # one of each kind
+        keep = (0, 6, 13, len(gpt_plan) + 2, len(gpt_plan) + 3, len(gpt_plan) + 8)
+        out = [out[i] for i in keep]
+    return out
+
+
+def run_one(c: Config) -> dict:
+    e = estimate(c.model, c.batch, c.seq, c.dtype, c.optimizer, device="cpu", **c.overrides)
+    m = measure_step(c.model, c.batch, c.seq, c.dtype, c.optimizer, steps=2, **c.overrides)
+    meas = m.peak.total
+    cat_err = {cat: 100 * (e.peak[cat] - m.peak[cat]) / meas for cat in CATEGORIES}
+    worst = max(cat_err, key=lambda cat: abs(cat_err[cat]))
+    return {"config": c, "estimate": e, "measurement": m, "pred": e.peak.total, "meas": meas,
+            "error": 100 * (e.peak.total - meas) / meas, "worst": worst, "worst_error": cat_err[worst]}
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def describe(c: Config) -> str:
+    return f"{c.label} B={c.batch} S={c.seq} {c.dtype} {c.optimizer}"
+
+
+def breakdown(r: dict) -> str:
+    """Predicted vs measured bytes per category, for every phase of one configuration."""
+    e, m = r["estimate"], r["measurement"]
+    rows = [["phase", "category", "predicted", "measured", "diff", "% of measured peak"]]
+    for phase in e.phases:
+        for cat in CATEGORIES:
+            p, q = e.phases[phase][cat], m.phases[phase][cat]
+            rows.append([phase, str(cat), f"{p:,}", f"{q:,}", f"{p - q:+,}", f"{100 * (p - q) / r['meas']:+.2f}"])
+        p, q = e.phases[phase].total, m.phases[phase].total
+        rows.append([phase, "total", f"{p:,}", f"{q:,}", f"{p - q:+,}", f"{100 * (p - q) / r['meas']:+.2f}"])
+    return _table(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a handful of configurations")
+    args = ap.parse_args(argv)
+    results = [run_one(c) for c in tqdm(configs(args.quick), desc="estimate vs ledger", file=sys.stderr)]
+
+    rows = [["config", "predicted", "measured", "error %", "peak phase (pred/meas)", "worst category (% of peak)"]]
+    for r in results:
+        rows.append([describe(r["config"]), fmt_bytes(r["pred"]), fmt_bytes(r["meas"]), f"{r['error']:+.2f}",
+                     f"{r['estimate'].peak_phase}/{r['measurement'].peak_phase}",
+                     f"{r['worst'].name.lower()} {r['worst_error']:+.2f}"])
+    print("predicted vs measured peak of one training step on the CPU (bytes: GiB = 2**30)")
+    print(_table(rows))
+    over = [r for r in results if abs(r["error"]) > TOLERANCE]
+    for r in over:
+        print(f"\nover {TOLERANCE:g}%: {describe(r['config'])}: error {r['error']:+.2f}%")
+        print(breakdown(r))
+    errors = [abs(r["error"]) for r in results]
+    print(f"estimator: configs={len(results)} max_error={max(errors):.2f}% median_error={statistics.median(errors):.2f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

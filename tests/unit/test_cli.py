@@ -1,0 +1,111 @@
+"""The command line: readable table, JSON that matches `estimate`, and one-line errors with exit status 2."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from labkit.cli import main
+from labkit.memory import estimate
+from labkit.models.gpt import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table_lists_terms_phases_and_peak(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "4", "--seq", "64",
+                         "--dtype", "mixed-bf16", "--optimizer", "adamw")
+    assert code == 0 and err == ""
+    e = estimate("gpt2-tiny", 4, 64, "mixed-bf16", "adamw")
+    assert "GiB = 2**30 bytes" in out
+    for t in e.terms:
+        assert t.name in out and t.formula in out
+    for phase in ("forward", "backward", "optimizer"):
+        assert any(line.startswith(phase) for line in out.splitlines())
+    assert f"({e.peak.total:,} bytes) in the {e.peak_phase} phase" in out
+
+
+def test_json_matches_estimate(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "llama-tiny", "--batch", "2", "--seq", "32",
+                       "--dtype", "bf16", "--optimizer", "sgd", "--json")
+    assert code == 0
+    d = json.loads(out)
+    e = estimate("llama-tiny", 2, 32, "bf16", "sgd")
+    assert d["peak"] == e.peak.total and d["peak_phase"] == e.peak_phase and d["n_params"] == e.n_params
+    assert sum(d["categories"].values()) == d["peak"]
+    assert (d["model"], d["batch"], d["seq"], d["dtype"], d["optimizer"]) == ("llama-tiny", 2, 32, "bf16", "sgd")
+    assert set(d["phases"]) == {"forward", "backward", "optimizer"}
+    for phase, cats in d["phases"].items():
+        assert all(isinstance(v, int) for v in cats.values())
+        assert cats["total"] == e.phases[phase].total == sum(v for k, v in cats.items() if k != "total")
+
+
+def test_gpt_spec_builds_a_gpt_config(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "gpt:n_layer=3,n_embd=64,n_head=2,block_size=128,attention=manual,dropout=0.1,bias=false",
+                       "--batch", "2", "--seq", "128", "--dtype", "fp32", "--optimizer", "adam", "--json")
+    assert code == 0
+    cfg = GPTConfig(n_layer=3, n_embd=64, n_head=2, block_size=128, attention="manual", dropout=0.1, bias=False)
+    e = estimate(cfg, 2, 128, "fp32", "adam")
+    d = json.loads(out)
+    assert d["n_params"] == e.n_params and d["peak"] == e.peak.total
+
+
+def test_wall_command(capsys):
+    code, out, _ = run(capsys, "wall", "--models", "gpt2,llama2-70b", "--budgets", "24,141", "--json")
+    assert code == 0
+    rows = json.loads(out)["rows"]
+    assert [r["model"] for r in rows] == ["gpt2", "llama2-70b"]
+    assert rows[0]["fits"] == {"24": True, "141": True} and rows[1]["fits"] == {"24": False, "141": False}
+    code, out, _ = run(capsys, "wall", "--models", "gpt2", "--budgets", "1,24")
+    assert code == 0 and "GiB = 2**30 bytes" in out and "24 GiB" in out
+
+
+BAD = [
+    (["--model", "gpt2-tiny", "--batch", "0", "--seq", "8"], "--batch must be a positive integer, got 0"),
+    (["--model", "gpt2-tiny", "--batch", "1", "--seq", "-4"], "--seq must be a positive integer"),
+    (["--model", "no-such-model", "--batch", "1", "--seq", "8"], "unknown model 'no-such-model'"),
+    (["--model", "gpt2-tiny", "--batch", "1", "--seq", "8", "--dtype", "fp8"], "--dtype"),
+    (["--model", "gpt2-tiny", "--batch", "1", "--seq", "8", "--optimizer", "adagrad"], "--optimizer"),
+    (["--model", "gpt2-tiny", "--batch", "1", "--seq", "4096"], "positions"),
+    (["--model", "gpt:block_size=64", "--batch", "1", "--seq", "65"], "positions"),
+    (["--model", "gpt:n_layer", "--batch", "1", "--seq", "8"], "KEY=VAL"),
+    (["--model", "gpt:depth=3", "--batch", "1", "--seq", "8"], "no field 'depth'"),
+    (["--model", "gpt:n_layer=two", "--batch", "1", "--seq", "8"], "n_layer must be int"),
+    (["--model", "gpt:n_embd=100,n_head=3", "--batch", "1", "--seq", "8"], "divisible"),
+    (["--batch", "1", "--seq", "8"], "--model"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_is_one_line_and_status_2(capsys, argv, message):
+    code, out, err = run(capsys, "estimate", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("labkit estimate: error: ")
+    assert message in err and "Traceback" not in err
+
+
+def _python_m(*argv):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "labkit", *argv], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=120)
+
+
+def test_python_m_labkit_json():
+    p = _python_m("estimate", "--model", "gpt2", "--batch", "1", "--seq", "128", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["n_params"] == 124_439_808
+
+
+def test_python_m_labkit_bad_input():
+    p = _python_m("estimate", "--model", "gpt2", "--batch", "1", "--seq", "128", "--dtype", "fp4")
+    assert p.returncode == 2 and p.stdout == ""
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr and "fp4" in p.stderr

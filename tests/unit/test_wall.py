@@ -1,0 +1,36 @@
+"""The memory wall table: which presets fit which budgets, consistent with `estimate`."""
+
+import pytest
+
+from labkit.memory import GiB, estimate, fit_table
+from labkit.memory.wall import default_models
+from labkit.models.hf import PRESETS
+
+
+def test_gpt2_fits_24_gib_and_llama2_70b_fits_nothing():
+    gpt2, llama = fit_table(["gpt2", "llama2-70b"])  # B=1 S=1024 mixed-bf16 AdamW, defaults
+    assert gpt2["fits"][24] and gpt2["fits"][16]
+    assert llama["fits"] == {16: False, 24: False, 80: False, 141: False}
+
+
+def test_rows_agree_with_estimate():
+    rows = fit_table(["gpt2-medium", "llama3.2-1b"], budgets_gib=(8, 23.5, 24), batch=2, seq=512,
+                     dtype="bf16", optimizer="adam", device="cuda")
+    for row in rows:
+        e = estimate(row["model"], 2, 512, "bf16", "adam", device="cuda")
+        assert (row["n_params"], row["peak"], row["peak_phase"]) == (e.n_params, e.peak.total, e.peak_phase)
+        assert row["fits"] == {b: e.peak.total <= b * GiB for b in (8, 23.5, 24)}
+
+
+def test_default_models_are_the_non_tiny_presets():
+    assert default_models() == [n for n in PRESETS if "tiny" not in n]
+    assert "gpt2" in default_models() and "gpt2-tiny" not in default_models()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(budgets_gib=(0, 16)), "budgets"), (dict(models=[]), "at least one"),
+    (dict(models=["gpt2"], seq=2048), "gpt2: seq 2048"),
+])
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fit_table(**kwargs)
