@@ -1,0 +1,24 @@
+"""Views of memory: static plots, a live plot for training loops, and widget panels over the library."""
+
+from .live import LivePlot
+from .plots import (
+    CATEGORY_COLORS,
+    PHASE_COLORS,
+    BreakdownTable,
+    breakdown_table,
+    compare_bar,
+    fit_table,
+    pick_unit,
+    prediction_bar,
+    timeline,
+    to_png,
+)
+
+
+def __getattr__(name: str):
+    # panels import ipywidgets and the models' presets (transformers): load them only when asked
+    if name == "MemoryPanel":
+        from .panels import MemoryPanel
+
+        return MemoryPanel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,313 @@
+"""Static plots of memory: predicted vs measured bars, the timeline of one step, and fit grids."""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.transforms import blended_transform_factory
+
+from labkit.memory.report import CATEGORIES, PHASES, Breakdown, Category
+from labkit.memory.units import GiB, KiB, MiB, fmt_bytes, parse_bytes
+
+# One colour per category, the same in every labkit figure (seaborn's "deep" palette).
+CATEGORY_COLORS: dict[Category, str] = {
+    Category.PARAM: "#4C72B0",  # blue
+    Category.BUFFER: "#8C8C8C",  # grey
+    Category.GRAD: "#DD8452",  # orange
+    Category.OPT: "#55A868",  # green
+    Category.ACT: "#C44E52",  # red
+    Category.TEMP: "#CCB974",  # sand
+}
+PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868"}
+FITS, DOES_NOT_FIT = "#2E7D32", "#C62828"  # green and red for verdicts and budget lines
+
+
+def pick_unit(n_bytes: float) -> tuple[str, int]:
+    """The binary unit that reads best for sizes up to n_bytes: (name, bytes per unit)."""
+    for name, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n_bytes >= size:
+            return name, size
+    return "B", 1
+
+
+def to_png(fig: Figure, dpi: int = 100, tight: bool = True) -> bytes:
+    """The figure as PNG bytes (what panels and live plots put on screen); tight=False is twice as
+    fast (one draw, not two) for figures whose layout already fits."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight" if tight else None)
+    return buf.getvalue()
+
+
+def _show_figures_as_png() -> None:
+    """In IPython, show a returned Figure as PNG even before pyplot loads the inline backend (which would)."""
+    try:
+        from IPython import get_ipython
+
+        png = get_ipython().display_formatter.formatters["image/png"]
+    except (ImportError, AttributeError):  # no IPython, or not running in it
+        return
+    if Figure not in png.type_printers:
+        png.for_type(Figure, to_png)
+
+
+_show_figures_as_png()
+
+
+def _axes(ax, figsize, right=0.97):
+    if ax is not None:
+        return ax.figure, ax
+    fig = Figure(figsize=figsize)
+    ax = fig.add_subplot(1, 1, 1)
+    fig.subplots_adjust(left=0.09, right=right, bottom=0.16, top=0.86)
+    return fig, ax
+
+
+def _pick(obj, phase: str) -> tuple[str, Breakdown]:
+    if phase == "peak":
+        return obj.peak_phase, obj.peak
+    if phase not in obj.phases:
+        raise ValueError(f"no phase {phase!r} here; choose 'peak' or one of {', '.join(obj.phases)}")
+    return phase, obj.phases[phase]
+
+
+def _ratio(measured: int, predicted: int) -> str:
+    if predicted == 0:
+        return "-" if measured == 0 else "not predicted"
+    return f"{measured / predicted:.2f}"
+
+
+def _stack(ax, x: float, b: Breakdown, size: int, width: float = 0.6, min_label: float = 0.0) -> None:
+    """One stacked bar, PARAM at the bottom; segments taller than min_label get their value written in."""
+    bottom = 0.0
+    for c in CATEGORIES:
+        h = b.bytes[c] / size
+        if h > 0:
+            ax.bar(x, h, width, bottom=bottom, color=CATEGORY_COLORS[c], edgecolor="white", linewidth=0.5)
+            if min_label and h >= min_label:
+                ax.text(x, bottom + h / 2, f"{h:.3g}", ha="center", va="center", fontsize=8, color="white")
+        bottom += h
+
+
+def _legend(ax, cats=CATEGORIES, **kw) -> None:
+    handles = [Patch(color=CATEGORY_COLORS[c], label=c.value) for c in cats]
+    ax.legend(handles=handles, fontsize=8, frameon=False, **kw)
+
+
+def compare_bar(estimate, measurement, ax=None, phase: str = "peak", tolerance: float = 0.10) -> Figure:
+    """Predicted and measured bytes of one phase ("peak" = each one's largest) as two stacked bars,
+    with a table beside them of bytes and the ratio measured/predicted per category and in total.
+    Ratios further than `tolerance` from 1 are shaded orange: a gap to explain, not to hide."""
+    (p_phase, pred), (m_phase, meas) = _pick(estimate, phase), _pick(measurement, phase)
+    fig, ax = _axes(ax, (9.5, 4.2), right=0.40)
+    top = max(pred.total, meas.total, 1)
+    unit, size = pick_unit(top)
+    for x, b in ((0, pred), (1, meas)):
+        _stack(ax, x, b, size, min_label=0.06 * top / size)
+        ax.text(x, b.total / size, fmt_bytes(b.total), ha="center", va="bottom", fontsize=9, weight="bold")
+    ax.set_xticks([0, 1], [f"predicted\n({p_phase})", f"measured\n({m_phase})"])
+    ax.set_xlim(-0.6, 1.6)
+    ax.set_ylim(0, top / size * 1.15)
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(f"{measurement.label or estimate.label}\npredicted vs measured ({'peak' if phase == 'peak' else phase}), "
+                 f"measured / predicted = {_ratio(meas.total, pred.total)}", fontsize=10)
+    ax.spines[["top", "right"]].set_visible(False)
+
+    rows = [[c.value, fmt_bytes(pred.bytes[c]), fmt_bytes(meas.bytes[c]), _ratio(meas.bytes[c], pred.bytes[c])] for c in CATEGORIES]
+    rows.append(["total", fmt_bytes(pred.total), fmt_bytes(meas.total), _ratio(meas.total, pred.total)])
+    table = ax.table(cellText=rows, colLabels=["category", "predicted", "measured", "measured/\npredicted"],
+                     bbox=[1.15, 0.0, 1.4, 1.0], cellLoc="right", colLoc="center")
+    table.auto_set_font_size(False)
+    table.set_fontsize(8)
+    for (r, col), cell in table.get_celld().items():
+        cell.set_width(1.5 if col == 0 else 1.0)  # relative: the bbox scales them
+        if col == 0 and r > 0:
+            cell.set_text_props(ha="left")
+    for i, c in enumerate((*CATEGORIES, None), start=1):
+        if c is not None:
+            table[i, 0].set_facecolor(matplotlib.colors.to_rgba(CATEGORY_COLORS[c], 0.45))
+        else:
+            for j in range(4):
+                table[i, j].set_text_props(weight="bold")
+        p, m = (pred.total, meas.total) if c is None else (pred.bytes[c], meas.bytes[c])
+        off = (p == 0) != (m == 0) or (p and abs(m / p - 1) > tolerance)
+        table[i, 3].set_facecolor("#F6C89F" if off else "#DCEFD6" if p else "white")
+    return fig
+
+
+def timeline(measurement, ax=None, budget: int | None = None, title: str | None = None) -> Figure:
+    """Live bytes by category after every allocation or free (a stacked area), with the phases of each
+    step shaded and named, a dashed line at the peak, and a red line at `budget` (bytes) if given."""
+    tl = measurement.timeline
+    total = tl.total
+    fig, ax = _axes(ax, (10, 4.2), right=0.8)
+    ax.set_title(title or f"memory during training: {measurement.label}".rstrip(": "), fontsize=10, pad=18)
+    if not total:
+        ax.text(0.5, 0.5, "no allocations were recorded", ha="center", va="center", transform=ax.transAxes)
+        return fig
+    peak = max(total)
+    show_budget = budget is not None and budget <= 3 * peak  # else the step would be a sliver at the bottom
+    top = max(peak, budget if show_budget else 0, 1)
+    unit, size = pick_unit(top)
+    n = len(total)
+    x = list(range(n + 1))
+    bottom = [0.0] * (n + 1)
+    for c in CATEGORIES:
+        ys = [v / size for v in tl.bytes[c]]
+        ys.append(ys[-1])
+        upper = [b + y for b, y in zip(bottom, ys)]
+        if any(ys):
+            ax.fill_between(x, bottom, upper, step="post", color=CATEGORY_COLORS[c], linewidth=0)
+        bottom = upper
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, top / size * 1.12)
+
+    marks = sorted(tl.phase_starts)
+    band_of_peak = ("", 0)
+    label_at = blended_transform_factory(ax.transData, ax.transAxes)
+    peak_at = total.index(peak)
+    for i, (start, phase, step) in enumerate(marks):
+        end = marks[i + 1][0] if i + 1 < len(marks) else n
+        if end <= start:
+            continue
+        ax.axvspan(start, end, color=PHASE_COLORS.get(phase, "#999999"), alpha=0.10, linewidth=0, zorder=0)
+        ax.axvline(start, color="#777777", linewidth=0.5, zorder=0.5)
+        width = (end - start) / n
+        text = f"{phase} {step}" if width > 0.1 else f"{phase[:3]} {step}" if width > 0.04 else ""
+        ax.text((start + end) / 2, 1.01, text, transform=label_at, ha="center", va="bottom", fontsize=8,
+                color=PHASE_COLORS.get(phase, "#555555"))
+        if start <= peak_at < end:
+            band_of_peak = (phase, step)
+
+    ax.axhline(peak / size, color="black", linestyle="--", linewidth=1)
+    where = f" ({band_of_peak[0]}, step {band_of_peak[1]})" if band_of_peak[0] else ""
+    ax.text(n, peak / size, f"peak {fmt_bytes(peak)}{where} ", ha="right", va="bottom", fontsize=8,
+            bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
+    if show_budget:
+        ax.axhline(budget / size, color=DOES_NOT_FIT, linewidth=1.5)
+        below = budget <= peak * 1.08  # the peak's label sits just above: put this one under its line
+        ax.text(n * 0.01, budget / size, f"budget {fmt_bytes(budget)}", color=DOES_NOT_FIT, ha="left",
+                va="top" if below else "bottom", fontsize=8, bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
+    elif budget is not None:
+        ax.text(1.02, 0.0, f"budget {fmt_bytes(budget)}:\nfar above the peak\n(off the chart)",
+                transform=ax.transAxes, color=DOES_NOT_FIT, ha="left", va="bottom", fontsize=8)
+    ax.set_xlabel("event (one tensor allocated or freed)")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.spines[["top", "right"]].set_visible(False)
+    used = [c for c in CATEGORIES if any(tl.bytes[c])]
+    _legend(ax, used[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def prediction_bar(estimate, budget: int | None = None, ax=None) -> Figure:
+    """The estimate's bytes at the peak of each phase as stacked bars, with the budget line and a verdict."""
+    phases = [p for p in PHASES if p in estimate.phases] + [p for p in estimate.phases if p not in PHASES]
+    fig, ax = _axes(ax, (7, 4), right=0.72)
+    peak = max(estimate.peak.total, 1)
+    show_budget = budget is not None and budget <= 4 * peak
+    top = max(peak, budget if show_budget else 0)
+    unit, size = pick_unit(top)
+    for x, p in enumerate(phases):
+        _stack(ax, x, estimate.phases[p], size)
+        ax.text(x, estimate.phases[p].total / size, fmt_bytes(estimate.phases[p].total), ha="center", va="bottom",
+                fontsize=8, weight="bold" if p == estimate.peak_phase else "normal")
+    ax.set_xticks(range(len(phases)), [f"{p}\n(peak)" if p == estimate.peak_phase else p for p in phases])
+    ax.set_ylim(0, top / size * 1.15)
+    ax.set_ylabel(f"predicted memory ({unit})")
+    ax.spines[["top", "right"]].set_visible(False)
+    title = f"predicted: {estimate.label}"
+    if budget is not None:
+        fits = estimate.peak.total <= budget
+        verdict = (f"fits: {fmt_bytes(estimate.peak.total)} of {fmt_bytes(budget)}" if fits
+                   else f"does not fit: {fmt_bytes(estimate.peak.total)} > {fmt_bytes(budget)} budget")
+        if show_budget:
+            ax.axhline(budget / size, color=DOES_NOT_FIT, linewidth=1.5)
+            ax.text(len(phases) - 0.6, budget / size, f"budget {fmt_bytes(budget)}", color=DOES_NOT_FIT,
+                    ha="right", va="bottom", fontsize=8)
+        else:
+            verdict += " (budget line off the chart)"
+        ax.text(0.0, 1.02, verdict, transform=ax.transAxes, fontsize=10, weight="bold",
+                color=FITS if fits else DOES_NOT_FIT)
+        ax.set_title(title, fontsize=9, pad=22)
+    else:
+        ax.set_title(title, fontsize=9)
+    _legend(ax, CATEGORIES[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def fit_table(rows, budgets, ax=None, title: str = "which models fit in which memory") -> Figure:
+    """A grid of (model name, peak bytes) rows against budgets (bytes, '16GiB', or {label: size}):
+    green cells fit, red cells do not; each cell says how much of the budget the peak needs."""
+    if isinstance(budgets, dict):
+        cols = [(str(k), parse_bytes(v)) for k, v in budgets.items()]
+    else:
+        cols = [(fmt_bytes(parse_bytes(b), 0 if parse_bytes(b) % GiB == 0 else 1), parse_bytes(b)) for b in budgets]
+    rows = [(str(name), int(peak)) for name, peak in rows]
+    width = 2.0 + 1.3 * len(cols)
+    fig, ax = _axes(ax, (width, 1.1 + 0.55 * len(rows)))
+    for i, (_, peak) in enumerate(rows):
+        for j, (_, cap) in enumerate(cols):
+            fits = peak <= cap
+            ax.add_patch(Rectangle((j, i), 1, 1, facecolor="#C8E6C9" if fits else "#FFCDD2", edgecolor="white", linewidth=2))
+            need = peak / cap
+            text = f"fits ({need:.0%})" if fits else f"no ({need:.1f}x)" if need < 100 else "no (>100x)"
+            ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=9, color=FITS if fits else DOES_NOT_FIT)
+    ax.set_xlim(0, len(cols))
+    ax.set_ylim(len(rows), 0)
+    ax.set_xticks([j + 0.5 for j in range(len(cols))], [name for name, _ in cols])
+    ax.set_yticks([i + 0.5 for i in range(len(rows))], [f"{name}\npeak {fmt_bytes(peak, 1)}" for name, peak in rows])
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    for s in ax.spines.values():
+        s.set_visible(False)
+    ax.set_title(title + "\n(cell: peak as a share of the budget)", fontsize=10, pad=28)
+    if ax.figure is fig and len(fig.axes) == 1:
+        fig.subplots_adjust(left=1.9 / width, right=0.98, top=1 - 1.0 / fig.get_figheight(), bottom=0.04)
+    return fig
+
+
+class BreakdownTable:
+    """Bytes per category (rows) at the peak of each phase (columns): prints as text, shows as HTML."""
+
+    def __init__(self, title: str, header: list[str], rows: list[list]):
+        self.title, self.header, self.rows = title, header, rows  # rows: [name, bytes, bytes, ...]
+
+    def _cells(self) -> list[list[str]]:
+        return [self.header] + [[r[0]] + [fmt_bytes(v) for v in r[1:]] for r in self.rows]
+
+    def __str__(self) -> str:
+        cells = self._cells()
+        widths = [max(len(row[j]) for row in cells) for j in range(len(self.header))]
+        lines = [self.title] if self.title else []
+        for k, row in enumerate(cells):
+            lines.append("  ".join(row[0].ljust(widths[0]) if j == 0 else v.rjust(widths[j]) for j, v in enumerate(row)))
+            if k == 0 or k == len(cells) - 2:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        cells = self._cells()
+        head = "".join(f"<th>{h}</th>" for h in cells[0])
+        body = "".join(
+            "<tr>" + "".join(f"<td style='text-align:{'left' if j == 0 else 'right'}'>{'<b>%s</b>' % v if i == len(cells) - 2 else v}</td>"
+                             for j, v in enumerate(row)) + "</tr>"
+            for i, row in enumerate(cells[1:]))
+        return f"<table><caption>{self.title}</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def breakdown_table(result) -> BreakdownTable:
+    """Bytes per category and in total for an Estimate or a Measurement (one column per phase, the
+    peak phase marked), or for a single Breakdown."""
+    if isinstance(result, Breakdown):
+        phases, title = {"bytes": result}, ""
+    else:
+        phases, title = result.phases, getattr(result, "label", "")
+    peak = None if isinstance(result, Breakdown) else result.peak_phase
+    header = ["category"] + [f"{p} (peak)" if p == peak else p for p in phases]
+    rows = [[c.value] + [b.bytes[c] for b in phases.values()] for c in CATEGORIES]
+    rows.append(["total"] + [b.total for b in phases.values()])
+    return BreakdownTable(title, header, rows)

@@ -1,0 +1,219 @@
+"""labkit.viz plots and LivePlot, on small hand-made estimates and measurements (no model, no IPython)."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+from matplotlib.collections import FillBetweenPolyCollection, PolyCollection  # noqa: E402
+from matplotlib.colors import to_hex  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+from labkit.memory.report import CATEGORIES, Breakdown, Category, Estimate, Measurement, Timeline  # noqa: E402
+from labkit.memory.units import GiB, MiB, fmt_bytes  # noqa: E402
+from labkit.viz import (  # noqa: E402
+    CATEGORY_COLORS,
+    LivePlot,
+    breakdown_table,
+    compare_bar,
+    fit_table,
+    pick_unit,
+    prediction_bar,
+    timeline,
+)
+
+
+def bd(unit=MiB, **kw) -> Breakdown:
+    return Breakdown({Category[k.upper()]: int(v * unit) for k, v in kw.items()})
+
+
+def make_estimate(unit=MiB) -> Estimate:
+    return Estimate("toy B=2 S=8 fp32 adamw", 1000, {
+        "forward": bd(unit, param=1, opt=2, act=6, temp=1),
+        "backward": bd(unit, param=1, grad=1, opt=2, act=4, temp=3),  # 11: the peak
+        "optimizer": bd(unit, param=1, grad=1, opt=2, temp=1),
+    })
+
+
+def make_measurement() -> Measurement:
+    # two steps: forward builds activations, backward trades them for gradients, optimizer adds state
+    series = {c: [] for c in CATEGORIES}
+    cur = {c: 0 for c in CATEGORIES}
+    marks = []
+
+    def event(**delta):
+        for k, v in delta.items():
+            cur[Category[k.upper()]] += int(v * MiB)
+        for c in CATEGORIES:
+            series[c].append(cur[c])
+
+    event(param=1)
+    for step in (1, 2):
+        marks.append((len(series[Category.PARAM]), "forward", step))
+        for _ in range(6):
+            event(act=1)
+        marks.append((len(series[Category.PARAM]), "backward", step))
+        event(temp=3)
+        for _ in range(6):
+            event(act=-1, grad=1 / 6)
+        event(temp=-3)
+        marks.append((len(series[Category.PARAM]), "optimizer", step))
+        event(opt=2 if step == 1 else 0)
+        event(grad=-1)
+    phases = {"forward": bd(param=1, opt=2, act=6), "backward": bd(param=1, opt=2, act=6, temp=3),
+              "optimizer": bd(param=1, opt=2, grad=1)}
+    return Measurement("toy B=2 S=8 fp32 adamw", phases, Timeline(series, marks), bd(param=1))
+
+
+def texts(fig) -> str:
+    return "\n".join(t.get_text() for ax in fig.axes for t in ax.texts + [ax.title])
+
+
+def bars(ax) -> list[Rectangle]:
+    return [p for p in ax.patches if isinstance(p, Rectangle) and p.get_height() > 0]
+
+
+# ---------------------------------------------------------------------------------------------- units
+@pytest.mark.parametrize("n, unit", [(512, "B"), (3 * 1024, "KiB"), (5 * MiB, "MiB"), (1023 * MiB, "MiB"), (2 * GiB, "GiB")])
+def test_pick_unit(n, unit):
+    assert pick_unit(n)[0] == unit
+
+
+def test_every_category_has_its_own_colour():
+    assert set(CATEGORY_COLORS) == set(CATEGORIES)
+    assert len({to_hex(c) for c in CATEGORY_COLORS.values()}) == len(CATEGORIES)
+
+
+# ------------------------------------------------------------------------------------------ compare_bar
+def test_compare_bar_stacks_one_segment_per_nonzero_category_and_prints_ratios():
+    est, meas = make_estimate(), make_measurement()
+    fig = compare_bar(est, meas)
+    ax = fig.axes[0]
+    nonzero = sum(1 for c in CATEGORIES if est.peak.bytes[c]) + sum(1 for c in CATEGORIES if meas.peak.bytes[c])
+    assert len(bars(ax)) == nonzero
+    assert ax.get_ylabel() == "memory (MiB)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["predicted\n(backward)", "measured\n(backward)"]
+    # the segments are coloured by category: activations' red is there
+    assert to_hex(CATEGORY_COLORS[Category.ACT]) in {to_hex(p.get_facecolor()) for p in bars(ax)}
+    cells = {(r, c): cell.get_text().get_text() for (r, c), cell in ax.tables[0].get_celld().items()}
+    rows = {cells[(r, 0)]: [cells[(r, c)] for c in range(1, 4)] for r in range(1, len(CATEGORIES) + 2)}
+    assert rows["activations"] == [fmt_bytes(4 * MiB), fmt_bytes(6 * MiB), "1.50"]
+    assert rows["gradients"] == [fmt_bytes(MiB), "0 B", "0.00"]
+    assert rows["buffers"][2] == "-"  # nothing predicted, nothing measured
+    assert rows["total"] == [fmt_bytes(11 * MiB), fmt_bytes(12 * MiB), f"{12 / 11:.2f}"]
+    assert f"measured / predicted = {12 / 11:.2f}" in texts(fig)
+    assert fmt_bytes(12 * MiB) in texts(fig)  # the total over the measured bar
+
+
+def test_compare_bar_picks_units_and_phases():
+    fig = compare_bar(make_estimate(GiB), make_measurement(), phase="forward")
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "memory (GiB)"
+    assert ax.get_xticklabels()[0].get_text() == "predicted\n(forward)"
+    with pytest.raises(ValueError, match="no phase 'recompute'"):
+        compare_bar(make_estimate(), make_measurement(), phase="recompute")
+
+
+def test_compare_bar_draws_into_a_given_axes():
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax = fig.add_subplot(1, 2, 1)
+    assert compare_bar(make_estimate(), make_measurement(), ax=ax) is fig
+    assert bars(ax)
+
+
+# --------------------------------------------------------------------------------------------- timeline
+def test_timeline_stacks_categories_and_names_phases_peak_and_budget():
+    meas = make_measurement()
+    fig = timeline(meas, budget=13 * MiB)
+    ax = fig.axes[0]
+    areas = [c for c in ax.collections if isinstance(c, (FillBetweenPolyCollection, PolyCollection))]
+    assert len(areas) == sum(1 for c in CATEGORIES if any(meas.timeline.bytes[c]))  # 5: no buffers
+    words = texts(fig)
+    for label in ("forward 1", "backward 1", "opt 2", "peak 12.00 MiB (backward, step 2)", "budget 13.00 MiB"):
+        assert label in words
+    lines = {(round(l.get_ydata()[0], 3), l.get_linestyle(), to_hex(l.get_color())) for l in ax.lines}
+    assert (12.0, "--", "#000000") in lines  # the peak, dashed
+    assert any(y == 13.0 and ls == "-" and c != "#000000" for y, ls, c in lines)  # the budget, solid red
+    assert ax.get_ylim()[1] > 13  # the budget is on the chart
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "parameters"
+
+
+def test_timeline_says_when_the_budget_is_off_the_chart_and_copes_with_nothing():
+    fig = timeline(make_measurement(), budget=8 * GiB, title="a toy")
+    assert "far above the peak" in texts(fig)
+    assert fig.axes[0].get_title() == "a toy"
+    assert fig.axes[0].get_ylim()[1] < 20  # MiB: the step is not squashed under an 8 GiB axis
+    empty = Measurement("empty", {"forward": Breakdown()}, Timeline({c: [] for c in CATEGORIES}, []), Breakdown())
+    assert "no allocations" in texts(timeline(empty))
+
+
+# ----------------------------------------------------------------------------------------- prediction
+def test_prediction_bar_says_whether_the_peak_fits():
+    est = make_estimate()
+    fits = prediction_bar(est, budget=16 * MiB)
+    assert "fits: 11.00 MiB of 16.00 MiB" in texts(fits)
+    assert len(bars(fits.axes[0])) == sum(1 for b in est.phases.values() for c in CATEGORIES if b.bytes[c])
+    assert "does not fit: 11.00 MiB > 10.00 MiB budget" in texts(prediction_bar(est, budget=10 * MiB))
+    assert "off the chart" in texts(prediction_bar(est, budget=GiB))
+
+
+# ------------------------------------------------------------------------------------------ fit_table
+def test_fit_table_colours_each_cell_by_whether_the_model_fits():
+    rows = [("small", 3 * GiB), ("medium", 12 * GiB), ("big", 100 * GiB)]
+    fig = fit_table(rows, {"T4": "16GiB", "laptop": 8 * GiB})
+    ax = fig.axes[0]
+    cells = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(cells) == 6
+    words = [t.get_text() for t in ax.texts]
+    assert words == ["fits (19%)", "fits (38%)", "fits (75%)", "no (1.5x)", "no (6.2x)", "no (12.5x)"]
+    greens = {to_hex(p.get_facecolor()) for p, w in zip(cells, words) if w.startswith("fits")}
+    reds = {to_hex(p.get_facecolor()) for p, w in zip(cells, words) if w.startswith("no")}
+    assert len(greens) == len(reds) == 1 and greens != reds
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["T4", "laptop"]
+    assert ax.get_yticklabels()[2].get_text() == "big\npeak 100.0 GiB"
+    assert [t.get_text() for t in fit_table(rows, [8 * GiB, "512MiB"]).axes[0].get_xticklabels()] == ["8 GiB", "512.0 MiB"]
+
+
+# ------------------------------------------------------------------------------------ breakdown_table
+def test_breakdown_table_lists_every_category_and_the_total_per_phase():
+    table = breakdown_table(make_estimate())
+    assert table.header == ["category", "forward", "backward (peak)", "optimizer"]
+    assert [r[0] for r in table.rows] == [c.value for c in CATEGORIES] + ["total"]
+    assert table.rows[-1] == ["total", 10 * MiB, 11 * MiB, 5 * MiB]
+    text = str(table)
+    assert "toy B=2 S=8 fp32 adamw" in text and "11.00 MiB" in text
+    assert text.splitlines()[-1].split() == ["total", "10.00", "MiB", "11.00", "MiB", "5.00", "MiB"]
+    assert table._repr_html_().count("<tr>") == 1 + len(CATEGORIES) + 1
+    single = breakdown_table(bd(param=2))
+    assert single.rows[0] == ["parameters", 2 * MiB] and single.rows[-1] == ["total", 2 * MiB]
+    assert breakdown_table(make_measurement()).header[2] == "backward (peak)"
+
+
+# -------------------------------------------------------------------------------------------- LivePlot
+def test_liveplot_records_every_update_but_redraws_at_most_every_interval():
+    lp = LivePlot("training", ylabel={"memory": "MiB"}, every=60)
+    assert lp.update(0, loss=3.0, memory=10) is True  # the first update draws
+    for step in range(1, 5):
+        assert lp.update(step, loss=3.0 - step / 10, memory=10 + step) is False  # held back
+    assert lp.redraws == 1
+    assert lp.data["loss"] == ([0, 1, 2, 3, 4], [3.0, 2.9, 2.8, 2.7, 2.6])
+    fig = lp.close()
+    assert fig is lp.figure and lp.redraws == 2
+    axes = fig.axes
+    assert [ax.get_ylabel() for ax in axes] == ["loss", "MiB"]
+    assert list(axes[0].lines[0].get_ydata()) == [3.0, 2.9, 2.8, 2.7, 2.6]
+    assert axes[1].get_title(loc="left") == "memory: 14 at step 4"
+    assert axes[0].get_ylim()[0] <= 2.6 and axes[0].get_ylim()[1] >= 3.0  # rescaled to the data
+
+
+def test_liveplot_without_throttle_redraws_each_time_and_grows_new_series():
+    lp = LivePlot(ylabel="MiB", every=0)
+    for step in range(3):
+        assert lp.update(step, memory=step)
+    lp.update(3, memory=3, loss=1.0)
+    assert lp.redraws == 4 and len(lp.figure.axes) == 2
+    assert lp._repr_png_().startswith(b"\x89PNG")
+    with pytest.raises(ValueError, match="at least one series"):
+        lp.update(4)

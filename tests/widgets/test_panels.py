@@ -1,0 +1,96 @@
+"""Drive MemoryPanel through its widgets: the prediction follows the controls, the button measures."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import ipywidgets as widgets  # noqa: E402
+import pytest  # noqa: E402
+
+from labkit.memory import Category  # noqa: E402
+from labkit.viz.panels import MemoryPanel  # noqa: E402
+
+
+@pytest.fixture
+def panel():
+    # small and fast whatever the device profile says
+    return MemoryPanel(model="gpt2-tiny", batch=2, seq=32, dtype="fp32", optimizer="adamw", budget_gib=1.0)
+
+
+def test_panel_exposes_its_controls_and_a_box():
+    p = MemoryPanel(model="gpt2-tiny")
+    for name, kind in (("model", widgets.Dropdown), ("batch", widgets.IntSlider), ("seq", widgets.IntSlider),
+                       ("dtype", widgets.Dropdown), ("optimizer", widgets.Dropdown),
+                       ("budget", widgets.FloatLogSlider), ("button", widgets.Button), ("output", widgets.Output)):
+        assert isinstance(getattr(p, name), kind), name
+    assert isinstance(p.widget, widgets.VBox) and callable(p._ipython_display_)
+    assert {"gpt2-tiny", "gpt2-xl", "llama2-70b"} <= set(p.model.options)
+    assert p.seq.value <= 128  # the default sequence suits gpt2-tiny's 128 positions
+    assert p.last_estimate is not None and p.last_result is None  # predicted at once, measured on demand
+    q = MemoryPanel(model="llama-tiny", batch=3, seq=48, dtype="bf16", optimizer="sgd", budget_gib=0.5)
+    assert [w.value for w in (q.model, q.batch, q.seq, q.dtype, q.optimizer, q.budget)] == ["llama-tiny", 3, 48, "bf16", "sgd", 0.5]
+    assert q.last_estimate.label == "llama-tiny B=3 S=48 bf16 sgd"
+
+
+def test_prediction_redraws_when_any_control_changes(panel):
+    est, png = panel.last_estimate, bytes(panel.prediction.value)
+    assert png.startswith(b"\x89PNG")
+    panel.batch.value = 8
+    assert panel.last_estimate.peak[Category.ACT] > 3 * est.peak[Category.ACT]  # activations grow with B
+    assert bytes(panel.prediction.value) != png
+    panel.optimizer.value = "sgd"
+    assert panel.last_estimate.peak[Category.OPT] == 0
+    params_fp32 = panel.last_estimate.peak[Category.PARAM]
+    panel.dtype.value = "bf16"
+    assert panel.last_estimate.peak[Category.PARAM] == params_fp32 // 2
+    assert "bf16" in panel.last_estimate.label and "sgd" in panel.last_estimate.label
+
+
+def test_budget_changes_the_verdict_not_the_estimate(panel):
+    est = panel.last_estimate
+    assert "fits in 1.00 GiB" in panel.verdict.value and not panel.button.disabled
+    panel.budget.value = 2**-10  # 1 MiB
+    assert panel.last_estimate.peak.total == est.peak.total
+    assert "does not fit in 1.00 MiB" in panel.verdict.value
+    assert not panel.button.disabled  # measuring it is allowed: the learner sees the out-of-memory
+
+
+def test_big_models_are_predicted_but_not_offered_for_measurement(panel):
+    panel.model.value = "gpt2-xl"
+    assert panel.last_estimate.n_params > 1_500_000_000
+    assert panel.button.disabled and "too big to measure here" in panel.verdict.value
+    panel.button.click()  # even a forced click does not start a 1.5B-parameter step
+    assert panel.last_result is None
+    panel.model.value = "gpt2-tiny"
+    assert not panel.button.disabled
+
+
+def test_a_sequence_longer_than_the_model_is_explained_not_raised(panel):
+    panel.seq.value = 1024
+    assert panel.last_estimate is None
+    assert "no prediction" in panel.verdict.value and "128 positions" in panel.verdict.value
+    assert panel.button.disabled
+
+
+def test_measure_with_a_generous_budget_draws_predicted_vs_measured(panel):
+    panel.button.click()
+    result = panel.last_result
+    assert panel.last_error is None, panel.last_error
+    assert result.fits and result.measurement is not None
+    assert "fits" in panel.message.value and "does not" not in panel.message.value
+    assert 0.7 < result.measurement.peak.total / panel.last_estimate.peak.total < 1.5
+    fig = panel.last_figure
+    assert fig is not None and len(fig.axes) == 2  # compare_bar and timeline
+    assert not panel.button.disabled  # ready for the next run
+
+
+def test_measure_with_a_tiny_budget_reports_out_of_memory_and_carries_on(panel):
+    panel.budget.value = 2**-10  # 1 MiB: less than the model and its optimizer state
+    panel.button.click()
+    assert panel.last_error is None, panel.last_error
+    assert panel.last_result.fits is False and panel.last_result.measurement is None
+    assert panel.message.value.count("does not fit") == 1 and "1.00 MiB budget" in panel.message.value
+    assert panel.last_figure is None
+    panel.budget.value = 1.0  # the kernel lives on: the same panel measures again
+    panel.button.click()
+    assert panel.last_result.fits and panel.last_figure is not None
