@@ -90,8 +90,6 @@ def get_config(name_or_path: str, **overrides: Any) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(name)
     else:
         config = _hub_config(name)
-    if getattr(config, "loss_type", None) is None and config.model_type in ("gpt2", "llama"):
-        config.loss_type = "ForCausalLM"  # what transformers would pick, without its warning each build
     for key, value in overrides.items():
         if key == "attn_implementation":  # kept privately by transformers
             config._attn_implementation = value
@@ -136,6 +134,8 @@ def build(
     config.use_cache = False
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    if getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"  # what transformers falls back to, minus its warning
     return model.train()
 
 
