@@ -135,15 +135,16 @@ def _phases(spec, prec, B, S, dtype, optimizer, device, foreach) -> Estimate:
     # MLP backward: the gradient into the activation and out of it are both alive while the
     # activation's own output is already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops)
     # B*S*ffn tensors, plus one weight gradient in the compute dtype.
-    tau = (1 if spec.family == "labkit-gpt" else 2) * r * spec.ffn * mm + spec.ffn * h * mm
+    tau = (1 if spec.family == "labkit-gpt" else 2) * r * spec.ffn * mm
+    tau_grad = spec.ffn * h * mm  # that projection's weight gradient, made before it is accumulated
     start = bd(P + C, 0, O, A, 2 * lsm)
     head = bd(P + C, V * h * (4 if prec.autocast else gb), O, A - lsm,
               r * V * mm + r * h * mm + (V * h * mm if prec.autocast else 0))
     bounds = []
     for i in (L - 1, 0):
         act = A - (w.saved_bytes - marks[-1]) - (L - 1 - i) * layer_A
-        bounds.append(bd(P + C - C_head - (L - 1 - i) * C_layer, G_head + (L - 1 - i) * spec.layer_params * gb,
-                         O, act, stream + tau))
+        bounds.append(bd(P + C - C_head - (L - 1 - i) * C_layer,
+                         G_head + (L - 1 - i) * spec.layer_params * gb + tau_grad, O, act, stream + tau))
     emb_temp = 2 * V * h * gb if spec.tied else 0  # tied: the dense embedding gradient and the sum
     end = bd(P, G, O, input_bytes(B, S), stream + emb_temp)
     bwd = max([start, head, *bounds, end], key=lambda b: b.total)

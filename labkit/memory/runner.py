@@ -120,6 +120,7 @@ def cuda_limit(budget: int | None, device=None):
         yield
         return
     dev = torch.device(device or "cuda")
+    torch.cuda.empty_cache()  # cached blocks from earlier work would otherwise dodge the limit
     total = torch.cuda.get_device_properties(dev).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), dev)
     try:

@@ -1,0 +1,57 @@
+"""Automatic checks for the notebooks' exercises: each prints ✅ or ❌ with what to look at, and returns True/False.
+
+A check never raises on a wrong or missing answer, so a notebook with unanswered exercises still runs
+to the end. Expected values are always computed from the library (labkit.memory), never typed in.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+PLACEHOLDERS = (None, Ellipsis)  # what an answer cell holds before the learner fills it in
+
+
+def unanswered(answer) -> bool:
+    """True for the placeholders an answer cell starts with: None or `...`."""
+    return any(answer is p for p in PLACEHOLDERS)
+
+
+def passed(message: str) -> bool:
+    print(f"✅ {message}")
+    return True
+
+
+def failed(message: str) -> bool:
+    print(f"❌ {message}")
+    return False
+
+
+def not_answered(name: str) -> bool:
+    return failed(f"{name}: not answered yet (replace None with your answer and run the cell again)")
+
+
+def number(answer, name: str) -> float | None:
+    """The answer as a float, or None after printing why it is not a usable number."""
+    if unanswered(answer):
+        not_answered(name)
+        return None
+    if isinstance(answer, bool) or not isinstance(answer, numbers.Real):
+        failed(f"{name}: expected a number, got {type(answer).__name__} {answer!r}")
+        return None
+    return float(answer)
+
+
+def integer(answer, name: str) -> int | None:
+    """The answer as an int (a float like 12.0 is accepted), or None after printing why not."""
+    value = number(answer, name)
+    if value is None:
+        return None
+    if value != int(value):
+        failed(f"{name}: expected a whole number, got {answer!r}")
+        return None
+    return int(value)
+
+
+def close(answer: float, expected: float, rel: float = 0.0, abs_: float = 0.0) -> bool:
+    """|answer - expected| within abs_ or within rel of expected."""
+    return abs(answer - expected) <= max(abs_, rel * abs(expected))

@@ -1,0 +1,152 @@
+"""Checks for lesson 01 (memory accounting): bytes per parameter, the logits term, the largest batch that fits.
+
+Every expected value comes from labkit.memory (the estimator and its term functions), so a check
+agrees with the lesson's own predictions by construction.
+"""
+
+from __future__ import annotations
+
+from labkit.memory import GiB, MiB, fmt_bytes
+from labkit.memory.estimate import (
+    Precision,
+    autocast_copy_bytes,
+    estimate,
+    grad_bytes,
+    optimizer_state_bytes,
+    param_bytes,
+)
+from labkit.memory.spec import spec_from
+
+from . import close, failed, integer, number, passed
+
+LOGITS_TERM = "log-softmax of the logits"  # the estimator's name for the B x S x V term
+STATES = {"sgd": "no state", "sgd-momentum": "one momentum buffer", "adam": "two moments, m and v",
+          "adamw": "two moments, m and v"}  # what each optimizer keeps per parameter
+
+
+# ---- exercise 1: bytes per parameter -----------------------------------------------------------
+def model_state_bytes_per_param(model="gpt2", dtype: str = "fp32", optimizer: str = "adamw") -> float:
+    """(weights + autocast copies + gradients + optimizer state) / N, from the estimator's term functions."""
+    spec, prec = spec_from(model), Precision.of(dtype)
+    total = (param_bytes(spec, prec) + autocast_copy_bytes(spec, prec) + grad_bytes(spec, prec)
+             + optimizer_state_bytes(spec, prec, optimizer))
+    return total / spec.n_params
+
+
+def check_bytes_per_param(fp32, mixed, model="gpt2", optimizer: str = "adamw", mixed_dtype: str = "mixed-bf16") -> bool:
+    """Bytes of model states per parameter: plain fp32 training, and torch.autocast mixed precision."""
+    spec = spec_from(model)
+    per = lambda b: b / spec.n_params  # noqa: E731
+    ok_fp32 = _check_fp32(fp32, model_state_bytes_per_param(spec, "fp32", optimizer), spec, optimizer, per)
+    ok_mixed = _check_mixed(mixed, model_state_bytes_per_param(spec, mixed_dtype, optimizer), spec, optimizer,
+                            mixed_dtype, per)
+    return ok_fp32 and ok_mixed
+
+
+def _check_fp32(answer, expected, spec, optimizer, per) -> bool:
+    name = "fp32 bytes per parameter"
+    value = number(answer, name)
+    if value is None:
+        return False
+    if close(value, expected, abs_=0.1):
+        return passed(f"{name}: {value:g}. The weight, its gradient and {optimizer}'s {STATES[optimizer]}, "
+                      "all in fp32.")
+    fp32 = Precision.of("fp32")
+    if close(value, expected * spec.n_params, rel=0.01):
+        return failed(f"{name}: that is the total for the whole model; divide by the number of parameters.")
+    if close(value, expected - per(grad_bytes(spec, fp32)), abs_=0.1):
+        return failed(f"{name}: the gradients are missing: backward leaves one gradient per parameter, "
+                      "in the parameter's dtype.")
+    if close(value, per(param_bytes(spec, fp32) + grad_bytes(spec, fp32)), abs_=0.1):
+        return failed(f"{name}: the optimizer state is missing: {optimizer} keeps {STATES[optimizer]} for "
+                      "every parameter.")
+    return failed(f"{name}: count, per parameter, the fp32 weight + its fp32 gradient + {optimizer}'s "
+                  f"{STATES[optimizer]} (fp32, like the weight). An fp32 number takes 4 bytes.")
+
+
+def _check_mixed(answer, expected, spec, optimizer, mixed_dtype, per) -> bool:
+    name = f"{mixed_dtype} bytes per parameter"
+    value = number(answer, name)
+    if value is None:
+        return False
+    fp32, half = Precision.of("fp32"), Precision.of("bf16")
+    every_weight_copied = expected + per(param_bytes(spec, half) - autocast_copy_bytes(spec, Precision.of(mixed_dtype)))
+    if expected - 0.1 <= value <= every_weight_copied + 0.1:  # 18 counts a copy of every weight: accepted
+        return passed(f"{name}: {value:g}. Exactly, it is {expected:.2f} for this model: autocast makes a 16-bit "
+                      "copy only of the weights that enter a matmul (not of the norms, nor of the embedding lookup).")
+    playbook = per(param_bytes(spec, half) + grad_bytes(spec, half) + param_bytes(spec, fp32)
+                   + optimizer_state_bytes(spec, fp32, optimizer))
+    with_half_grads = expected + per(grad_bytes(spec, half))
+    if close(value, playbook, abs_=0.1):
+        return failed(f"{name}: that count forgets the fp32 gradients, as the Ultra-Scale Playbook's 16 does "
+                      "(discussion #104). With torch.autocast the model's own weights are the fp32 master "
+                      "copy, and their .grad is fp32 too.")
+    if close(value, with_half_grads, abs_=0.1):
+        return failed(f"{name}: torch.autocast keeps no 16-bit gradient copy: backward writes the gradients "
+                      "straight into the fp32 weights' .grad. (Frameworks that keep one too reach 20 with Adam.)")
+    if close(value, expected * spec.n_params, rel=0.01):
+        return failed(f"{name}: that is the total for the whole model; divide by the number of parameters.")
+    return failed(f"{name}: count, per parameter, the fp32 weight (the master copy is the model itself) + "
+                  "autocast's 16-bit copy of it + its gradient (in the weight's dtype, fp32) + "
+                  f"{optimizer}'s {STATES[optimizer]} (fp32). fp32 takes 4 bytes, bf16/fp16 take 2.")
+
+
+# ---- exercise 2: the logits term ---------------------------------------------------------------
+def logits_term_bytes(model="gpt2", batch: int = 8, seq: int = 1024, dtype: str = "fp32") -> int:
+    """The estimator's bytes for the log-softmax of the logits that the loss saves for backward."""
+    est = estimate(model, batch, seq, dtype)
+    return next(t.bytes for t in est.terms if t.name == LOGITS_TERM)
+
+
+def check_logits_bytes(answer, model="gpt2", batch: int = 8, seq: int = 1024, dtype: str = "fp32") -> bool:
+    """Bytes of the log-softmax of the logits, saved for backward: B x S x V x 4 when the loss runs in fp32."""
+    name = f"log-softmax bytes at batch {batch}, seq {seq}"
+    value = number(answer, name)
+    if value is None:
+        return False
+    spec = spec_from(model)
+    expected = logits_term_bytes(spec, batch, seq, dtype)
+    if close(value, expected, rel=1e-6):
+        return passed(f"{name}: {fmt_bytes(expected)}. One fp32 number per token per vocabulary entry: "
+                      "with a big vocabulary this one tensor can outweigh a whole transformer block.")
+    for unit, size in (("GiB", GiB), ("MiB", MiB)):
+        if close(value * size, expected, rel=0.01):
+            return failed(f"{name}: that looks like {unit}; give the answer in bytes.")
+    tokens = batch * seq
+    if close(value, tokens * spec.vocab, rel=1e-6):
+        return failed(f"{name}: you counted elements, not bytes: each one is an fp32 number.")
+    if close(value, tokens * spec.hidden * 4, rel=1e-6):
+        return failed(f"{name}: that is the size of the hidden state (B x S x h); the logits have one entry "
+                      f"per token per vocabulary word (V = {spec.vocab:,}).")
+    return failed(f"{name}: the loss keeps its log-softmax for backward: batch x seq x vocab elements, "
+                  f"4 bytes each (V = {spec.vocab:,} for this model).")
+
+
+# ---- exercise 3: the largest batch that fits ---------------------------------------------------
+def predicted_peak(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = "adamw",
+                   device: str = "cpu") -> int:
+    """The estimator's peak bytes of one training step (the largest phase, not the sum of phases)."""
+    return estimate(model, batch, seq, dtype, optimizer, device=device).peak.total
+
+
+def check_largest_batch(answer, model, seq: int, budget: int, dtype: str = "fp32", optimizer: str = "adamw",
+                        device: str = "cpu") -> bool:
+    """The largest batch whose predicted peak fits `budget` bytes: batch fits and batch + 1 does not."""
+    name = f"largest batch in {fmt_bytes(budget)}"
+    b = integer(answer, name)
+    if b is None:
+        return False
+    if b < 0:
+        return failed(f"{name}: a batch cannot be negative.")
+    spec = spec_from(model)
+    peak = lambda n: predicted_peak(spec, n, seq, dtype, optimizer, device)  # noqa: E731
+    if b > 0 and peak(b) > budget:
+        return failed(f"{name}: batch {b} does not fit: its predicted peak is {fmt_bytes(peak(b))}. "
+                      "Look for a smaller batch (estimate(...).peak.total must stay <= the budget).")
+    nxt = peak(b + 1)
+    if nxt <= budget:
+        return failed(f"{name}: batch {b + 1} fits too (predicted peak {fmt_bytes(nxt)}): look for a larger one.")
+    if b == 0:
+        return passed(f"{name}: not even batch 1 fits (predicted peak {fmt_bytes(nxt)}): the model states alone "
+                      "are too much. Lessons 02-08 are about exactly this.")
+    return passed(f"{name}: batch {b} (peak {fmt_bytes(peak(b))}); batch {b + 1} would need {fmt_bytes(nxt)}.")

@@ -1,0 +1,56 @@
+"""Reference solutions for lesson 01's exercises (tests/unit/test_exercises.py checks each one)."""
+
+from labkit.memory import estimate
+
+
+# ---- exercise 1: bytes of model states per parameter ----------------------------------------------
+def bytes_per_param(optimizer_states: int, mixed: bool) -> int:
+    """fp32 weight 4 (under autocast it is the master copy) + autocast's 16-bit copy 2 (mixed only)
+    + fp32 gradient 4 (gradients take the weights' dtype) + 4 per fp32 optimizer state."""
+    return 4 + (2 if mixed else 0) + 4 + 4 * optimizer_states
+
+
+# The notebook asks for SGD with momentum: one state (the momentum buffer) per parameter.
+BYTES_PER_PARAM_FP32 = bytes_per_param(1, mixed=False)  # 4 + 4 + 4 = 12
+BYTES_PER_PARAM_MIXED = bytes_per_param(1, mixed=True)  # 4 + 2 + 4 + 4 = 14
+# AdamW (two states, m and v), the lesson's table: 16 and the HF docs' 18. Exactly, a little less
+# than 18: embeddings and norms never enter a matmul, so autocast makes no 16-bit copy of them.
+ADAMW_BYTES_PER_PARAM_FP32 = bytes_per_param(2, mixed=False)  # 16
+ADAMW_BYTES_PER_PARAM_MIXED = bytes_per_param(2, mixed=True)  # 18
+
+
+# ---- exercise 2: the logits term ------------------------------------------------------------------
+def logsoftmax_bytes(batch: int, seq: int, vocab: int) -> int:
+    """The loss saves log_softmax(logits) for backward: one fp32 number per token per vocabulary entry."""
+    return batch * seq * vocab * 4
+
+
+# The notebook asks for Llama 3.2 1B (V = 128,256) at batch 4 and seq 4096: 7.8 GiB for one tensor
+LOGSOFTMAX_BYTES = logsoftmax_bytes(4, 4096, 128256)
+
+
+# ---- exercise 3: the largest batch that fits --------------------------------------------------------
+def largest_batch(model, seq: int, budget: int, dtype: str = "fp32", optimizer: str = "adamw",
+                  device: str = "cpu") -> int:
+    """The largest batch whose predicted peak fits the budget (0 if not even batch 1 does).
+
+    The peak grows with the batch, so double until it no longer fits, then bisect.
+    """
+    def fits(b: int) -> bool:
+        return estimate(model, b, seq, dtype, optimizer, device=device).peak.total <= budget
+
+    if not fits(1):
+        return 0
+    hi = 2
+    while fits(hi):
+        hi *= 2
+    lo = hi // 2  # fits(lo) and not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# The notebook asks for MODEL (gpt2 unless changed) at seq 1024 in 16 GiB, fp32 AdamW:
+#     largest_batch(MODEL, 1024, 16 * GiB, device=KIND)
+# (KIND is "cpu" or "cuda": the kernels differ, for instance in what attention keeps for backward.)
