@@ -18,17 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .report import CATEGORIES, PHASES, Breakdown, Category, Measurement, Timeline
+from .budget import SimulatedOutOfMemoryError, describe_breakdown
 from .units import fmt_bytes
 
 _CAST_OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
-
-
-class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
-    """Raised by a ledger with a budget, where a device with that much memory would have failed."""
-
-    def __init__(self, message: str, requested: int, budget: int, live: Breakdown):
-        super().__init__(message)
-        self.requested, self.budget, self.live = requested, budget, live
 
 
 @dataclass
@@ -255,7 +248,7 @@ class Ledger(TorchDispatchMode):
             raise SimulatedOutOfMemoryError(
                 f"out of memory (simulated): {func} tried to allocate {fmt_bytes(requested)} in the "
                 f"{self._phase} pass of step {self._step} with {fmt_bytes(live.total)} of the "
-                f"{fmt_bytes(self.budget)} budget in use ({_describe(live)})",
+                f"{fmt_bytes(self.budget)} budget in use ({describe_breakdown(live)})",
                 requested, self.budget, live,
             )
         # A cast of a parameter (autocast's 16-bit weight copy) counts as parameter memory.
@@ -330,8 +323,3 @@ def _freed(ledger_ref, key: int, sid: int) -> None:
     ledger = ledger_ref()
     if ledger is not None:
         ledger._on_free(key, sid)
-
-
-def _describe(b: Breakdown) -> str:
-    parts = [f"{c.value} {fmt_bytes(b.bytes[c])}" for c in sorted(CATEGORIES, key=lambda c: -b.bytes[c]) if b.bytes[c]]
-    return ", ".join(parts) or "nothing"

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import traceback
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from tqdm.auto import tqdm
 
 from .estimate import DTYPES, OPTIMIZERS, Precision
-from .ledger import Ledger, SimulatedOutOfMemoryError, _describe
+from .budget import cuda_limit
+from .ledger import Ledger
 from .report import Measurement
-from .units import fmt_bytes
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "mixed-fp16": torch.float16, "mixed-bf16": torch.bfloat16}
 
@@ -111,65 +105,3 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
             train_step(m, opt, x, y, dtype)
             del x, y
     return led.measurement()
-
-
-@contextlib.contextmanager
-def cuda_limit(budget: int | None, device=None):
-    """Cap this process's CUDA memory at `budget` bytes (set_per_process_memory_fraction), then lift it."""
-    if budget is None:
-        yield
-        return
-    dev = torch.device(device or "cuda")
-    torch.cuda.empty_cache()  # cached blocks from earlier work would otherwise dodge the limit
-    total = torch.cuda.get_device_properties(dev).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), dev)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, dev)
-
-
-@dataclass
-class BudgetResult:
-    """The outcome of an experiment run against a memory budget."""
-
-    fits: bool
-    message: str  # "fits: 1.20 GiB of 8.00 GiB" or "does not fit: ..."
-    peak: int  # bytes: measured peak if it ran, else the bytes in use plus the failed request
-    measurement: Measurement | None = None
-    value: object = None  # what fn returned, when it was not a Measurement
-
-
-def run_within_budget(fn: Callable[[], object], budget: int) -> BudgetResult:
-    """Run fn (which should measure under `budget`); an out-of-memory becomes a result.
-
-    Memory returns to its baseline afterwards: the error's frames are cleared, garbage is collected
-    and, on CUDA, the allocator's cache is emptied, so the notebook goes on.
-    """
-    if budget is None or budget <= 0:
-        raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
-    try:
-        out = fn()
-    except SimulatedOutOfMemoryError as e:
-        need = e.live.total + e.requested
-        msg = (f"does not fit: {fmt_bytes(need)} > {fmt_bytes(e.budget)} budget; "
-               f"{_describe(e.live)} in use when {fmt_bytes(e.requested)} more was asked for")
-        result = BudgetResult(False, msg, need)
-        _release(e)
-        return result
-    except torch.OutOfMemoryError as e:  # a real device's allocator said no
-        result = BudgetResult(False, f"does not fit (device out of memory): {str(e).splitlines()[0]}", budget)
-        _release(e)
-        return result
-    meas = out if isinstance(out, Measurement) else None
-    peak = meas.peak.total if meas else 0
-    msg = f"fits: peak {fmt_bytes(peak)} of {fmt_bytes(budget)} budget" if meas else "fits"
-    return BudgetResult(True, msg, peak, meas, None if meas else out)
-
-
-def _release(e: BaseException) -> None:
-    traceback.clear_frames(e.__traceback__)
-    e.__traceback__ = None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
