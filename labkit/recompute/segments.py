@@ -1,0 +1,148 @@
+"""Checkpoint a GPT's blocks in k segments (none, every block, sqrt(n), or selective), reversibly.
+
+With k segments of an n-block model, each checkpointed segment keeps only its input until backward
+(k x B x T x C x bytes) and, while it is recomputed, holds one segment's activations again
+(about n/k blocks' worth). Chen et al. 2016: k + n/k is smallest at k = sqrt(n) when a block's
+activations cost as much as its input; in a transformer block they cost ~16-34 times more, so the
+memory is smallest at k = n (`best_segments`). Every checkpointed segment costs one extra forward.
+
+`checkpoint_blocks(model, policy)` replaces the blocks' `forward` by instance attributes: a
+segment's first block runs the whole segment inside one checkpoint, the others pass their input
+through. `.remove()` (or leaving the `with` block) deletes those attributes; the model's modules,
+parameters and state_dict never change.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from functools import partial
+
+import torch
+
+from .checkpoint import checkpoint, checkpoint_reentrant
+from .measure import StepFigures, forward_flops, measure_training_step
+from .selective import SelectivePolicy, selective_contexts
+
+POLICIES = ("none", "full", "sqrt", "selective")
+STYLES = ("hooks", "reentrant")
+
+
+def segment_bounds(n_blocks: int, segments: int) -> list[tuple[int, int]]:
+    """[start, end) of k segments as even as possible (sizes differ by at most one)."""
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= n_blocks:
+        raise ValueError(f"segments must be an integer from 1 to the number of blocks ({n_blocks}), got {segments!r}")
+    return [(i * n_blocks // segments, (i + 1) * n_blocks // segments) for i in range(segments)]
+
+
+def sqrt_segments(n_blocks: int) -> int:
+    """Chen et al.'s choice: k = round(sqrt(n)) segments."""
+    return max(1, round(math.sqrt(n_blocks)))
+
+
+def best_segments(n_blocks: int, block_bytes: int, input_bytes: int) -> int:
+    """The k minimising k x input + ceil(n/k) x block: saved segment inputs + one recomputed segment."""
+    return min(range(1, n_blocks + 1), key=lambda k: k * input_bytes + math.ceil(n_blocks / k) * block_bytes)
+
+
+def _passthrough(x, *args, **kwargs):
+    return x  # a block whose work its segment's first block does
+
+
+class checkpoint_blocks:
+    """Checkpoint `model.blocks` until `.remove()`; usable as `with checkpoint_blocks(model, "sqrt"): ...`.
+
+    policy: "none" (no change), "full" (k segments, default k = n: every block), "sqrt" (k = round(sqrt(n))),
+        "selective" (k segments, default n, keeping the outputs of `selective`'s ops).
+    segments: k, for "full" and "selective". selective: "matmuls", "attention-core" or a set of aten ops.
+    style: "hooks" (non-reentrant, default) or "reentrant" (not with "selective").
+    keep_last: leave the last segment unchecked, as torch.utils.checkpoint.checkpoint_sequential does
+        (its activations are needed first in backward; this saves one segment's recompute).
+    """
+
+    def __init__(self, model, policy: str = "full", segments: int | None = None, *, selective="matmuls",
+                 style: str = "hooks", keep_last: bool = False):
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+            raise ValueError("model: expected a model with a non-empty `.blocks` ModuleList (labkit's GPT)")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: unknown checkpoint policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if style not in STYLES:
+            raise ValueError(f"style: unknown checkpoint style {style!r}; choose one of {', '.join(STYLES)}")
+        if policy == "selective" and style != "hooks":
+            raise ValueError("style: selective checkpointing needs the non-reentrant style ('hooks')")
+        if policy in ("none", "sqrt") and segments is not None:
+            raise ValueError(f"segments: policy {policy!r} sets the segment count itself; use policy='full', segments=k")
+        if any("forward" in b.__dict__ for b in blocks):
+            raise ValueError("model: its blocks are already checkpointed; remove() the other handle first")
+        n = len(blocks)
+        k = sqrt_segments(n) if policy == "sqrt" else n if segments is None else segments
+        self.model, self.policy, self.style = model, policy, style
+        self.bounds = [] if policy == "none" else segment_bounds(n, k)
+        self.selective = SelectivePolicy.of(selective) if policy == "selective" else None
+        for s, e in self.bounds[:-1] if keep_last else self.bounds:
+            forwards = [b.forward for b in blocks[s:e]]  # the class's forward, bound to each block
+            blocks[s].forward = partial(self._run_checkpointed, forwards)
+            for b in blocks[s + 1:e]:
+                b.forward = _passthrough
+
+    @staticmethod
+    def _run_segment(forwards, x):
+        for f in forwards:
+            x = f(x)  # (B, T, C) -> (B, T, C)
+        return x
+
+    def _run_checkpointed(self, forwards, x):
+        run = partial(self._run_segment, forwards)
+        if self.style == "reentrant":
+            return checkpoint_reentrant(run, x)
+        if self.selective is not None:
+            return checkpoint(run, x, context_fn=partial(selective_contexts, self.selective))
+        return checkpoint(run, x)
+
+    @property
+    def segments(self) -> int:
+        return len(self.bounds)
+
+    def remove(self) -> None:
+        """Give the blocks back their own forward."""
+        for b in self.model.blocks:
+            b.__dict__.pop("forward", None)
+        self.bounds = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+def blocks_forward_flops(model, x: torch.Tensor) -> int:
+    """FLOPs of one forward of all of the model's blocks (FlopCounterMode), at the embeddings' output."""
+    with torch.no_grad():
+        h = model.wte(x) + model.wpe(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
+
+    def run():
+        out = h
+        for b in model.blocks:
+            out = b(out)
+
+    return forward_flops(run)
+
+
+def activation_flops_report(model, x: torch.Tensor, y: torch.Tensor, ks=None, *, style: str = "hooks",
+                            selective="matmuls", optimizer: str = "sgd") -> list[StepFigures]:
+    """One measured training step per setting: no checkpointing (row 0), then k = 1..n segments (or
+    `ks`), then sqrt(n) and selective. Each row (`StepFigures`): ACT saved when backward starts, ACT and
+    the total at the backward peak, and the step's FLOPs (`row.extra_flops(rows[0])` is the recompute).
+    `labkit.recompute.measure.format_report(rows)` prints them with ratios."""
+    n = len(model.blocks)
+    ks = list(range(1, n + 1)) if ks is None else list(ks)
+    settings = [("none", None, "none")] + [(f"full k={k}", k, "full") for k in ks]
+    settings += [(f"sqrt k={sqrt_segments(n)}", None, "sqrt"), (f"selective {SelectivePolicy.of(selective).name}", None, "selective")]
+    rows = []
+    for label, k, policy in settings:
+        setup = partial(checkpoint_blocks, policy=policy, segments=k, style=style if policy != "selective" else "hooks",
+                        selective=selective)
+        rows.append(measure_training_step(copy.deepcopy(model), x, y, label, setup, optimizer, copy_model=False))
+    return rows
