@@ -1,0 +1,208 @@
+"""8-bit Adam and AdamW: m and v kept as 1-byte dynamic-map codes plus one fp32 absmax per 256 values.
+
+Every step dequantizes m and v to fp32, does the ordinary Adam update, and quantizes them back
+(bitsandbytes' blockwise "static 8-bit" optimizer, techniques.md section 1):
+
+    m = qmap_signed[m_codes] * m_absmax[block];  v = qmap_unsigned[v_codes] * v_absmax[block]
+    m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g
+    p *= 1 - lr*wd                                  # decoupled, for Adam8bit and AdamW8bit alike
+    p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+    absmax = max|m| per block;  m_codes = nearest code to m/absmax      (the same for v)
+
+Tensors with fewer than `min_8bit_size` (4096) elements keep fp32 m and v, as bitsandbytes does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from labkit.quant.dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
+
+from .base import KeepStateDtypes, check_betas, check_int, check_number
+
+BLOCKSIZE = 256  # values per absmax block (bitsandbytes >= 0.44; 2048 in the paper)
+MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 state
+
+
+def state_bytes_for(shape, blocksize: int = BLOCKSIZE, min_8bit_size: int = MIN_8BIT_SIZE) -> int:
+    """State bytes of one parameter tensor: 8 per element below min_8bit_size (fp32 m and v), else
+    2 per element (uint8 m and v codes) + 8 per block of `blocksize` (fp32 absmax of m and of v)."""
+    n = math.prod(shape)
+    if n < min_8bit_size:
+        return 8 * n
+    return 2 * n + 8 * math.ceil(n / blocksize)
+
+
+# ---- the teaching version: the whole tensor at once, with labkit.quant ------------------------------
+@torch.no_grad()
+def adam8bit_update_naive(p: torch.Tensor, g: torch.Tensor, state: dict, step: int, lr: float = 1e-3,
+                          betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                          blocksize: int = BLOCKSIZE) -> None:
+    """One 8-bit Adam step on p (fp32) in place; state holds m_codes, m_absmax, v_codes, v_absmax.
+
+    Readable, not frugal: m and v are dequantized whole, so the step briefly holds about 5 fp32
+    copies of p (m, v, sqrt(v), the quantizer's normalized copy and its int64 indices).
+    """
+    b1, b2 = betas
+    qm, qv = dynamic_map(signed=True), dynamic_map(signed=False)
+    m = dequantize_blockwise(state["m_codes"], state["m_absmax"], qm, blocksize)  # fp32, p.shape
+    v = dequantize_blockwise(state["v_codes"], state["v_absmax"], qv, blocksize)
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    c1, c2 = 1 - b1**step, math.sqrt(1 - b2**step)  # bias corrections
+    if weight_decay > 0:
+        p.mul_(1 - lr * weight_decay)
+    p.addcdiv_(m, (v.sqrt() / c2).add_(eps), value=-lr / c1)
+    for name, x, q in (("m", m, qm), ("v", v, qv)):
+        codes, absmax = quantize_blockwise(x, q, blocksize)
+        state[f"{name}_codes"].copy_(codes)
+        state[f"{name}_absmax"].copy_(absmax)
+
+
+# ---- the real one: a torch.optim.Optimizer that works through each tensor a chunk at a time -------
+class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
+    """8-bit Adam with bitsandbytes' semantics (parity with `bitsandbytes.optim.Adam8bit`).
+
+    Weight decay is decoupled here, `p *= 1 - lr*wd`, exactly as in bitsandbytes, where Adam8bit and
+    AdamW8bit run the same kernel and differ only in the default weight_decay (0 vs 1e-2): so
+    `Adam8bit(weight_decay=x)` is NOT the L2 term that torch.optim.Adam adds to the gradient.
+
+    blocksize: values per absmax block; min_8bit_size: tensors with fewer elements keep fp32 m, v.
+    chunk_size: elements dequantized at a time (a multiple of blocksize); it bounds the step's
+        temporaries at about 16 bytes x chunk_size and does not change the result.
+
+    State per parameter: "step" (a Python int), and either "m_codes", "v_codes" (uint8, p's shape)
+    with "m_absmax", "v_absmax" (fp32, one per block), or fp32 "m", "v" for small tensors.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, blocksize: int = BLOCKSIZE, min_8bit_size: int = MIN_8BIT_SIZE,
+                 chunk_size: int = 1 << 20):
+        defaults = dict(lr=check_number("lr", lr), betas=check_betas(betas), eps=check_number("eps", eps),
+                        weight_decay=check_number("weight_decay", weight_decay),
+                        blocksize=check_int("blocksize", blocksize),
+                        min_8bit_size=check_int("min_8bit_size", min_8bit_size, low=0))
+        self.chunk_size = check_int("chunk_size", chunk_size, multiple_of=blocksize)
+        super().__init__(params, defaults)
+        self._maps: dict = {}  # (signed, device) -> (256 codes, 255 midpoints): 4 KiB per device, not state
+        for p in (p for g in self.param_groups for p in g["params"]):  # made now, not inside the first step
+            self._map(True, p.device), self._map(False, p.device)
+
+    def _map(self, signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (signed, torch.device(device))
+        if key not in self._maps:
+            code = dynamic_map(signed=signed).to(device)
+            self._maps[key] = code, (code[1:] + code[:-1]) / 2  # bytes: 1 KiB + 1020 B, shared by all tensors
+        return self._maps[key]
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        state["step"] = 0
+        n = p.numel()
+        if n < group["min_8bit_size"]:
+            state["m"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # bytes: 4 per value
+            state["v"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            return
+        blocks = math.ceil(n / group["blocksize"])
+        for name in ("m", "v"):
+            state[f"{name}_codes"] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)  # bytes: 1 per value
+            state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)  # bytes: 4 per block
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Adam8bit does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state, group)
+                state["step"] += 1
+                if "m" in state:
+                    self._update_fp32(p, state, group)
+                else:
+                    self._update_8bit(p, state, group)
+        return loss
+
+    def _update_fp32(self, p, state, group) -> None:
+        """Small tensors, as bitsandbytes' 32-bit kernel orders the same arithmetic."""
+        (b1, b2), lr, wd, t = group["betas"], group["lr"], group["weight_decay"], state["step"]
+        g, m, v = p.grad.float(), state["m"], state["v"]
+        p32 = p.float()
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        c1, c2 = 1 - b1**t, math.sqrt(1 - b2**t)
+        if wd > 0:
+            p32.mul_(1 - lr * wd)
+        p32.add_(m / v.sqrt().add_(group["eps"] * c2), alpha=-lr * c2 / c1)  # = m/c1 / (sqrt(v)/c2 + eps)
+        if p32 is not p:
+            p.copy_(p32)
+
+    def _update_8bit(self, p, state, group) -> None:
+        (b1, b2), lr, wd, t, bs = group["betas"], group["lr"], group["weight_decay"], state["step"], group["blocksize"]
+        c1, c2 = 1 - b1**t, math.sqrt(1 - b2**t)
+        work = p if p.is_contiguous() else p.contiguous()
+        pf, gf = work.view(-1), p.grad.reshape(-1)
+        mc, vc = state["m_codes"].view(-1), state["v_codes"].view(-1)
+        chunk = max(bs, self.chunk_size // bs * bs)  # chunk boundaries fall on block boundaries
+        for s in range(0, pf.numel(), chunk):
+            e = min(s + chunk, pf.numel())
+            blk = slice(s // bs, math.ceil(e / bs))
+            ma, va = state["m_absmax"][blk], state["v_absmax"][blk]
+            g, pc = gf[s:e].float(), pf[s:e]
+            p32 = pc.float()
+            m = self._dequantize(mc[s:e], ma, True, bs)  # fp32 (chunk,): 4 B per value
+            v = self._dequantize(vc[s:e], va, False, bs)
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            self._quantize(v.clone(), vc[s:e], va, False, bs)  # v's new codes; v stays for the denominator
+            denom = v.sqrt_().div_(c2).add_(group["eps"])  # in place: sqrt(v)/c2 + eps
+            if wd > 0:
+                p32.mul_(1 - lr * wd)
+            p32.addcdiv_(m, denom, value=-lr / c1)
+            del v, denom
+            self._quantize(m, mc[s:e], ma, True, bs)  # m is not needed after this: normalized in place
+            if p32 is not pc:
+                pc.copy_(p32)
+        if work is not p:
+            p.copy_(work)
+
+    def _dequantize(self, codes, absmax, signed: bool, bs: int) -> torch.Tensor:
+        """codes (chunk,) uint8 -> fp32 code[codes] * absmax of each value's block."""
+        code, _ = self._map(signed, codes.device)
+        x = code.index_select(0, codes.int())  # bytes: 4 (int32 index, freed) + 4 per value
+        for rows, scale in _block_rows(x, absmax, bs):
+            rows.mul_(scale.unsqueeze(1))
+        return x
+
+    def _quantize(self, x, codes_out, absmax_out, signed: bool, bs: int) -> None:
+        """x (chunk,) fp32, overwritten -> codes_out (uint8) and absmax_out (fp32 per block)."""
+        _, mids = self._map(signed, x.device)
+        for rows, amax in _block_rows(x, absmax_out, bs):
+            amax.copy_(torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()))  # max |x| per block
+            rows.div_(amax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))  # in [-1, 1]
+        codes_out.copy_(torch.bucketize(x, mids, out_int32=True))  # nearest code; bytes: 4 per value (int32)
+
+
+class AdamW8bit(Adam8bit):
+    """8-bit AdamW: Adam8bit with weight_decay=1e-2 by default (bitsandbytes.optim.AdamW8bit)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, **kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+
+
+def _block_rows(x: torch.Tensor, per_block: torch.Tensor, bs: int):
+    """(rows, per-block values) pairs that cover x: full blocks as (nblocks, bs), then a short last row."""
+    full = x.numel() // bs
+    if full:
+        yield x[: full * bs].view(full, bs), per_block[:full]
+    if x.numel() > full * bs:
+        yield x[full * bs:].view(1, -1), per_block[full:full + 1]

@@ -1,0 +1,72 @@
+"""What every labkit optimizer shares: one-line argument checks, state byte counts, and dtype-safe resume."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+# ---- argument checks: each raises a one-line ValueError that names the argument -----------------
+def check_number(name: str, value, low: float = 0.0, high: float = math.inf, low_open: bool = False,
+                 high_open: bool = True) -> float:
+    """`value` as a float in the interval from `low` to `high` (open or closed at each end)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        raise ValueError(f"{name} must be a number in {lo}{low}, {high}{hi}, got {value!r}")
+    return float(value)
+
+
+def check_betas(betas, n: int = 2, high_open: bool = True) -> tuple[float, ...]:
+    """A tuple of `n` betas, each in [0, 1) (or [0, 1] when high_open is False)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != n:
+        raise ValueError(f"betas must be a tuple of {n} numbers, got {betas!r}")
+    return tuple(check_number(f"betas[{i}]", b, 0.0, 1.0, high_open=high_open) for i, b in enumerate(betas))
+
+
+def check_int(name: str, value, low: int = 1, multiple_of: int | None = None) -> int:
+    """`value` as an int >= low (and a multiple of `multiple_of` if given)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low or (
+            multiple_of and value % multiple_of):
+        what = f"an integer >= {low}" + (f" and a multiple of {multiple_of}" if multiple_of else "")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
+# ---- counting ------------------------------------------------------------------------------------
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor storage in `optimizer.state` (each storage once), as the Ledger's OPT counts them."""
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for t in tree_flatten(state)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+    return total
+
+
+# ---- resuming ------------------------------------------------------------------------------------
+class KeepStateDtypes:
+    """Mixin: `load_state_dict` keeps each state tensor's saved dtype.
+
+    torch.optim casts every loaded state tensor of a floating-point parameter to the parameter's
+    dtype (except "step"), which would turn uint8 codes into fp32 and fp32 statistics of a bf16
+    parameter into bf16. Here the tensors only move to the parameter's device.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        super().load_state_dict(state_dict)
+        for i, p in zip(ids, params):
+            if i in saved:
+                self.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v
+                                 for k, v in saved[i].items()}

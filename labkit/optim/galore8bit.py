@@ -1,0 +1,177 @@
+"""8-bit GaLore: GaLore's low-rank Adam moments stored as 1-byte dynamic-map codes, stepped without copying the weight.
+
+The projected moments (r x max(m, n)) are quantized blockwise as bitsandbytes' 8-bit Adam does
+(techniques.md sections 1 and 3): m with the signed dynamic map, v with the unsigned one, one fp32
+absmax per 256 values; states under `min_8bit_size` (4096) values stay fp32. The update follows
+bitsandbytes' arithmetic, lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps), then is projected back.
+
+galore-torch's GaLoreAdamW8bit gets the same result by swapping `p.data` for a zero low-rank tensor so
+bitsandbytes can step it, after cloning the whole weight (`p.saved_data = p.data.clone()`): m*n extra
+values each step, and the parameter's storage is replaced by the clone. Here the low-rank update is
+computed directly and added into the weight in place: no copy of the weight, and its storage stays.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from labkit.quant.dynamic import dynamic_map
+
+from .base import KeepStateDtypes, check_betas, check_int, check_number
+from .galore import add_back_projected, check_galore_group, make_projector, project, projection_side
+
+BLOCKSIZE = 256  # values per absmax block
+MIN_8BIT_SIZE = 4096  # smaller states stay fp32, as in bitsandbytes
+
+
+def state_bytes_for(shape, rank: int | None, dtype_bytes: int = 4, blocksize: int = BLOCKSIZE,
+                    min_8bit_size: int = MIN_8BIT_SIZE) -> int:
+    """State bytes of one tensor: the projector (r*min(m, n) x dtype) for a GaLore matrix, plus m and v
+    of R's size k (k = r*max(m, n), or numel without rank): 2*k + 8*ceil(k/blocksize), or 8*k below min_8bit_size."""
+    if rank is None:
+        proj, k = 0, math.prod(shape)
+    else:
+        proj, k = dtype_bytes * rank * min(shape), rank * max(shape)
+    return proj + (8 * k if k < min_8bit_size else 2 * k + 8 * math.ceil(k / blocksize))
+
+
+class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
+    """GaLore with 8-bit moments (parity with galore-torch's GaLoreAdamW8bit on bitsandbytes >= 0.50).
+
+    Groups with "rank" (and update_proj_gap, scale, proj_type, as for GaLoreAdamW) are projected; the
+    others get plain 8-bit AdamW. Weight decay follows the reference: for projected matrices after
+    the update (p += -lr*wd*p), for the others before it (p *= 1 - lr*wd), as bitsandbytes does.
+
+    State per parameter: "step" (Python int), "projector" (GaLore matrices) and either uint8
+    "exp_avg_codes", "exp_avg_sq_codes" (R's shape) with fp32 "exp_avg_absmax", "exp_avg_sq_absmax"
+    (one per block), or fp32 "exp_avg", "exp_avg_sq" for states under min_8bit_size values.
+    Step temporaries per GaLore matrix: at most 16 bytes per value of R (R; then dequantized m and v,
+    N, and sqrt(v) or the int32 code indices), never an (m, n) tensor; every update_proj_gap steps
+    the SVD adds U, S, Vh (k*(m + n + 1) fp32, k = min(m, n)).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, blocksize: int = BLOCKSIZE, min_8bit_size: int = MIN_8BIT_SIZE):
+        defaults = dict(lr=check_number("lr", lr), betas=check_betas(betas), eps=check_number("eps", eps),
+                        weight_decay=check_number("weight_decay", weight_decay),
+                        blocksize=check_int("blocksize", blocksize),
+                        min_8bit_size=check_int("min_8bit_size", min_8bit_size, low=0))
+        self._maps: dict = {}  # (signed, device) -> (256 codes, 255 midpoints), 2 KiB, shared by all tensors
+        super().__init__(params, defaults)
+        for p in {p.device: p for g in self.param_groups for p in g["params"]}.values():
+            self._code(True, p.device), self._code(False, p.device)  # made now, not inside a measured step
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for name in ("lr", "eps", "weight_decay"):
+            check_number(name, group[name])
+        check_betas(group["betas"])
+        if "rank" in group:
+            check_galore_group(group)
+
+    def _code(self, signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (signed, torch.device(device))
+        if key not in self._maps:
+            code = dynamic_map(signed=signed).to(device)
+            self._maps[key] = code, (code[1:] + code[:-1]) / 2  # nearest code = bucketize on midpoints
+        return self._maps[key]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("GaLoreAdamW8bit does not support sparse gradients")
+                self._update(p, self.state[p], group)
+        return loss
+
+    def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        if not state:
+            state["step"] = 0
+        side = None
+        if "rank" in group:
+            side = projection_side(p.shape, group["proj_type"])
+            if state["step"] % group["update_proj_gap"] == 0:
+                state.pop("projector", None)
+                state["projector"] = make_projector(p.grad, group["rank"], side)
+            grad = project(p.grad, state["projector"], side).float()  # (r, n) or (m, r)
+        else:
+            grad = p.grad.float()
+        if "exp_avg" not in state and "exp_avg_codes" not in state:
+            self._init_moments(state, grad, group)
+        m, v = self._moments(state, group)  # fp32, R's shape (fresh copies when 8-bit)
+        (b1, b2), lr, wd, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
+        state["step"] += 1
+        t = state["step"]
+        m.mul_(b1).add_(grad, alpha=1.0 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
+        del grad
+        c1, c2 = 1.0 - b1**t, math.sqrt(1.0 - b2**t)
+        if "exp_avg" in state:  # fp32 state, in bitsandbytes' 32-bit kernel's order
+            update, step_size = m / (v.sqrt() + eps * c2), -lr * c2 / c1
+        else:
+            update, step_size = m / v.sqrt().div_(c2).add_(eps), -lr / c1
+            self._store(state, "exp_avg", m, True, group["blocksize"])  # overwrites m, then v
+            self._store(state, "exp_avg_sq", v, False, group["blocksize"])
+        del m, v
+        update = update.to(p.dtype)
+        if side is None:
+            if wd > 0.0:
+                p.mul_(1.0 - lr * wd)
+            p.add_(update, alpha=step_size)
+            return
+        add_back_projected(p, update, state["projector"], side, step_size * group["scale"])  # no (m, n) temporary
+        del update
+        if wd > 0.0:
+            p.add_(p, alpha=-lr * wd)
+
+    def _init_moments(self, state: dict, low: torch.Tensor, group: dict) -> None:
+        if low.numel() < group["min_8bit_size"]:
+            state["exp_avg"] = torch.zeros_like(low, dtype=torch.float32)  # bytes: 4 per value
+            state["exp_avg_sq"] = torch.zeros_like(low, dtype=torch.float32)
+            return
+        blocks = math.ceil(low.numel() / group["blocksize"])
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[f"{name}_codes"] = torch.zeros(low.shape, dtype=torch.uint8, device=low.device)  # 1 per value
+            state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=low.device)  # 4 per block
+
+    def _moments(self, state: dict, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if "exp_avg" in state:
+            return state["exp_avg"], state["exp_avg_sq"]
+        return (self._dequantize(state["exp_avg_codes"], state["exp_avg_absmax"], True, group["blocksize"]),
+                self._dequantize(state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], False, group["blocksize"]))
+
+    def _dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool, bs: int) -> torch.Tensor:
+        """uint8 codes -> fp32 code[codes] * absmax of each value's block (= dynamic.dequantize_blockwise)."""
+        code, _ = self._code(signed, codes.device)
+        x = code.index_select(0, codes.reshape(-1).int())  # bytes: 4 per value (+4, the int32 index, freed)
+        for rows, scale in _block_rows(x, absmax, bs):
+            rows.mul_(scale.unsqueeze(1))
+        return x.view(codes.shape)
+
+    def _store(self, state: dict, name: str, x: torch.Tensor, signed: bool, bs: int) -> None:
+        """Quantize fp32 x into state's codes and absmax (= dynamic.quantize_blockwise), overwriting x."""
+        _, mids = self._code(signed, x.device)
+        flat, absmax = x.view(-1), state[f"{name}_absmax"]
+        for rows, amax in _block_rows(flat, absmax, bs):
+            amax.copy_(torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()))  # max |x| per block
+            rows.div_(amax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))  # in [-1, 1]
+        state[f"{name}_codes"].view(-1).copy_(torch.bucketize(flat, mids, out_int32=True))  # bytes: 4 per value
+
+
+def _block_rows(x: torch.Tensor, per_block: torch.Tensor, bs: int):
+    """(rows, per-block values) covering flat x: the full blocks as (nblocks, bs), then the short last one."""
+    full = x.numel() // bs
+    if full:
+        yield x[: full * bs].view(full, bs), per_block[:full]
+    if x.numel() > full * bs:
+        yield x[full * bs:].view(1, -1), per_block[full:full + 1]
