@@ -1,3 +1,29 @@
-"""Quantization: the 8-bit dynamic map and blockwise absmax quantization shared by optimizers and weights."""
+"""Quantization: the 8-bit dynamic map and blockwise absmax quantization shared by optimizers and weights,
+int8 weights (absmax / zero-point) and NF4 weights with double quantization."""
 
 from .dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
+from .int8 import (
+    Int8Linear,
+    Int8Tensor,
+    absmax_dequantize,
+    absmax_quantize,
+    dequantize_int8,
+    quant_error,
+    quantize_int8,
+    zeropoint_dequantize,
+    zeropoint_quantize,
+)
+from .nf4 import (
+    NF4_CODE,
+    NF4Linear,
+    NF4State,
+    bits_per_param_nf4,
+    dequantize_nf4,
+    dequantize_nf4_toy,
+    nbytes_nf4,
+    normal_float_map,
+    pack_nibbles,
+    quantize_nf4,
+    quantize_nf4_toy,
+    unpack_nibbles,
+)

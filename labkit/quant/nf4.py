@@ -1,0 +1,198 @@
+"""NF4 (4-bit NormalFloat) blockwise weights with double quantization, as QLoRA stores its frozen base model.
+
+Each block of 64 weights is divided by its absmax and every value replaced by the index (0..15) of
+the nearest of 16 NF4 levels, two indices per byte, the first in the high nibble. Double
+quantization then stores the per-block absmax values themselves in 8 bits: subtract their mean, quantize
+blockwise 256 with the signed 8-bit dynamic map, keep one fp32 absmax per 256 blocks.
+Bits per parameter: 4 + 32/64 = 4.5 without; 4 + 8/64 + 32/(64*256) = 4.127 with double quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
+from .int8 import _TINY
+
+# The 16 NF4 levels as the QLoRA paper (Dettmers et al. 2023) lists them, rounded to float32 as bitsandbytes ships them:
+# 7 negative, 0, 8 positive. normal_float_map() derives them; it agrees to within 1.2e-7.
+NF4_CODE = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+])  # fmt: skip
+DOUBLE_QUANT_BLOCKSIZE = 256  # absmax values per second-level fp32 scale
+_DYNAMIC_MAP = dynamic_map(signed=True)  # the 256 levels for the absmax values, built once
+
+
+def normal_float_map(offset: float = 0.9677083) -> torch.Tensor:
+    """16 levels at quantiles of N(0, 1), scaled to [-1, 1]: 8 positive quantiles spread evenly in
+    probability from 0.5 to `offset` (the largest), 7 negative ones likewise, and an exact 0.
+    Equal probability per level is what makes it good for normally distributed weights."""
+    pos = torch.special.ndtri(torch.linspace(offset, 0.5, 9, dtype=torch.float64)[:-1])  # 8 values > 0
+    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, 8, dtype=torch.float64)[:-1])  # 7 values < 0
+    levels = torch.cat([neg, torch.zeros(1, dtype=torch.float64), pos]).sort().values
+    return (levels / levels.max()).float()
+
+
+# ----------------------------------------------------------------------------- teaching version
+
+
+def quantize_nf4_toy(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block -> (indices 0..15 as uint8, one per value, fp32 absmax): brute-force nearest level."""
+    absmax = block.abs().max().float()
+    normed = block.float() / absmax.clamp_min(_TINY)  # in [-1, 1]
+    idx = (normed[..., None] - NF4_CODE).abs().argmin(dim=-1)  # (..., 16) distances -> nearest
+    return idx.to(torch.uint8), absmax
+
+
+def dequantize_nf4_toy(idx: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    return NF4_CODE[idx.long()] * absmax
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def pack_nibbles(idx: torch.Tensor) -> torch.Tensor:
+    """(n,) indices 0..15 (n even) -> (n/2,) uint8: element 2i in the high nibble, 2i+1 in the low one."""
+    idx = idx.reshape(-1).to(torch.uint8)
+    return (idx[0::2] << 4) | idx[1::2]
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(n/2,) uint8 -> (n,) uint8 indices, inverse of pack_nibbles."""
+    packed = packed.reshape(-1)
+    return torch.stack([packed >> 4, packed & 0x0F], dim=1).view(-1)
+
+
+# ----------------------------------------------------------------------------- the real version
+
+
+@dataclass
+class NF4State:
+    """What dequantize_nf4 needs besides the packed codes (bitsandbytes calls it QuantState)."""
+
+    absmax: torch.Tensor  # (blocks,) fp32, or uint8 dynamic-map codes when double-quantized
+    shape: torch.Size  # of the original weight
+    dtype: torch.dtype  # of the original weight: what dequantize_nf4 returns by default
+    blocksize: int = 64  # weights per absmax
+    absmax_scale: torch.Tensor | None = None  # (ceil(blocks / 256),) fp32: second-level absmax
+    absmax_offset: torch.Tensor | None = None  # () fp32: the mean subtracted before quantizing absmax
+
+    @property
+    def double_quant(self) -> bool:
+        return self.absmax_scale is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.absmax, self.absmax_scale, self.absmax_offset) if t is not None]
+
+    def block_absmax(self) -> torch.Tensor:
+        """(blocks,) fp32 absmax per block, undoing double quantization if there is one."""
+        if not self.double_quant:
+            return self.absmax.float()
+        absmax = dequantize_blockwise(self.absmax, self.absmax_scale, _DYNAMIC_MAP, DOUBLE_QUANT_BLOCKSIZE)
+        return absmax + self.absmax_offset
+
+
+def _check_blocksize(w: torch.Tensor, blocksize: int) -> None:
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 2 or blocksize % 2:
+        raise ValueError(f"blocksize must be an even integer >= 2 (bitsandbytes allows 32..4096), got {blocksize!r}")
+    if w.numel() % blocksize:
+        raise ValueError(f"blocksize {blocksize} does not divide the weight's {w.numel()} values: "
+                         "choose one that does (64 divides every hidden size that is a multiple of 64)")
+
+
+def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = True) -> tuple[torch.Tensor, NF4State]:
+    """w (float, any shape) -> (packed uint8 codes of shape (numel/2,), NF4State).
+
+    bytes: numel/2 codes + blocks x (4 fp32 absmax, or 1 uint8 code + 4/256 fp32 + one 4-byte offset)."""
+    if not w.is_floating_point():
+        raise TypeError(f"NF4 quantization takes a floating-point tensor, got {w.dtype}")
+    _check_blocksize(w, blocksize)
+    blocks = w.detach().reshape(-1, blocksize).float()  # (blocks, blocksize)
+    absmax = blocks.abs().amax(dim=1)  # (blocks,) fp32
+    normed = blocks / absmax.clamp_min(_TINY)[:, None]  # in [-1, 1]
+    code = NF4_CODE.to(w.device)
+    idx = torch.bucketize(normed, (code[1:] + code[:-1]) / 2)  # nearest level; a tie goes to the lower
+    packed = pack_nibbles(idx)  # (numel/2,) uint8
+    if not double_quant:
+        return packed, NF4State(absmax, w.shape, w.dtype, blocksize)
+    offset = absmax.mean()  # absmax > 0: centring it gives the signed 8-bit map both halves to use
+    qabsmax, absmax_scale = quantize_blockwise(absmax - offset, _DYNAMIC_MAP, DOUBLE_QUANT_BLOCKSIZE)
+    return packed, NF4State(qabsmax, w.shape, w.dtype, blocksize, absmax_scale, offset)
+
+
+def dequantize_nf4(packed: torch.Tensor, state: NF4State, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Packed codes + NF4State -> the weight in its original shape, in `dtype` (default the original).
+    The product level x absmax is taken in fp32 and then rounded to `dtype`."""
+    idx = unpack_nibbles(packed.view(torch.uint8))  # (numel,) 0..15
+    if idx.numel() != state.shape.numel():
+        raise ValueError(f"{idx.numel()} packed codes do not fit the shape {tuple(state.shape)}")
+    levels = NF4_CODE.to(packed.device)[idx.long()].view(-1, state.blocksize)  # (blocks, blocksize) fp32
+    w = levels * state.block_absmax()[:, None]
+    return w.view(state.shape).to(state.dtype if dtype is None else dtype)
+
+
+def nbytes_nf4(packed: torch.Tensor, state: NF4State) -> int:
+    """Bytes actually held by the packed codes and the statistics (the shared 16-level table not counted)."""
+    return sum(t.numel() * t.element_size() for t in [packed, *state.tensors()])
+
+
+def bits_per_param_nf4(packed: torch.Tensor, state: NF4State) -> float:
+    return 8 * nbytes_nf4(packed, state) / state.shape.numel()
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+class NF4Linear(nn.Module):
+    """A frozen nn.Linear whose weight is stored in NF4 and dequantized on the fly in `compute_dtype`,
+    as QLoRA's base layers (bitsandbytes Linear4bit with quant_type="nf4").
+
+    bytes: about 0.52 per weight with double quantization, against 4 (fp32) or 2 (bf16); the
+    dequantized (out, in) weight exists only during forward, as a temporary in the compute dtype.
+    """
+
+    def __init__(self, packed: torch.Tensor, state: NF4State, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        if len(state.shape) != 2:
+            raise ValueError(f"NF4Linear needs a 2-D (out, in) weight, got shape {tuple(state.shape)}")
+        self.out_features, self.in_features = state.shape
+        self.register_buffer("weight_packed", packed)  # (out*in/2,) uint8
+        self.register_buffer("weight_absmax", state.absmax)  # (blocks,) fp32 or uint8
+        self.register_buffer("weight_absmax_scale", state.absmax_scale)  # (ceil(blocks/256),) fp32 or None
+        self.register_buffer("weight_absmax_offset", state.absmax_offset)  # () fp32 or None
+        self.blocksize, self.weight_dtype = state.blocksize, state.dtype
+        self.compute_dtype = compute_dtype  # None: the input's dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True,
+                    compute_dtype: torch.dtype | None = None) -> "NF4Linear":
+        packed, state = quantize_nf4(linear.weight, blocksize, double_quant)
+        return cls(packed, state, linear.bias, compute_dtype)
+
+    @property
+    def state(self) -> NF4State:
+        return NF4State(self.weight_absmax, torch.Size((self.out_features, self.in_features)), self.weight_dtype,
+                        self.blocksize, self.weight_absmax_scale, self.weight_absmax_offset)
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_nf4(self.weight_packed, self.state, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype or x.dtype
+        w = self.dequantized_weight(dtype)  # (out, in) temporary in the compute dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), w, bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"blocksize={self.blocksize}, double_quant={self.weight_absmax_scale is not None}, "
+                f"compute_dtype={self.compute_dtype}")
