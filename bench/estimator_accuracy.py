@@ -66,6 +66,16 @@ def configs(quick: bool = False) -> list[Config]:
                       1, 16, "fp32", "adamw"))
     out.append(Config("gpt L4 h256 (optimizer peak)", _gpt("manual", 0.0, n_layer=4, n_embd=256, block_size=64),
                       1, 8, "mixed-bf16", "adam"))
+    # activation policies and micro-batching (labkit.recompute / labkit.accumulate), labkit GPT only
+    deep = _gpt("sdpa", 0.0, n_layer=6, n_embd=96, block_size=64)
+    for opts, dtype in (({"checkpoint": "full"}, "fp32"), ({"checkpoint": "sqrt"}, "mixed-bf16"),
+                        ({"checkpoint": "full", "segments": 2}, "bf16"), ({"checkpoint": "selective"}, "fp32"),
+                        ({"offload_activations": True}, "mixed-bf16"), ({"micro_batch": 2}, "fp32"),
+                        ({"micro_batch": 2, "checkpoint": "sqrt"}, "mixed-bf16")):
+        out.append(Config("gpt L6 h96 " + " ".join(f"{k}={v}" for k, v in opts.items()), deep, 4, 64, dtype,
+                          "adamw", dict(opts)))
+    out.append(Config("gpt manual p=0.1 offload", _gpt("manual", 0.1, n_layer=4, n_embd=64, block_size=64), 4, 64,
+                      "fp32", "sgd", {"offload_activations": True}))
     # transformers presets (sdpa; gpt2-tiny has dropout 0.1, so CPU SDPA takes its math path)
     hf_plan = [  # (preset, overrides, B, S, dtype, optimizer)
         ("gpt2-tiny", {}, 4, 64, "fp32", "adamw"), ("gpt2-tiny", {}, 4, 64, "mixed-bf16", "adam"),

@@ -8,6 +8,7 @@ import json
 import sys
 
 from labkit.memory.estimate import DTYPES, OPTIMIZERS
+from labkit.memory.phases import POLICIES
 from labkit.memory.report import CATEGORIES, PHASES
 from labkit.memory.units import fmt_bytes
 
@@ -76,6 +77,8 @@ def estimate_dict(model_text: str, e, args) -> dict:
     return {
         "model": model_text, "n_params": int(e.n_params), "batch": args.batch, "seq": args.seq,
         "dtype": args.dtype, "optimizer": args.optimizer, "device": args.device,
+        "options": {k: getattr(args, k) for k in ("checkpoint", "segments", "offload_activations", "micro_batch",
+                                                   "accumulate") if hasattr(args, k)},
         "peak_phase": e.peak_phase, "peak": int(e.peak.total),
         "categories": {k: v for k, v in peak.items() if k != "total"},
         "phases": {p: e.phases[p].as_dict() for p in PHASES if p in e.phases},
@@ -111,7 +114,17 @@ def cmd_estimate(args, parser) -> int:
 
     _positive(parser, "--batch", args.batch)
     _positive(parser, "--seq", args.seq)
-    e = estimate(resolve_model(args.model), args.batch, args.seq, args.dtype, args.optimizer, device=args.device)
+    micro = args.micro_batch
+    if args.accumulate is not None:
+        _positive(parser, "--accumulate", args.accumulate)
+        if micro is not None:
+            parser.error("give --micro-batch or --accumulate, not both")
+        if args.batch % args.accumulate:
+            parser.error(f"--accumulate {args.accumulate} must divide --batch {args.batch}")
+        micro = args.batch // args.accumulate
+    e = estimate(resolve_model(args.model), args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
+                 checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
+                 micro_batch=micro)
     if args.json:
         print(json.dumps(estimate_dict(args.model, e, args)))
     else:
@@ -191,6 +204,12 @@ def build_parser() -> _Parser:
                    help="a preset, a local transformers config, a hub id (online), or gpt:KEY=VAL,... "
                         "for labkit's GPT, e.g. gpt:n_layer=4,n_embd=256,block_size=512")
     common(e, "cpu")
+    e.add_argument("--checkpoint", choices=POLICIES, default="none",
+                   help="activation checkpointing of labkit's GPT blocks (labkit.recompute)")
+    e.add_argument("--segments", type=int, default=None, help="segments for --checkpoint full (default: every block)")
+    e.add_argument("--offload-activations", action="store_true", help="keep saved activations in host memory")
+    e.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (gradient accumulation)")
+    e.add_argument("--accumulate", type=int, default=None, help="micro-batches per step (batch / micro-batch)")
     e.set_defaults(run=cmd_estimate, parser=e)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for plain training",
                        description=f"Which models fit which budgets. {UNITS_NOTE}.")

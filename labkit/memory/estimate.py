@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .families import WALKS
+from .phases import POLICIES, StepBytes, step_phases
 from .report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
 from .walk import Walk
@@ -86,85 +87,93 @@ def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, dev
 
 
 def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = "adamw", *,
-             device: str = "cpu", foreach: bool | None = None, **overrides) -> Estimate:
+             device: str = "cpu", foreach: bool | None = None, checkpoint: str = "none",
+             segments: int | None = None, offload_activations: bool = False, micro_batch: int | None = None,
+             **overrides) -> Estimate:
     """Predict one steady-state training step (gradients set to None between steps).
 
     model: preset name, config path, hub id, GPTConfig, GPT or transformers model/config.
     device: "cpu" or "cuda" (fused attention and dropout masks differ); foreach: Adam's foreach
     path (default: on CUDA only, as torch.optim does).
+    checkpoint: "none", "full" (k = `segments` segments, default every block), "sqrt" or
+    "selective" (keep matmul outputs), as labkit.recompute.checkpoint_blocks applies them.
+    offload_activations: saved activations live in host memory (labkit.recompute.offload_activations).
+    micro_batch: rows per micro-batch, dividing `batch` (gradient accumulation).
     """
     for name, v in (("batch", batch), ("seq", seq)):
-        if not isinstance(v, int) or v <= 0:
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if checkpoint not in POLICIES:
+        raise ValueError(f"checkpoint must be one of {', '.join(POLICIES)}, got {checkpoint!r}")
+    micro = batch if micro_batch is None else micro_batch
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0 or batch % micro:
+        raise ValueError(f"micro_batch must be a positive integer dividing batch ({batch}), got {micro_batch!r}")
     prec = Precision.of(dtype)
     spec = spec_from(model, **overrides)
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
+    if (checkpoint != "none" or offload_activations) and spec.family != "labkit-gpt":
+        raise ValueError("checkpoint and offload_activations are modelled for labkit's GPT (the blocks "
+                         "labkit.recompute wraps); use a GPTConfig")
     foreach = (device == "cuda") if foreach is None else foreach
-    return _phases(spec, prec, batch, seq, dtype, optimizer, device, foreach)
+    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach)
+    phases = step_phases(b, spec.n_layer, checkpoint, segments, offload_activations)
+    if micro < batch:  # later micro-batches: every gradient already exists
+        later = step_phases(b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=True)
+        phases = {k: max(phases[k], later[k], key=lambda x: x.total) for k in phases}
+    terms = _terms(spec, prec, optimizer, micro, seq, w, b)
+    extras = [f"checkpoint={checkpoint}"] * (checkpoint != "none") + ["offload"] * offload_activations
+    extras += [f"micro_batch={micro}"] * (micro < batch)
+    label = " ".join([f"{spec.name} B={batch} S={seq} {dtype} {optimizer}", *extras])
+    return Estimate(label, spec.n_params, phases, terms)
 
 
-def _phases(spec, prec, B, S, dtype, optimizer, device, foreach) -> Estimate:
-    P, C = param_bytes(spec, prec), autocast_copy_bytes(spec, prec)
-    G, O = grad_bytes(spec, prec), optimizer_state_bytes(spec, prec, optimizer)
-    w, marks = walk_activations(spec, prec, B, S, device)
-    A = w.saved_bytes + input_bytes(B, S)
-    r, h, V, gb = B * S, spec.hidden, spec.vocab, prec.weight
-    mm = w.mm_bytes
+def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach) -> tuple[StepBytes, Walk]:
+    """Every byte count the phases need, from the model states and the forward walk of a micro-batch."""
+    w, marks = walk_activations(spec, prec, micro, S, device)
+    r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     lsm = next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
-    logits = r * V * mm
+    probs = sum(t.nbytes for t in w.saved.values() if t.name == "attention probs")
     upcast = r * V * 4 if lsm // (r * V) != mm else 0  # the fp32 copy the loss makes
-
-    def bd(param=0, grad=0, opt=0, act=0, temp=0) -> Breakdown:
-        return Breakdown({Category.PARAM: param, Category.GRAD: grad, Category.OPT: opt,
-                          Category.ACT: act, Category.TEMP: temp, Category.BUFFER: 0})
-
-    # forward peak: at the log-softmax, with the logits (and their fp32 copy) still alive
-    fwd = bd(P + C, 0, O, A, logits + upcast)
-    # backward: (1) the loss's two B*S*V gradients; (2) the head's matmul backward; (3) layer
-    # boundaries with a transient of the block's MLP backward; (4) the embedding backward.
-    L, layer_A = spec.n_layer, (marks[-1] - marks[0]) // max(spec.n_layer, 1)
-    C_layer = 2 * spec.layer_matmul_params if prec.autocast else 0
-    C_head = 2 * V * h if prec.autocast else 0
-    G_head = (V * h + 2 * h) * gb  # output matrix and final norm
-    stream = r * h * gb
-    # MLP backward: the gradient into the activation and out of it are both alive while the
-    # activation's own output is already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops)
-    # B*S*ffn tensors, plus one weight gradient in the compute dtype.
-    tau = (1 if spec.family == "labkit-gpt" else 2) * r * spec.ffn * mm
-    tau_grad = spec.ffn * h * mm  # that projection's weight gradient, made before it is accumulated
-    start = bd(P + C, 0, O, A, 2 * lsm)
-    head = bd(P + C, V * h * (4 if prec.autocast else gb), O, A - lsm,
-              r * V * mm + r * h * mm + (V * h * mm if prec.autocast else 0))
-    bounds = []
-    for i in (L - 1, 0):
-        act = A - (w.saved_bytes - marks[-1]) - (L - 1 - i) * layer_A
-        bounds.append(bd(P + C - C_head - (L - 1 - i) * C_layer,
-                         G_head + (L - 1 - i) * spec.layer_params * gb + tau_grad, O, act, stream + tau))
-    emb_temp = 2 * V * h * gb if spec.tied else 0  # tied: the dense embedding gradient and the sum
-    end = bd(P, G, O, input_bytes(B, S), stream + emb_temp)
-    bwd = max([start, head, *bounds, end], key=lambda b: b.total)
-    opt = bd(P, G, O, input_bytes(B, S), optimizer_temp_bytes(spec, prec, optimizer, foreach))
-    terms = _terms(spec, prec, optimizer, B, S, w, P, C, G, O, lsm, logits + upcast)
-    label = f"{spec.name} B={B} S={S} {dtype} {optimizer}"
-    return Estimate(label, spec.n_params, {"forward": fwd, "backward": bwd, "optimizer": opt}, terms)
+    L = max(spec.n_layer, 1)
+    layer = (marks[-1][0] - marks[0][0]) // L
+    kept = (marks[-1][1] - marks[0][1]) // L
+    proj_out = 2 * r * h * mm  # the two output projections' results: kept, never saved by autograd
+    return StepBytes(
+        P=param_bytes(spec, prec), C=autocast_copy_bytes(spec, prec), G=grad_bytes(spec, prec),
+        O=optimizer_state_bytes(spec, prec, optimizer),
+        opt_temp=optimizer_temp_bytes(spec, prec, optimizer, foreach),
+        inputs=input_bytes(B, S), before=marks[0][0], layer=layer, kept=kept, kept_saved=kept - proj_out,
+        after=w.saved_bytes - marks[-1][0], lsm=lsm, logits=r * V * mm + upcast,
+        head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast else 0),
+        head_grad=(V * h + 2 * h) * gb, stream=r * h * gb,
+        # MLP backward: the gradients into and out of the activation are alive while its output is
+        # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors.
+        tau=(1 if spec.family == "labkit-gpt" else 2) * r * spec.ffn * mm, tau_grad=spec.ffn * h * mm,
+        layer_grad=spec.layer_params * gb, layer_copy=2 * spec.layer_matmul_params if prec.autocast else 0,
+        head_copy=2 * V * h if prec.autocast else 0, seg_input=r * h * gb,
+        emb_temp=2 * V * h * gb if spec.tied else 0,  # tied: the dense embedding gradient and the sum
+        fwd_block=2 * r * h * gb + r * h * (4 if prec.autocast else gb) + (r * h * mm if prec.autocast else 0)
+        + 2 * r * spec.ffn * mm,
+        offload_back=max(3 * r * spec.ffn * mm, 3 * probs // L + 2 * r * h * mm),
+    ), w
 
 
-def _terms(spec, prec, optimizer, B, S, w, P, C, G, O, lsm, logit_temp) -> list[Term]:
+def _terms(spec, prec, optimizer, B, S, w, b: StepBytes) -> list[Term]:
     scores = sum(t.nbytes for t in w.saved.values() if "attention probs" in t.name or "attention dropout" in t.name)
-    blocks = w.saved_bytes - lsm - scores
+    blocks = w.saved_bytes - b.lsm - scores
     return [
-        Term("parameters", Category.PARAM, P, f"N x {prec.weight} B = {spec.n_params:,} x {prec.weight}", "all predictors"),
-        Term("autocast 16-bit weight copies", Category.PARAM, C, "2 x matmul parameters", "torch.autocast weight cache"),
-        Term("gradients", Category.GRAD, G, f"N x {prec.weight} B", "Playbook #104; ml-engineering #23"),
-        Term("optimizer state", Category.OPT, O, f"{OPTIMIZERS[optimizer]} x N x {prec.weight} B (+ step counters)", "ZeRO K; HF docs"),
+        Term("parameters", Category.PARAM, b.P, f"N x {prec.weight} B = {spec.n_params:,} x {prec.weight}", "all predictors"),
+        Term("autocast 16-bit weight copies", Category.PARAM, b.C, "2 x matmul parameters", "torch.autocast weight cache"),
+        Term("gradients", Category.GRAD, b.G, f"N x {prec.weight} B", "Playbook #104; ml-engineering #23"),
+        Term("optimizer state", Category.OPT, b.O, f"{OPTIMIZERS[optimizer]} x N x {prec.weight} B (+ step counters)", "ZeRO K; HF docs"),
         Term("activations saved by the blocks", Category.ACT, blocks, "forward walk per layer ~ sbh(34 + ...)", "Korthikanti et al. 2022"),
         Term("attention scores (s^2)", Category.ACT, scores, "L x B x a x S^2 x bytes (x2-3 with dropout)", "Korthikanti et al. 2022: 5as/h"),
-        Term("log-softmax of the logits", Category.ACT, lsm, "B x S x V x bytes (4 if the loss runs in fp32)", "predictors.md 3.10"),
-        Term("token ids and targets", Category.ACT, input_bytes(B, S), "2 x B x S x 8", "int64 inputs"),
-        Term("logits (+ fp32 copy) during the loss", Category.TEMP, logit_temp, "B x S x V x bytes", "predictors.md 3.10"),
+        Term("log-softmax of the logits", Category.ACT, b.lsm, "B x S x V x bytes (4 if the loss runs in fp32)", "predictors.md 3.10"),
+        Term("token ids and targets", Category.ACT, b.inputs, "2 x B x S x 8", "int64 inputs"),
+        Term("logits (+ fp32 copy) during the loss", Category.TEMP, b.logits, "B x S x V x bytes", "predictors.md 3.10"),
     ]

@@ -16,10 +16,14 @@ def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bo
     return attention == "sdpa" and (device == "cuda" or attn_dropout == 0)
 
 
-def sdpa_fused(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, out_numel: int) -> T:
-    """Flash/efficient attention saves q, k, v, its output and a logsumexp (fp32) per query row."""
+def sdpa_fused(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, out_numel: int, p: float = 0.0) -> T:
+    """Flash/efficient attention saves q, k, v, its output and a logsumexp (fp32) per query row.
+    With dropout it is a random op, which selective checkpointing never keeps."""
     out = w.new(out_numel, w.mm_bytes, "attention out")
-    w.save(q, k, v, out, w.new(B * heads * S, 4, "logsumexp"))
+    lse = w.new(B * heads * S, 4, "logsumexp")
+    w.save(q, k, v, out, lse)
+    if p == 0:
+        w.keep(out), w.keep(lse)
     return out
 
 
@@ -29,8 +33,10 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float) -> T:
     b = 4 if w.device == "cpu" else w.mm_bytes
     for part in ("q scaled", "k^T scaled", "v contiguous"):
         w.save(w.new(n, b, part))
+    w.keep(w.new(B * heads * S * S, b, "attention scores"))  # q @ k^T (bmm)
     probs = w.new(B * heads * S * S, b, "attention probs")
     w.save(probs, w.dropout(probs, p, "attention dropout"))
+    w.keep(w.new(n, b, "probs @ v"))  # bmm
     return w.new(n, w.mm_bytes, "attention out (contiguous)")  # saved by the output projection
 
 
@@ -41,10 +47,12 @@ def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: flo
     for part in ("q contiguous", "k^T contiguous", "v contiguous"):
         w.save(w.new(n, w.mm_bytes, part))
     w.save(w.new(S * S, 1, "causal mask"))
+    w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores"))  # q @ k^T (bmm)
     probs = w.new(B * heads * S * S, 4 if w.autocast and w.device == "cuda" else w.mm_bytes, "attention probs")
     w.save(probs)
     dropped = w.dropout(probs, p, "attention dropout")
     w.save(w.as_matmul_input(dropped))  # probs @ v takes a 16-bit copy under autocast
+    w.keep(w.new(n, w.mm_bytes, "probs @ v"))  # bmm
     return w.new(n, w.mm_bytes, "attention out (contiguous)")  # transpose(1, 2).contiguous()
 
 
@@ -57,11 +65,11 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
     x = w.dropout(x, spec.dropout, "embedding dropout")
     fused = fused_attention_used(w.device, spec.attention, spec.attn_dropout)
     for i in range(spec.n_layer):
-        layer_marks.append(w.saved_bytes)
+        layer_marks.append(w.mark())
         a = w.layer_norm(x, r, f"ln_1.{i}")
         qkv = w.linear(a, r, 3 * h, f"qkv.{i}")
         if fused:
-            y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n)
+            y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n, spec.attn_dropout)
         elif spec.attention == "sdpa":
             y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout)
         else:
@@ -71,7 +79,7 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
         f = w.linear(w.layer_norm(x, r, f"ln_2.{i}"), r, spec.ffn, f"fc.{i}")
         o = w.linear(w.gelu(f, f"gelu.{i}"), r, h, f"mlp proj.{i}")
         x = w.add(x, w.dropout(o, spec.dropout, f"resid dropout.{i}"), f"residual.{i}")
-    layer_marks.append(w.saved_bytes)
+    layer_marks.append(w.mark())
     logits = w.linear(w.layer_norm(x, r, "ln_f"), r, spec.vocab, "logits")
     w.cross_entropy(logits, r, spec.vocab, upcast=False)
 
@@ -85,10 +93,10 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     x = w.dropout(x, spec.dropout, "embedding dropout")
     fused = fused_attention_used(w.device, spec.attention, spec.attn_dropout)
     for i in range(spec.n_layer):
-        layer_marks.append(w.saved_bytes)
+        layer_marks.append(w.mark())
         qkv = w.linear(w.layer_norm(x, r, f"ln_1.{i}"), r, 3 * h, f"c_attn.{i}")
         if fused:
-            y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n)
+            y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n, spec.attn_dropout)
         elif spec.attention == "sdpa":
             y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout)
         else:
@@ -98,7 +106,7 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
         f = w.linear(w.layer_norm(x, r, f"ln_2.{i}"), r, spec.ffn, f"c_fc.{i}")
         o = w.linear(w.gelu_tanh_python(f, f"gelu_new.{i}"), r, h, f"mlp c_proj.{i}")
         x = w.add(x, w.dropout(o, spec.dropout, f"resid dropout.{i}"), f"residual.{i}")
-    layer_marks.append(w.saved_bytes)
+    layer_marks.append(w.mark())
     logits = w.linear(w.layer_norm(x, r, "ln_f"), r, spec.vocab, "logits")
     w.cross_entropy(logits, r, spec.vocab, upcast=True)
 
@@ -112,7 +120,7 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
     w.save(w.new(2 * S * hd, w.x_bytes, "rotary cos and sin"))
     x = w.new(r * h, w.x_bytes, "token embeddings")
     for i in range(spec.n_layer):
-        layer_marks.append(w.saved_bytes)
+        layer_marks.append(w.mark())
         a = w.rms_norm_python(x, r, f"input_layernorm.{i}")
         q = w.linear(a, r, h, f"q_proj.{i}")
         w.linear(a, r, kv, f"k_proj.{i}")
@@ -120,14 +128,14 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
         q = w.new(q.numel, q.itemsize, f"q rotated.{i}")
         k = w.new(r * kv, q.itemsize, f"k rotated.{i}")
         if fused_attention_used(w.device, spec.attention, spec.attn_dropout):
-            y = sdpa_fused(w, q, k, v, B, spec.n_head, S, r * h)
+            y = sdpa_fused(w, q, k, v, B, spec.n_head, S, r * h, spec.attn_dropout)
         else:
             y = sdpa_math(w, B, spec.n_head, S, r * h, spec.attn_dropout)
         x = w.add(x, w.linear(y, r, h, f"o_proj.{i}"), f"residual.{i}")
         a = w.rms_norm_python(x, r, f"post_attention_layernorm.{i}")
         gate, up = w.linear(a, r, spec.ffn, f"gate_proj.{i}"), w.linear(a, r, spec.ffn, f"up_proj.{i}")
         x = w.add(x, w.linear(w.silu_glu(gate, up, f"swiglu.{i}"), r, h, f"down_proj.{i}"), f"residual.{i}")
-    layer_marks.append(w.saved_bytes)
+    layer_marks.append(w.mark())
     logits = w.linear(w.rms_norm_python(x, r, "norm"), r, spec.vocab, "logits")
     w.cross_entropy(logits, r, spec.vocab, upcast=True)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from tqdm.auto import tqdm
 
@@ -47,34 +49,50 @@ def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float =
     return cls(params, lr=lr, foreach=foreach)
 
 
-def train_step(model, opt, x, y, dtype: str = "fp32") -> torch.Tensor:
+def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = None,
+               offload_activations: bool = False) -> torch.Tensor:
     """One step: forward (autocast for mixed-*), backward, optimizer step, gradients set to None.
 
+    micro_batch: rows per micro-batch (gradient accumulation: each loss weighted by its share).
+    offload_activations: saved activations go to host memory (labkit.recompute.offload_activations).
     The logits are not kept past the loss, so nothing outside autograd holds them in backward.
     """
-    device_type = x.device.type
-    with torch.autocast(device_type, dtype=_LOW.get(dtype, torch.float32), enabled=dtype.startswith("mixed")):
-        if hasattr(model, "config") and hasattr(model.config, "model_type"):  # transformers
-            out = model(input_ids=x, labels=y, use_cache=False)
-            loss = out.loss
-            del out
-        else:
-            loss = model(x, y)
-    loss.backward()
+    from labkit.accumulate import split_sizes
+    from labkit.recompute import offload_activations as offload
+
+    sizes = split_sizes(x.shape[0], micro_batch or x.shape[0])
+    total = torch.zeros((), device=x.device)
+    for xb, yb in zip(torch.split(x, sizes), torch.split(y, sizes)):
+        with offload() if offload_activations else contextlib.nullcontext():
+            with torch.autocast(x.device.type, dtype=_LOW.get(dtype, torch.float32), enabled=dtype.startswith("mixed")):
+                if hasattr(model, "config") and hasattr(model.config, "model_type"):  # transformers
+                    out = model(input_ids=xb, labels=yb, use_cache=False)
+                    loss = out.loss
+                    del out
+                else:
+                    loss = model(xb, yb)
+            if len(sizes) > 1:
+                loss = loss * (xb.shape[0] / x.shape[0])
+            loss.backward()
+        total += loss.detach()
+        del loss
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    return total
 
 
 def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = "adamw",
                  steps: int = 2, budget: int | None = None, device=None, lr: float = 1e-3,
                  foreach=None, data: torch.Tensor | None = None, seed: int = 0, progress: bool | None = None,
-                 **overrides) -> Measurement:
+                 checkpoint: str = "none", segments: int | None = None, offload_activations: bool = False,
+                 micro_batch: int | None = None, **overrides) -> Measurement:
     """Build the model, then run `steps` training steps under a Ledger and return what it measured.
 
     data: a 1-D tensor of token ids to sample batches from (default: random tokens).
     budget: bytes; exceeding it raises SimulatedOutOfMemoryError where a real device would fail.
     progress: a tqdm bar over the steps (default: when there are 10 or more).
+    checkpoint, segments: labkit.recompute.checkpoint_blocks(model, checkpoint, segments) (labkit's GPT).
+    offload_activations, micro_batch: as in `train_step`.
     """
     for name, v in (("batch", batch), ("seq", seq), ("steps", steps)):
         if not isinstance(v, int) or v <= 0:
@@ -98,10 +116,15 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
 
     label = f"{getattr(model, 'name', model if isinstance(model, str) else type(m).__name__)} B={batch} S={seq} {dtype} {optimizer}"
     real = device.type == "cuda" and budget is not None  # on CUDA the allocator enforces the budget
-    with cuda_limit(budget if real else None, device), \
+    wrap = contextlib.nullcontext()
+    if checkpoint != "none":
+        from labkit.recompute import checkpoint_blocks
+
+        wrap = checkpoint_blocks(m, checkpoint, segments)
+    with wrap, cuda_limit(budget if real else None, device), \
             Ledger(m, opt, budget=None if real else budget, label=label, device=device) as led:
         for _ in tqdm(range(steps), desc=label, disable=not (steps >= 10 if progress is None else progress)):
             x, y = batch_xy()
-            train_step(m, opt, x, y, dtype)
+            train_step(m, opt, x, y, dtype, micro_batch, offload_activations)
             del x, y
     return led.measurement()

@@ -42,6 +42,7 @@ class Walk:
     low_bytes: int = 2
     device: str = "cpu"
     saved: dict[int, T] = field(default_factory=dict)  # id(root) -> root tensor
+    kept_bytes: int = 0  # outputs of matmul-like ops: what "matmuls" selective checkpointing keeps
     log: list[tuple[str, int]] = field(default_factory=list)  # (what, bytes) as saved
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -76,7 +77,16 @@ class Walk:
         """y = x W^T + b saves x (to form dW = dy^T x); W is a parameter, already counted."""
         xin = self.as_matmul_input(x)
         self.save(xin)
-        return self.new(rows * out_features, self.mm_bytes, name)
+        return self.keep(self.new(rows * out_features, self.mm_bytes, name))
+
+    def keep(self, t: T) -> T:
+        """Note a matmul-like op's output (selective checkpointing may keep it instead of recomputing)."""
+        self.kept_bytes += t.nbytes
+        return t
+
+    def mark(self) -> tuple[int, int]:
+        """(saved, kept) bytes so far: the walk's position, for per-layer differences."""
+        return self.saved_bytes, self.kept_bytes
 
     def layer_norm(self, x: T, rows: int, name: str) -> T:
         """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the

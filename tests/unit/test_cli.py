@@ -109,3 +109,22 @@ def test_python_m_labkit_bad_input():
     p = _python_m("estimate", "--model", "gpt2", "--batch", "1", "--seq", "128", "--dtype", "fp4")
     assert p.returncode == 2 and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr and "fp4" in p.stderr
+
+
+def test_recompute_and_accumulation_options(capsys):
+    from labkit.cli import main
+    from labkit.memory import estimate
+    from labkit.models.gpt import GPTConfig
+
+    assert main(["estimate", "--model", "gpt:n_layer=4,n_embd=64,block_size=64", "--batch", "8", "--seq", "64",
+                 "--dtype", "fp32", "--checkpoint", "full", "--segments", "2", "--accumulate", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    e = estimate(GPTConfig(n_layer=4, n_embd=64, block_size=64), 8, 64, "fp32", "adamw", checkpoint="full",
+                 segments=2, micro_batch=4)
+    assert out["peak"] == e.peak.total and out["options"]["accumulate"] == 2
+    for argv in (["--accumulate", "3"], ["--micro-batch", "3"], ["--checkpoint", "full", "--segments", "9"],
+                 ["--accumulate", "2", "--micro-batch", "4"], ["--checkpoint", "sometimes"]):
+        assert main(["estimate", "--model", "gpt:n_layer=4,n_embd=64,block_size=64", "--batch", "8",
+                     "--seq", "64", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
