@@ -78,7 +78,8 @@ def estimate_dict(model_text: str, e, args) -> dict:
         "model": model_text, "n_params": int(e.n_params), "batch": args.batch, "seq": args.seq,
         "dtype": args.dtype, "optimizer": args.optimizer, "device": args.device,
         "options": {k: getattr(args, k) for k in ("checkpoint", "segments", "offload_activations", "micro_batch",
-                                                   "accumulate") if hasattr(args, k)},
+                                                   "accumulate", "rank", "optimizer_offload", "step_in_backward")
+                    if hasattr(args, k)},
         "peak_phase": e.peak_phase, "peak": int(e.peak.total),
         "categories": {k: v for k, v in peak.items() if k != "total"},
         "phases": {p: e.phases[p].as_dict() for p in PHASES if p in e.phases},
@@ -124,7 +125,8 @@ def cmd_estimate(args, parser) -> int:
         micro = args.batch // args.accumulate
     e = estimate(resolve_model(args.model), args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
                  checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
-                 micro_batch=micro)
+                 micro_batch=micro, rank=args.rank, optimizer_offload=args.optimizer_offload,
+                 step_in_backward=args.step_in_backward)
     if args.json:
         print(json.dumps(estimate_dict(args.model, e, args)))
     else:
@@ -210,6 +212,10 @@ def build_parser() -> _Parser:
     e.add_argument("--offload-activations", action="store_true", help="keep saved activations in host memory")
     e.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (gradient accumulation)")
     e.add_argument("--accumulate", type=int, default=None, help="micro-batches per step (batch / micro-batch)")
+    e.add_argument("--rank", type=int, default=None, help="GaLore's rank (--optimizer galore or galore8bit)")
+    e.add_argument("--optimizer-offload", choices=("cpu", "disk"), default=None,
+                   help="AdamW state and step in host memory or on disk (labkit.optim.OffloadAdamW)")
+    e.add_argument("--step-in-backward", action="store_true", help="step each parameter as its gradient is ready")
     e.set_defaults(run=cmd_estimate, parser=e)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for plain training",
                        description=f"Which models fit which budgets. {UNITS_NOTE}.")

@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .families import WALKS
+from .optim_terms import OPTIMIZERS, TORCH_STATES
+from . import optim_terms
 from .phases import POLICIES, StepBytes, step_phases
 from .report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
 from .walk import Walk
 
 DTYPES = ("fp32", "fp16", "bf16", "mixed-fp16", "mixed-bf16")
-OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}  # fp states per parameter
 
 
 @dataclass(frozen=True)
@@ -52,22 +53,21 @@ def grad_bytes(spec: ModelSpec, prec: Precision) -> int:
     return spec.n_params * prec.weight
 
 
-def optimizer_state_bytes(spec: ModelSpec, prec: Precision, optimizer: str) -> int:
+def optimizer_state_bytes(spec: ModelSpec, prec: Precision, optimizer: str, rank: int | None = None) -> int:
     """k x N x bytes per weight + 4 bytes of step counter per tensor for Adam.
     k = 0 (SGD), 1 (momentum buffer), 2 (Adam's m and v). torch.optim keeps state in the
-    parameters' dtype: 8N for fp32 Adam (12N with the master copy, as ZeRO's K = 12 counts)."""
-    k = OPTIMIZERS[optimizer]
-    counters = 4 * len(spec.param_numels) if optimizer in ("adam", "adamw") else 0
-    return k * spec.n_params * prec.weight + counters
+    parameters' dtype: 8N for fp32 Adam (12N with the master copy, as ZeRO's K = 12 counts).
+    8-bit Adam, Lion, Adafactor and GaLore: see labkit.memory.optim_terms."""
+    return optim_terms.state_bytes(spec, prec.weight, optimizer, rank)
 
 
-def optimizer_temp_bytes(spec: ModelSpec, prec: Precision, optimizer: str, foreach: bool) -> int:
+def optimizer_temp_bytes(spec: ModelSpec, prec: Precision, optimizer: str, foreach: bool,
+                         rank: int | None = None) -> int:
     """Adam's step makes sqrt(v) and sqrt(v)/c before adding eps in place: 2 temporaries the size
     of the largest parameter one tensor at a time (torch.optim single-tensor path, CPU default),
-    or of all parameters at once in the foreach path (CUDA default). SGD works in place."""
-    if optimizer not in ("adam", "adamw"):
-        return 0
-    return (spec.n_params if foreach else 2 * spec.largest_param) * prec.weight
+    or of all parameters at once in the foreach path (CUDA default). SGD works in place.
+    Others: labkit.memory.optim_terms.temp_bytes."""
+    return optim_terms.temp_bytes(spec, prec.weight, optimizer, foreach, rank)
 
 
 # ---- activations -------------------------------------------------------------------------------
@@ -89,6 +89,7 @@ def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, dev
 def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = "adamw", *,
              device: str = "cpu", foreach: bool | None = None, checkpoint: str = "none",
              segments: int | None = None, offload_activations: bool = False, micro_batch: int | None = None,
+             rank: int | None = None, optimizer_offload: str | None = None, step_in_backward: bool = False,
              **overrides) -> Estimate:
     """Predict one steady-state training step (gradients set to None between steps).
 
@@ -99,6 +100,9 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
     "selective" (keep matmul outputs), as labkit.recompute.checkpoint_blocks applies them.
     offload_activations: saved activations live in host memory (labkit.recompute.offload_activations).
     micro_batch: rows per micro-batch, dividing `batch` (gradient accumulation).
+    rank: GaLore's rank (optimizer "galore" or "galore8bit").
+    optimizer_offload: "cpu" or "disk": AdamW's state lives off the device (labkit.optim.OffloadAdamW).
+    step_in_backward: each parameter steps as soon as its gradient is ready (labkit.optim.StepInBackward).
     """
     for name, v in (("batch", batch), ("seq", seq)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -112,27 +116,42 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
     micro = batch if micro_batch is None else micro_batch
     if not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0 or batch % micro:
         raise ValueError(f"micro_batch must be a positive integer dividing batch ({batch}), got {micro_batch!r}")
+    if optimizer.startswith("galore") and (not isinstance(rank, int) or rank <= 0):
+        raise ValueError(f"rank must be a positive integer for {optimizer}, got {rank!r}")
+    if optimizer_offload not in (None, "cpu", "disk"):
+        raise ValueError(f"optimizer_offload must be None, 'cpu' or 'disk', got {optimizer_offload!r}")
+    if optimizer_offload and optimizer != "adamw":
+        raise ValueError(f"optimizer_offload works with adamw (labkit.optim.OffloadAdamW), not {optimizer!r}")
+    if step_in_backward and micro_batch not in (None, batch):
+        raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
     prec = Precision.of(dtype)
     spec = spec_from(model, **overrides)
+    if optimizer.startswith("galore") and spec.galore_shapes and rank > min(min(s) for s in spec.galore_shapes):
+        raise ValueError(f"rank {rank} exceeds the smaller side of a GaLore matrix "
+                         f"({min(min(s) for s in spec.galore_shapes)})")
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
     if (checkpoint != "none" or offload_activations) and spec.family != "labkit-gpt":
         raise ValueError("checkpoint and offload_activations are modelled for labkit's GPT (the blocks "
                          "labkit.recompute wraps); use a GPTConfig")
     foreach = (device == "cuda") if foreach is None else foreach
-    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach)
-    phases = step_phases(b, spec.n_layer, checkpoint, segments, offload_activations)
+    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank)
+    if optimizer_offload:  # state and the step's work live in host memory
+        b.O = b.opt_temp = 0
+    phases = step_phases(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward)
     if micro < batch:  # later micro-batches: every gradient already exists
         later = step_phases(b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=True)
         phases = {k: max(phases[k], later[k], key=lambda x: x.total) for k in phases}
     terms = _terms(spec, prec, optimizer, micro, seq, w, b)
     extras = [f"checkpoint={checkpoint}"] * (checkpoint != "none") + ["offload"] * offload_activations
-    extras += [f"micro_batch={micro}"] * (micro < batch)
+    extras += [f"micro_batch={micro}"] * (micro < batch) + [f"rank={rank}"] * optimizer.startswith("galore")
+    extras += [f"optimizer_offload={optimizer_offload}"] * bool(optimizer_offload)
+    extras += ["step_in_backward"] * step_in_backward
     label = " ".join([f"{spec.name} B={batch} S={seq} {dtype} {optimizer}", *extras])
     return Estimate(label, spec.n_params, phases, terms)
 
 
-def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach) -> tuple[StepBytes, Walk]:
+def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None) -> tuple[StepBytes, Walk]:
     """Every byte count the phases need, from the model states and the forward walk of a micro-batch."""
     w, marks = walk_activations(spec, prec, micro, S, device)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
@@ -145,8 +164,9 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach) -> tuple[Ste
     proj_out = 2 * r * h * mm  # the two output projections' results: kept, never saved by autograd
     return StepBytes(
         P=param_bytes(spec, prec), C=autocast_copy_bytes(spec, prec), G=grad_bytes(spec, prec),
-        O=optimizer_state_bytes(spec, prec, optimizer),
-        opt_temp=optimizer_temp_bytes(spec, prec, optimizer, foreach),
+        O=optimizer_state_bytes(spec, prec, optimizer, rank),
+        opt_temp=optimizer_temp_bytes(spec, prec, optimizer, foreach, rank),
+        largest_grad=spec.largest_param * gb,
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer, kept=kept, kept_saved=kept - proj_out,
         after=w.saved_bytes - marks[-1][0], lsm=lsm, logits=r * V * mm + upcast,
         head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast else 0),
@@ -170,10 +190,18 @@ def _terms(spec, prec, optimizer, B, S, w, b: StepBytes) -> list[Term]:
         Term("parameters", Category.PARAM, b.P, f"N x {prec.weight} B = {spec.n_params:,} x {prec.weight}", "all predictors"),
         Term("autocast 16-bit weight copies", Category.PARAM, b.C, "2 x matmul parameters", "torch.autocast weight cache"),
         Term("gradients", Category.GRAD, b.G, f"N x {prec.weight} B", "Playbook #104; ml-engineering #23"),
-        Term("optimizer state", Category.OPT, b.O, f"{OPTIMIZERS[optimizer]} x N x {prec.weight} B (+ step counters)", "ZeRO K; HF docs"),
+        Term("optimizer state", Category.OPT, b.O, _state_formula(optimizer, prec.weight), "ZeRO K; HF docs; labkit.optim"),
         Term("activations saved by the blocks", Category.ACT, blocks, "forward walk per layer ~ sbh(34 + ...)", "Korthikanti et al. 2022"),
         Term("attention scores (s^2)", Category.ACT, scores, "L x B x a x S^2 x bytes (x2-3 with dropout)", "Korthikanti et al. 2022: 5as/h"),
         Term("log-softmax of the logits", Category.ACT, b.lsm, "B x S x V x bytes (4 if the loss runs in fp32)", "predictors.md 3.10"),
         Term("token ids and targets", Category.ACT, b.inputs, "2 x B x S x 8", "int64 inputs"),
         Term("logits (+ fp32 copy) during the loss", Category.TEMP, b.logits, "B x S x V x bytes", "predictors.md 3.10"),
     ]
+
+
+def _state_formula(optimizer: str, d: int) -> str:
+    return {"adamw8bit": "2N + 8 per 256-block (fp32 below 4096 elements)", "adam8bit": "2N + 8 per 256-block",
+            "lion": f"N x {d} B (one momentum)", "adafactor": "4(m + n) per matrix, 4n per vector",
+            "galore": f"{d} x r(k + 2K) per attention/MLP matrix, Adam elsewhere",
+            "galore8bit": f"{d} x r k + 8-bit moments per matrix"}.get(
+        optimizer, f"{TORCH_STATES.get(optimizer, 0)} x N x {d} B (+ step counters)")

@@ -50,6 +50,7 @@ class StepBytes:
     head_copy: int  # autocast copy of the output matrix
     seg_input: int  # one block's input: the residual stream, B x S x h
     emb_temp: int  # the embedding's dense gradient (and the sum, when tied)
+    largest_grad: int  # the largest parameter's gradient (all that step-in-backward keeps at once)
     fwd_block: int  # live inside one block's forward: residual in and mid, norm output, MLP in and out
     offload_back: int  # at a block's worst backward op with offload: the MLP input copied back and
     #                    two gradients of its size, or the same three for the attention probabilities
@@ -82,8 +83,11 @@ def held_per_unit(b: StepBytes, policy: str, offload: bool, sizes: list[int]) ->
 
 
 def step_phases(b: StepBytes, n_layer: int, policy: str = "none", segments: int | None = None,
-                offload: bool = False, grads_exist: bool = False) -> dict[str, Breakdown]:
-    """Peak breakdown of each phase. grads_exist: a later micro-batch (all gradients already made)."""
+                offload: bool = False, grads_exist: bool = False, step_in_backward: bool = False
+                ) -> dict[str, Breakdown]:
+    """Peak breakdown of each phase. grads_exist: a later micro-batch (all gradients already made).
+    step_in_backward: each gradient is stepped and freed when made, so backward holds one at a time
+    (plus that step's temporaries) and the optimizer phase holds none."""
     sizes = segments_of(n_layer, policy, segments)
     held = held_per_unit(b, policy, offload, sizes)
     outside = 0 if offload else b.before + b.after - b.lsm  # saved outside the blocks, but the loss
@@ -124,6 +128,10 @@ def step_phases(b: StepBytes, n_layer: int, policy: str = "none", segments: int 
         moments.append(bd(copies, grads + b.tau_grad, b.O, act, remade + transient))
         done += m
     moments.append(bd(b.P, b.G, b.O, b.inputs, b.stream + b.emb_temp))
+    if step_in_backward:  # one gradient at a time, and its step's scratch, instead of all of them
+        for x in moments:
+            x.bytes[Category.GRAD] = min(x.bytes[Category.GRAD], b.largest_grad)
+            x.bytes[Category.TEMP] += b.opt_temp
     bwd = max(moments, key=lambda x: x.total)
-    opt = bd(b.P, b.G, b.O, b.inputs, b.opt_temp)
+    opt = bd(b.P, 0 if step_in_backward else b.G, b.O, b.inputs, 0 if step_in_backward else b.opt_temp)
     return {"forward": fwd, "backward": bwd, "optimizer": opt}

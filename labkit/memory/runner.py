@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import tempfile
 
 import torch
 from tqdm.auto import tqdm
@@ -36,11 +37,35 @@ def build_model(model, dtype: str = "fp32", device=None, **overrides) -> torch.n
     return m.train()
 
 
-def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float = 1e-3, foreach=None):
-    """torch.optim's SGD, SGD with momentum 0.9, Adam or AdamW over the model's parameters."""
+def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float = 1e-3, foreach=None,
+                   rank: int | None = None, optimizer_offload: str | None = None, step_in_backward: bool = False,
+                   offload_folder: str | None = None):
+    """An optimizer by name: torch.optim's SGD (momentum 0.9 for "sgd-momentum"), Adam, AdamW, or
+    labkit.optim's AdamW8bit, Adam8bit, Lion, Adafactor, GaLoreAdamW(8bit) (rank r on attention and MLP
+    matrices), OffloadAdamW (optimizer_offload "cpu"/"disk") or StepInBackward around AdamW."""
+    from labkit import optim as lo
+
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    params = model.parameters()
+    if optimizer_offload is not None:
+        if optimizer != "adamw":
+            raise ValueError(f"optimizer_offload works with adamw, not {optimizer!r}")
+        return lo.OffloadAdamW(model.parameters(), lr=lr, offload=optimizer_offload, folder=offload_folder)
+    params = list(model.parameters())
+    if step_in_backward:
+        cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+               "adamw8bit": lo.AdamW8bit, "lion": lo.Lion}.get(optimizer)
+        if cls is None:
+            raise ValueError(f"step_in_backward supports adamw, adam, sgd, adamw8bit and lion, not {optimizer!r}")
+        return lo.StepInBackward(params, cls, lr=lr)
+    if optimizer.startswith("galore"):
+        cls = lo.GaLoreAdamW if optimizer == "galore" else lo.GaLoreAdamW8bit
+        return cls(lo.galore_param_groups(model, rank), lr=lr)
+    simple = {"adamw8bit": lo.AdamW8bit, "adam8bit": lo.Adam8bit, "lion": lo.Lion}
+    if optimizer in simple:
+        return simple[optimizer](params, lr=lr)
+    if optimizer == "adafactor":
+        return lo.Adafactor(params)  # relative step sizes, as transformers' default
     if optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, foreach=foreach)
     if optimizer == "sgd-momentum":
@@ -85,7 +110,8 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
                  steps: int = 2, budget: int | None = None, device=None, lr: float = 1e-3,
                  foreach=None, data: torch.Tensor | None = None, seed: int = 0, progress: bool | None = None,
                  checkpoint: str = "none", segments: int | None = None, offload_activations: bool = False,
-                 micro_batch: int | None = None, **overrides) -> Measurement:
+                 micro_batch: int | None = None, rank: int | None = None, optimizer_offload: str | None = None,
+                 step_in_backward: bool = False, **overrides) -> Measurement:
     """Build the model, then run `steps` training steps under a Ledger and return what it measured.
 
     data: a 1-D tensor of token ids to sample batches from (default: random tokens).
@@ -93,6 +119,7 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
     progress: a tqdm bar over the steps (default: when there are 10 or more).
     checkpoint, segments: labkit.recompute.checkpoint_blocks(model, checkpoint, segments) (labkit's GPT).
     offload_activations, micro_batch: as in `train_step`.
+    rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload uses a temp folder).
     """
     for name, v in (("batch", batch), ("seq", seq), ("steps", steps)):
         if not isinstance(v, int) or v <= 0:
@@ -102,7 +129,19 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
     torch.manual_seed(seed)
     device = torch.device(device or "cpu")
     m = build_model(model, dtype, device, **overrides)
-    opt = make_optimizer(m, optimizer, lr, foreach)
+    folder = tempfile.TemporaryDirectory() if optimizer_offload == "disk" else contextlib.nullcontext()
+    with folder as path:
+        opt = make_optimizer(m, optimizer, lr, foreach, rank, optimizer_offload, step_in_backward, path)
+        try:
+            return _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device, data, seed,
+                            progress, checkpoint, segments, offload_activations, micro_batch)
+        finally:
+            if hasattr(opt, "close"):
+                opt.close()
+
+
+def _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device, data, seed, progress,
+             checkpoint, segments, offload_activations, micro_batch) -> Measurement:
     vocab = m.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
 

@@ -25,6 +25,8 @@ class ModelSpec:
     attention: str  # "sdpa" (fused where possible), "manual" or "eager" (s*s scores kept)
     n_params: int  # all parameters, a tied matrix once
     param_numels: list[int] = field(default_factory=list)  # elements of each parameter tensor
+    param_shapes: list[tuple] = field(default_factory=list)  # shape of each parameter tensor
+    galore_shapes: list[tuple] = field(default_factory=list)  # attention and MLP matrices (GaLore's choice)
     layer_params: int = 0  # parameters of one transformer block
     matmul_params: int = 0  # parameters that enter a matmul (autocast copies these to 16-bit)
     layer_matmul_params: int = 0  # the same, in one block
@@ -46,15 +48,19 @@ def _from_module(name: str, family: str, cfg: dict, model: torch.nn.Module) -> M
         if m:
             per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + p.numel()
     layer_params = max(per_layer.values(), default=0)
-    mm_ids, layer_mm = {}, 0
+    mm_ids, layer_mm, galore = {}, 0, {}
     for mname, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D":
             for p in mod.parameters(recurse=False):
                 mm_ids[id(p)] = p.numel()
                 if re.search(r"\.0\.", mname + "."):
                     layer_mm += p.numel()
+            w = mod.weight
+            if w.dim() == 2 and ("attn" in mname or "mlp" in mname):  # labkit.optim.galore_param_groups
+                galore[id(w)] = tuple(w.shape)
     return ModelSpec(name=name, family=family, n_params=sum(p.numel() for p in params),
                      param_numels=[p.numel() for p in params], layer_params=layer_params,
+                     param_shapes=[tuple(p.shape) for p in params], galore_shapes=list(galore.values()),
                      matmul_params=sum(mm_ids.values()), layer_matmul_params=layer_mm, **cfg)
 
 

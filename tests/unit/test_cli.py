@@ -128,3 +128,16 @@ def test_recompute_and_accumulation_options(capsys):
                      "--seq", "64", *argv]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_optimizer_options(capsys):
+    from labkit.cli import main
+
+    base = ["estimate", "--model", "gpt:n_layer=2,n_embd=64,block_size=64", "--batch", "2", "--seq", "64", "--json"]
+    assert main(base + ["--optimizer", "galore", "--rank", "8"]) == 0
+    galore = json.loads(capsys.readouterr().out)
+    assert main(base + ["--optimizer", "adamw", "--optimizer-offload", "cpu"]) == 0
+    offload = json.loads(capsys.readouterr().out)
+    assert offload["phases"]["optimizer"]["opt"] == 0 < galore["phases"]["optimizer"]["opt"]
+    assert main(base + ["--optimizer", "galore"]) == 2  # no rank
+    assert "rank" in capsys.readouterr().err
