@@ -1,0 +1,124 @@
+"""Checks for lesson 03 (activation checkpointing): what a checkpointed block keeps, the best number of
+segments, and the FLOPs that recomputation adds.
+
+Expected values come from the library: the model's shapes (labkit.memory.spec_from), the estimator's
+checkpoint option, and a measured training step under FlopCounterMode (labkit.recompute.measure).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from labkit.memory import MiB, estimate, fmt_bytes
+from labkit.memory.estimate import Precision
+from labkit.memory.spec import spec_from
+
+from . import close, failed, integer, number, passed
+
+
+# ---- exercise 1: what full checkpointing keeps per block ----------------------------------------
+def kept_per_block(config, batch: int, seq: int, dtype: str = "fp32") -> int:
+    """A checkpointed block keeps its input, the residual stream: batch x seq x hidden x bytes per element."""
+    spec = spec_from(config)
+    return batch * seq * spec.hidden * Precision.of(dtype).weight
+
+
+def check_kept_per_block(answer, config, batch: int, seq: int, dtype: str = "fp32") -> bool:
+    name = f"bytes kept per checkpointed block (batch {batch}, seq {seq}, {dtype})"
+    value = number(answer, name)
+    if value is None:
+        return False
+    spec = spec_from(config)
+    expected = kept_per_block(spec, batch, seq, dtype)
+    width = Precision.of(dtype).weight
+    if close(value, expected, rel=1e-9):
+        return passed(f"{name}: {fmt_bytes(expected)} = {batch} x {seq} x {spec.hidden} x {width}: only the block's input "
+                      "(the residual stream); everything inside the block is recomputed in backward.")
+    if close(value, expected * spec.n_layer, rel=1e-9):
+        return failed(f"{name}: that is all {spec.n_layer} blocks together; the question asks per block.")
+    if close(value, expected / width, rel=1e-9):
+        return failed(f"{name}: you counted elements, not bytes: each is {width} bytes in {dtype}.")
+    if close(value, expected * spec.ffn / spec.hidden, rel=1e-9):
+        return failed(f"{name}: that is the MLP's inner width ({spec.ffn}); the block's input is the residual stream, "
+                      f"{spec.hidden} wide.")
+    layer = estimate(spec, batch, seq, dtype).terms
+    blocks = next(t.bytes for t in layer if t.name == "activations saved by the blocks")
+    if close(value, blocks / spec.n_layer, rel=0.02):
+        return failed(f"{name}: that is what a block saves *without* checkpointing; with it, only its input stays.")
+    if close(value, expected / MiB, rel=0.01):
+        return failed(f"{name}: that looks like MiB; give the answer in bytes.")
+    return failed(f"{name}: a checkpointed block keeps only its input, a (batch, seq, hidden) tensor of the model's "
+                  f"dtype: hidden = {spec.hidden}, {width} bytes per element.")
+
+
+# ---- exercise 2: the best number of segments ----------------------------------------------------
+def segment_peaks(config, batch: int, seq: int, dtype: str = "fp32", device: str = "cpu") -> dict[int, int]:
+    """{k: predicted peak with full checkpointing in k segments} for k = 1 .. n_layer."""
+    n = spec_from(config).n_layer
+    return {k: estimate(config, batch, seq, dtype, device=device, checkpoint="full", segments=k).peak.total
+            for k in range(1, n + 1)}
+
+
+def check_best_segments(answer, config, batch: int, seq: int, dtype: str = "fp32", device: str = "cpu") -> bool:
+    name = "segments with the lowest predicted peak"
+    k = integer(answer, name)
+    if k is None:
+        return False
+    peaks = segment_peaks(config, batch, seq, dtype, device)
+    n = len(peaks)
+    if not 1 <= k <= n:
+        return failed(f"{name}: k must be between 1 and the number of blocks ({n}).")
+    best = min(peaks.values())
+    winners = [j for j, p in peaks.items() if p == best]
+    if k in winners:
+        return passed(f"{name}: k = {k}, peak {fmt_bytes(best)} (k = 1: {fmt_bytes(peaks[1])}). A block's activations cost "
+                      "many times its input, so keeping more segment inputs is cheap next to recomputing a long segment.")
+    root = max(1, round(n**0.5))
+    if k == root:
+        return failed(f"{name}: sqrt(n) = {root} minimises k + n/k, which assumes a block's activations cost as much as its "
+                      f"input. Here a block costs far more: compare the estimates for every k (k = {root}: "
+                      f"{fmt_bytes(peaks[k])}, the best: {fmt_bytes(best)}).")
+    return failed(f"{name}: k = {k} predicts {fmt_bytes(peaks[k])}, but another k predicts {fmt_bytes(best)}: "
+                  "compute the estimate for every k from 1 to n.")
+
+
+# ---- exercise 3: the FLOPs recomputation adds ----------------------------------------------------
+def recompute_factor(config, batch: int, seq: int, seed: int = 0, device="cpu") -> float:
+    """Measured FLOPs of a training step with every block checkpointed / without (FlopCounterMode)."""
+    from labkit.models.gpt import GPT
+    from labkit.recompute import checkpoint_blocks
+    from labkit.recompute.measure import measure_training_step
+
+    torch.manual_seed(seed)
+    model = GPT(config).to(device)
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=g)
+    x, y = t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)
+    plain = measure_training_step(model, x, y).flops
+    full = measure_training_step(model, x, y, setup=lambda m: checkpoint_blocks(m, "full")).flops
+    return full / plain
+
+
+def check_recompute_factor(answer, config, batch: int, seq: int, device="cpu") -> bool:
+    """The factor by which full checkpointing multiplies a step's FLOPs: measured on `device`."""
+    name = "FLOPs factor of full checkpointing"
+    value = number(answer, name)
+    if value is None:
+        return False
+    measured = recompute_factor(config, batch, seq, device=device)
+    if close(value, measured, abs_=0.03):
+        return passed(f"{name}: {value:g}; measured x{measured:.3f}. Forward + backward cost about 3 forwards; the "
+                      "recompute adds one forward of the blocks (not of the head and the loss).")
+    if close(value, 4 / 3, abs_=0.01):
+        return passed(f"{name}: 4/3 is the right reasoning (1 extra forward on top of forward + backward = 3 forwards). "
+                      f"Measured: x{measured:.3f}, a little less, since the head and the loss are not recomputed.")
+    if close(value, 2.0, abs_=0.05):
+        return failed(f"{name}: the recompute is one more *forward* of the blocks, not a whole second step: "
+                      "backward is not repeated.")
+    if close(value, 1.5, abs_=0.03):
+        return failed(f"{name}: 1 extra forward on top of 1 forward + 1 backward, but a backward costs two forwards "
+                      "(a gradient for the input and one for the weights).")
+    if close(value, 1.0, abs_=0.01):
+        return failed(f"{name}: recomputation is not free: every checkpointed block runs its forward a second time.")
+    return failed(f"{name}: count in forwards: the step is forward (1) + backward (2); full checkpointing adds "
+                  f"one forward of the blocks. The measurement says x{measured:.3f}.")

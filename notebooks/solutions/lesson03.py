@@ -1,0 +1,41 @@
+"""Reference solutions for lesson 03's exercises (tests/unit/test_exercises_02_04.py checks each one)."""
+
+import torch
+
+from labkit.memory import estimate
+from labkit.models.gpt import GPT
+from labkit.recompute import checkpoint_blocks
+from labkit.recompute.measure import measure_training_step
+
+
+# ---- exercise 1: what full checkpointing keeps per block ------------------------------------------
+def kept_per_block(config, batch: int, seq: int, bytes_per_element: int = 4) -> int:
+    """A checkpointed block keeps only its input, the residual stream (batch, seq, n_embd)."""
+    return batch * seq * config.n_embd * bytes_per_element
+
+
+# In the notebook: kept_per_block(CONFIG, B, S), e.g. 8 x 256 x 256 x 4 = 2 MiB on the cpu profile
+
+
+# ---- exercise 2: the best number of segments --------------------------------------------------------
+def best_segments(config, batch: int, seq: int, dtype: str = "fp32", device: str = "cpu") -> int:
+    """The k from 1 to n with the lowest predicted peak (the smallest k among ties)."""
+    peaks = {k: estimate(config, batch, seq, dtype, device=device, checkpoint="full", segments=k).peak.total
+             for k in range(1, config.n_layer + 1)}
+    return min(peaks, key=lambda k: (peaks[k], k))
+
+
+# ---- exercise 3: the FLOPs recomputation adds ---------------------------------------------------------
+# Reasoning: forward 1 + backward 2 = 3 forwards; full checkpointing adds one forward of the blocks: 4/3.
+FLOPS_FACTOR_ESTIMATE = 4 / 3
+
+
+def measured_flops_factor(config, batch: int, seq: int) -> float:
+    """The truth: FlopCounterMode over one training step, every block checkpointed vs none."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    t = torch.randint(0, config.vocab_size, (batch, seq + 1))
+    x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    plain = measure_training_step(model, x, y).flops
+    full = measure_training_step(model, x, y, setup=lambda m: checkpoint_blocks(m, "full")).flops
+    return full / plain  # a little under 4/3: the head and the loss are not recomputed
