@@ -1,0 +1,81 @@
+"""Checks for lesson 07 (quantization): the bits per parameter of NF4 with double quantization, and what one
+outlier does to per-tensor absmax int8.
+
+Expected values come from the library: a tensor quantized with labkit.quant.quantize_nf4 and measured
+with bits_per_param_nf4, and the codes of labkit.quant.quantize_int8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from labkit.quant import bits_per_param_nf4, quantize_int8, quantize_nf4
+from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE
+
+from . import close, failed, integer, number, passed
+
+
+# ---- exercise 1: bits per parameter of NF4 with double quantization -------------------------------------
+def nf4_bits_measured(blocksize: int, double_quant: bool = True) -> float:
+    """Bits per parameter measured on a tensor of 4 second-level groups, less the one fp32 offset that double
+    quantization keeps per tensor (32 bits shared by all values: it vanishes for a real layer)."""
+    n = blocksize * DOUBLE_QUANT_BLOCKSIZE * 4
+    w = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    packed, state = quantize_nf4(w, blocksize, double_quant)
+    offset_bits = 32 / n if double_quant else 0.0
+    return bits_per_param_nf4(packed, state) - offset_bits
+
+
+def check_nf4_bits(answer, blocksize: int = 128) -> bool:
+    name = f"bits per parameter of NF4 with double quantization, blocksize {blocksize}"
+    value = number(answer, name)
+    if value is None:
+        return False
+    expected = nf4_bits_measured(blocksize)
+    formula = f"4 + 8/{blocksize} + 32/({blocksize} x {DOUBLE_QUANT_BLOCKSIZE})"
+    if close(value, expected, abs_=5e-4):
+        return passed(f"{name}: {expected:.4f} = {formula}: 4 bits of code, one 8-bit absmax code per block, "
+                      f"one fp32 scale per {DOUBLE_QUANT_BLOCKSIZE} blocks (measured on a real tensor).")
+    if close(value, 4 + 32 / blocksize, abs_=5e-4):
+        return failed(f"{name}: {value:g} keeps a 32-bit absmax per block: that is without double quantization. "
+                      "Double quantization stores each block's absmax as an 8-bit code.")
+    if close(value, nf4_bits_measured(64), abs_=5e-4) or close(value, 4.5, abs_=5e-4):
+        return failed(f"{name}: that is the figure for blocks of 64 (QLoRA's default); redo it for blocks of {blocksize}.")
+    if close(value, 4 + 8 / blocksize, abs_=5e-5):
+        return failed(f"{name}: almost: the second-level fp32 scale, one per {DOUBLE_QUANT_BLOCKSIZE} blocks, "
+                      "is missing.")
+    if close(value, 4.0, abs_=1e-9):
+        return failed(f"{name}: the 4-bit codes alone; every block also needs its absmax to be dequantized.")
+    if close(value, expected / 8, abs_=1e-4):
+        return failed(f"{name}: that looks like bytes per parameter; give bits.")
+    return failed(f"{name}: add up, per parameter: the code, the block's 8-bit absmax shared by {blocksize} "
+                  f"values, and one fp32 scale shared by {blocksize} x {DOUBLE_QUANT_BLOCKSIZE} values.")
+
+
+# ---- exercise 2: what one outlier does to per-tensor absmax int8 ----------------------------------------
+def zeros_per_tensor(w: torch.Tensor) -> int:
+    """How many values of w become code 0 under per-tensor absmax int8 (most of them were not 0)."""
+    return int((quantize_int8(w, "absmax", "tensor").codes == 0).sum())
+
+
+def check_zeros_per_tensor(answer, w: torch.Tensor) -> bool:
+    name = "values of W that per-tensor absmax int8 rounds to 0"
+    value = integer(answer, name)
+    if value is None:
+        return False
+    expected = zeros_per_tensor(w)
+    share = expected / w.numel()
+    if value == expected:
+        return passed(f"{name}: {expected} of {w.numel()} ({share:.1%}): the step is max|W|/127 = "
+                      f"{w.abs().max().item() / 127:.3g}, set by the largest value; every |w| under half a step is lost.")
+    scale = w.abs().max().item() / 127
+    if value == int((quantize_int8(w, "absmax", "channel").codes == 0).sum()):
+        return failed(f"{name}: that is per channel (one scale per row); the question is one scale for the whole tensor.")
+    if value == int((w.abs() < scale).sum()):
+        return failed(f"{name}: a value becomes 0 when it is under *half* a step: round(w / step) = 0.")
+    if value == int((w.abs() < w.abs().max().item() / 255).sum()):
+        return failed(f"{name}: absmax int8 uses 127 steps on each side of zero (codes -127..127), not 255 over the whole "
+                      "range.")
+    if value == int((w == 0).sum()):
+        return failed(f"{name}: that counts values that were already 0; count those the rounding makes 0.")
+    return failed(f"{name}: the step is max|W| / 127; count the values with round(w / step) == 0.")
