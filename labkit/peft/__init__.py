@@ -1,0 +1,15 @@
+"""Parameter-efficient fine-tuning from scratch: LoRA, QLoRA (LoRA on an NF4-frozen base) and LISA."""
+
+from .lora import (LoRALinear, LoRALinearNaive, ParamCounts, apply_lora, count_parameters, find_targets, ledger_for,
+                   linear_names, lora_modules, lora_scaling, lora_state_dict, merge_lora, trainable_parameters)
+from .qlora import NF4Base, apply_qlora, base_bytes, qlora_optimizer, to_nf4
+from .lisa import LISA, LISANaive, find_layers, lisa_bound, lisa_memory_trace
+from .tasks import FOLIO_GENRES, MeanPoolClassifier, TaskResult, adapt_task, format_results, genre_passages, genre_task
+
+__all__ = [
+    "FOLIO_GENRES", "LISA", "LISANaive", "LoRALinear", "LoRALinearNaive", "MeanPoolClassifier", "NF4Base", "ParamCounts",
+    "TaskResult", "adapt_task", "apply_lora", "apply_qlora", "base_bytes", "count_parameters", "find_layers",
+    "find_targets", "format_results", "genre_passages", "genre_task", "ledger_for", "linear_names", "lisa_bound",
+    "lisa_memory_trace", "lora_modules", "lora_scaling", "lora_state_dict", "merge_lora", "qlora_optimizer", "to_nf4",
+    "trainable_parameters",
+]

@@ -1,0 +1,134 @@
+"""QLoRA from scratch: LoRA adapters trained on top of a base model frozen in 4-bit NF4.
+
+Dettmers et al. 2023: every targeted Linear's weight is stored in NF4 with double quantization
+(about 0.52 bytes per weight instead of 2 in bf16 or 4 in fp32), dequantized block by block into
+the compute dtype when it is used, and never trained; LoRA's A and B (fp32 here, as peft keeps
+them) carry all the learning. artidoro/qlora adds activation checkpointing and a paged 8-bit
+optimizer; `qlora_optimizer` and `checkpoint=` give the first two here.
+
+Two versions of the frozen base, teaching first:
+
+- `labkit.quant.nf4.NF4Linear`: F.linear(x, dequantize(W)). Autograd keeps the dequantized
+  (d_out, d_in) weight to compute dL/dx, so every targeted layer holds a full-size copy in the
+  compute dtype (2 bytes per weight in bf16, 4 in fp32) as an activation until backward.
+- `NF4Base` (the real one, as bitsandbytes' MatMul4Bit): an autograd Function that keeps nothing
+  but a reference to the packed weight and dequantizes it again in backward (dL/dx = g W). One
+  layer's temporary copy exists at a time; the cost is a second dequantization per layer.
+
+Bytes per adapted Linear (fp32 adapters, AdamW): 0.5 per base weight (packed codes) + 1/64 per
+weight (uint8 absmax) + ~1/4096 (fp32 second-level scales), bias kept as it was, + 16 per
+adapter parameter (4 weight + 4 grad + 8 Adam state).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.quant.nf4 import NF4Linear
+from .lora import LoRALinear, _check_rank, apply_lora, trainable_parameters
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _NF4Matmul(torch.autograd.Function):
+    """x W^T with W dequantized in forward and again in backward; saves no tensor."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: NF4Linear, dtype: torch.dtype) -> torch.Tensor:
+        ctx.layer, ctx.dtype = layer, dtype
+        bias = None if layer.bias is None else layer.bias.to(dtype)  # frozen: added in the same matmul
+        return F.linear(x, layer.dequantized_weight(dtype), bias)  # (..., d_out); W is a temporary
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        w = ctx.layer.dequantized_weight(ctx.dtype)  # (d_out, d_in) again, freed when this returns
+        return g @ w, None, None  # (..., d_in) in the compute dtype
+
+
+class NF4Base(NF4Linear):
+    """NF4Linear whose dequantized weight is not kept for backward (re-dequantized there)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype or x.dtype
+        return _NF4Matmul.apply(x.to(dtype), self, dtype).to(x.dtype)  # as bitsandbytes' Linear4bit
+
+
+def _check_dtype(compute_dtype) -> None:
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of torch.float32, torch.bfloat16, torch.float16, got {compute_dtype!r}")
+
+
+def to_nf4(linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16, double_quant: bool = True,
+           blocksize: int = 64, keep_dequantized: bool = False) -> NF4Linear:
+    """Quantize one Linear into a frozen NF4 layer (NF4Base, or the teaching NF4Linear with keep_dequantized)."""
+    _check_dtype(compute_dtype)
+    cls = NF4Linear if keep_dequantized else NF4Base
+    layer = cls.from_linear(linear, blocksize=blocksize, double_quant=double_quant, compute_dtype=compute_dtype)
+    return layer.requires_grad_(False)
+
+
+def apply_qlora(model: nn.Module, targets: str | Sequence[str] = "all-linear", r: int = 8, alpha: float = 8,
+                dropout: float = 0.0, compute_dtype: torch.dtype = torch.bfloat16, double_quant: bool = True,
+                blocksize: int = 64, rslora: bool = False, train_also: Iterable[str] = (),
+                keep_dequantized: bool = False, checkpoint: str | None = None):
+    """Quantize the targeted Linears to NF4, wrap each in a LoRALinear, freeze the rest; return the model.
+
+    compute_dtype: the dtype the base weight is dequantized into and multiplied in (bf16 in QLoRA).
+    keep_dequantized: use the teaching NF4Linear, which keeps each dequantized weight for backward.
+    checkpoint: None, or a policy of `labkit.recompute.checkpoint_blocks` ("full", "sqrt", ...) for a
+        model with `.blocks` (labkit's GPT); the handle is left at `model.qlora_checkpoint`.
+    Biases, norms and embeddings stay in their dtype (frozen, unless named in train_also).
+    """
+    _check_rank(r, alpha)
+    _check_dtype(compute_dtype)
+
+    def wrap(lin: nn.Linear) -> LoRALinear:
+        if not isinstance(lin, nn.Linear):
+            raise TypeError(f"QLoRA quantizes nn.Linear modules, got {type(lin).__name__}")
+        base = to_nf4(lin, compute_dtype, double_quant, blocksize, keep_dequantized)
+        return LoRALinear(base, r=r, alpha=alpha, dropout=dropout, rslora=rslora, adapter_dtype=lin.weight.dtype)
+
+    apply_lora(model, targets, r=r, alpha=alpha, dropout=dropout, rslora=rslora, train_also=train_also, wrap=wrap)
+    if checkpoint is not None:
+        from labkit.recompute import checkpoint_blocks
+
+        model.qlora_checkpoint = checkpoint_blocks(model, checkpoint)
+    return model
+
+
+def qlora_optimizer(model: nn.Module, kind: str = "adamw", lr: float = 2e-4, weight_decay: float = 0.0):
+    """The optimizer over the trainable parameters: "adamw" (torch, 8 bytes of state per parameter) or
+    "adamw8bit" (labkit.optim.AdamW8bit, 2 bytes per parameter in tensors of at least its min_8bit_size).
+    """
+    params = trainable_parameters(model)
+    if not params:
+        raise ValueError("the model has no trainable parameters: apply_qlora (or apply_lora) first")
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if kind == "adamw8bit":
+        try:
+            from labkit.optim import AdamW8bit
+        except ImportError as e:
+            raise ValueError(f"optimizer 'adamw8bit' needs labkit.optim.AdamW8bit, which failed to import ({e}); use 'adamw'") from None
+        return AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {kind!r}: choose 'adamw' or 'adamw8bit'")
+
+
+def base_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the frozen NF4 bases (codes + statistics), of the adapters, and of everything else."""
+    out = {"nf4": 0, "adapters": 0, "other": 0}
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        key = "adapters" if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B") else \
+            "nf4" if ".weight_" in name or name.startswith("weight_") else "other"
+        out[key] += t.numel() * t.element_size()
+    return out
