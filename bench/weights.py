@@ -10,7 +10,7 @@ share of identical 4-bit codes, and our figures as ratios to bitsandbytes'.
 Part 2, only when labkit.peft (with its tasks module) is importable: labkit.peft.tasks.adapt_task
 (a GPT pretrained on the comedies, adapted to the histories; --quick: its smoke sizes) for full
 fine-tuning, LoRA, QLoRA and LISA: trainable parameters, peak memory (Ledger), seconds per step and
-validation loss after, as ratios to full fine-tuning; and genre_task accuracy (MiniLM) for full,
+validation loss after, as ratios to full fine-tuning; and classify_task accuracy (MiniLM, First Folio or modern spelling) for full,
 LoRA and QLoRA. The last line is the summary:
 `weights: int8_bits=.. nf4_bits=.. nf4_dq_bits=.. int8_err_vs_bnb=.. nf4_err_vs_bnb=.. nf4_dq_err_vs_bnb=.. [lora_mem=.. ...]`
 """
@@ -65,10 +65,10 @@ def weight_figures(model) -> dict[str, dict[str, float]]:
 
 
 def peft_figures(quick: bool) -> dict:
-    from labkit.peft.tasks import adapt_task, genre_task
+    from labkit.peft.tasks import adapt_task, classify_task
 
     adapt = adapt_task(methods=("full", "lora", "qlora", "lisa"), smoke_mode=quick, device="cpu")
-    genre = genre_task(methods=("full", "lora", "qlora"), smoke_mode=quick, device="cpu")
+    genre = classify_task(methods=("full", "lora", "qlora"), smoke_mode=quick, device="cpu")
     return {"adapt": adapt, "genre": genre}
 
 
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
                   f"{r.peak.total / full.peak.total:7.3f} {r.seconds:8.2f} {r.seconds / full.seconds:7.3f} "
                   f"{r.before:6.3f} -> {r.after:6.3f} {r.after / full.after:7.3f}")
         print("* wall time of the whole training loop (same step count per method; the first steps under the Ledger)")
-        print("\ngenre_task (MiniLM, comedy / history / tragedy)")
+        print("\nclassify_task (MiniLM, First Folio or modern spelling)")
         for m, r in genre.items():
             ratio = r.after / genre["full"].after if m != "probe" else float("nan")
             print(f"  {r.row()}  accuracy ratio to full {ratio:.3f}")

@@ -4,12 +4,39 @@ from .lora import (LoRALinear, LoRALinearNaive, ParamCounts, apply_lora, count_p
                    linear_names, lora_modules, lora_scaling, lora_state_dict, merge_lora, trainable_parameters)
 from .qlora import NF4Base, apply_qlora, base_bytes, qlora_optimizer, to_nf4
 from .lisa import LISA, LISANaive, find_layers, lisa_bound, lisa_memory_trace
-from .tasks import FOLIO_GENRES, MeanPoolClassifier, TaskResult, adapt_task, format_results, genre_passages, genre_task
+from .tasks import (FOLIO_GENRES, TASK_CLASSES, MeanPoolClassifier, TaskResult, adapt_task, classify_task, format_results,
+                    passages)
 
 __all__ = [
-    "FOLIO_GENRES", "LISA", "LISANaive", "LoRALinear", "LoRALinearNaive", "MeanPoolClassifier", "NF4Base", "ParamCounts",
-    "TaskResult", "adapt_task", "apply_lora", "apply_qlora", "base_bytes", "count_parameters", "find_layers",
-    "find_targets", "format_results", "genre_passages", "genre_task", "ledger_for", "linear_names", "lisa_bound",
-    "lisa_memory_trace", "lora_modules", "lora_scaling", "lora_state_dict", "merge_lora", "qlora_optimizer", "to_nf4",
+    "FOLIO_GENRES",
+    "LISA",
+    "LISANaive",
+    "LoRALinear",
+    "LoRALinearNaive",
+    "MeanPoolClassifier",
+    "NF4Base",
+    "ParamCounts",
+    "TASK_CLASSES",
+    "TaskResult",
+    "adapt_task",
+    "apply_lora",
+    "apply_qlora",
+    "base_bytes",
+    "classify_task",
+    "count_parameters",
+    "find_layers",
+    "find_targets",
+    "format_results",
+    "ledger_for",
+    "linear_names",
+    "lisa_bound",
+    "lisa_memory_trace",
+    "lora_modules",
+    "lora_scaling",
+    "lora_state_dict",
+    "merge_lora",
+    "passages",
+    "qlora_optimizer",
+    "to_nf4",
     "trainable_parameters",
 ]

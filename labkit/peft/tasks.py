@@ -1,11 +1,14 @@
-"""Real offline tasks for the PEFT lesson: the genre of a Shakespeare passage with MiniLM, and a GPT adapted from comedies to histories.
+"""Real offline tasks for the PEFT lesson: classify Shakespeare passages with MiniLM, and adapt a GPT from comedies to histories.
 
-(a) `genre_task`: passages of 24-32 words of dialogue (speaker names and stage directions removed)
-labelled comedy / history / tragedy after the First Folio's catalogue (1623). Whole plays are held
-out for testing (in each genre's alphabetical list, every 4th play), so a model cannot lean on
-character names: it has to learn the genre's vocabulary. all-MiniLM-L6-v2 plus a linear head on
-its mean-pooled hidden states is first trained head-only on frozen features (the "before"
-accuracy, a linear probe), then fine-tuned from that head: full, LoRA and QLoRA.
+(a) `classify_task`: passages of 16-32 spoken words (speaker names and stage directions removed)
+from the 35 plays of the First Folio, which exist here in two spellings. task="spelling" (default)
+asks "First Folio (1623) or modern spelling?" (vpon/haue/loue, Capitalised Nouns); task="genre" asks
+comedy / history / tragedy after the Folio's catalogue, a much harder question that barely moves in
+a CPU budget. Whole plays are held out for testing (in each genre's alphabetical list every 4th
+play, in both spellings), so names and plots cannot be learned by heart. all-MiniLM-L6-v2 and a
+linear head on its mean-pooled hidden states is first trained head-only on frozen features (the
+"before" accuracy: a linear probe); full fine-tuning, LoRA and QLoRA then start from that head and
+see fresh training passages at every step.
 (b) `adapt_task`: labkit's GPT pretrained briefly on the comedies, then adapted to the histories
 with LoRA, QLoRA, LISA (and full fine-tuning for reference): validation loss on held-out history
 text before and after. Every method's peak memory is measured with the Ledger on its first steps.
@@ -39,7 +42,12 @@ FOLIO_GENRES = {  # modern-spelling ids without "_gut"; Troilus and Cressida (un
     "tragedy": ("coriolanus", "tragedy_of_titus_andronicus", "romeo_and_juliet", "timon_of_athens", "julius_caesar",
                 "macbeth", "hamlet", "lear", "othello", "antony_and_cleopatra", "cymbeline"),
 }
-CLASSES = tuple(sorted(FOLIO_GENRES))
+FOLIO_IDS = {"comedy_of_errors": "comedy_of_errours", "loves_labours_lost": "loves_labour_lost",  # where names differ
+             "midsummer_nights_dream": "midsummer_nights_dreame", "alls_well_that_ends_well": "all_is_well_that_ends_well",
+             "twelfth_night": "twelfe-night", "tragedy_of_titus_andronicus": "titus_andronicus",
+             "antony_and_cleopatra": "anthonie_and_cleopatra"}
+GENRES = tuple(sorted(FOLIO_GENRES))
+TASK_CLASSES = {"spelling": ("modern", "folio"), "genre": GENRES}
 
 
 @dataclass
@@ -64,10 +72,22 @@ def format_results(results: dict[str, TaskResult]) -> str:
 
 
 # ---- data ---------------------------------------------------------------------------------------
-def speech_words(text: str) -> list[str]:
-    """The words spoken in a play: from its first ACT on, without speaker names, headings or [stage directions]."""
-    m = re.search(r"^ACT\b", text, re.M | re.I)
+_FOLIO_SKIP = re.compile(r"\s*(Enter|Exit|Exeunt|Actus|Scena|Scoena|Scaena|Flourish|Alarum|Manet|Sennet)\b", re.I)
+
+
+def speech_words(text: str, folio: bool = False) -> list[str]:
+    """The words spoken in a play, without speaker names, headings and (most) stage directions.
+
+    Modern texts: blocks "SPEAKER.\nlines", [directions], ACT/SCENE headings. Folio texts: "  Spk. line",
+    unbracketed "Enter ..."/"Exit" lines, "Actus Primus. Scoena Prima." headings, a title line first.
+    """
     words = []
+    if folio:
+        for line in text.splitlines()[1:]:
+            if line.strip() and not _FOLIO_SKIP.match(line):
+                words += re.sub(r"^\s*[A-Z][A-Za-z]{0,7}\.\s+(?=\S)", "", line).split()  # a leading "Ham. "
+        return words
+    m = re.search(r"^ACT\b", text, re.M | re.I)
     for block in re.split(r"\n\s*\n", text[m.start():] if m else text):
         lines = [s.strip() for s in block.splitlines() if s.strip()]
         lines = [s for s in lines if not s.startswith("[") and not re.match(r"(ACT|SCENE)\b", s, re.I)]
@@ -82,28 +102,35 @@ def speech_words(text: str) -> list[str]:
 def _play_words(play_id: str) -> tuple[str, ...]:
     from labkit.data import read_play
 
-    return tuple(speech_words(read_play(play_id)))
+    return tuple(speech_words(read_play(play_id), folio=play_id.endswith("_f")))
 
 
-def genre_passages(words: int = 32, train_per_class: int = 200, test_per_class: int = 60, test_every: int = 4):
-    """(train, test): lists of (passage, class index, play), balanced; test passages come from held-out plays.
+def passages(task: str = "spelling", words: int = 32, train_per_class: int = 200, test_per_class: int = 60,
+             test_every: int = 4):
+    """(train, test): lists of (passage, class index, play id), balanced; test passages come from held-out plays.
 
     The split is deterministic: in each genre's alphabetical play list, plays at index test_every-1,
-    2*test_every-1, ... are held out; passages are consecutive `words`-word chunks, drawn by a seeded shuffle.
+    2*test_every-1, ... are held out (both spellings); passages are consecutive `words`-word chunks,
+    drawn by a seeded shuffle. Classes: TASK_CLASSES[task].
     """
+    if task not in TASK_CLASSES:
+        raise ValueError(f"unknown task {task!r}: choose 'spelling' (Folio or modern) or 'genre' (comedy/history/tragedy)")
     for name, v in (("words", words), ("train_per_class", train_per_class), ("test_per_class", test_per_class),
                     ("test_every", test_every)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "test_every" else 1):
             raise ValueError(f"{name} must be a positive integer{' of at least 2' if name == 'test_every' else ''}, got {v!r}")
-    train, test = [], []
-    for ci, genre in enumerate(CLASSES):
-        pools = [[], []]  # train plays, held-out plays
+    pools = {c: ([], []) for c in TASK_CLASSES[task]}  # class -> (train plays' passages, held-out plays')
+    for genre in GENRES:
         for j, play in enumerate(sorted(FOLIO_GENRES[genre])):
-            w = _play_words(play + "_gut")
-            chunks = [" ".join(w[i:i + words]) for i in range(0, len(w) - words + 1, words)]
-            pools[j % test_every == test_every - 1] += [(c, ci, play) for c in chunks]
-        for pool, n, out in ((pools[0], train_per_class, train), (pools[1], test_per_class, test)):
-            random.Random(f"{genre}{n}").shuffle(pool)
+            ids = {"modern": play + "_gut", "folio": FOLIO_IDS.get(play, play) + "_gut_f"}
+            for cls, pid in ids.items() if task == "spelling" else [(genre, ids["modern"])]:
+                w = _play_words(pid)
+                pools[cls][j % test_every == test_every - 1].extend(
+                    (" ".join(w[i:i + words]), TASK_CLASSES[task].index(cls), pid) for i in range(0, len(w) - words + 1, words))
+    train, test = [], []
+    for cls, (tr, te) in pools.items():
+        for pool, n, out in ((tr, train_per_class, train), (te, test_per_class, test)):
+            random.Random(f"{cls}{words}").shuffle(pool)
             out += pool[:n]
     return train, test
 
@@ -155,10 +182,10 @@ def _fit(model, opt, loss_at, steps: int, measure_steps: int = 2, before_step=No
     return (led.measurement() if led else None), time.perf_counter() - t0
 
 
-GENRE_SIZES = {  # smoke: seconds (CI); cpu: a few CPU minutes a method; cuda: a real run
-    "smoke": dict(words=20, max_length=32, train_per_class=16, test_per_class=8, steps=2, batch=4, probe_steps=100),
-    "cpu": dict(words=32, max_length=48, train_per_class=200, test_per_class=80, steps=60, batch=16, probe_steps=300),
-    "cuda": dict(words=32, max_length=64, train_per_class=600, test_per_class=150, steps=300, batch=32, probe_steps=300),
+CLASSIFY_SIZES = {  # smoke: seconds (CI); cpu: a few CPU minutes a method; cuda: a real run
+    "smoke": dict(words=16, max_length=24, probe_per_class=16, train_per_class=64, test_per_class=16, steps=2, batch=4),
+    "cpu": dict(words=32, max_length=48, probe_per_class=200, train_per_class=3000, test_per_class=100, steps=60, batch=16),
+    "cuda": dict(words=32, max_length=64, probe_per_class=1000, train_per_class=6000, test_per_class=300, steps=300, batch=32),
 }
 
 
@@ -172,14 +199,16 @@ def _device(device) -> torch.device:
     return pick_device(device) if device is None or isinstance(device, str) else torch.device(device)
 
 
-def genre_task(methods=("full", "lora", "qlora"), model=None, r: int = 8, alpha: float = 16,
-               lr: dict | None = None, smoke_mode: bool | None = None, seed: int = 0, measure_steps: int = 2,
-               qlora_dtype: torch.dtype | None = None, device=None, **sizes) -> dict[str, TaskResult]:
-    """Fine-tune MiniLM on passage genre from a linear probe's head; {"probe": ..., method: TaskResult}.
+def classify_task(task: str = "spelling", methods=("full", "lora", "qlora"), model=None, r: int = 8,
+                  alpha: float = 16, lr: dict | None = None, smoke_mode: bool | None = None, seed: int = 0,
+                  measure_steps: int = 2, qlora_dtype: torch.dtype | None = None, device=None,
+                  **sizes) -> dict[str, TaskResult]:
+    """Fine-tune MiniLM on a passage task from a linear probe's head; {"probe": ..., method: TaskResult}.
 
+    task: "spelling" (First Folio or modern) or "genre" (comedy, history, tragedy); see `passages`.
     model: None (the bundled all-MiniLM-L6-v2), a hub name or folder (online users), or a (model, tokenizer) pair.
-
-    sizes: words, max_length, train_per_class, test_per_class, steps, batch, probe_steps (GENRE_SIZES by tier).
+    sizes: words, max_length, probe_per_class (passages the probe is fitted on), train_per_class (the
+        pool fine-tuning draws its batches from), test_per_class, steps, batch: CLASSIFY_SIZES by tier.
     device: default labkit.device.pick_device() (LABKIT_DEVICE, else the best there is).
     qlora_dtype: NF4 compute dtype (default bf16 on CUDA, fp32 elsewhere: CPUs without bf16 units emulate it slowly).
     """
@@ -187,35 +216,36 @@ def genre_task(methods=("full", "lora", "qlora"), model=None, r: int = 8, alpha:
 
     unknown = set(methods) - {"full", "lora", "qlora"}
     if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}: genre_task runs 'full', 'lora' and 'qlora'")
-    device = _device(device)
-    bad = set(sizes) - set(GENRE_SIZES["cpu"])
+        raise ValueError(f"unknown methods {sorted(unknown)}: classify_task runs 'full', 'lora' and 'qlora'")
+    bad = set(sizes) - set(CLASSIFY_SIZES["cpu"])
     if bad:
-        raise TypeError(f"unknown size arguments {sorted(bad)}: genre_task takes {', '.join(GENRE_SIZES['cpu'])}")
-    s = {**GENRE_SIZES[_tier(smoke_mode, device)], **sizes}
+        raise TypeError(f"unknown size arguments {sorted(bad)}: classify_task takes {', '.join(CLASSIFY_SIZES['cpu'])}")
+    device = _device(device)
+    s = {**CLASSIFY_SIZES[_tier(smoke_mode, device)], **sizes}
+    train, test = passages(task, s["words"], s["train_per_class"], s["test_per_class"])
     lr = {"probe": 1e-2, "full": 5e-5, "lora": 1e-3, "qlora": 1e-3, **(lr or {})}
     encoder, tok = model if isinstance(model, tuple) else load_minilm(model)
     encoder = encoder.to(device)
-    train, test = genre_passages(s["words"], s["train_per_class"], s["test_per_class"])
 
     def encode(rows):
         enc = tok([row[0] for row in rows], padding="max_length", truncation=True, max_length=s["max_length"], return_tensors="pt")
         return enc["input_ids"].to(device), enc["attention_mask"].to(device), torch.tensor([row[1] for row in rows], device=device)
 
     tr, te = encode(train), encode(test)
+    n_cls = len(TASK_CLASSES[task])
+    probe = torch.cat([(tr[2] == c).nonzero().flatten()[:s["probe_per_class"]] for c in range(n_cls)])  # (P,)
     torch.manual_seed(seed)
-    base = MeanPoolClassifier(encoder, len(CLASSES)).to(device)
-    # before: a linear probe on frozen mean-pooled features, the head every method starts from
-    with torch.no_grad():
+    base = MeanPoolClassifier(encoder, n_cls).to(device)
+    with torch.no_grad():  # before: a linear probe on frozen mean-pooled features, the head every method starts from
         base.eval()
-        feats = torch.cat([base.features(tr[0][i:i + 64], tr[1][i:i + 64]) for i in range(0, len(tr[2]), 64)])
+        feats = torch.cat([base.features(tr[0][i], tr[1][i]) for i in probe.split(64)])  # (P, hidden)
     opt = torch.optim.AdamW(base.head.parameters(), lr=lr["probe"])
-    for _ in range(s["probe_steps"]):
-        F.cross_entropy(base.head(feats), tr[2]).backward()
+    for _ in range(300):
+        F.cross_entropy(base.head(feats), tr[2][probe]).backward()
         opt.step()
         opt.zero_grad()
     before = _accuracy(base, te)
-    results = {"probe": TaskResult("probe", "accuracy", 1 / len(CLASSES), before, base.head.weight.numel() + len(CLASSES),
+    results = {"probe": TaskResult("probe", "accuracy", 1 / n_cls, before, base.head.weight.numel() + n_cls,
                                    count_parameters(base).total, None, 0.0)}
     qdtype = qlora_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     targets = [n for n in linear_names(base) if "pooler" not in n and not n.startswith("head")]  # the pooler is unused
@@ -226,7 +256,7 @@ def genre_task(methods=("full", "lora", "qlora"), model=None, r: int = 8, alpha:
         elif method == "qlora":
             apply_qlora(model, targets, r=r, alpha=alpha, compute_dtype=qdtype, train_also=["head"])
         for name, mod in model.named_modules():
-            if "pooler" in name.rsplit(".", 1)[-1]:
+            if name.rsplit(".", 1)[-1] == "pooler":
                 mod.requires_grad_(False)  # BERT's pooler is not on the mean-pooled path: it would get no gradient
         opt = torch.optim.AdamW(trainable_parameters(model), lr=lr[method])
         g = torch.Generator().manual_seed(seed)
@@ -266,7 +296,7 @@ def adapt_task(methods=("lora", "qlora", "lisa"), source: str = "comedy", target
 
     for g in (source, target):
         if g not in FOLIO_GENRES:
-            raise ValueError(f"unknown genre {g!r}: choose among {', '.join(CLASSES)}")
+            raise ValueError(f"unknown genre {g!r}: choose among {', '.join(GENRES)}")
     unknown = set(methods) - {"full", "lora", "qlora", "lisa"}
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}: choose among 'full', 'lora', 'qlora', 'lisa'")
@@ -275,7 +305,7 @@ def adapt_task(methods=("lora", "qlora", "lisa"), source: str = "comedy", target
     small = tier == "smoke"
     prof = profile(device, smoke_mode=small)
     cfg = cfg or (GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128) if tier == "cpu" else prof.gpt_config())
-    pretrain_steps = pretrain_steps or {"smoke": 40, "cpu": 200, "cuda": 1000}[tier]
+    pretrain_steps = pretrain_steps or {"smoke": 40, "cpu": 400, "cuda": 1000}[tier]
     steps, batch = steps or {"smoke": 8, "cpu": 60, "cuda": 200}[tier], batch or prof.batch
     seq = min(seq or prof.seq, cfg.block_size)
     interval = interval or max(1, steps // 5)

