@@ -71,8 +71,17 @@ class Ledger(TorchDispatchMode):
         self._marks.append((len(self._events), "forward", 1))
         self._handles.append(_optim_hooks.register_optimizer_step_pre_hook(self._pre_step))
         self._handles.append(_optim_hooks.register_optimizer_step_post_hook(self._post_step))
-        for p in self._params.values():
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for p in self._params.values():  # frozen ones too: a layer unfrozen later (LISA) must be tagged
+            if not p.dtype.is_floating_point and not p.dtype.is_complex:
+                continue  # integer parameters (packed codes) never have gradients
+            frozen = not p.requires_grad
+            if frozen:
+                p.requires_grad_(True)  # torch refuses a grad hook on a parameter that does not require grad
+            try:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            finally:
+                if frozen:
+                    p.requires_grad_(False)
         if self.model is not None:  # a step's forward starts when the model's forward does
             self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._set_phase("forward")))
         if torch.cuda.is_available() and self.device_type == "cuda":

@@ -1,6 +1,6 @@
 """Parameter-efficient fine-tuning from scratch: LoRA, QLoRA (LoRA on an NF4-frozen base) and LISA."""
 
-from .lora import (LoRALinear, LoRALinearNaive, ParamCounts, apply_lora, count_parameters, find_targets, ledger_for,
+from .lora import (LoRALinear, LoRALinearNaive, ParamCounts, apply_lora, count_parameters, find_targets,
                    linear_names, lora_modules, lora_scaling, lora_state_dict, merge_lora, trainable_parameters)
 from .qlora import NF4Base, apply_qlora, base_bytes, qlora_optimizer, to_nf4
 from .lisa import LISA, LISANaive, find_layers, lisa_bound, lisa_memory_trace
@@ -27,7 +27,6 @@ __all__ = [
     "find_layers",
     "find_targets",
     "format_results",
-    "ledger_for",
     "linear_names",
     "lisa_bound",
     "lisa_memory_trace",

@@ -137,12 +137,12 @@ def lisa_memory_trace(model: nn.Module, batches, gamma: int = 1, interval: int =
     """
     from labkit.memory import Category
 
-    from .lora import ledger_for
+    from labkit.memory import Ledger
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     lisa = (LISANaive if naive else LISA)(model, opt, gamma=gamma, interval=interval, seed=seed)
     rows = []
-    with ledger_for(model, opt, label=f"{'naive ' if naive else ''}LISA gamma={gamma} K={interval}") as led:
+    with Ledger(model, opt, label=f"{'naive ' if naive else ''}LISA gamma={gamma} K={interval}") as led:
         for x, y in batches:
             active = list(lisa.step())
             model(x, y).backward()

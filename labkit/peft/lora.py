@@ -17,7 +17,6 @@ Two versions, teaching first:
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Iterable, NamedTuple, Sequence
 
@@ -237,27 +236,3 @@ class ParamCounts(NamedTuple):
 def count_parameters(model: nn.Module) -> ParamCounts:
     """(trainable, total) parameter elements, tied weights counted once, like peft's print_trainable_parameters."""
     return ParamCounts(sum(p.numel() for p in trainable_parameters(model)), sum(p.numel() for p in model.parameters()))
-
-
-@contextlib.contextmanager
-def ledger_for(model: nn.Module, optimizer=None, **kwargs):
-    """`labkit.memory.Ledger(model, optimizer, **kwargs)` for a model with frozen parameters.
-
-    The Ledger registers a gradient hook on every parameter, which torch refuses on one that does
-    not require grad; the frozen ones are unfrozen while it starts (so a layer unfrozen later, as in
-    LISA, still has its gradient tagged), then frozen again. Floating-point parameters only.
-    """
-    from labkit.memory import Ledger
-
-    frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype.is_floating_point]
-    for p in frozen:
-        p.requires_grad_(True)
-    led = Ledger(model, optimizer, **kwargs)
-    try:
-        led.__enter__()
-    finally:
-        for p in frozen:
-            p.requires_grad_(False)
-    with contextlib.ExitStack() as stack:
-        stack.push(led.__exit__)
-        yield led

@@ -29,8 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.device import smoke
+from labkit.memory import Ledger
 from .lisa import LISA
-from .lora import apply_lora, count_parameters, ledger_for, linear_names, trainable_parameters
+from .lora import apply_lora, count_parameters, linear_names, trainable_parameters
 from .qlora import apply_qlora, qlora_optimizer
 
 FOLIO_GENRES = {  # modern-spelling ids without "_gut"; Troilus and Cressida (uncatalogued) and Pericles (not in the Folio) left out
@@ -170,7 +171,7 @@ def _fit(model, opt, loss_at, steps: int, measure_steps: int = 2, before_step=No
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if measure_steps:
-            led = stack.enter_context(ledger_for(model, opt))
+            led = stack.enter_context(Ledger(model, opt))
         for i in range(steps):
             if i == measure_steps:
                 stack.close()

@@ -93,3 +93,22 @@ def test_live_tensors_names_the_ops():
         rows = led.live_tensors()
     assert rows[0][0] in ("mm", "randn") and rows[0][3] == 64 * 64 * 4
     del b
+
+
+def test_frozen_parameters_are_accepted_and_tagged_when_unfrozen_later():
+    """torch refuses a grad hook on a frozen parameter; the Ledger must still start, leave it frozen,
+    and tag its gradient GRAD if it is unfrozen inside the block (LISA switching layers)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    model.register_buffer("codes", torch.zeros(8, dtype=torch.uint8))  # integer state is not a parameter problem
+    x = torch.randn(8, 16)
+    with Ledger(model) as led:
+        assert not model[0].weight.requires_grad  # left as it was
+        model(x).sum().backward()
+        assert model[0].weight.grad is None
+        model[0].requires_grad_(True)  # unfrozen inside the block
+        model(x).sum().backward()
+    grads = {id(p.grad.untyped_storage()) for p in model.parameters()}
+    assert len(grads) == 4
+    assert led.measurement().peak[Category.GRAD] == 4 * (16 * 16 + 16 + 16 * 4 + 4)  # both layers' gradients

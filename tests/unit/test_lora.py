@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 from peft import LoraConfig, get_peft_model
 
-from labkit.memory import Category
+from labkit.memory import Category, Ledger
 from labkit.models.gpt import GPT, GPTConfig
-from labkit.peft import (LoRALinear, LoRALinearNaive, apply_lora, count_parameters, find_targets, ledger_for,
+from labkit.peft import (LoRALinear, LoRALinearNaive, apply_lora, count_parameters, find_targets,
                          lora_scaling, lora_state_dict, merge_lora, trainable_parameters)
 
 C, T = 32, 16
@@ -134,7 +134,7 @@ def test_naive_version_same_result_but_keeps_a_full_weight():
     assert torch.allclose(naive(x), real(x), atol=1e-5)
     acts = {}
     for name, mod in (("naive", naive), ("real", real)):
-        with ledger_for(mod) as led:
+        with Ledger(mod) as led:
             mod(x).sum().backward()
         acts[name] = max(b[Category.ACT] for b in led.measurement().phases.values())
     assert acts["naive"] >= 128 * 64 * 4  # the merged (d_out, d_in) fp32 weight, kept for backward
@@ -148,7 +148,7 @@ def test_bytes_per_parameter_of_an_adapted_linear():
     m = apply_lora(nn.Sequential(nn.Linear(d_in, d_out, bias=False)), ["0"], r=r)
     opt = torch.optim.AdamW(trainable_parameters(m), lr=1e-3)
     x = torch.randn(4, d_in)
-    with ledger_for(m, opt) as led:
+    with Ledger(m, opt) as led:
         for _ in range(2):
             m(x).square().mean().backward()
             opt.step()

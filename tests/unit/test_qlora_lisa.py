@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from labkit.memory import Category
+from labkit.memory import Category, Ledger
 from labkit.models.gpt import GPT, GPTConfig
-from labkit.peft import (LISA, LISANaive, LoRALinear, NF4Base, apply_qlora, base_bytes, find_layers, ledger_for, lisa_memory_trace,
+from labkit.peft import (LISA, LISANaive, LoRALinear, NF4Base, apply_qlora, base_bytes, find_layers, lisa_memory_trace,
                          qlora_optimizer, to_nf4, trainable_parameters)
 from labkit.quant.nf4 import NF4Linear, nbytes_nf4
 
@@ -85,7 +85,7 @@ def test_qlora_matches_peft_on_bitsandbytes(dtype):
 
 
 def _acts(model, x):
-    with ledger_for(model) as led:
+    with Ledger(model) as led:
         model(x).sum().backward()
     return max(b[Category.ACT] for b in led.measurement().phases.values())
 
@@ -110,7 +110,7 @@ def test_qlora_bytes_per_parameter():
     d_in, d_out, r = 256, 512, 8
     m = apply_qlora(nn.Sequential(nn.Linear(d_in, d_out, bias=False)), ["0"], r=r, compute_dtype=torch.float32)
     opt = torch.optim.AdamW(trainable_parameters(m), lr=1e-3)
-    with ledger_for(m, opt) as led:
+    with Ledger(m, opt) as led:
         for _ in range(2):
             m(torch.randn(4, d_in)).square().mean().backward()
             opt.step()
