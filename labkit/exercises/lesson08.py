@@ -1,0 +1,126 @@
+"""Checks for lesson 08 (LoRA, QLoRA, LISA): how many parameters LoRA trains, how many bytes an NF4 base
+takes, and how much optimizer state LISA can hold at most.
+
+Expected values come from the library: apply_lora on a copy of the learner's model and counted,
+quantize_nf4 on a real tensor of the asked shape, and lisa_bound on a LISA built over the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.nn as nn
+
+from labkit.peft import LISA, apply_lora, count_parameters, find_layers, find_targets, lisa_bound
+from labkit.quant import nbytes_nf4, quantize_nf4
+
+from . import close, failed, integer, passed
+
+
+# ---- exercise 1: parameters LoRA trains --------------------------------------------------------------
+def lora_params(model: nn.Module, targets, r: int) -> int:
+    """Trainable parameter elements after apply_lora(copy of model, targets, r) (adapters only)."""
+    m = copy.deepcopy(model)
+    apply_lora(m, list(targets), r=r)
+    return count_parameters(m).trainable
+
+
+def check_lora_params(answer, model: nn.Module, targets=("query", "value"), r: int = 8) -> bool:
+    name = f"parameters LoRA rank {r} trains on {', '.join(targets)}"
+    value = integer(answer, name)
+    if value is None:
+        return False
+    expected = lora_params(model, targets, r)
+    layers = [model.get_submodule(n) for n in find_targets(model, list(targets))]
+    shapes = sorted({(lin.in_features, lin.out_features) for lin in layers})
+    example = f"r x (d_in + d_out) = {r} x ({shapes[0][0]} + {shapes[0][1]})"
+    if value == expected:
+        return passed(f"{name}: {expected:,} = {len(layers)} layers x {example}: A is r x d_in, B is d_out x r; "
+                      f"{expected / count_parameters(model).total:.2%} of the model's {count_parameters(model).total:,}.")
+    if value == sum(r * lin.in_features for lin in layers) or value == sum(r * lin.out_features for lin in layers):
+        return failed(f"{name}: that counts one of the two matrices; LoRA trains A (r x d_in) and B (d_out x r).")
+    if value == sum(lin.in_features * lin.out_features for lin in layers):
+        return failed(f"{name}: that is the size of the frozen weights themselves; LoRA trains the low-rank factors.")
+    if value == sum(lin.weight.numel() + (lin.bias.numel() if lin.bias is not None else 0) for lin in layers):
+        return failed(f"{name}: that is the frozen weights and biases of those layers; LoRA freezes them.")
+    if value == lora_params(model, ["query"], r) or value == expected // len(layers):
+        return failed(f"{name}: count every targeted layer: {len(layers)} of them ({', '.join(targets)} in every block).")
+    if value == lora_params(model, find_targets(model, "all-linear"), r):
+        return failed(f"{name}: that is all-linear; the question targets only {', '.join(targets)}.")
+    if value in (2 * expected, expected // 2):
+        return failed(f"{name}: off by a factor of 2: one A (r x d_in) and one B (d_out x r) per layer.")
+    return failed(f"{name}: per targeted Linear, r x (d_in + d_out); add them up over the {len(layers)} layers.")
+
+
+# ---- exercise 2: bytes of a frozen NF4 base -------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def nf4_base_bytes(rows: int, cols: int, double_quant: bool = True) -> int:
+    """Bytes labkit.quant holds for a (rows, cols) weight in NF4, blocks of 64, measured on a real tensor."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    return nbytes_nf4(*quantize_nf4(w, 64, double_quant))
+
+
+def check_nf4_base_bytes(answer, shape=(4096, 4096)) -> bool:
+    rows, cols = shape
+    n = rows * cols
+    name = f"bytes of a frozen {rows} x {cols} weight in NF4 with double quantization"
+    value = integer(answer, name)
+    if value is None:
+        return False
+    expected = nf4_base_bytes(rows, cols)
+    blocks = n // 64
+    if value == expected:
+        return passed(f"{name}: {expected:,} = {n // 2:,} (codes, 2 per byte) + {blocks:,} (an 8-bit absmax per 64) "
+                      f"+ {4 * blocks // 256:,} (an fp32 scale per 256 blocks) + 4 (the offset): "
+                      f"{expected / (2 * n):.1%} of its bf16 bytes.")
+    if close(value, n // 2 + blocks + 4 * blocks // 256, abs_=0):
+        return failed(f"{name}: almost: double quantization also keeps one fp32 offset (the mean absmax) per tensor.")
+    if value == nf4_base_bytes(rows, cols, False) or value == n // 2 + 4 * blocks:
+        return failed(f"{name}: that keeps an fp32 absmax per block (4.5 bits): without double quantization.")
+    if value == n // 2:
+        return failed(f"{name}: the 4-bit codes alone; every block of 64 also needs its absmax.")
+    if value in (n * 2, n * 4):
+        return failed(f"{name}: that is the bf16/fp32 weight; NF4 takes about 4.13 bits per value.")
+    if close(value, 8 * expected, rel=0.01) or close(value, 4.127 * n, rel=0.01):
+        return failed(f"{name}: that looks like bits; give bytes.")
+    return failed(f"{name}: add up: n/2 bytes of codes, one byte per block of 64, 4 bytes per 256 blocks, 4 more.")
+
+
+# ---- exercise 3: the most optimizer state LISA holds ----------------------------------------------------
+def lisa_opt_bound(model: nn.Module, gamma: int) -> int:
+    """lisa_bound(...)["OPT"] for LISA(gamma) over a copy of the model with fp32 AdamW."""
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters())
+    return lisa_bound(LISA(m, opt, gamma=gamma, interval=1))["OPT"]
+
+
+def check_lisa_opt_bytes(answer, model: nn.Module, gamma: int = 1) -> bool:
+    name = f"the most AdamW state bytes LISA (gamma={gamma}) holds"
+    value = integer(answer, name)
+    if value is None:
+        return False
+    expected = lisa_opt_bound(model, gamma)
+    _, layers = find_layers(model)
+    in_layers = {id(p) for p in layers.parameters()}
+    outside = {id(p): p for p in model.parameters() if id(p) not in in_layers}
+    out_n, out_t = sum(p.numel() for p in outside.values()), len(outside)
+    layer = max(layers, key=lambda lay: sum(p.numel() for p in lay.parameters()))
+    lay_n, lay_t = sum(p.numel() for p in layer.parameters()), len(list(layer.parameters()))
+    if value == expected:
+        return passed(f"{name}: {expected:,} = 8 x ({out_n:,} always-trained + {gamma} x {lay_n:,} per layer) + 4 x "
+                      f"{out_t + gamma * lay_t} step counters; full fine-tuning's AdamW holds "
+                      f"{8 * count_parameters(model).total:,}.")
+    if value == 8 * (out_n + gamma * lay_n):
+        return failed(f"{name}: almost: torch's AdamW also keeps a 4-byte step counter per parameter tensor.")
+    if value == 8 * gamma * lay_n + 4 * gamma * lay_t or value == 8 * gamma * lay_n:
+        return failed(f"{name}: the embeddings, final norm and head are always trained; their state counts too.")
+    if value == 8 * count_parameters(model).total + 4 * len(list(model.parameters())) or \
+            value == 8 * count_parameters(model).total:
+        return failed(f"{name}: that is full fine-tuning's state (what the naive LISA grows to); the real LISA "
+                      "frees the state of every layer it freezes again.")
+    if value == 4 * (out_n + gamma * lay_n) + 4 * (out_t + gamma * lay_t) or value == 4 * (out_n + gamma * lay_n):
+        return failed(f"{name}: AdamW keeps two fp32 moments, m and v: 8 bytes per trained parameter.")
+    return failed(f"{name}: 8 bytes per parameter trained at once (outside the layers + {gamma} layer(s)), "
+                  "plus 4 per tensor.")

@@ -1,0 +1,162 @@
+"""Lesson 08: every reference solution passes its check; blanks and plausible wrong answers fail, with a hint."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit.exercises import lesson08
+from labkit.models.gpt import GPT, GPTConfig
+
+SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions"
+BLANKS = [None, ...]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def sol08():
+    spec = importlib.util.spec_from_file_location("solutions_lesson08", SOLUTIONS / "lesson08.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    from labkit.models.minilm import load_minilm
+
+    return load_minilm()[0]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=32, vocab_size=64))
+
+
+def _says(capsys, mark: str, *words: str) -> str:
+    out = capsys.readouterr().out
+    assert mark in out, out
+    for word in words:
+        assert word in out, out
+    return out
+
+
+# ---- exercise 1: parameters LoRA trains --------------------------------------------------------------
+def test_lora_params_solution_passes(sol08, minilm, gpt, capsys):
+    answer = sol08.lora_params(minilm, ("query", "value"), 8)
+    assert answer == lesson08.lora_params(minilm, ("query", "value"), 8) == 6 * 2 * 8 * (384 + 384)
+    assert lesson08.check_lora_params(answer, minilm) is True
+    _says(capsys, "✅", "12 layers", "r x (d_in + d_out)")
+    assert lesson08.check_lora_params(sol08.lora_params(gpt, ("c_fc",), 4), gpt, ("c_fc",), 4) is True
+
+
+@pytest.mark.parametrize("blank", BLANKS)
+def test_lora_params_blank_fails(blank, minilm, capsys):
+    assert lesson08.check_lora_params(blank, minilm) is False
+    _says(capsys, "❌", "not answered yet")
+
+
+def test_lora_params_wrong_answers_fail_with_a_hint(minilm, capsys):
+    r, n = 8, 12  # 12 layers of 384 x 384
+    wrong = {
+        n * r * 384: "one of the two",
+        n * 384 * 384: "frozen weights themselves",
+        n * (384 * 384 + 384): "weights and biases",
+        r * (384 + 384): "every targeted layer",
+        lesson08.lora_params(minilm, lesson08.find_targets(minilm, "all-linear"), r): "all-linear",
+        2 * n * r * 768: "factor of 2",
+        12345: "add them up",
+    }
+    for answer, hint in wrong.items():
+        assert lesson08.check_lora_params(answer, minilm) is False, answer
+        _says(capsys, "❌", hint)
+    assert lesson08.check_lora_params(7.5, minilm) is False
+    _says(capsys, "❌", "whole number")
+
+
+# ---- exercise 2: bytes of a frozen NF4 base -------------------------------------------------------------
+def test_nf4_base_bytes_solution_passes(sol08, capsys):
+    for shape in ((4096, 4096), (512, 1024)):
+        answer = sol08.nf4_base_bytes(*shape)
+        assert answer == lesson08.nf4_base_bytes(*shape)
+        assert lesson08.check_nf4_base_bytes(answer, shape) is True
+        _says(capsys, "✅", "8-bit absmax per 64")
+    assert abs(8 * sol08.nf4_base_bytes() / 4096**2 - 4.127) < 1e-3  # the QLoRA paper's bits per parameter
+
+
+@pytest.mark.parametrize("blank", BLANKS)
+def test_nf4_base_bytes_blank_fails(blank, capsys):
+    assert lesson08.check_nf4_base_bytes(blank, (512, 1024)) is False
+    _says(capsys, "❌", "not answered yet")
+
+
+def test_nf4_base_bytes_wrong_answers_fail_with_a_hint(capsys):
+    n = 512 * 1024
+    blocks = n // 64
+    wrong = {
+        n // 2 + blocks + 4 * blocks // 256: "offset",
+        n // 2 + 4 * blocks: "without double quantization",
+        n // 2: "codes alone",
+        2 * n: "bf16",
+        8 * lesson08.nf4_base_bytes(512, 1024): "bits",
+        n: "add up",
+    }
+    for answer, hint in wrong.items():
+        assert lesson08.check_nf4_base_bytes(answer, (512, 1024)) is False, answer
+        _says(capsys, "❌", hint)
+
+
+# ---- exercise 3: the most optimizer state LISA holds ----------------------------------------------------
+def test_lisa_opt_solution_passes(sol08, gpt, capsys):
+    for gamma in (1, 2):
+        answer = sol08.lisa_opt_bytes(gpt, gamma)
+        assert answer == lesson08.lisa_opt_bound(gpt, gamma)
+        assert lesson08.check_lisa_opt_bytes(answer, gpt, gamma) is True
+        _says(capsys, "✅", "step counters")
+
+
+def test_lisa_bound_is_what_training_holds(gpt):
+    """The bound the check uses is reached and never exceeded by the real LISA (and exceeded by the naive one)."""
+    from labkit.peft import lisa_memory_trace
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (2, 16), generator=g),) * 2 for _ in range(8)]
+    real = lisa_memory_trace(GPT(gpt.config), batches, gamma=1, interval=2)
+    naive = lisa_memory_trace(GPT(gpt.config), batches, gamma=1, interval=2, naive=True)
+    bound = lesson08.lisa_opt_bound(gpt, 1)
+    assert max(s["OPT"] for s in real["steps"]) == bound
+    assert max(s["OPT"] for s in naive["steps"]) > bound
+
+
+@pytest.mark.parametrize("blank", BLANKS)
+def test_lisa_opt_blank_fails(blank, gpt, capsys):
+    assert lesson08.check_lisa_opt_bytes(blank, gpt) is False
+    _says(capsys, "❌", "not answered yet")
+
+
+def test_lisa_opt_wrong_answers_fail_with_a_hint(gpt, capsys):
+    layer = gpt.blocks[0]
+    lay_n, lay_t = sum(p.numel() for p in layer.parameters()), len(list(layer.parameters()))
+    in_layers = {id(p) for p in gpt.blocks.parameters()}
+    outside = {id(p): p for p in gpt.parameters() if id(p) not in in_layers}
+    out_n, out_t = sum(p.numel() for p in outside.values()), len(outside)
+    total = sum(p.numel() for p in gpt.parameters())
+    wrong = {
+        8 * (out_n + lay_n): "step counter",
+        8 * lay_n + 4 * lay_t: "always trained",
+        8 * total + 4 * len(list(gpt.parameters())): "full fine-tuning",
+        4 * (out_n + lay_n) + 4 * (out_t + lay_t): "two fp32 moments",
+        1000: "8 bytes per parameter",
+    }
+    for answer, hint in wrong.items():
+        assert lesson08.check_lisa_opt_bytes(answer, gpt, 1) is False, answer
+        _says(capsys, "❌", hint)
