@@ -6,14 +6,15 @@ the compute dtype when it is used, and never trained; LoRA's A and B (fp32 here,
 them) carry all the learning. artidoro/qlora adds activation checkpointing and a paged 8-bit
 optimizer; `qlora_optimizer` and `checkpoint=` give the first two here.
 
-Two versions of the frozen base, teaching first:
+The frozen base is `labkit.quant.NF4Linear` (here also called `NF4Base`), in two versions:
 
-- `labkit.quant.nf4.NF4Linear`: F.linear(x, dequantize(W)). Autograd keeps the dequantized
-  (d_out, d_in) weight to compute dL/dx, so every targeted layer holds a full-size copy in the
-  compute dtype (2 bytes per weight in bf16, 4 in fp32) as an activation until backward.
-- `NF4Base` (the real one, as bitsandbytes' MatMul4Bit): an autograd Function that keeps nothing
-  but a reference to the packed weight and dequantizes it again in backward (dL/dx = g W). One
-  layer's temporary copy exists at a time; the cost is a second dequantization per layer.
+- the real one (default): an autograd Function (`labkit.quant.DequantMatmul`, as bitsandbytes'
+  MatMul4Bit) that keeps nothing but references to the packed weight and dequantizes it again in
+  backward (dL/dx = g W). One layer's temporary copy exists at a time; the cost is a second
+  dequantization per layer.
+- `keep_dequantized=True`, the teaching one: F.linear(x, dequantize(W)). Autograd keeps the
+  dequantized (d_out, d_in) weight to compute dL/dx, so every targeted layer holds a full-size copy
+  in the compute dtype (2 bytes per weight in bf16, 4 in fp32) as an activation until backward.
 
 Bytes per adapted Linear (fp32 adapters, AdamW): 0.5 per base weight (packed codes) + 1/64 per
 weight (uint8 absmax) + ~1/4096 (fp32 second-level scales), bias kept as it was, + 16 per
@@ -26,7 +27,6 @@ from typing import Iterable, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from labkit.quant.nf4 import NF4Linear
 from .lora import LoRALinear, _check_rank, apply_lora, trainable_parameters
@@ -34,29 +34,7 @@ from .lora import LoRALinear, _check_rank, apply_lora, trainable_parameters
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class _NF4Matmul(torch.autograd.Function):
-    """x W^T with W dequantized in forward and again in backward; saves no tensor."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: NF4Linear, dtype: torch.dtype) -> torch.Tensor:
-        ctx.layer, ctx.dtype = layer, dtype
-        bias = None if layer.bias is None else layer.bias.to(dtype)  # frozen: added in the same matmul
-        return F.linear(x, layer.dequantized_weight(dtype), bias)  # (..., d_out); W is a temporary
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        w = ctx.layer.dequantized_weight(ctx.dtype)  # (d_out, d_in) again, freed when this returns
-        return g @ w, None, None  # (..., d_in) in the compute dtype
-
-
-class NF4Base(NF4Linear):
-    """NF4Linear whose dequantized weight is not kept for backward (re-dequantized there)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.compute_dtype or x.dtype
-        return _NF4Matmul.apply(x.to(dtype), self, dtype).to(x.dtype)  # as bitsandbytes' Linear4bit
+NF4Base = NF4Linear  # the frozen QLoRA base: one implementation, in labkit.quant.nf4
 
 
 def _check_dtype(compute_dtype) -> None:
@@ -66,10 +44,10 @@ def _check_dtype(compute_dtype) -> None:
 
 def to_nf4(linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16, double_quant: bool = True,
            blocksize: int = 64, keep_dequantized: bool = False) -> NF4Linear:
-    """Quantize one Linear into a frozen NF4 layer (NF4Base, or the teaching NF4Linear with keep_dequantized)."""
+    """Quantize one Linear into a frozen NF4 layer; keep_dequantized: the teaching version (see the module docstring)."""
     _check_dtype(compute_dtype)
-    cls = NF4Linear if keep_dequantized else NF4Base
-    layer = cls.from_linear(linear, blocksize=blocksize, double_quant=double_quant, compute_dtype=compute_dtype)
+    layer = NF4Linear.from_linear(linear, blocksize=blocksize, double_quant=double_quant, compute_dtype=compute_dtype,
+                                  keep_dequantized=keep_dequantized)
     return layer.requires_grad_(False)
 
 
@@ -80,7 +58,7 @@ def apply_qlora(model: nn.Module, targets: str | Sequence[str] = "all-linear", r
     """Quantize the targeted Linears to NF4, wrap each in a LoRALinear, freeze the rest; return the model.
 
     compute_dtype: the dtype the base weight is dequantized into and multiplied in (bf16 in QLoRA).
-    keep_dequantized: use the teaching NF4Linear, which keeps each dequantized weight for backward.
+    keep_dequantized: the teaching base, which lets autograd keep each dequantized weight for backward.
     checkpoint: None, or a policy of `labkit.recompute.checkpoint_blocks` ("full", "sqrt", ...) for a
         model with `.blocks` (labkit's GPT); the handle is left at `model.qlora_checkpoint`.
     Biases, norms and embeddings stay in their dtype (frozen, unless named in train_also).

@@ -2,6 +2,7 @@
 int8 weights (absmax / zero-point) and NF4 weights with double quantization."""
 
 from .dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
+from .matmul import DequantMatmul, dequant_linear
 from .int8 import (
     Int8Linear,
     Int8Tensor,
@@ -25,5 +26,6 @@ from .nf4 import (
     pack_nibbles,
     quantize_nf4,
     quantize_nf4_toy,
+    nf4_linear,
     unpack_nibbles,
 )

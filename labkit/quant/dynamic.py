@@ -53,7 +53,10 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor | None = None, blocks
     normed = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
     mids = (code[1:] + code[:-1]) / 2  # 255 decision boundaries
     idx = torch.bucketize(normed, mids)  # ties go to the lower code
-    return idx.to(torch.uint8).view(-1)[:n].view(x.shape), absmax
+    codes = idx.to(torch.uint8).view(-1)[:n]
+    if pad:
+        codes = codes.clone()  # a storage of exactly n bytes, not the padded blocks' (a view would keep them)
+    return codes.view(x.shape), absmax
 
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor | None = None,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from .matmul import dequant_linear
 
 MODES = ("absmax", "zeropoint")
 GRANULARITIES = ("tensor", "channel", "block")
@@ -160,10 +161,13 @@ class Int8Linear(nn.Module):
     """A frozen nn.Linear whose weight is stored as int8 codes + scales and dequantized on the fly.
 
     bytes: 1 per weight + 4 per scale (+1 per zero point), against 4 (fp32) or 2 (bf16) per weight;
-    the dequantized weight exists only during forward, as a temporary in `compute_dtype`.
+    the dequantized weight is a temporary in `compute_dtype` of forward (and again of backward, see
+    labkit.quant.matmul): nothing weight-sized is kept for backward. keep_dequantized=True is the
+    teaching version that lets autograd keep it (a full-size copy per layer until backward).
     """
 
-    def __init__(self, q: Int8Tensor, bias: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None):
+    def __init__(self, q: Int8Tensor, bias: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None,
+                 keep_dequantized: bool = False):
         super().__init__()
         if q.codes.dim() != 2:
             raise ValueError(f"Int8Linear needs a 2-D (out, in) weight, got shape {tuple(q.codes.shape)}")
@@ -173,12 +177,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_zero_point", q.zero_point)  # (groups,) uint8, or None
         self.mode, self.granularity, self.blocksize, self.weight_dtype = q.mode, q.granularity, q.blocksize, q.dtype
         self.compute_dtype = compute_dtype  # None: the input's dtype
+        self.keep_dequantized = keep_dequantized
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str = "absmax", granularity: str = "channel",
-                    blocksize: int | None = 64, compute_dtype: torch.dtype | None = None) -> "Int8Linear":
-        return cls(quantize_int8(linear.weight, mode, granularity, blocksize), linear.bias, compute_dtype)
+                    blocksize: int | None = 64, compute_dtype: torch.dtype | None = None,
+                    keep_dequantized: bool = False) -> "Int8Linear":
+        return cls(quantize_int8(linear.weight, mode, granularity, blocksize), linear.bias, compute_dtype,
+                   keep_dequantized)
 
     @property
     def quantized_weight(self) -> Int8Tensor:
@@ -189,11 +196,9 @@ class Int8Linear(nn.Module):
         return dequantize_int8(self.quantized_weight, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.compute_dtype or x.dtype
-        w = self.dequantized_weight(dtype)  # (out, in) temporary in the compute dtype
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), w, bias).to(x.dtype)
+        return dequant_linear(x, self.dequantized_weight, self.bias, self.compute_dtype, self.keep_dequantized)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"mode={self.mode}, granularity={self.granularity}, compute_dtype={self.compute_dtype}")
+                f"mode={self.mode}, granularity={self.granularity}, compute_dtype={self.compute_dtype}"
+                + (", keep_dequantized=True" if self.keep_dequantized else ""))

@@ -9,14 +9,15 @@ Bits per parameter: 4 + 32/64 = 4.5 without; 4 + 8/64 + 32/(64*256) = 4.127 with
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
 from .int8 import _TINY
+from .matmul import dequant_linear
 
 # The 16 NF4 levels as the QLoRA paper (Dettmers et al. 2023) lists them, rounded to float32 as bitsandbytes ships them:
 # 7 negative, 0, 8 positive. normal_float_map() derives them; it agrees to within 1.2e-7.
@@ -127,14 +128,33 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = True
     return packed, NF4State(qabsmax, w.shape, w.dtype, blocksize, absmax_scale, offset)
 
 
+_PAIR_TABLES: dict = {}  # device -> the (256, 2) table below, built once per device
+
+
+def _pair_table(device) -> torch.Tensor:
+    """(256, 2) fp32: for every byte hi*16+lo, the two levels it packs (NF4_CODE[hi], NF4_CODE[lo])."""
+    table = _PAIR_TABLES.get(device)
+    if table is None:
+        table = _PAIR_TABLES[device] = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], 1).to(device)
+    return table
+
+
+_pair_table(torch.device("cpu"))  # built at import: a table made inside a measurement would count as its memory
+
+
 def dequantize_nf4(packed: torch.Tensor, state: NF4State, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Packed codes + NF4State -> the weight in its original shape, in `dtype` (default the original).
-    The product level x absmax is taken in fp32 and then rounded to `dtype`."""
-    idx = unpack_nibbles(packed.view(torch.uint8))  # (numel,) 0..15
-    if idx.numel() != state.shape.numel():
-        raise ValueError(f"{idx.numel()} packed codes do not fit the shape {tuple(state.shape)}")
-    levels = NF4_CODE.to(packed.device)[idx.long()].view(-1, state.blocksize)  # (blocks, blocksize) fp32
-    w = levels * state.block_absmax()[:, None]
+    The product level x absmax is taken in fp32 and then rounded to `dtype`.
+
+    One lookup per byte (a 256-entry table of level pairs) with int32 indices: the temporaries are
+    the (numel/2,) int32 byte indices (2 bytes per weight) next to the fp32 result (4 per weight),
+    scaled in place; a 16-bit `dtype` adds its 2-byte copy. Peak: 6 bytes per weight (the result included).
+    """
+    packed = packed.reshape(-1).view(torch.uint8)
+    if 2 * packed.numel() != state.shape.numel():
+        raise ValueError(f"{2 * packed.numel()} packed codes do not fit the shape {tuple(state.shape)}")
+    w = _pair_table(packed.device).index_select(0, packed.int())  # (numel/2, 2) fp32; index: int32, not int64
+    w.view(-1, state.blocksize).mul_(state.block_absmax()[:, None])  # level x absmax, in place
     return w.view(state.shape).to(state.dtype if dtype is None else dtype)
 
 
@@ -150,16 +170,25 @@ def bits_per_param_nf4(packed: torch.Tensor, state: NF4State) -> float:
 # ----------------------------------------------------------------------------- the layer
 
 
+def nf4_linear(x: torch.Tensor, packed: torch.Tensor, state: NF4State, bias: torch.Tensor | None = None,
+               compute_dtype: torch.dtype | None = None, keep_dequantized: bool = False) -> torch.Tensor:
+    """F.linear(x, dequantize_nf4(packed, state), bias) in `compute_dtype` (default x's), returned in x's dtype;
+    nothing weight-sized is saved for backward unless keep_dequantized (see labkit.quant.matmul)."""
+    return dequant_linear(x, functools.partial(dequantize_nf4, packed, state), bias, compute_dtype, keep_dequantized)
+
+
 class NF4Linear(nn.Module):
     """A frozen nn.Linear whose weight is stored in NF4 and dequantized on the fly in `compute_dtype`,
     as QLoRA's base layers (bitsandbytes Linear4bit with quant_type="nf4").
 
-    bytes: about 0.52 per weight with double quantization, against 4 (fp32) or 2 (bf16); the
-    dequantized (out, in) weight exists only during forward, as a temporary in the compute dtype.
+    bytes: about 0.52 per weight with double quantization, against 4 (fp32) or 2 (bf16). The
+    dequantized (out, in) weight is a temporary of forward (and again of backward, see DequantMatmul):
+    nothing weight-sized is kept for backward. keep_dequantized=True is the teaching version that
+    lets autograd keep it (a full-size copy per layer until backward).
     """
 
     def __init__(self, packed: torch.Tensor, state: NF4State, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, keep_dequantized: bool = False):
         super().__init__()
         if len(state.shape) != 2:
             raise ValueError(f"NF4Linear needs a 2-D (out, in) weight, got shape {tuple(state.shape)}")
@@ -170,13 +199,14 @@ class NF4Linear(nn.Module):
         self.register_buffer("weight_absmax_offset", state.absmax_offset)  # () fp32 or None
         self.blocksize, self.weight_dtype = state.blocksize, state.dtype
         self.compute_dtype = compute_dtype  # None: the input's dtype
+        self.keep_dequantized = keep_dequantized
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True,
-                    compute_dtype: torch.dtype | None = None) -> "NF4Linear":
+                    compute_dtype: torch.dtype | None = None, keep_dequantized: bool = False) -> "NF4Linear":
         packed, state = quantize_nf4(linear.weight, blocksize, double_quant)
-        return cls(packed, state, linear.bias, compute_dtype)
+        return cls(packed, state, linear.bias, compute_dtype, keep_dequantized)
 
     @property
     def state(self) -> NF4State:
@@ -187,12 +217,9 @@ class NF4Linear(nn.Module):
         return dequantize_nf4(self.weight_packed, self.state, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.compute_dtype or x.dtype
-        w = self.dequantized_weight(dtype)  # (out, in) temporary in the compute dtype
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), w, bias).to(x.dtype)
+        return nf4_linear(x, self.weight_packed, self.state, self.bias, self.compute_dtype, self.keep_dequantized)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"blocksize={self.blocksize}, double_quant={self.weight_absmax_scale is not None}, "
-                f"compute_dtype={self.compute_dtype}")
+                f"compute_dtype={self.compute_dtype}" + (", keep_dequantized=True" if self.keep_dequantized else ""))
