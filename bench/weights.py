@@ -9,10 +9,15 @@ bits per parameter (codes and statistics actually held; shared lookup tables not
 share of identical 4-bit codes, and our figures as ratios to bitsandbytes'.
 Part 2, only when labkit.peft (with its tasks module) is importable: labkit.peft.tasks.adapt_task
 (a GPT pretrained on the comedies, adapted to the histories; --quick: its smoke sizes) for full
-fine-tuning, LoRA, QLoRA and LISA: trainable parameters, peak memory (Ledger), seconds per step and
-validation loss after, as ratios to full fine-tuning; and classify_task accuracy (MiniLM, First Folio or modern spelling) for full,
-LoRA and QLoRA. The last line is the summary:
-`weights: int8_bits=.. nf4_bits=.. nf4_dq_bits=.. int8_err_vs_bnb=.. nf4_err_vs_bnb=.. nf4_dq_err_vs_bnb=.. [lora_mem=.. ...]`
+fine-tuning, LoRA, QLoRA and LISA, and the libraries' equivalents in the same run (same seeds,
+batches, adapter init and measured steps): peft's LoRA ("peft-lora"), bitsandbytes Linear4bit NF4 +
+peft's LoRA ("bnb-qlora") and LISANaive, the reference callback that never frees a frozen layer's
+optimizer state ("lisa-naive"): trainable parameters, peak memory (Ledger), median seconds per step
+(outside the Ledger) and validation loss after, each as a ratio to full fine-tuning and to the
+equivalent; and classify_task accuracy (MiniLM, First Folio or modern spelling) for full, LoRA,
+QLoRA, peft-lora and bnb-qlora, with the same ratios. The last line is the summary:
+`weights: int8_bits=.. nf4_bits=.. nf4_dq_bits=.. int8_err_vs_bnb=.. nf4_err_vs_bnb=.. nf4_dq_err_vs_bnb=..
+[lora_mem=.. ... lora_mem_vs_peft=.. qlora_mem_vs_bnb=.. lisa_mem_vs_naive=.. ...]`
 """
 
 from __future__ import annotations
@@ -64,12 +69,76 @@ def weight_figures(model) -> dict[str, dict[str, float]]:
     return out
 
 
+REF = {"lora": ("peft-lora", "peft"), "qlora": ("bnb-qlora", "bnb"), "lisa": ("lisa-naive", "naive")}
+REF_OF = {ref: mine for mine, (ref, _) in REF.items()}
+
+
 def peft_figures(quick: bool) -> dict:
     from labkit.peft.tasks import adapt_task, classify_task
 
-    adapt = adapt_task(methods=("full", "lora", "qlora", "lisa"), smoke_mode=quick, device="cpu")
-    genre = classify_task(methods=("full", "lora", "qlora"), smoke_mode=quick, device="cpu")
-    return {"adapt": adapt, "genre": genre}
+    adapt = adapt_task(methods=("full", "lora", "peft-lora", "qlora", "bnb-qlora", "lisa", "lisa-naive"),
+                       smoke_mode=quick, device="cpu")
+    spelling = classify_task(methods=("full", "lora", "peft-lora", "qlora", "bnb-qlora"), smoke_mode=quick, device="cpu")
+    return {"adapt": adapt, "spelling": spelling}
+
+
+def _pair(results, m):
+    """(labkit's method, its library equivalent) for a row: a reference row is paired with ours, and vice versa."""
+    if m in REF and REF[m][0] in results:
+        return results[REF[m][0]]
+    if m in REF_OF and REF_OF[m] in results:
+        return results[REF_OF[m]]
+    return None
+
+
+def _ratios(r, other) -> str:
+    """trainable / peak / s per step / metric after, as ratios of r to other ('-' if there is no other)."""
+    if other is None:
+        return f"{'-':>29}"
+    return (f"{r.trainable / other.trainable:6.3f} {r.peak.total / other.peak.total:6.3f} "
+            f"{r.step_seconds / other.step_seconds:6.3f} {r.after / other.after:7.3f}")
+
+
+def print_table(title: str, results: dict, metric: str) -> None:
+    full = results["full"]
+    print(f"\n{title}")
+    print(f"{'method':10} {'trainable':>10} {'peak MiB':>9} {'opt MiB':>8} {'ms/step':>8} {metric + ' before->after':>22}   "
+          f"{'ratio to full: params/mem/time/' + metric:>36}   ratio to the library equivalent (same order)")
+    for m, r in results.items():
+        if m == "probe":
+            print(f"{m:10} {r.trainable:10,} {'-':>9} {'-':>8} {'-':>8} {r.before:10.3f} -> {r.after:7.3f}")
+            continue
+        print(f"{m:10} {r.trainable:10,} {r.peak.total / 2**20:9.2f} {r.opt_peak / 2**20:8.2f} {r.step_seconds * 1e3:8.1f} "
+              f"{r.before:10.3f} -> {r.after:7.3f}   {_ratios(r, full):>36}   {_ratios(r, _pair(results, m))}")
+    hidden = max((r.hidden_bytes for r in results.values()), default=0)
+    if hidden:
+        print(f"  bnb-qlora: the Ledger counts bitsandbytes' custom ops by their outputs; the weight gemm_4bit "
+              f"dequantizes inside its CPU kernel (at most {hidden / 2**20:.2f} MiB at a time) is not in its peak")
+    measured = sorted({(r.measured_steps, m) for m, r in results.items() if m != "probe"})
+    print("  peak: over the first steps under the Ledger (" + ", ".join(f"{m} {n}" for n, m in measured) +
+          "); opt: the most optimizer state at a phase peak; ms/step: median of the steps after them")
+
+
+def summarize(summary: dict, adapt: dict, spelling: dict) -> None:
+    full = adapt["full"]
+    for m in ("lora", "qlora", "lisa"):
+        r = adapt[m]
+        summary[f"{m}_mem"] = f"{r.peak.total / full.peak.total:.3f}"
+        summary[f"{m}_params"] = f"{r.trainable / full.trainable:.4f}"
+        summary[f"{m}_time"] = f"{r.step_seconds / full.step_seconds:.3f}"
+        summary[f"{m}_loss"] = f"{r.after / full.after:.3f}"
+    for m in ("lora", "qlora"):
+        summary[f"{m}_acc"] = f"{spelling[m].after / spelling['full'].after:.3f}"
+    for m, (ref, short) in REF.items():
+        r, q = adapt[m], adapt[ref]
+        summary[f"{m}_mem_vs_{short}"] = f"{r.peak.total / q.peak.total:.3f}"
+        if m == "lisa":
+            summary["lisa_opt_vs_naive"] = f"{r.opt_peak / max(q.opt_peak, 1):.3f}"
+        summary[f"{m}_time_vs_{short}"] = f"{r.step_seconds / q.step_seconds:.3f}"
+        summary[f"{m}_loss_vs_{short}"] = f"{r.after / q.after:.3f}"
+        if m in spelling and ref in spelling:
+            summary[f"{m}_acc_vs_{short}"] = f"{spelling[m].after / spelling[ref].after:.3f}"
+            summary[f"{m}_cls_mem_vs_{short}"] = f"{spelling[m].peak.total / spelling[ref].peak.total:.3f}"
 
 
 def main(argv=None) -> None:
@@ -101,28 +170,10 @@ def main(argv=None) -> None:
     has_peft = importlib.util.find_spec("labkit.peft") is not None and importlib.util.find_spec("labkit.peft.tasks") is not None
     if has_peft and not args.no_peft:
         p = peft_figures(args.quick)
-        adapt, genre = p["adapt"], p["genre"]
-        full = adapt["full"]
-        print("\nadapt_task (GPT, comedies -> histories)" + (" [quick]" if args.quick else ""))
-        print(f"{'method':7} {'trainable':>11} {'ratio':>7} {'peak MiB':>9} {'ratio':>7} {'s/step*':>8} {'ratio':>7} "
-              f"{'val loss':>15} {'ratio':>7}")
-        for m, r in adapt.items():
-            print(f"{m:7} {r.trainable:11,} {r.trainable / full.trainable:7.3f} {r.peak.total / 2**20:9.2f} "
-                  f"{r.peak.total / full.peak.total:7.3f} {r.seconds:8.2f} {r.seconds / full.seconds:7.3f} "
-                  f"{r.before:6.3f} -> {r.after:6.3f} {r.after / full.after:7.3f}")
-        print("* wall time of the whole training loop (same step count per method; the first steps under the Ledger)")
-        print("\nclassify_task (MiniLM, First Folio or modern spelling)")
-        for m, r in genre.items():
-            ratio = r.after / genre["full"].after if m != "probe" else float("nan")
-            print(f"  {r.row()}  accuracy ratio to full {ratio:.3f}")
-        for m in ("lora", "qlora", "lisa"):
-            r = adapt[m]
-            summary[f"{m}_mem"] = f"{r.peak.total / full.peak.total:.3f}"
-            summary[f"{m}_params"] = f"{r.trainable / full.trainable:.4f}"
-            summary[f"{m}_time"] = f"{r.seconds / full.seconds:.3f}"
-            summary[f"{m}_loss"] = f"{r.after / full.after:.3f}"
-        for m in ("lora", "qlora"):
-            summary[f"{m}_acc"] = f"{genre[m].after / genre['full'].after:.3f}"
+        quick = " [quick]" if args.quick else ""
+        print_table("adapt_task (GPT, comedies -> histories)" + quick, p["adapt"], "val loss")
+        print_table("classify_task (MiniLM, First Folio or modern spelling)" + quick, p["spelling"], "accuracy")
+        summarize(summary, p["adapt"], p["spelling"])
     print("weights: " + " ".join(f"{k}={v}" for k, v in summary.items()))
 
 

@@ -130,10 +130,28 @@ class LoRALinear(nn.Module):
 
 
 # ---- adapting a whole model ------------------------------------------------------------------------
+def _is_conv1d(m: nn.Module) -> bool:
+    return type(m).__name__ == "Conv1D" and hasattr(m, "weight") and m.weight.dim() == 2  # transformers' GPT-2
+
+
+def conv1d_as_linear(conv: nn.Module) -> nn.Linear:
+    """transformers' Conv1D (GPT-2: y = x W + b, W of shape (d_in, d_out)) as the equal nn.Linear (W transposed).
+    Same outputs and bytes; a merged model then holds Linear weights, (d_out, d_in), where GPT-2 had Conv1D."""
+    w = conv.weight  # (d_in, d_out)
+    lin = nn.Linear(w.shape[0], w.shape[1], bias=conv.bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w.t())
+        if conv.bias is not None:
+            lin.bias.copy_(conv.bias)
+    return lin.requires_grad_(w.requires_grad)
+
+
 def linear_names(model: nn.Module) -> list[str]:
-    """Full names of the model's nn.Linear modules that LoRA can adapt (not the bases of adapted ones)."""
+    """Full names of the model's nn.Linear (and GPT-2 Conv1D) modules that LoRA can adapt (not the bases of
+    adapted ones)."""
     bases = {id(m.base) for m in model.modules() if isinstance(m, (LoRALinear, LoRALinearNaive))}
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n and id(m) not in bases]
+    return [n for n, m in model.named_modules()
+            if (isinstance(m, nn.Linear) or _is_conv1d(m)) and n and id(m) not in bases]
 
 
 def _matches(name: str, target: str) -> bool:
@@ -176,7 +194,8 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 def apply_lora(model: nn.Module, targets: str | Sequence[str] = "all-linear", r: int = 8, alpha: float = 8,
                dropout: float = 0.0, rslora: bool = False, train_also: Iterable[str] = (),
                wrap=None) -> nn.Module:
-    """Replace the targeted nn.Linear modules by LoRALinear in place, freeze every other parameter; return the model.
+    """Replace the targeted nn.Linear modules (transformers' Conv1D: converted to the equal nn.Linear first) by
+    LoRALinear in place, freeze every other parameter; return the model.
 
     targets: module names or endings ("c_attn", "attn.c_proj") or "all-linear" (all but lm_head).
     train_also: names or endings of modules that stay fully trainable (a new classification head).
@@ -191,7 +210,8 @@ def apply_lora(model: nn.Module, targets: str | Sequence[str] = "all-linear", r:
     model.requires_grad_(False)
     wrap = wrap or (lambda lin: LoRALinear(lin, r=r, alpha=alpha, dropout=dropout, rslora=rslora))
     for name in chosen:
-        _replace(model, name, wrap(model.get_submodule(name)))
+        base = model.get_submodule(name)
+        _replace(model, name, wrap(conv1d_as_linear(base) if _is_conv1d(base) else base))
     for name, m in model.named_modules():
         if any(_matches(name, t) for t in keep):
             m.requires_grad_(True)

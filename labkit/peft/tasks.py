@@ -1,139 +1,42 @@
 """Real offline tasks for the PEFT lesson: classify Shakespeare passages with MiniLM, and adapt a GPT from comedies to histories.
 
-(a) `classify_task`: passages of 16-32 spoken words (speaker names and stage directions removed)
-from the 35 plays of the First Folio, which exist here in two spellings. task="spelling" (default)
-asks "First Folio (1623) or modern spelling?" (vpon/haue/loue, Capitalised Nouns); task="genre" asks
-comedy / history / tragedy after the Folio's catalogue, a much harder question that barely moves in
-a CPU budget. Whole plays are held out for testing (in each genre's alphabetical list every 4th
-play, in both spellings), so names and plots cannot be learned by heart. all-MiniLM-L6-v2 and a
-linear head on its mean-pooled hidden states is first trained head-only on frozen features (the
-"before" accuracy: a linear probe); full fine-tuning, LoRA and QLoRA then start from that head and
-see fresh training passages at every step.
+(a) `classify_task`: passages of 16-32 spoken words (see `labkit.peft.passages`) from the 35 plays
+of the First Folio, which exist here in two spellings. task="spelling" (default) asks "First Folio
+(1623) or modern spelling?" (vpon/haue/loue, Capitalised Nouns); task="genre" asks comedy / history
+/ tragedy, a much harder question that barely moves in a CPU budget. Whole plays are held out for
+testing. all-MiniLM-L6-v2 and a linear head on its mean-pooled hidden states is first trained
+head-only on frozen features (the "before" accuracy: a linear probe); full fine-tuning, LoRA and
+QLoRA then start from that head and see fresh training passages at every step.
 (b) `adapt_task`: labkit's GPT pretrained briefly on the comedies, then adapted to the histories
 with LoRA, QLoRA, LISA (and full fine-tuning for reference): validation loss on held-out history
-text before and after. Every method's peak memory is measured with the Ledger on its first steps.
+text before and after.
+
+Both also run the libraries' versions as references (`labkit.peft.reference`): "peft-lora" (peft's
+LoRA on the same targets, rank and alpha), "bnb-qlora" (bitsandbytes Linear4bit NF4 + peft's LoRA)
+and, in adapt_task, "lisa-naive" (LISANaive: the reference callback that never frees a frozen
+layer's optimizer state). A method and its reference start from the same adapter values and see the
+same batches and dropout masks, measured over the same steps. Every method's peak memory is
+measured with the Ledger on its first `measure_steps` steps (LISA's over two layer switches); its
+step time is the median of the steps after those.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-import random
-import re
-import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.device import smoke
-from labkit.memory import Ledger
-from .lisa import LISA
-from .lora import apply_lora, count_parameters, linear_names, trainable_parameters
-from .qlora import apply_qlora, qlora_optimizer
+from .lisa import LISA, LISANaive
+from .lora import count_parameters, find_targets, linear_names, trainable_parameters
+from .passages import FOLIO_GENRES, FOLIO_IDS, GENRES, TASK_CLASSES, passages, speech_words  # noqa: F401 (re-exported)
+from .qlora import qlora_optimizer
+from .runs import REFERENCES, TaskResult, adapted, check_methods, fit, format_results, learning_rates, result  # noqa: F401
 
-FOLIO_GENRES = {  # modern-spelling ids without "_gut"; Troilus and Cressida (uncatalogued) and Pericles (not in the Folio) left out
-    "comedy": ("tempest", "two_gentlemen_of_verona", "merry_wives_of_windsor", "measure_for_measure", "comedy_of_errors",
-               "much_ado_about_nothing", "loves_labours_lost", "midsummer_nights_dream", "merchant_of_venice",
-               "as_you_like_it", "taming_of_the_shrew", "alls_well_that_ends_well", "twelfth_night", "winters_tale"),
-    "history": ("john", "richard_ii", "henry_iv_part_1", "henry_iv_part_2", "henry_v", "henry_vi_part_1",
-                "henry_vi_part_2", "henry_vi_part_3", "richard_iii", "henry_viii"),
-    "tragedy": ("coriolanus", "tragedy_of_titus_andronicus", "romeo_and_juliet", "timon_of_athens", "julius_caesar",
-                "macbeth", "hamlet", "lear", "othello", "antony_and_cleopatra", "cymbeline"),
-}
-FOLIO_IDS = {"comedy_of_errors": "comedy_of_errours", "loves_labours_lost": "loves_labour_lost",  # where names differ
-             "midsummer_nights_dream": "midsummer_nights_dreame", "alls_well_that_ends_well": "all_is_well_that_ends_well",
-             "twelfth_night": "twelfe-night", "tragedy_of_titus_andronicus": "titus_andronicus",
-             "antony_and_cleopatra": "anthonie_and_cleopatra"}
-GENRES = tuple(sorted(FOLIO_GENRES))
-TASK_CLASSES = {"spelling": ("modern", "folio"), "genre": GENRES}
-
-
-@dataclass
-class TaskResult:
-    method: str  # "probe", "full", "lora", "qlora", "lisa"
-    metric: str  # "accuracy" (higher is better) or "val_loss" (lower is better)
-    before: float  # the metric before this method trained
-    after: float  # and after
-    trainable: int  # parameter elements with gradients and optimizer state
-    total: int  # all parameter elements (NF4 codes count as stored: 2 weights per uint8)
-    peak: object  # labkit.memory Breakdown at the peak of the measured steps (None if not measured)
-    seconds: float  # wall time of the training loop
-
-    def row(self) -> str:
-        peak = "-" if self.peak is None else f"{self.peak.total / 2**20:8.1f} MiB"
-        return (f"{self.method:6s} {self.metric} {self.before:.3f} -> {self.after:.3f}  trainable {self.trainable:>10,}"
-                f"  peak {peak}  {self.seconds:6.1f} s")
-
-
-def format_results(results: dict[str, TaskResult]) -> str:
-    return "\n".join(r.row() for r in results.values())
-
-
-# ---- data ---------------------------------------------------------------------------------------
-_FOLIO_SKIP = re.compile(r"\s*(Enter|Exit|Exeunt|Actus|Scena|Scoena|Scaena|Flourish|Alarum|Manet|Sennet)\b", re.I)
-
-
-def speech_words(text: str, folio: bool = False) -> list[str]:
-    """The words spoken in a play, without speaker names, headings and (most) stage directions.
-
-    Modern texts: blocks "SPEAKER.\nlines", [directions], ACT/SCENE headings. Folio texts: "  Spk. line",
-    unbracketed "Enter ..."/"Exit" lines, "Actus Primus. Scoena Prima." headings, a title line first.
-    """
-    words = []
-    if folio:
-        for line in text.splitlines()[1:]:
-            if line.strip() and not _FOLIO_SKIP.match(line):
-                words += re.sub(r"^\s*[A-Z][A-Za-z]{0,7}\.\s+(?=\S)", "", line).split()  # a leading "Ham. "
-        return words
-    m = re.search(r"^ACT\b", text, re.M | re.I)
-    for block in re.split(r"\n\s*\n", text[m.start():] if m else text):
-        lines = [s.strip() for s in block.splitlines() if s.strip()]
-        lines = [s for s in lines if not s.startswith("[") and not re.match(r"(ACT|SCENE)\b", s, re.I)]
-        if len(lines) >= 2 and lines[0].endswith(".") and len(lines[0].split()) <= 4:
-            lines = lines[1:]  # "HAMLET." or "Ber.": the speaker
-        for s in lines:
-            words += s.split()
-    return words
-
-
-@functools.lru_cache(maxsize=None)
-def _play_words(play_id: str) -> tuple[str, ...]:
-    from labkit.data import read_play
-
-    return tuple(speech_words(read_play(play_id), folio=play_id.endswith("_f")))
-
-
-def passages(task: str = "spelling", words: int = 32, train_per_class: int = 200, test_per_class: int = 60,
-             test_every: int = 4):
-    """(train, test): lists of (passage, class index, play id), balanced; test passages come from held-out plays.
-
-    The split is deterministic: in each genre's alphabetical play list, plays at index test_every-1,
-    2*test_every-1, ... are held out (both spellings); passages are consecutive `words`-word chunks,
-    drawn by a seeded shuffle. Classes: TASK_CLASSES[task].
-    """
-    if task not in TASK_CLASSES:
-        raise ValueError(f"unknown task {task!r}: choose 'spelling' (Folio or modern) or 'genre' (comedy/history/tragedy)")
-    for name, v in (("words", words), ("train_per_class", train_per_class), ("test_per_class", test_per_class),
-                    ("test_every", test_every)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "test_every" else 1):
-            raise ValueError(f"{name} must be a positive integer{' of at least 2' if name == 'test_every' else ''}, got {v!r}")
-    pools = {c: ([], []) for c in TASK_CLASSES[task]}  # class -> (train plays' passages, held-out plays')
-    for genre in GENRES:
-        for j, play in enumerate(sorted(FOLIO_GENRES[genre])):
-            ids = {"modern": play + "_gut", "folio": FOLIO_IDS.get(play, play) + "_gut_f"}
-            for cls, pid in ids.items() if task == "spelling" else [(genre, ids["modern"])]:
-                w = _play_words(pid)
-                pools[cls][j % test_every == test_every - 1].extend(
-                    (" ".join(w[i:i + words]), TASK_CLASSES[task].index(cls), pid) for i in range(0, len(w) - words + 1, words))
-    train, test = [], []
-    for cls, (tr, te) in pools.items():
-        for pool, n, out in ((tr, train_per_class, train), (te, test_per_class, test)):
-            random.Random(f"{cls}{words}").shuffle(pool)
-            out += pool[:n]
-    return train, test
+CLASSIFY_METHODS = ("full", "lora", "qlora", "peft-lora", "bnb-qlora")
+ADAPT_METHODS = ("full", "lora", "qlora", "lisa", "peft-lora", "bnb-qlora", "lisa-naive")
 
 
 # ---- (a) the classification task ------------------------------------------------------------------
@@ -164,27 +67,8 @@ def _accuracy(model, data, batch: int = 64) -> float:
     return (pred == y).float().mean().item()
 
 
-def _fit(model, opt, loss_at, steps: int, measure_steps: int = 2, before_step=None):
-    """`steps` optimizer steps of loss_at(i); the first `measure_steps` under the Ledger. -> (Measurement, seconds)."""
-    model.train()
-    led = None
-    t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        if measure_steps:
-            led = stack.enter_context(Ledger(model, opt))
-        for i in range(steps):
-            if i == measure_steps:
-                stack.close()
-            if before_step is not None:
-                before_step()
-            loss_at(i).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return (led.measurement() if led else None), time.perf_counter() - t0
-
-
 CLASSIFY_SIZES = {  # smoke: seconds (CI); cpu: a few CPU minutes a method; cuda: a real run
-    "smoke": dict(words=16, max_length=24, probe_per_class=16, train_per_class=64, test_per_class=16, steps=2, batch=4),
+    "smoke": dict(words=16, max_length=24, probe_per_class=16, train_per_class=64, test_per_class=16, steps=4, batch=4),
     "cpu": dict(words=32, max_length=48, probe_per_class=200, train_per_class=3000, test_per_class=100, steps=60, batch=16),
     "cuda": dict(words=32, max_length=64, probe_per_class=1000, train_per_class=6000, test_per_class=300, steps=300, batch=32),
 }
@@ -215,16 +99,14 @@ def classify_task(task: str = "spelling", methods=("full", "lora", "qlora"), mod
     """
     from labkit.models.minilm import load_minilm
 
-    unknown = set(methods) - {"full", "lora", "qlora"}
-    if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}: classify_task runs 'full', 'lora' and 'qlora'")
+    check_methods(methods, CLASSIFY_METHODS)
     bad = set(sizes) - set(CLASSIFY_SIZES["cpu"])
     if bad:
         raise TypeError(f"unknown size arguments {sorted(bad)}: classify_task takes {', '.join(CLASSIFY_SIZES['cpu'])}")
     device = _device(device)
     s = {**CLASSIFY_SIZES[_tier(smoke_mode, device)], **sizes}
     train, test = passages(task, s["words"], s["train_per_class"], s["test_per_class"])
-    lr = {"probe": 1e-2, "full": 5e-5, "lora": 1e-3, "qlora": 1e-3, **(lr or {})}
+    lr = learning_rates({"probe": 1e-2, "full": 5e-5, "lora": 1e-3, "qlora": 1e-3}, lr)
     encoder, tok = model if isinstance(model, tuple) else load_minilm(model)
     encoder = encoder.to(device)
 
@@ -251,22 +133,16 @@ def classify_task(task: str = "spelling", methods=("full", "lora", "qlora"), mod
     qdtype = qlora_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     targets = [n for n in linear_names(base) if "pooler" not in n and not n.startswith("head")]  # the pooler is unused
     for method in methods:
-        model = copy.deepcopy(base)
-        if method == "lora":
-            apply_lora(model, targets, r=r, alpha=alpha, train_also=["head"])
-        elif method == "qlora":
-            apply_qlora(model, targets, r=r, alpha=alpha, compute_dtype=qdtype, train_also=["head"])
+        model = adapted(base, method, targets, r, alpha, qdtype, seed, train_also=["head"])
         for name, mod in model.named_modules():
             if name.rsplit(".", 1)[-1] == "pooler":
                 mod.requires_grad_(False)  # BERT's pooler is not on the mean-pooled path: it would get no gradient
         opt = torch.optim.AdamW(trainable_parameters(model), lr=lr[method])
         g = torch.Generator().manual_seed(seed)
         order = [torch.randint(len(tr[2]), (s["batch"],), generator=g).to(device) for _ in range(s["steps"])]
-        meas, secs = _fit(model, opt, lambda i: model(tr[0][order[i]], tr[1][order[i]], tr[2][order[i]]),
-                          s["steps"], measure_steps)
-        n = count_parameters(model)
-        results[method] = TaskResult(method, "accuracy", before, _accuracy(model, te), n.trainable, n.total,
-                                     meas.peak if meas else None, secs)
+        meas, secs, step = fit(model, opt, lambda i: model(tr[0][order[i]], tr[1][order[i]], tr[2][order[i]]),
+                                s["steps"], measure_steps, seed=seed + 3)
+        results[method] = result(method, "accuracy", before, _accuracy(model, te), model, meas, secs, step, measure_steps)
     return results
 
 
@@ -287,9 +163,12 @@ def adapt_task(methods=("lora", "qlora", "lisa"), source: str = "comedy", target
                qlora_checkpoint: str | None = None, qlora_optim: str = "adamw", device=None) -> dict[str, TaskResult]:
     """Pretrain a GPT on `source` plays, adapt it to `target` plays; validation loss on `target` before and after.
 
-    methods: any of "full", "lora", "qlora", "lisa". LISA trains gamma of the blocks, switching every
-    `interval` steps (default steps // 5), plus the embeddings and final norm.
+    methods: any of ADAPT_METHODS: "full", "lora", "qlora", "lisa" and the references "peft-lora",
+    "bnb-qlora", "lisa-naive". LISA trains gamma of the blocks, switching every `interval` steps
+    (default steps // 5), plus the embeddings and final norm; LISA and LISANaive are measured over
+    max(measure_steps, 2 * interval + 1) steps (two switches), the others over measure_steps.
     cfg: a GPTConfig (default: smoke profile's; on CPU 4 layers of 128; on CUDA the device profile's).
+    qlora_checkpoint: labkit's QLoRA only (bnb-qlora never checkpoints); qlora_optim: both QLoRAs.
     """
     from labkit.data import get_batch
     from labkit.device import profile
@@ -298,9 +177,7 @@ def adapt_task(methods=("lora", "qlora", "lisa"), source: str = "comedy", target
     for g in (source, target):
         if g not in FOLIO_GENRES:
             raise ValueError(f"unknown genre {g!r}: choose among {', '.join(GENRES)}")
-    unknown = set(methods) - {"full", "lora", "qlora", "lisa"}
-    if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}: choose among 'full', 'lora', 'qlora', 'lisa'")
+    check_methods(methods, ADAPT_METHODS)
     device = _device(device)
     tier = _tier(smoke_mode, device)
     small = tier == "smoke"
@@ -310,7 +187,7 @@ def adapt_task(methods=("lora", "qlora", "lisa"), source: str = "comedy", target
     steps, batch = steps or {"smoke": 8, "cpu": 60, "cuda": 200}[tier], batch or prof.batch
     seq = min(seq or prof.seq, cfg.block_size)
     interval = interval or max(1, steps // 5)
-    lr = {"pretrain": 3e-3, "full": 1e-3, "lora": 3e-3, "qlora": 3e-3, "lisa": 1e-3, **(lr or {})}
+    lr = learning_rates({"pretrain": 3e-3, "full": 1e-3, "lora": 3e-3, "qlora": 3e-3, "lisa": 1e-3}, lr)
     max_chars = 300_000 if small else None
     src, _ = _genre_tokens(source, max_chars)
     tgt_train, tgt_val = _genre_tokens(target, max_chars)
@@ -321,7 +198,7 @@ def adapt_task(methods=("lora", "qlora", "lisa"), source: str = "comedy", target
     if key not in _PRETRAINED:
         g = torch.Generator().manual_seed(seed)
         opt = torch.optim.AdamW(base.parameters(), lr=lr["pretrain"])
-        _fit(base, opt, lambda i: base(*get_batch(src, batch, seq, device, generator=g)), pretrain_steps, 0)
+        fit(base, opt, lambda i: base(*get_batch(src, batch, seq, device, generator=g)), pretrain_steps, 0, seed=seed)
         _PRETRAINED[key] = copy.deepcopy(base.state_dict())
     base.load_state_dict(_PRETRAINED[key])
 
@@ -337,26 +214,23 @@ def adapt_task(methods=("lora", "qlora", "lisa"), source: str = "comedy", target
 
     before = val_loss(base)
     results = {}
+    targets = find_targets(base, "all-linear")
+    qdtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gt = torch.Generator().manual_seed(seed + 2)
+    batches = [get_batch(tgt_train, batch, seq, device, generator=gt) for _ in range(steps)]
     for method in methods:
-        model = copy.deepcopy(base)
-        lisa = None
-        if method == "lora":
-            apply_lora(model, "all-linear", r=r, alpha=alpha)
-        elif method == "qlora":
-            apply_qlora(model, "all-linear", r=r, alpha=alpha, checkpoint=qlora_checkpoint,
-                        compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        if method == "qlora":
+        model = adapted(base, method, targets, r, alpha, qdtype, seed, checkpoint=qlora_checkpoint)
+        lisa, measured = None, measure_steps
+        if method in ("qlora", "bnb-qlora"):
             opt = qlora_optimizer(model, qlora_optim, lr=lr[method])
+        elif method in ("lisa", "lisa-naive"):
+            opt = torch.optim.AdamW(model.parameters(), lr=lr[method])
+            lisa = (LISA if method == "lisa" else LISANaive)(model, opt, gamma=gamma, interval=interval, seed=seed)
+            measured = max(measure_steps, min(steps, 2 * interval + 1))  # see the switches free (or keep) state
         else:
-            opt = torch.optim.AdamW(model.parameters() if method == "lisa" else trainable_parameters(model), lr=lr[method])
-        if method == "lisa":
-            lisa = LISA(model, opt, gamma=gamma, interval=interval, seed=seed)
-        gt = torch.Generator().manual_seed(seed + 2)
-        batches = [get_batch(tgt_train, batch, seq, device, generator=gt) for _ in range(steps)]
-        meas, secs = _fit(model, opt, lambda i: model(*batches[i]), steps, measure_steps,
-                          before_step=lisa.step if lisa else None)
-        n = count_parameters(model)
-        trainable = sum(p.numel() for p in lisa.active_parameters()) if lisa else n.trainable
-        results[method] = TaskResult(method, "val_loss", before, val_loss(model), trainable, n.total,
-                                     meas.peak if meas else None, secs)
+            opt = torch.optim.AdamW(trainable_parameters(model), lr=lr[method])
+        meas, secs, step = fit(model, opt, lambda i: model(*batches[i]), steps, measured,
+                                before_step=lisa.step if lisa else None, seed=seed + 3)
+        trainable = sum(p.numel() for p in lisa.active_parameters()) if lisa else None
+        results[method] = result(method, "val_loss", before, val_loss(model), model, meas, secs, step, measured, trainable)
     return results

@@ -173,3 +173,38 @@ def test_bad_input_says_what_to_do():
         apply_lora(_gpt(), ["c_attn"], train_also=["classifier"])
     with pytest.raises(ValueError, match="dropout"):
         LoRALinear(nn.Linear(4, 4), dropout=1.0)
+
+
+def test_gpt2_conv1d_layers_are_adapted_and_match_peft():
+    """GPT-2 (transformers) uses Conv1D, not nn.Linear: all-linear must find them (it once found none and
+    froze the whole model), and the result must equal peft's, which adapts Conv1D with fan_in_fan_out."""
+    from labkit.memory import build_model
+
+    torch.manual_seed(0)
+    m = build_model("gpt2-tiny").eval()  # no dropout: outputs comparable
+    n_layer = m.config.n_layer
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, m.config.vocab_size, (2, 16), generator=g)
+    base_out = m(ids).logits
+    ref = get_peft_model(copy.deepcopy(m), LoraConfig(target_modules=["c_attn", "c_proj", "c_fc"], r=4, lora_alpha=8,
+                                                      fan_in_fan_out=True))
+    mine = apply_lora(copy.deepcopy(m), "all-linear", r=4, alpha=8)
+    adapted = [n for n, mod in mine.named_modules() if isinstance(mod, LoRALinear)]
+    assert len(adapted) == 4 * n_layer  # attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj in every block
+    assert torch.allclose(mine(ids).logits, base_out, atol=1e-5)  # B = 0: the pretrained model's output
+    theirs = dict(ref.named_modules())
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for n in adapted:
+            p, q = theirs["base_model.model." + n], mine.get_submodule(n)
+            p.lora_B["default"].weight.normal_()
+            q.lora_A.copy_(p.lora_A["default"].weight)
+            q.lora_B.copy_(p.lora_B["default"].weight)
+    a, b = ref(ids).logits, mine(ids).logits
+    assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item()
+    a.square().mean().backward()
+    b.square().mean().backward()
+    for n in adapted:
+        p, q = theirs["base_model.model." + n], mine.get_submodule(n)
+        assert torch.allclose(p.lora_B["default"].weight.grad, q.lora_B.grad, atol=1e-5, rtol=1e-4)
+    assert count_parameters(mine).trainable == sum(p.numel() for p in ref.parameters() if p.requires_grad)

@@ -110,3 +110,56 @@ def test_adapt_task_all_methods():
         adapt_task(source="romance", cfg=cfg)
     with pytest.raises(ValueError, match="unknown methods"):
         adapt_task(methods=("dora",), cfg=cfg)
+
+
+# ---- the libraries' versions in the same run ------------------------------------------------------
+def test_classify_task_against_peft_and_bitsandbytes():
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    res = classify_task("genre", methods=("lora", "peft-lora", "qlora", "bnb-qlora"), model=_tiny_encoder(),
+                        **{**TINY, "steps": 3})
+    lora, plora, qlora, bqlora = (res[k] for k in ("lora", "peft-lora", "qlora", "bnb-qlora"))
+    assert lora.trainable == plora.trainable == qlora.trainable == bqlora.trainable
+    # same adapter values, batches and dropout masks: the same model after training, the same bytes
+    assert lora.after == plora.after and qlora.after == bqlora.after
+    for c in (Category.PARAM, Category.OPT, Category.BUFFER):
+        assert lora.peak[c] == plora.peak[c]
+    assert qlora.peak[Category.BUFFER] == bqlora.peak[Category.BUFFER] > 0  # packed codes + statistics, byte for byte
+    assert qlora.peak[Category.OPT] == bqlora.peak[Category.OPT]
+    assert bqlora.hidden_bytes == 4 * 32 * 64 and lora.hidden_bytes == 0  # the largest targeted fp32 weight
+    assert all(r.measured_steps == 2 and math.isfinite(r.step_seconds) for k, r in res.items() if k != "probe")
+
+
+def test_adapt_task_against_the_references():
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    res = adapt_task(methods=("lora", "peft-lora", "qlora", "bnb-qlora", "lisa", "lisa-naive"), cfg=cfg,
+                     pretrain_steps=4, steps=4, batch=2, seq=32, interval=1, smoke_mode=True)
+    assert res["lora"].after == pytest.approx(res["peft-lora"].after, rel=1e-6)
+    assert res["qlora"].after == pytest.approx(res["bnb-qlora"].after, rel=1e-5)
+    assert res["lora"].peak[Category.OPT] == res["peft-lora"].peak[Category.OPT]
+    assert res["qlora"].peak[Category.BUFFER] == res["bnb-qlora"].peak[Category.BUFFER] > 0
+    lisa, naive = res["lisa"], res["lisa-naive"]
+    assert lisa.measured_steps == naive.measured_steps == 3  # 2 * interval + 1: two switches under the Ledger
+    # layers 1, 1, 0 are sampled (seed 0): the naive callback keeps layer 1's AdamW state after the switch
+    assert naive.opt_peak > lisa.opt_peak > 0
+
+
+def test_bnb_storage_is_counted_by_the_ledger():
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from labkit.memory import Ledger
+    from labkit.peft.reference import bnb_qlora, same_adapter_init, track_bnb_storage
+
+    n = 1024 * 1024
+    model = bnb_qlora(torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False)), ["0"], 4, 8, torch.float32)
+    with Ledger(model) as led:
+        untracked = led.live()
+        tracked = track_bnb_storage(led, model)
+        live = led.live()
+    assert untracked[Category.BUFFER] == 0 and untracked[Category.PARAM] >= n // 2  # the codes are a Parameter subclass
+    assert live[Category.BUFFER] == tracked == n // 2 + n // 64 + 4 * (n // 64 // 256) + 4  # absmax statistics too
+    assert abs(tracked / n - 0.5159) < 1e-3
+    assert live[Category.PARAM] == 4 * 4 * (1024 + 1024)  # only the adapters remain parameters
+    assert same_adapter_init(model, 0) == 1
