@@ -41,7 +41,8 @@ def _gpt(attention: str, dropout: float, **kw) -> GPTConfig:
 
 
 def configs(quick: bool = False) -> list[Config]:
-    """labkit GPT (fused and manual attention, with and without dropout) and the tiny transformers presets."""
+    """labkit GPT (fused and manual attention, with and without dropout) and the tiny transformers presets,
+    in full training and with LoRA, QLoRA (NF4 / int8 base) and LISA."""
     out = []
     # labkit GPT: the four attention/dropout variants, across dtypes and optimizers
     gpt_plan = [  # (attention, dropout, B, S, dtype, optimizer)
@@ -92,8 +93,42 @@ def configs(quick: bool = False) -> list[Config]:
     for name, ov, B, S, dtype, opt in hf_plan:
         label = name + "".join(f" {k}={v}" for k, v in ov.items())
         out.append(Config(label, name, B, S, dtype, opt, ov))
+    # LoRA / QLoRA (NF4 or int8 frozen base) / LISA (labkit.peft), all three families
+    first_peft = len(out)
+    small, wide = _gpt("sdpa", 0.0, n_embd=64, block_size=64), _gpt("sdpa", 0.0, n_embd=256, block_size=64)
+    peft_plan = [  # (label, model, B, S, dtype, options)
+        ("gpt", small, 4, 64, "fp32", {"lora_rank": 4}),
+        ("gpt", small, 4, 64, "fp32", {"lora_rank": 16, "lora_targets": "c_attn"}),
+        ("gpt", small, 4, 64, "fp32", {"lora_rank": 8, "quant": "nf4"}),
+        ("gpt", small, 4, 64, "fp32", {"lora_rank": 8, "quant": "int8"}),
+        ("gpt", small, 4, 64, "fp32", {"lisa_layers": 1}),
+        ("gpt", small, 2, 32, "mixed-bf16", {"lora_rank": 8}),
+        ("gpt", small, 2, 32, "mixed-bf16", {"lora_rank": 8, "quant": "nf4"}),
+        ("gpt", small, 2, 32, "mixed-bf16", {"lisa_layers": 1}),
+        ("gpt h256 (weights dominate)", wide, 1, 16, "fp32", {"lora_rank": 8, "quant": "nf4"}),
+        ("gpt h256 (weights dominate)", wide, 1, 16, "fp32", {"lora_rank": 8, "quant": "int8"}),
+        ("gpt h256 (weights dominate)", wide, 1, 16, "fp32", {"lora_rank": 8}),
+        ("gpt2-tiny", "gpt2-tiny", 4, 64, "fp32", {"lora_rank": 4}),
+        ("gpt2-tiny", "gpt2-tiny", 4, 64, "fp32", {"lora_rank": 16, "lora_targets": "c_attn,mlp.c_proj",
+                                                   "quant": "nf4"}),
+        ("gpt2-tiny", "gpt2-tiny", 4, 64, "fp32", {"lisa_layers": 1}),
+        ("gpt2-tiny", "gpt2-tiny", 2, 32, "mixed-bf16", {"lora_rank": 8, "quant": "int8"}),
+        ("llama-tiny", "llama-tiny", 4, 64, "fp32", {"lora_rank": 16}),
+        ("llama-tiny", "llama-tiny", 4, 64, "fp32", {"lora_rank": 4, "lora_targets": "q_proj,v_proj"}),
+        ("llama-tiny", "llama-tiny", 4, 64, "fp32", {"lora_rank": 8, "quant": "nf4"}),
+        ("llama-tiny", "llama-tiny", 4, 64, "fp32", {"lora_rank": 8, "quant": "int8"}),
+        ("llama-tiny", "llama-tiny", 4, 64, "fp32", {"lisa_layers": 1}),
+        ("llama-tiny", "llama-tiny", 2, 32, "bf16", {"lora_rank": 8}),
+        ("llama-tiny", "llama-tiny", 2, 32, "bf16", {"lora_rank": 8, "quant": "nf4"}),
+        ("llama-tiny", "llama-tiny", 2, 32, "mixed-bf16", {"lora_rank": 8, "quant": "nf4"}),
+        ("llama-tiny h256", "llama-tiny", 1, 8, "fp32", {"lora_rank": 4, "quant": "nf4", "hidden_size": 256,
+                                                          "intermediate_size": 512}),
+    ]
+    for label, model, B, S, dtype, opts in peft_plan:
+        shown = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ("hidden_size", "intermediate_size"))
+        out.append(Config(f"{label} {shown}", model, B, S, dtype, "adamw", dict(opts)))
     if quick:  # one of each kind
-        keep = (0, 6, 13, len(gpt_plan) + 2, len(gpt_plan) + 3, len(gpt_plan) + 8)
+        keep = (0, 6, 13, len(gpt_plan) + 2, len(gpt_plan) + 3, len(gpt_plan) + 8, first_peft + 2, first_peft + 19)
         out = [out[i] for i in keep]
     return out
 

@@ -1,4 +1,5 @@
-"""Command line: `python -m labkit estimate` prints one step's predicted memory, `wall` which models fit which GPUs."""
+"""Command line: `python -m labkit estimate` prints one step's predicted memory, `wall` which models fit which GPUs
+(for full fine-tuning, LoRA and QLoRA)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import sys
 
 from labkit.memory.estimate import DTYPES, OPTIMIZERS
+from labkit.memory.peft_terms import QUANTS
 from labkit.memory.phases import POLICIES
 from labkit.memory.report import CATEGORIES, PHASES
 from labkit.memory.units import fmt_bytes
@@ -78,7 +80,8 @@ def estimate_dict(model_text: str, e, args) -> dict:
         "model": model_text, "n_params": int(e.n_params), "batch": args.batch, "seq": args.seq,
         "dtype": args.dtype, "optimizer": args.optimizer, "device": args.device,
         "options": {k: getattr(args, k) for k in ("checkpoint", "segments", "offload_activations", "micro_batch",
-                                                   "accumulate", "rank", "optimizer_offload", "step_in_backward")
+                                                   "accumulate", "rank", "optimizer_offload", "step_in_backward",
+                                                   "lora_rank", "lora_targets", "quant", "lisa_layers")
                     if hasattr(args, k)},
         "peak_phase": e.peak_phase, "peak": int(e.peak.total),
         "categories": {k: v for k, v in peak.items() if k != "total"},
@@ -126,7 +129,8 @@ def cmd_estimate(args, parser) -> int:
     e = estimate(resolve_model(args.model), args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
                  checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
                  micro_batch=micro, rank=args.rank, optimizer_offload=args.optimizer_offload,
-                 step_in_backward=args.step_in_backward)
+                 step_in_backward=args.step_in_backward, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                 quant=args.quant, lisa_layers=args.lisa_layers)
     if args.json:
         print(json.dumps(estimate_dict(args.model, e, args)))
     else:
@@ -154,13 +158,16 @@ def _number_list(parser, name: str, text: str, kind):
 
 def format_wall(rows: list[dict], args) -> str:
     budgets = list(rows[0]["fits"]) if rows else []
-    head = [f"plain training, B={args.batch} S={args.seq} {args.dtype} {args.optimizer} on {args.device}: "
-            f"predicted peak vs budget ({UNITS_NOTE})", ""]
-    table = [["model", "params", "peak", "peak phase"] + [f"{b:g} GiB" for b in budgets]]
+    methods = getattr(args, "methods", "full")
+    head = [f"B={args.batch} S={args.seq} {args.optimizer} on {args.device}; full fine-tuning in {args.dtype}"
+            + (f"; LoRA/QLoRA: rank {args.lora_rank} on all linear layers but the head, frozen base in bf16 "
+               "(QLoRA: NF4 with double quantization)" if methods != "full" else "")
+            + f": predicted peak vs budget ({UNITS_NOTE})", ""]
+    table = [["model", "method", "params", "peak", "peak phase"] + [f"{b:g} GiB" for b in budgets]]
     for r in rows:
-        table.append([r["model"], _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
+        table.append([r["model"], r["method"], _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
                      + ["fits" if r["fits"][b] else "no" for b in budgets])
-    return "\n".join(head) + _table(table, right={1, 2})
+    return "\n".join(head) + _table(table, right={2, 3})
 
 
 def cmd_wall(args, parser) -> int:
@@ -173,14 +180,17 @@ def cmd_wall(args, parser) -> int:
     if any(b <= 0 for b in budgets):
         parser.error(f"--budgets must be positive numbers of GiB, got {args.budgets!r}")
     budgets = [int(b) if b.is_integer() else b for b in budgets]
+    methods = _number_list(parser, "--methods", args.methods, str)
+    _positive(parser, "--lora-rank", args.lora_rank)
     rows = fit_table([resolve_model(m) for m in models] if models else None, budgets, args.batch,
-                     args.seq, args.dtype, args.optimizer, args.device)
+                     args.seq, args.dtype, args.optimizer, args.device, methods=methods, lora_rank=args.lora_rank)
     if models:  # show the names as typed (a gpt: spec included)
-        for r, m in zip(rows, models):
+        for r, m in zip(rows, [m for m in models for _ in methods]):
             r["model"] = m
     if args.json:
         print(json.dumps({"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
-                          "device": args.device, "budgets_gib": budgets, "rows": rows}))
+                          "device": args.device, "budgets_gib": budgets, "methods": methods,
+                          "lora_rank": args.lora_rank, "rows": rows}))
     else:
         print(format_wall(rows, args))
     return 0
@@ -216,11 +226,22 @@ def build_parser() -> _Parser:
     e.add_argument("--optimizer-offload", choices=("cpu", "disk"), default=None,
                    help="AdamW state and step in host memory or on disk (labkit.optim.OffloadAdamW)")
     e.add_argument("--step-in-backward", action="store_true", help="step each parameter as its gradient is ready")
+    e.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank; every base weight frozen")
+    e.add_argument("--lora-targets", default="all-linear",
+                   help="comma-separated Linear module names or endings (e.g. q_proj,v_proj), "
+                        "or all-linear (every Linear but lm_head)")
+    e.add_argument("--quant", choices=QUANTS, default="none",
+                   help="store the frozen base under the adapters in int8 or NF4 (nf4 = QLoRA); needs --lora-rank")
+    e.add_argument("--lisa-layers", type=int, default=None,
+                   help="LISA: train embeddings, head and this many sampled layers at a time")
     e.set_defaults(run=cmd_estimate, parser=e)
-    w = sub.add_parser("wall", help="which presets fit which GPU budgets for plain training",
+    w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
                        description=f"Which models fit which budgets. {UNITS_NOTE}.")
     w.add_argument("--models", default=None, help="comma-separated (default: every non-tiny preset)")
-    w.add_argument("--budgets", default="16,24,80,141", help="comma-separated GiB")
+    w.add_argument("--budgets", default="16,24,48,80", help="comma-separated GiB")
+    w.add_argument("--methods", default="full,lora,qlora",
+                   help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")
+    w.add_argument("--lora-rank", type=int, default=16, help="LoRA rank for the lora and qlora methods")
     common(w, "cuda")
     w.set_defaults(run=cmd_wall, parser=w)
     return parser

@@ -7,10 +7,11 @@ never their sum. Every term is a small function whose docstring gives its formul
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from .families import WALKS
 from .optim_terms import OPTIMIZERS, TORCH_STATES
-from . import optim_terms
+from . import optim_terms, peft_terms
 from .phases import POLICIES, StepBytes, step_phases
 from .report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
@@ -76,11 +77,14 @@ def input_bytes(batch: int, seq: int) -> int:
     return 2 * batch * seq * 8
 
 
-def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, device: str):
+def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, device: str, peft=None):
     """Bytes saved for backward by the forward walk of the model's family (labkit.memory.families):
     per layer this reproduces Korthikanti et al.'s sbh(34 + 5as/h) for their layer and precision,
-    and adds the logits' log-softmax, B x S x V (4 bytes when the loss runs in fp32)."""
-    w = Walk(x_bytes=prec.weight, autocast=prec.autocast, device=device)
+    and adds the logits' log-softmax, B x S x V (4 bytes when the loss runs in fp32).
+    peft (labkit.memory.peft_terms.Peft): frozen weights save less, adapters save a little more."""
+    w = Walk(x_bytes=prec.weight, autocast=prec.autocast, device=device,
+             linears={name: (d_in, d_out, bias) for name, d_in, d_out, bias in spec.linears})
+    peft_terms.setup_walk(w, peft)
     marks: list[int] = []
     WALKS[spec.family](w, spec, batch, seq, marks)
     return w, marks
@@ -90,7 +94,8 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
              device: str = "cpu", foreach: bool | None = None, checkpoint: str = "none",
              segments: int | None = None, offload_activations: bool = False, micro_batch: int | None = None,
              rank: int | None = None, optimizer_offload: str | None = None, step_in_backward: bool = False,
-             **overrides) -> Estimate:
+             lora_rank: int | None = None, lora_targets: str | Sequence[str] = "all-linear", quant: str = "none",
+             lisa_layers: int | None = None, **overrides) -> Estimate:
     """Predict one steady-state training step (gradients set to None between steps).
 
     model: preset name, config path, hub id, GPTConfig, GPT or transformers model/config.
@@ -103,6 +108,11 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
     rank: GaLore's rank (optimizer "galore" or "galore8bit").
     optimizer_offload: "cpu" or "disk": AdamW's state lives off the device (labkit.optim.OffloadAdamW).
     step_in_backward: each parameter steps as soon as its gradient is ready (labkit.optim.StepInBackward).
+    lora_rank: LoRA adapters of rank r on `lora_targets` ("all-linear": every Linear but lm_head, or
+    module names / endings such as "q_proj,v_proj"), every base parameter frozen (labkit.peft.apply_lora).
+    quant: the frozen base of the adapted Linears: "none", "int8" (per-row absmax codes) or "nf4"
+    (QLoRA: NF4 with double quantization, labkit.peft.apply_qlora); needs lora_rank.
+    lisa_layers: LISA with gamma = lisa_layers active layers (labkit.peft.LISA); not with lora_rank.
     """
     for name, v in (("batch", batch), ("seq", seq)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -126,6 +136,9 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
         raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
     prec = Precision.of(dtype)
     spec = spec_from(model, **overrides)
+    peft = peft_terms.peft_of(spec, lora_rank, lora_targets, quant, lisa_layers)
+    if peft is not None:
+        _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, checkpoint, offload_activations)
     if optimizer.startswith("galore") and spec.galore_shapes and rank > min(min(s) for s in spec.galore_shapes):
         raise ValueError(f"rank {rank} exceeds the smaller side of a GaLore matrix "
                          f"({min(min(s) for s in spec.galore_shapes)})")
@@ -135,25 +148,40 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
         raise ValueError("checkpoint and offload_activations are modelled for labkit's GPT (the blocks "
                          "labkit.recompute wraps); use a GPTConfig")
     foreach = (device == "cuda") if foreach is None else foreach
-    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank)
+    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = 0
     phases = step_phases(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward)
     if micro < batch:  # later micro-batches: every gradient already exists
         later = step_phases(b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=True)
         phases = {k: max(phases[k], later[k], key=lambda x: x.total) for k in phases}
-    terms = _terms(spec, prec, optimizer, micro, seq, w, b)
+    terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
     extras = [f"checkpoint={checkpoint}"] * (checkpoint != "none") + ["offload"] * offload_activations
     extras += [f"micro_batch={micro}"] * (micro < batch) + [f"rank={rank}"] * optimizer.startswith("galore")
     extras += [f"optimizer_offload={optimizer_offload}"] * bool(optimizer_offload)
     extras += ["step_in_backward"] * step_in_backward
+    if peft is not None:
+        extras.append(f"LISA layers={peft.lisa_layers}" if peft.lisa_layers else
+                      f"{peft.method} r={peft.rank} targets={len(peft.targets)}")
     label = " ".join([f"{spec.name} B={batch} S={seq} {dtype} {optimizer}", *extras])
     return Estimate(label, spec.n_params, phases, terms)
 
 
-def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None) -> tuple[StepBytes, Walk]:
-    """Every byte count the phases need, from the model states and the forward walk of a micro-batch."""
-    w, marks = walk_activations(spec, prec, micro, S, device)
+def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, checkpoint, offload_activations):
+    what = "lisa_layers" if peft.lisa_layers else "lora_rank"
+    if optimizer.startswith("galore"):
+        raise ValueError(f"{what} and GaLore are two ways to shrink the optimizer state: choose one")
+    if optimizer_offload or step_in_backward:
+        raise ValueError(f"{what} is not modelled with optimizer_offload or step_in_backward; drop one of them")
+    if checkpoint != "none" or offload_activations:
+        raise ValueError(f"{what} is not modelled with checkpoint or offload_activations yet; drop one of them")
+
+
+def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, peft=None) -> tuple[StepBytes, Walk]:
+    """Every byte count the phases need, from the model states and the forward walk of a micro-batch.
+    peft: LoRA/QLoRA/LISA (labkit.memory.peft_terms): only the trainable parameters get gradients and
+    optimizer state; the frozen base stays in parameters (or in int8/NF4 buffers)."""
+    w, marks = walk_activations(spec, prec, micro, S, device, peft)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     lsm = next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
     probs = sum(t.nbytes for t in w.saved.values() if t.name == "attention probs")
@@ -162,35 +190,97 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None) -
     layer = (marks[-1][0] - marks[0][0]) // L
     kept = (marks[-1][1] - marks[0][1]) // L
     proj_out = 2 * r * h * mm  # the two output projections' results: kept, never saved by autograd
+    ts = spec if peft is None else peft_terms.trainable_spec(spec, peft)  # what trains
+    head_trains, emb_trains = w.trains("lm_head"), w.trains("wte")
     return StepBytes(
-        P=param_bytes(spec, prec), C=autocast_copy_bytes(spec, prec), G=grad_bytes(spec, prec),
-        O=optimizer_state_bytes(spec, prec, optimizer, rank),
-        opt_temp=optimizer_temp_bytes(spec, prec, optimizer, foreach, rank),
-        largest_grad=spec.largest_param * gb,
+        P=param_bytes(spec, prec) if peft is None else _peft_param_bytes(spec, peft, prec.weight),
+        # with frozen weights the walk counts autocast's copies (Walk._count_copies)
+        C=autocast_copy_bytes(spec, prec) if peft is None else w.copy_bytes, G=grad_bytes(ts, prec),
+        O=optimizer_state_bytes(ts, prec, optimizer, rank),
+        opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank),
+        largest_grad=ts.largest_param * gb,
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer, kept=kept, kept_saved=kept - proj_out,
         after=w.saved_bytes - marks[-1][0], lsm=lsm, logits=r * V * mm + upcast,
-        head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast else 0),
-        head_grad=(V * h + 2 * h) * gb, stream=r * h * gb,
+        head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0),
+        head_grad=(V * h + 2 * h) * gb if head_trains else 0, stream=r * h * gb,
         # MLP backward: the gradients into and out of the activation are alive while its output is
         # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors.
-        tau=(1 if spec.family == "labkit-gpt" else 2) * r * spec.ffn * mm, tau_grad=spec.ffn * h * mm,
-        layer_grad=spec.layer_params * gb, layer_copy=2 * spec.layer_matmul_params if prec.autocast else 0,
+        tau=(1 if spec.family == "labkit-gpt" else 2) * r * spec.ffn * mm,
+        tau_grad=spec.ffn * h * mm if peft is None or peft.lisa_layers else ts.largest_param * mm,
+        layer_grad=ts.layer_params * gb,
+        layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
+        else max(w.copy_bytes - 2 * V * h, 0) // L,
         head_copy=2 * V * h if prec.autocast else 0, seg_input=r * h * gb,
-        emb_temp=2 * V * h * gb if spec.tied else 0,  # tied: the dense embedding gradient and the sum
+        emb_temp=2 * V * h * gb if spec.tied and emb_trains else 0,  # tied: the dense embedding gradient and the sum
         fwd_block=2 * r * h * gb + r * h * (4 if prec.autocast else gb) + (r * h * mm if prec.autocast else 0)
         + 2 * r * spec.ffn * mm,
         offload_back=max(3 * r * spec.ffn * mm, 3 * probs // L + 2 * r * h * mm),
+        buffers=0 if peft is None else peft_terms.base_buffer_bytes(spec, peft),
+        dequant=0 if peft is None else peft_terms.dequant_scratch_bytes(peft, 2 if prec.autocast else gb),
     ), w
 
 
-def _terms(spec, prec, optimizer, B, S, w, b: StepBytes) -> list[Term]:
+def _peft_param_bytes(spec, peft, d: int) -> int:
+    """LISA: every parameter, as in full training. LoRA: the parameters left in the model's dtype (all
+    but int8/NF4-quantized weights) + the adapters, in the same dtype (as apply_lora makes them)."""
+    if peft.lisa_layers:
+        return spec.n_params * d
+    return (spec.n_params - peft_terms.quantized_weights(spec, peft) + peft_terms.adapter_elements(peft)) * d
+
+
+def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft) -> list[Term]:
+    d = prec.weight
+    copies = Term("autocast 16-bit weight copies", Category.PARAM, b.C, "2 x matmul parameters" if peft is None else
+                  "2 x (trained matmul parameters + frozen weights whose input needs grad + adapters)",
+                  "torch.autocast weight cache; autograd saves a frozen weight's copy for dx")
+    if peft is None:
+        return [
+            Term("parameters", Category.PARAM, b.P, f"N x {d} B = {spec.n_params:,} x {d}", "all predictors"), copies,
+            Term("gradients", Category.GRAD, b.G, f"N x {d} B", "Playbook #104; ml-engineering #23"),
+            Term("optimizer state", Category.OPT, b.O, _state_formula(optimizer, d), "ZeRO K; HF docs; labkit.optim"),
+        ]
+    n_train = peft_terms.trainable_spec(spec, peft).n_params
+    state = _state_formula(optimizer, d).replace("N", "N_train")
+    if peft.lisa_layers:
+        return [
+            Term("parameters", Category.PARAM, b.P, f"N x {d} B = {spec.n_params:,} x {d}", "all predictors"), copies,
+            Term("LISA active layers: gradients", Category.GRAD, b.G,
+                 f"N_train x {d} B, N_train = embeddings, head, final norm + {peft.lisa_layers} layers = {n_train:,}",
+                 "Pan et al. 2024; labkit.peft.LISA (frozen layers' grads released)"),
+            Term("LISA active layers: optimizer state", Category.OPT, b.O, state,
+                 "LMFlow #729: state of frozen layers popped"),
+        ]
+    n_adapt = peft_terms.adapter_elements(peft)
+    frozen = spec.n_params - peft_terms.quantized_weights(spec, peft)
+    out = [
+        Term("frozen base weights", Category.PARAM, frozen * d,
+             f"{'all N' if peft.quant == 'none' else 'N - quantized weights'} x {d} B = {frozen:,} x {d}",
+             "labkit.peft.apply_lora freezes every parameter"),
+        Term("LoRA adapters", Category.PARAM, n_adapt * d,
+             f"r (d_in + d_out) x {d} B per target, r={peft.rank}, {len(peft.targets)} targets", "Hu et al. 2021"),
+    ]
+    if peft.quant != "none":
+        formula = ("n/2 + n/64 + 4 ceil(n/16384) + 4 per weight of n (~0.516 B/weight)" if peft.quant == "nf4"
+                   else "n + 4 d_out per weight (int8 codes + fp32 per-row scale)")
+        out.append(Term(f"{peft.quant.upper()} frozen base (buffers)", Category.BUFFER, b.buffers, formula,
+                        "Dettmers et al. 2023; techniques.md 2" if peft.quant == "nf4" else "labkit.quant.int8"))
+    out += [copies,
+            Term("adapter gradients", Category.GRAD, b.G, f"N_train x {d} B = {n_train:,} x {d}", "Hu et al. 2021"),
+            Term("adapter optimizer state", Category.OPT, b.O, state, "labkit.optim / torch.optim over N_train")]
+    if peft.quant != "none":
+        per = (peft_terms.NF4_DEQUANT_BYTES_PER_WEIGHT if peft.quant == "nf4"
+               else peft_terms.INT8_DEQUANT_BYTES_PER_WEIGHT[2 if prec.autocast else d])
+        out.append(Term("dequantization scratch", Category.TEMP, b.dequant,
+                        f"{per} B x the largest quantized weight, one layer at a time",
+                        "labkit.quant.dequantize_nf4 / dequantize_int8"))
+    return out
+
+
+def _terms(spec, prec, optimizer, B, S, w, b: StepBytes, peft=None) -> list[Term]:
     scores = sum(t.nbytes for t in w.saved.values() if "attention probs" in t.name or "attention dropout" in t.name)
     blocks = w.saved_bytes - b.lsm - scores
     return [
-        Term("parameters", Category.PARAM, b.P, f"N x {prec.weight} B = {spec.n_params:,} x {prec.weight}", "all predictors"),
-        Term("autocast 16-bit weight copies", Category.PARAM, b.C, "2 x matmul parameters", "torch.autocast weight cache"),
-        Term("gradients", Category.GRAD, b.G, f"N x {prec.weight} B", "Playbook #104; ml-engineering #23"),
-        Term("optimizer state", Category.OPT, b.O, _state_formula(optimizer, prec.weight), "ZeRO K; HF docs; labkit.optim"),
+        *_model_state_terms(spec, prec, optimizer, b, peft),
         Term("activations saved by the blocks", Category.ACT, blocks, "forward walk per layer ~ sbh(34 + ...)", "Korthikanti et al. 2022"),
         Term("attention scores (s^2)", Category.ACT, scores, "L x B x a x S^2 x bytes (x2-3 with dropout)", "Korthikanti et al. 2022: 5as/h"),
         Term("log-softmax of the logits", Category.ACT, b.lsm, "B x S x V x bytes (4 if the loss runs in fp32)", "predictors.md 3.10"),

@@ -19,31 +19,39 @@ def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bo
 def sdpa_fused(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, out_numel: int, p: float = 0.0) -> T:
     """Flash/efficient attention saves q, k, v, its output and a logsumexp (fp32) per query row.
     With dropout it is a random op, which selective checkpointing never keeps."""
-    out = w.new(out_numel, w.mm_bytes, "attention out")
+    rg = q.rg or k.rg or v.rg
+    out = w.new(out_numel, w.mm_bytes, "attention out", rg)
     lse = w.new(B * heads * S, 4, "logsumexp")
-    w.save(q, k, v, out, lse)
+    if rg:  # under autocast an fp32 q/k/v (a quantized base's output) is saved as its 16-bit copy
+        copies = {id(t): w.as_matmul_input(t) for t in (q, k, v)}
+        w.save(*copies.values(), out, lse)
     if p == 0:
         w.keep(out), w.keep(lse)
     return out
 
 
-def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float) -> T:
+def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = True) -> T:
     """SDPA's math fallback (CPU with dropout): scaled q and k, contiguous v, probabilities,
-    dropout mask and dropped probabilities are kept; on CPU it upcasts 16-bit inputs to fp32."""
+    dropout mask and dropped probabilities are kept; on CPU it upcasts 16-bit inputs to fp32.
+    rg: whether q, k or v requires grad (else nothing is saved)."""
     b = 4 if w.device == "cpu" else w.mm_bytes
-    for part in ("q scaled", "k^T scaled", "v contiguous"):
-        w.save(w.new(n, b, part))
     w.keep(w.new(B * heads * S * S, b, "attention scores"))  # q @ k^T (bmm)
-    probs = w.new(B * heads * S * S, b, "attention probs")
-    w.save(probs, w.dropout(probs, p, "attention dropout"))
     w.keep(w.new(n, b, "probs @ v"))  # bmm
-    return w.new(n, w.mm_bytes, "attention out (contiguous)")  # saved by the output projection
+    if rg:
+        for part in ("q scaled", "k^T scaled", "v contiguous"):
+            w.save(w.new(n, b, part))
+        probs = w.new(B * heads * S * S, b, "attention probs")
+        w.save(probs, w.dropout(probs, p, "attention dropout"))
+    return w.new(n, w.mm_bytes, "attention out (contiguous)", rg)  # saved by the output projection
 
 
 def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: float) -> T:
     """labkit GPT's textbook attention: q, k^T, v are made contiguous for the matmuls; the scores'
     softmax, the causal mask and, with dropout, mask and dropped copy stay. Autocast runs softmax
     in fp32 on CUDA (then probs @ v takes a 16-bit copy) but in 16-bit on CPU."""
+    if not qkv.rg:  # nothing is recorded
+        w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores")), w.keep(w.new(n, w.mm_bytes, "probs @ v"))
+        return w.new(n, w.mm_bytes, "attention out (contiguous)", False)
     for part in ("q contiguous", "k^T contiguous", "v contiguous"):
         w.save(w.new(n, w.mm_bytes, part))
     w.save(w.new(S * S, 1, "causal mask"))
@@ -56,31 +64,40 @@ def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: flo
     return w.new(n, w.mm_bytes, "attention out (contiguous)")  # transpose(1, 2).contiguous()
 
 
+def _embeddings(w: Walk, spec, S: int, n: int, tokens: str, positions: str) -> T:
+    """Token + learned position embeddings, then dropout; the position ids are saved for the
+    position table's gradient only when it trains."""
+    if w.trains(positions):
+        w.save(w.new(S, 8, "position ids"))
+    tok = w.new(n, w.x_bytes, "token embeddings", w.trains(tokens))
+    x = w.add(tok, w.new(S * spec.hidden, w.x_bytes, "position embeddings", w.trains(positions)), "embeddings")
+    return w.dropout(x, spec.dropout, "embedding dropout")
+
+
 def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     """labkit.models.gpt.GPT: learned positions, pre-LN blocks, exact GELU, tied head."""
     r, h = B * S, spec.hidden
     n = r * h
-    w.save(w.new(S, 8, "position ids"))
-    x = w.add(w.new(n, w.x_bytes, "token embeddings"), w.new(S * h, w.x_bytes), "embeddings")
-    x = w.dropout(x, spec.dropout, "embedding dropout")
+    x = _embeddings(w, spec, S, n, "wte", "wpe")
     fused = fused_attention_used(w.device, spec.attention, spec.attn_dropout)
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
-        a = w.layer_norm(x, r, f"ln_1.{i}")
-        qkv = w.linear(a, r, 3 * h, f"qkv.{i}")
+        m = f"blocks.{i}."
+        a = w.layer_norm(x, r, f"ln_1.{i}", m + "ln_1")
+        qkv = w.linear(a, r, 3 * h, f"qkv.{i}", m + "attn.c_attn")
         if fused:
             y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n, spec.attn_dropout)
         elif spec.attention == "sdpa":
-            y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout)
+            y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout, qkv.rg)
         else:
             y = attention_manual(w, qkv, B, spec.n_head, S, n, spec.attn_dropout)
-        o = w.dropout(w.linear(y, r, h, f"attn proj.{i}"), spec.dropout, f"resid dropout.{i}")
+        o = w.dropout(w.linear(y, r, h, f"attn proj.{i}", m + "attn.c_proj"), spec.dropout, f"resid dropout.{i}")
         x = w.add(x, o, f"residual.{i}")
-        f = w.linear(w.layer_norm(x, r, f"ln_2.{i}"), r, spec.ffn, f"fc.{i}")
-        o = w.linear(w.gelu(f, f"gelu.{i}"), r, h, f"mlp proj.{i}")
+        f = w.linear(w.layer_norm(x, r, f"ln_2.{i}", m + "ln_2"), r, spec.ffn, f"fc.{i}", m + "mlp.c_fc")
+        o = w.linear(w.gelu(f, f"gelu.{i}"), r, h, f"mlp proj.{i}", m + "mlp.c_proj")
         x = w.add(x, w.dropout(o, spec.dropout, f"resid dropout.{i}"), f"residual.{i}")
     layer_marks.append(w.mark())
-    logits = w.linear(w.layer_norm(x, r, "ln_f"), r, spec.vocab, "logits")
+    logits = w.linear(w.layer_norm(x, r, "ln_f", "ln_f"), r, spec.vocab, "logits", "lm_head")
     w.cross_entropy(logits, r, spec.vocab, upcast=False)
 
 
@@ -88,26 +105,26 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     """transformers' GPT2LMHeadModel: Conv1D projections, NewGELU in Python ops, fp32 loss."""
     r, h = B * S, spec.hidden
     n = r * h
-    w.save(w.new(S, 8, "position ids"), w.new(r, 8, "shifted labels"))
-    x = w.add(w.new(n, w.x_bytes, "token embeddings"), w.new(S * h, w.x_bytes), "embeddings")
-    x = w.dropout(x, spec.dropout, "embedding dropout")
+    w.save(w.new(r, 8, "shifted labels"))
+    x = _embeddings(w, spec, S, n, "transformer.wte", "transformer.wpe")
     fused = fused_attention_used(w.device, spec.attention, spec.attn_dropout)
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
-        qkv = w.linear(w.layer_norm(x, r, f"ln_1.{i}"), r, 3 * h, f"c_attn.{i}")
+        m = f"transformer.h.{i}."
+        qkv = w.linear(w.layer_norm(x, r, f"ln_1.{i}", m + "ln_1"), r, 3 * h, f"c_attn.{i}", m + "attn.c_attn")
         if fused:
             y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n, spec.attn_dropout)
         elif spec.attention == "sdpa":
-            y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout)
+            y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout, qkv.rg)
         else:
             y = attention_manual(w, qkv, B, spec.n_head, S, n, spec.attn_dropout)
-        o = w.dropout(w.linear(y, r, h, f"c_proj.{i}"), spec.dropout, f"resid dropout.{i}")
+        o = w.dropout(w.linear(y, r, h, f"c_proj.{i}", m + "attn.c_proj"), spec.dropout, f"resid dropout.{i}")
         x = w.add(x, o, f"residual.{i}")
-        f = w.linear(w.layer_norm(x, r, f"ln_2.{i}"), r, spec.ffn, f"c_fc.{i}")
-        o = w.linear(w.gelu_tanh_python(f, f"gelu_new.{i}"), r, h, f"mlp c_proj.{i}")
+        f = w.linear(w.layer_norm(x, r, f"ln_2.{i}", m + "ln_2"), r, spec.ffn, f"c_fc.{i}", m + "mlp.c_fc")
+        o = w.linear(w.gelu_tanh_python(f, f"gelu_new.{i}"), r, h, f"mlp c_proj.{i}", m + "mlp.c_proj")
         x = w.add(x, w.dropout(o, spec.dropout, f"resid dropout.{i}"), f"residual.{i}")
     layer_marks.append(w.mark())
-    logits = w.linear(w.layer_norm(x, r, "ln_f"), r, spec.vocab, "logits")
+    logits = w.linear(w.layer_norm(x, r, "ln_f", "transformer.ln_f"), r, spec.vocab, "logits", "lm_head")
     w.cross_entropy(logits, r, spec.vocab, upcast=True)
 
 
@@ -118,25 +135,28 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
     kv = spec.n_kv_head * hd
     w.save(w.new(r, 8, "shifted labels"))
     w.save(w.new(2 * S * hd, w.x_bytes, "rotary cos and sin"))
-    x = w.new(r * h, w.x_bytes, "token embeddings")
+    x = w.new(r * h, w.x_bytes, "token embeddings", w.trains("model.embed_tokens"))
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
-        a = w.rms_norm_python(x, r, f"input_layernorm.{i}")
-        q = w.linear(a, r, h, f"q_proj.{i}")
-        w.linear(a, r, kv, f"k_proj.{i}")
-        v = w.linear(a, r, kv, f"v_proj.{i}")
-        q = w.new(q.numel, q.itemsize, f"q rotated.{i}")
-        k = w.new(r * kv, q.itemsize, f"k rotated.{i}")
+        m = f"model.layers.{i}."
+        a = w.rms_norm_python(x, r, f"input_layernorm.{i}", m + "input_layernorm")
+        q = w.linear(a, r, h, f"q_proj.{i}", m + "self_attn.q_proj")
+        k = w.linear(a, r, kv, f"k_proj.{i}", m + "self_attn.k_proj")
+        v = w.linear(a, r, kv, f"v_proj.{i}", m + "self_attn.v_proj")
+        q = w.new(q.numel, q.itemsize, f"q rotated.{i}", q.rg)
+        k = w.new(r * kv, q.itemsize, f"k rotated.{i}", k.rg)
         if fused_attention_used(w.device, spec.attention, spec.attn_dropout):
             y = sdpa_fused(w, q, k, v, B, spec.n_head, S, r * h, spec.attn_dropout)
         else:
-            y = sdpa_math(w, B, spec.n_head, S, r * h, spec.attn_dropout)
-        x = w.add(x, w.linear(y, r, h, f"o_proj.{i}"), f"residual.{i}")
-        a = w.rms_norm_python(x, r, f"post_attention_layernorm.{i}")
-        gate, up = w.linear(a, r, spec.ffn, f"gate_proj.{i}"), w.linear(a, r, spec.ffn, f"up_proj.{i}")
-        x = w.add(x, w.linear(w.silu_glu(gate, up, f"swiglu.{i}"), r, h, f"down_proj.{i}"), f"residual.{i}")
+            y = sdpa_math(w, B, spec.n_head, S, r * h, spec.attn_dropout, q.rg or k.rg or v.rg)
+        x = w.add(x, w.linear(y, r, h, f"o_proj.{i}", m + "self_attn.o_proj"), f"residual.{i}")
+        a = w.rms_norm_python(x, r, f"post_attention_layernorm.{i}", m + "post_attention_layernorm")
+        gate = w.linear(a, r, spec.ffn, f"gate_proj.{i}", m + "mlp.gate_proj")
+        up = w.linear(a, r, spec.ffn, f"up_proj.{i}", m + "mlp.up_proj")
+        y = w.silu_glu(gate, up, f"swiglu.{i}")
+        x = w.add(x, w.linear(y, r, h, f"down_proj.{i}", m + "mlp.down_proj"), f"residual.{i}")
     layer_marks.append(w.mark())
-    logits = w.linear(w.rms_norm_python(x, r, "norm"), r, spec.vocab, "logits")
+    logits = w.linear(w.rms_norm_python(x, r, "norm", "model.norm"), r, spec.vocab, "logits", "lm_head")
     w.cross_entropy(logits, r, spec.vocab, upcast=True)
 
 

@@ -54,6 +54,8 @@ class StepBytes:
     fwd_block: int  # live inside one block's forward: residual in and mid, norm output, MLP in and out
     offload_back: int  # at a block's worst backward op with offload: the MLP input copied back and
     #                    two gradients of its size, or the same three for the attention probabilities
+    buffers: int = 0  # int8/NF4 frozen base weights (BUFFER), there all the time
+    dequant: int = 0  # scratch of dequantizing one quantized weight on the fly (forward and backward)
 
 
 def bd(param=0, grad=0, opt=0, act=0, temp=0) -> Breakdown:
@@ -95,6 +97,8 @@ def step_phases(b: StepBytes, n_layer: int, policy: str = "none", segments: int 
     G0 = b.G if grads_exist else 0
     base = b.P + b.C
     fwd = bd(base, G0, b.O, A_fwd + b.lsm, b.logits)
+    if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
+        fwd = max(fwd, bd(base, G0, b.O, A_fwd - outside + (0 if offload else b.before), b.dequant), key=lambda x: x.total)
     if policy != "none" or offload:  # little is held: the peak may sit inside a block's forward
         in_block = bd(base, G0, b.O, b.inputs + (0 if offload else b.before) + sum(held[:-1]), b.fwd_block)
         fwd = max(fwd, in_block, key=lambda x: x.total)
@@ -124,7 +128,8 @@ def step_phases(b: StepBytes, n_layer: int, policy: str = "none", segments: int 
             copies = kept_copies - b.head_copy + m * b.layer_copy
         else:  # each finished block's copies are freed
             copies = kept_copies - b.head_copy - done * b.layer_copy
-        transient = b.stream + (0 if offload else b.tau)  # offload_back includes its own transient
+        # offload_back includes its own transient; a quantized base dequantizes each weight again
+        transient = b.stream + (0 if offload else max(b.tau, b.dequant))
         moments.append(bd(copies, grads + b.tau_grad, b.O, act, remade + transient))
         done += m
     moments.append(bd(b.P, b.G, b.O, b.inputs, b.stream + b.emb_temp))
@@ -134,4 +139,6 @@ def step_phases(b: StepBytes, n_layer: int, policy: str = "none", segments: int 
             x.bytes[Category.TEMP] += b.opt_temp
     bwd = max(moments, key=lambda x: x.total)
     opt = bd(b.P, 0 if step_in_backward else b.G, b.O, b.inputs, 0 if step_in_backward else b.opt_temp)
+    for x in (fwd, bwd, opt):
+        x.bytes[Category.BUFFER] += b.buffers
     return {"forward": fwd, "backward": bwd, "optimizer": opt}

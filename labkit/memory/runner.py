@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from .estimate import DTYPES, OPTIMIZERS, Precision
+from .estimate import DTYPES, OPTIMIZERS, Precision, _check_peft_options
+from .peft_terms import parse_targets, peft_of
+from .spec import spec_from
 from .budget import cuda_limit
 from .ledger import Ledger
 from .report import Measurement
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "mixed-fp16": torch.float16, "mixed-bf16": torch.bfloat16}
+LISA_INTERVAL = 20  # steps between LISA's layer switches (LMFlow's default K)
 
 
 def build_model(model, dtype: str = "fp32", device=None, **overrides) -> torch.nn.Module:
@@ -35,6 +39,35 @@ def build_model(model, dtype: str = "fp32", device=None, **overrides) -> torch.n
     if prec.weight == 2:
         m = m.to(_LOW[dtype])
     return m.train()
+
+
+def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = None,
+               lora_targets: str | Sequence[str] = "all-linear", quant: str = "none", lisa_layers: int | None = None):
+    """Make `m` a LoRA / QLoRA / int8-base LoRA model in place (labkit.peft); returns the resolved
+    labkit.memory.peft_terms.Peft, or None for plain training. LISA needs the optimizer: see measure_step.
+
+    quant "nf4": labkit.peft.apply_qlora (NF4Base, double quantization); "int8": a labkit.quant.Int8Linear
+    (per-row absmax) per target. The compute dtype is the model's (16-bit under mixed-*)."""
+    peft = peft_of(spec_from(m), lora_rank, lora_targets, quant, lisa_layers)
+    if peft is None or peft.lisa_layers:
+        return peft
+    from labkit.peft import LoRALinear, apply_lora, apply_qlora
+
+    targets = parse_targets(lora_targets)
+    compute = _LOW.get(dtype, torch.float32)
+    if quant == "nf4":
+        apply_qlora(m, targets, r=lora_rank, compute_dtype=compute)
+    elif quant == "int8":
+        from labkit.quant import Int8Linear
+
+        def int8_base(lin):  # per-row absmax codes, dequantized on the fly, nothing kept for backward
+            return Int8Linear.from_linear(lin, "absmax", "channel", compute_dtype=compute).requires_grad_(False)
+
+        apply_lora(m, targets, r=lora_rank, wrap=lambda lin: LoRALinear(
+            int8_base(lin), r=lora_rank, adapter_dtype=lin.weight.dtype))
+    else:
+        apply_lora(m, targets, r=lora_rank)
+    return peft
 
 
 def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float = 1e-3, foreach=None,
@@ -111,7 +144,9 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
                  foreach=None, data: torch.Tensor | None = None, seed: int = 0, progress: bool | None = None,
                  checkpoint: str = "none", segments: int | None = None, offload_activations: bool = False,
                  micro_batch: int | None = None, rank: int | None = None, optimizer_offload: str | None = None,
-                 step_in_backward: bool = False, **overrides) -> Measurement:
+                 step_in_backward: bool = False, lora_rank: int | None = None,
+                 lora_targets: str | Sequence[str] = "all-linear", quant: str = "none", lisa_layers: int | None = None,
+                 **overrides) -> Measurement:
     """Build the model, then run `steps` training steps under a Ledger and return what it measured.
 
     data: a 1-D tensor of token ids to sample batches from (default: random tokens).
@@ -120,6 +155,8 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
     checkpoint, segments: labkit.recompute.checkpoint_blocks(model, checkpoint, segments) (labkit's GPT).
     offload_activations, micro_batch: as in `train_step`.
     rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload uses a temp folder).
+    lora_rank, lora_targets, quant, lisa_layers: as in `estimate`; see `apply_peft` (LISA switches
+    layers every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires).
     """
     for name, v in (("batch", batch), ("seq", seq), ("steps", steps)):
         if not isinstance(v, int) or v <= 0:
@@ -129,19 +166,27 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
     torch.manual_seed(seed)
     device = torch.device(device or "cpu")
     m = build_model(model, dtype, device, **overrides)
+    peft = apply_peft(m, dtype, lora_rank, lora_targets, quant, lisa_layers)
+    if peft is not None:
+        _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, checkpoint, offload_activations)
     folder = tempfile.TemporaryDirectory() if optimizer_offload == "disk" else contextlib.nullcontext()
     with folder as path:
         opt = make_optimizer(m, optimizer, lr, foreach, rank, optimizer_offload, step_in_backward, path)
+        before = None
+        if lisa_layers:
+            from labkit.peft import LISA
+
+            before = LISA(m, opt, gamma=lisa_layers, interval=LISA_INTERVAL, seed=seed).step
         try:
             return _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device, data, seed,
-                            progress, checkpoint, segments, offload_activations, micro_batch)
+                            progress, checkpoint, segments, offload_activations, micro_batch, before)
         finally:
             if hasattr(opt, "close"):
                 opt.close()
 
 
 def _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device, data, seed, progress,
-             checkpoint, segments, offload_activations, micro_batch) -> Measurement:
+             checkpoint, segments, offload_activations, micro_batch, before_step=None) -> Measurement:
     vocab = m.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
 
@@ -164,6 +209,8 @@ def _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device,
             Ledger(m, opt, budget=None if real else budget, label=label, device=device) as led:
         for _ in tqdm(range(steps), desc=label, disable=not (steps >= 10 if progress is None else progress)):
             x, y = batch_xy()
+            if before_step is not None:
+                before_step()
             train_step(m, opt, x, y, dtype, micro_batch, offload_activations)
             del x, y
     return led.measurement()

@@ -30,6 +30,8 @@ class ModelSpec:
     layer_params: int = 0  # parameters of one transformer block
     matmul_params: int = 0  # parameters that enter a matmul (autocast copies these to 16-bit)
     layer_matmul_params: int = 0  # the same, in one block
+    param_names: list[str] = field(default_factory=list)  # name of each parameter tensor (a tied one once)
+    linears: list[tuple] = field(default_factory=list)  # (module name, d_in, d_out, bias elements): LoRA targets
 
     @property
     def largest_param(self) -> int:
@@ -48,9 +50,11 @@ def _from_module(name: str, family: str, cfg: dict, model: torch.nn.Module) -> M
         if m:
             per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + p.numel()
     layer_params = max(per_layer.values(), default=0)
-    mm_ids, layer_mm, galore = {}, 0, {}
+    mm_ids, layer_mm, galore, linears = {}, 0, {}, []
     for mname, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D":
+            d_out, d_in = mod.weight.shape if isinstance(mod, torch.nn.Linear) else mod.weight.shape[::-1]
+            linears.append((mname, int(d_in), int(d_out), 0 if mod.bias is None else mod.bias.numel()))
             for p in mod.parameters(recurse=False):
                 mm_ids[id(p)] = p.numel()
                 if re.search(r"\.0\.", mname + "."):
@@ -61,7 +65,8 @@ def _from_module(name: str, family: str, cfg: dict, model: torch.nn.Module) -> M
     return ModelSpec(name=name, family=family, n_params=sum(p.numel() for p in params),
                      param_numels=[p.numel() for p in params], layer_params=layer_params,
                      param_shapes=[tuple(p.shape) for p in params], galore_shapes=list(galore.values()),
-                     matmul_params=sum(mm_ids.values()), layer_matmul_params=layer_mm, **cfg)
+                     matmul_params=sum(mm_ids.values()), layer_matmul_params=layer_mm,
+                     param_names=[n for n, _ in model.named_parameters()], linears=linears, **cfg)
 
 
 def _gpt_spec(name: str, gcfg, model=None) -> ModelSpec:

@@ -4,10 +4,15 @@ Each primitive below says, in its docstring, which tensors PyTorch's autograd ke
 pass (the rules of `tools/autograd/derivatives.yaml`) and so how many bytes it adds. A tensor saved
 by two ops (a LayerNorm's output read by three projections) is counted once, as in memory. Model
 families are written as short sequences of primitives in `labkit.memory.families`.
+
+Frozen weights (LoRA, QLoRA, LISA) change what is saved: autograd saves an op's input only for the
+gradients it must compute, so a frozen Linear keeps nothing of x, and nothing is recorded at all
+before the first tensor that requires grad (`T.rg`). `Walk.trains(module)` says which weights train.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -19,6 +24,7 @@ class T:
     itemsize: int
     name: str = ""
     base: "T | None" = None
+    rg: bool = True  # requires grad: autograd records (and saves for) the ops that read it
 
     @property
     def nbytes(self) -> int:
@@ -44,10 +50,24 @@ class Walk:
     saved: dict[int, T] = field(default_factory=dict)  # id(root) -> root tensor
     kept_bytes: int = 0  # outputs of matmul-like ops: what "matmuls" selective checkpointing keeps
     log: list[tuple[str, int]] = field(default_factory=list)  # (what, bytes) as saved
+    frozen: bool = False  # every base weight frozen (LoRA, QLoRA)
+    lora: dict[str, int] = field(default_factory=dict)  # adapted Linear module name -> LoRA rank
+    active: frozenset | None = None  # LISA: indices of the layers that train (None: all)
+    quantized: bool = False  # the adapted Linears' bases are int8/NF4 (dequantized on the fly, save nothing)
+    linears: dict[str, tuple] = field(default_factory=dict)  # module name -> (d_in, d_out, bias elements)
+    copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
 
     # ---- bookkeeping -------------------------------------------------------------------------
-    def new(self, numel: int, itemsize: int, name: str = "") -> T:
-        return T(int(numel), int(itemsize), name)
+    def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:
+        return T(int(numel), int(itemsize), name, rg=rg)
+
+    def trains(self, module: str) -> bool:
+        """Whether the module's own weights get gradients: not when frozen; with LISA, modules outside
+        the layer list always, those in layer i when i is active."""
+        if self.frozen:
+            return False
+        m = re.search(r"\.(\d+)\.", "." + module + ".")
+        return self.active is None or m is None or int(m.group(1)) in self.active
 
     def save(self, *ts: T) -> None:
         """Keep tensors for backward (once each, by storage)."""
@@ -73,11 +93,33 @@ class Walk:
         return x
 
     # ---- primitives --------------------------------------------------------------------------
-    def linear(self, x: T, rows: int, out_features: int, name: str) -> T:
-        """y = x W^T + b saves x (to form dW = dy^T x); W is a parameter, already counted."""
-        xin = self.as_matmul_input(x)
-        self.save(xin)
-        return self.keep(self.new(rows * out_features, self.mm_bytes, name))
+    def linear(self, x: T, rows: int, out_features: int, name: str, module: str = "") -> T:
+        """y = x W^T + b saves x (to form dW = dy^T x); W is a parameter, already counted.
+
+        A frozen W saves nothing (dx = dy W needs W only). A LoRA adapter (rank r) on the module
+        saves A's input (x, or a fresh 16-bit copy under autocast) and the (rows, r) output of A."""
+        trains, r = self.trains(module), self.lora.get(module, 0)
+        if trains:
+            self.save(self.as_matmul_input(x))
+        if r:
+            self.save(self.new(x.numel, self.low_bytes, f"{name} adapter input") if self.autocast else x,
+                      self.new(rows * r, self.mm_bytes, f"{name} lora_A out"))
+        if self.autocast and module in self.linears:
+            self._count_copies(module, trains, x.rg, r)
+        # a quantized base returns x's dtype (fp32 after an autocast LayerNorm), and base + adapter keeps it
+        itemsize = x.itemsize if r and self.quantized else self.mm_bytes
+        return self.keep(self.new(rows * out_features, itemsize, name, rg=x.rg or trains or r > 0))
+
+    def _count_copies(self, module: str, trains: bool, x_rg: bool, r: int) -> None:
+        """Autocast's 16-bit copies that outlive the op: a trained weight and bias are cached until
+        backward; a frozen weight's copy is saved by the matmul only when x requires grad (for dx),
+        its bias copy not at all; a quantized base has none (it dequantizes); adapters are trained."""
+        d_in, d_out, bias = self.linears[module]
+        if trains:
+            self.copy_bytes += self.low_bytes * (d_in * d_out + bias)
+        elif x_rg and not (r and self.quantized):
+            self.copy_bytes += self.low_bytes * d_in * d_out
+        self.copy_bytes += self.low_bytes * r * (d_in + d_out)
 
     def keep(self, t: T) -> T:
         """Note a matmul-like op's output (selective checkpointing may keep it instead of recomputing)."""
@@ -88,27 +130,33 @@ class Walk:
         """(saved, kept) bytes so far: the walk's position, for per-layer differences."""
         return self.saved_bytes, self.kept_bytes
 
-    def layer_norm(self, x: T, rows: int, name: str) -> T:
+    def layer_norm(self, x: T, rows: int, name: str, module: str = "") -> T:
         """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the
-        input's dtype on CPU."""
-        self.save(x, self.new(2 * rows, 4 if self.device == "cuda" else x.itemsize, f"{name} stats"))
-        return self.new(x.numel, 4 if self.autocast else x.itemsize, f"{name} out")
+        input's dtype on CPU (one backward formula for input and weight: saved if either needs it)."""
+        rg = x.rg or self.trains(module)
+        if rg:
+            self.save(x, self.new(2 * rows, 4 if self.device == "cuda" else x.itemsize, f"{name} stats"))
+        return self.new(x.numel, 4 if self.autocast else x.itemsize, f"{name} out", rg)
 
-    def rms_norm_python(self, x: T, rows: int, name: str) -> T:
+    def rms_norm_python(self, x: T, rows: int, name: str, module: str = "") -> T:
         """transformers' LlamaRMSNorm: h = x.float(); h = h * rsqrt(mean(h^2)+eps); weight * h.to(dtype).
 
         Saves the fp32 input (a copy if x is 16-bit), rsqrt's output (one fp32 per row) and the
-        normalised tensor in x's dtype (the weight's gradient needs it).
+        normalised tensor in x's dtype (the weight's gradient needs it: not saved for a frozen weight).
         """
-        x32 = x if x.itemsize == 4 else self.new(x.numel, 4, f"{name} fp32 copy")
-        self.save(x32, self.new(rows, 4, f"{name} rsqrt"))
-        self.save(self.new(x.numel, x.itemsize, f"{name} normed"))
-        return self.new(x.numel, x.itemsize, f"{name} out")
+        trains = self.trains(module)
+        if x.rg:
+            x32 = x if x.itemsize == 4 else self.new(x.numel, 4, f"{name} fp32 copy")
+            self.save(x32, self.new(rows, 4, f"{name} rsqrt"))
+        if trains:
+            self.save(self.new(x.numel, x.itemsize, f"{name} normed"))
+        return self.new(x.numel, x.itemsize, f"{name} out", x.rg or trains)
 
     def gelu(self, x: T, name: str) -> T:
         """Exact (erf) GELU in one kernel: saves its input only."""
-        self.save(x)
-        return self.new(x.numel, x.itemsize, name)
+        if x.rg:
+            self.save(x)
+        return self.new(x.numel, x.itemsize, name, x.rg)
 
     def gelu_tanh_python(self, x: T, name: str) -> T:
         """0.5*x*(1+tanh(c*(x+0.044715*x^3))) as separate ops (transformers' NewGELU).
@@ -116,27 +164,33 @@ class Walk:
         pow saves x; tanh saves its output; the final product saves both factors 0.5*x and 1+tanh:
         three new tensors of x's size besides x itself (the fused kernel would keep only x).
         """
-        self.save(x)
-        for part in ("tanh", "0.5x", "1+tanh"):
-            self.save(self.new(x.numel, x.itemsize, f"{name} {part}"))
-        return self.new(x.numel, x.itemsize, name)
+        if x.rg:
+            self.save(x)
+            for part in ("tanh", "0.5x", "1+tanh"):
+                self.save(self.new(x.numel, x.itemsize, f"{name} {part}"))
+        return self.new(x.numel, x.itemsize, name, x.rg)
 
     def silu_glu(self, gate: T, up: T, name: str) -> T:
-        """silu(gate) * up: silu saves gate; the product saves silu's output and up."""
-        s = self.new(gate.numel, gate.itemsize, f"{name} silu")
-        self.save(gate, s, up)
-        return self.new(gate.numel, gate.itemsize, name)
+        """silu(gate) * up: silu saves gate; the product saves silu's output (for up's gradient)
+        and up (for silu's)."""
+        s = self.new(gate.numel, gate.itemsize, f"{name} silu", gate.rg)
+        if gate.rg:
+            self.save(gate, up)
+        if up.rg:
+            self.save(s)
+        return self.new(gate.numel, gate.itemsize, name, gate.rg or up.rg)
 
     def dropout(self, x: T, p: float, name: str) -> T:
         """Training dropout saves its mask: 1 byte (bool) on CUDA; on CPU a mask in x's dtype."""
         if p <= 0:
             return x
-        self.save(self.new(x.numel, 1 if self.device == "cuda" else x.itemsize, f"{name} mask"))
-        return self.new(x.numel, x.itemsize, name)
+        if x.rg:
+            self.save(self.new(x.numel, 1 if self.device == "cuda" else x.itemsize, f"{name} mask"))
+        return self.new(x.numel, x.itemsize, name, x.rg)
 
     def add(self, a: T, b: T, name: str) -> T:
         """Residual add: saves nothing; the result takes the wider dtype."""
-        return self.new(max(a.numel, b.numel), max(a.itemsize, b.itemsize), name)
+        return self.new(max(a.numel, b.numel), max(a.itemsize, b.itemsize), name, a.rg or b.rg)
 
     def cross_entropy(self, logits: T, rows: int, vocab: int, upcast: bool) -> T:
         """log_softmax saves its output (rows x vocab) and nll_loss the target; fp32 if upcast.
@@ -146,5 +200,5 @@ class Walk:
         """
         itemsize = 4 if (upcast or self.autocast) else logits.itemsize
         lsm = self.new(rows * vocab, itemsize, "log_softmax(logits)")
-        self.save(lsm)
+        self.save(lsm)  # the loss always needs a gradient: something before it trains
         return lsm

@@ -60,7 +60,7 @@ def test_gpt_spec_builds_a_gpt_config(capsys):
 
 
 def test_wall_command(capsys):
-    code, out, _ = run(capsys, "wall", "--models", "gpt2,llama2-70b", "--budgets", "24,141", "--json")
+    code, out, _ = run(capsys, "wall", "--models", "gpt2,llama2-70b", "--budgets", "24,141", "--methods", "full", "--json")
     assert code == 0
     rows = json.loads(out)["rows"]
     assert [r["model"] for r in rows] == ["gpt2", "llama2-70b"]

@@ -1,0 +1,200 @@
+"""LoRA, QLoRA (NF4 or int8 frozen base) and LISA in the estimator: what trains, and what the frozen base costs.
+
+Everything is read from the ModelSpec (module names and shapes), so no model is built. The rules follow
+labkit.peft: `apply_lora` freezes every parameter and adds A (r, d_in) and B (d_out, r) beside each
+targeted Linear ("all-linear": all but lm_head, as peft); `apply_qlora` stores each targeted weight as
+NF4 buffers (labkit.peft.NF4Base); `LISA` trains the embeddings, final norm and head always and
+`lisa_layers` of the transformer layers at a time (their gradients and Adam state released on switch).
+Sources: Hu et al. 2021 (LoRA), Dettmers et al. 2023 (QLoRA), Pan et al. 2024 (LISA); techniques.md 2, 4.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+QUANTS = ("none", "int8", "nf4")
+NF4_BLOCK, DQ_BLOCK = 64, 256  # weights per NF4 absmax; absmax values per second-level fp32 scale
+# Dequantizing one NF4 weight on the fly (labkit.quant.nf4.dequantize_nf4) holds, at its worst moment,
+# the int32 byte index (4 B per 2 weights) beside the fp32 result (4 B), or the fp32 result and its
+# 16-bit copy (2 B): 6 B per weight. (It was 13 with per-weight int64 indices: change it here.)
+NF4_DEQUANT_BYTES_PER_WEIGHT = 6
+# Int8 (labkit.quant.int8.dequantize_int8, per-row absmax): the codes as fp32 (4 B) and, in fp32
+# compute, the scaled product (4 B); in 16-bit compute the fp32 copy (4 B) and its 16-bit cast (2 B).
+INT8_DEQUANT_BYTES_PER_WEIGHT = {4: 8, 2: 6}
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Peft:
+    """A parameter-efficient method, resolved against one model's modules."""
+
+    rank: int | None  # LoRA rank r (None: no adapters)
+    targets: tuple[tuple, ...]  # adapted Linears: (module name, d_in, d_out, bias elements)
+    quant: str  # the frozen base under the adapters: "none", "int8" or "nf4"
+    lisa_layers: int | None  # LISA's gamma (None: no LISA)
+
+    @property
+    def method(self) -> str:
+        if self.lisa_layers:
+            return "lisa"
+        return {"none": "lora", "nf4": "qlora", "int8": "lora-int8"}[self.quant]
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        return {name: self.rank for name, *_ in self.targets}
+
+
+def parse_targets(targets: str | Sequence[str]) -> str | list[str]:
+    """'all-linear', 'q_proj,v_proj' or ['q_proj', 'v_proj'] -> 'all-linear' or a list of names."""
+    if isinstance(targets, str):
+        if targets.strip() == "all-linear":
+            return "all-linear"
+        targets = targets.split(",")
+    names = [t.strip() for t in targets if isinstance(t, str) and t.strip()]
+    if len(names) != len(list(targets)) or not names:
+        raise ValueError(f"lora_targets must be 'all-linear' or module names such as 'q_proj,v_proj', got {targets!r}")
+    return names
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)  # labkit.peft.lora's (and peft's) rule
+
+
+def resolve_targets(spec, targets: str | Sequence[str]) -> list[tuple]:
+    """The spec's Linear modules that `targets` selects, as labkit.peft.find_targets would pick them."""
+    wanted = parse_targets(targets)
+    if wanted == "all-linear":
+        return [lin for lin in spec.linears if not _matches(lin[0], "lm_head")]
+    chosen = []
+    for t in wanted:
+        hit = [lin for lin in spec.linears if _matches(lin[0], t)]
+        if not hit:
+            ends = sorted({lin[0].rsplit(".", 1)[-1] for lin in spec.linears})
+            raise ValueError(f"LoRA target {t!r} matches no Linear module of {spec.name}; use 'all-linear' or "
+                             f"some of: {', '.join(ends)}")
+        chosen += [lin for lin in hit if lin not in chosen]
+    return chosen
+
+
+def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none", lisa_layers=None) -> Peft | None:
+    """Check the options and resolve them against `spec`; None for plain (full) training."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0):
+        raise ValueError(f"lora_rank must be a positive integer (typical: 4 to 64), got {lora_rank!r}")
+    if lisa_layers is not None:
+        if isinstance(lisa_layers, bool) or not isinstance(lisa_layers, int) or not 1 <= lisa_layers <= spec.n_layer:
+            raise ValueError(f"lisa_layers must be an integer from 1 to the model's {spec.n_layer} layers, "
+                             f"got {lisa_layers!r}")
+        if lora_rank is not None or quant != "none":
+            raise ValueError("lisa_layers trains whole layers: give it without lora_rank and quant")
+        return Peft(None, (), "none", lisa_layers)
+    if lora_rank is None:
+        if quant != "none":
+            raise ValueError(f"quant={quant!r} freezes the base under LoRA adapters: give lora_rank too (e.g. 16)")
+        if parse_targets(lora_targets) != "all-linear":
+            raise ValueError("lora_targets selects where LoRA adapters go: give lora_rank too (e.g. 16)")
+        return None
+    targets = resolve_targets(spec, lora_targets)
+    if quant == "nf4":
+        odd = [name for name, d_in, d_out, _ in targets if (d_in * d_out) % NF4_BLOCK]
+        if odd:
+            raise ValueError(f"NF4 needs weights whose size divides by {NF4_BLOCK}; {odd[0]} does not: leave it "
+                             "out of lora_targets or use quant='int8'")
+    return Peft(lora_rank, tuple(targets), quant, None)
+
+
+# ---- what trains -----------------------------------------------------------------------------------
+def lisa_active(peft: Peft) -> frozenset:
+    """The layers the estimate trains: the first gamma (all layers are the same size)."""
+    return frozenset(range(peft.lisa_layers))
+
+
+def trainable_spec(spec, peft: Peft):
+    """A ModelSpec of the trainable parameters only, so the optimizer formulas (optim_terms) apply as
+    they are: LoRA's A (r, d_in) and B (d_out, r) per target; LISA's non-layer parameters + gamma layers."""
+    if peft.lisa_layers:
+        active = lisa_active(peft)
+        keep = [i for i, n in enumerate(spec.param_names)
+                if (m := _LAYER.search(n)) is None or int(m.group(1)) in active]
+        names = [spec.param_names[i] for i in keep]
+        shapes = [spec.param_shapes[i] for i in keep]
+    else:
+        names, shapes = [], []
+        for name, d_in, d_out, _ in peft.targets:
+            names += [f"{name}.lora_A", f"{name}.lora_B"]
+            shapes += [(peft.rank, d_in), (d_out, peft.rank)]
+    numels = [math.prod(s) for s in shapes]
+    per_layer = {}
+    for n, k in zip(names, numels):
+        if (m := _LAYER.search(n)) is not None:
+            per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + k
+    return replace(spec, n_params=sum(numels), param_numels=numels, param_shapes=shapes, param_names=names,
+                   galore_shapes=[], layer_params=sum(per_layer.values()) // max(spec.n_layer, 1))
+
+
+def adapter_elements(peft: Peft) -> int:
+    """r (d_in + d_out) per adapted Linear."""
+    return sum(peft.rank * (d_in + d_out) for _, d_in, d_out, _ in peft.targets) if peft.rank else 0
+
+
+def quantized_weights(spec, peft: Peft) -> int:
+    """Weight elements moved from parameters into int8/NF4 buffers (a weight tied to the embedding stays)."""
+    if peft.quant == "none":
+        return 0
+    return sum(d_in * d_out for name, d_in, d_out, _ in peft.targets if not (spec.tied and _matches(name, "lm_head")))
+
+
+# ---- bytes --------------------------------------------------------------------------------------------
+def nf4_bytes(n: int) -> int:
+    """One NF4 weight of n elements with double quantization: n/2 packed codes + one uint8 absmax code
+    per 64 + one fp32 scale per 256 absmax values + a 4-byte offset: ~0.5159 B/weight (bitsandbytes)."""
+    blocks = n // NF4_BLOCK
+    return n // 2 + blocks + 4 * math.ceil(blocks / DQ_BLOCK) + 4
+
+
+def int8_bytes(d_in: int, d_out: int) -> int:
+    """One int8 weight, per-row absmax: 1 byte per weight + one fp32 scale per output row."""
+    return d_in * d_out + 4 * d_out
+
+
+def base_buffer_bytes(spec, peft: Peft) -> int:
+    """The quantized frozen bases (BUFFER): int8 codes and scales, or NF4 codes and statistics."""
+    if peft.quant == "nf4":
+        return sum(nf4_bytes(d_in * d_out) for name, d_in, d_out, _ in peft.targets
+                   if not (spec.tied and _matches(name, "lm_head")))
+    if peft.quant == "int8":
+        return sum(int8_bytes(d_in, d_out) for name, d_in, d_out, _ in peft.targets
+                   if not (spec.tied and _matches(name, "lm_head")))
+    return 0
+
+
+def frozen_param_bytes(spec, peft: Peft, d: int) -> int:
+    """Parameters that stay in the model's dtype but get no gradient: all of them for LoRA, all but the
+    quantized weights for QLoRA (biases, norms, embeddings, the head stay), the inactive layers for LISA."""
+    if peft.lisa_layers:
+        return (spec.n_params - trainable_spec(spec, peft).n_params) * d
+    return (spec.n_params - quantized_weights(spec, peft)) * d
+
+
+def dequant_scratch_bytes(peft: Peft, compute_bytes: int) -> int:
+    """On-the-fly dequantization of the largest quantized weight: NF4 6 B per weight, int8 8 B (fp32
+    compute) or 6 B (16-bit); one layer at a time, in forward and again in backward."""
+    if peft.quant == "none" or not peft.targets:
+        return 0
+    n = max(d_in * d_out for _, d_in, d_out, _ in peft.targets)
+    per = NF4_DEQUANT_BYTES_PER_WEIGHT if peft.quant == "nf4" else INT8_DEQUANT_BYTES_PER_WEIGHT[compute_bytes]
+    return per * n
+
+
+def setup_walk(w, peft: Peft | None) -> None:
+    """Tell the forward walk which weights train and where the adapters are."""
+    if peft is None:
+        return
+    if peft.lisa_layers:
+        w.active = lisa_active(peft)
+    else:
+        w.frozen, w.lora, w.quantized = True, peft.adapters, peft.quant != "none"
