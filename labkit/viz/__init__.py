@@ -1,6 +1,7 @@
 """Views of memory: static plots, a live plot for training loops, and widget panels over the library."""
 
 from .live import LivePlot
+from .methods import peak_bars
 from .plots import (
     CATEGORY_COLORS,
     PHASE_COLORS,

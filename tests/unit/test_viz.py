@@ -217,3 +217,24 @@ def test_liveplot_without_throttle_redraws_each_time_and_grows_new_series():
     assert lp._repr_png_().startswith(b"\x89PNG")
     with pytest.raises(ValueError, match="at least one series"):
         lp.update(4)
+
+
+# ------------------------------------------------------------------------------------- peak_bars
+def test_peak_bars_draws_one_stack_per_item_with_totals_and_budgets():
+    from labkit.viz import peak_bars
+
+    est, meas = make_estimate(), make_measurement()
+    items = {"a breakdown": bd(param=2, grad=1), "predicted": est, "measured": meas}
+    fig = peak_bars(items, budgets_gib=(0.01,), title="three setups")
+    ax = fig.axes[0]
+    heights = {}
+    for p in bars(ax):
+        heights[round(p.get_x() + p.get_width() / 2)] = heights.get(round(p.get_x() + p.get_width() / 2), 0) + p.get_height()
+    assert [round(heights[i], 6) for i in range(3)] == [3, 11, 12]  # MiB: each stack sums to its peak's total
+    words = texts(fig)
+    assert "3.00 MiB" in words and "11.00 MiB" in words and "12.00 MiB" in words and "0.01 GiB" in words
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(items)
+    with pytest.raises(ValueError, match="at least one"):
+        peak_bars({})
+    with pytest.raises(TypeError, match="Breakdown"):
+        peak_bars({"x": 3})
