@@ -6,7 +6,7 @@ import time
 
 from matplotlib.figure import Figure
 
-from .plots import to_png
+from .style import to_png
 
 
 def _in_ipython() -> bool:

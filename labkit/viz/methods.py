@@ -7,7 +7,7 @@ from matplotlib.figure import Figure
 from labkit.memory.report import CATEGORIES, Breakdown
 from labkit.memory.units import GiB, fmt_bytes
 
-from .plots import CATEGORY_COLORS, DOES_NOT_FIT, _axes, _legend, _stack, pick_unit
+from .style import CATEGORY_COLORS, DOES_NOT_FIT, _axes, _legend, _stack, pick_unit
 
 
 def _breakdown(obj) -> Breakdown:

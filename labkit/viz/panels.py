@@ -12,7 +12,10 @@ from labkit.memory import DTYPES, OPTIMIZERS, GiB, estimate, fmt_bytes, measure_
 from labkit.models.hf import PRESETS
 
 from .live import _in_ipython
-from .plots import DOES_NOT_FIT, FITS, compare_bar, prediction_bar, timeline, to_png
+from .plots import compare_bar, prediction_bar, timeline
+from .style import DOES_NOT_FIT, FITS, to_png
+
+RANKS = tuple(2**k for k in range(11))  # GaLore ranks offered: 1 to 1024 (the paper's 7B model uses 1024)
 
 
 def _defaults() -> dict:
@@ -40,11 +43,12 @@ class MemoryPanel:
     runs two real steps under the budget (one call: `run_within_budget(measure_step)`) and draws
     predicted vs measured and the memory timeline, or says why the step does not fit. It is offered
     only while the predicted step fits `measure_limit` bytes (default: what this machine can run).
+    The rank slider is GaLore's rank: enabled for the "galore" and "galore8bit" optimizers only.
     """
 
     def __init__(self, model: str | None = None, batch: int | None = None, seq: int | None = None,
                  dtype: str | None = None, optimizer: str = "adamw", budget_gib: float | None = None,
-                 measure_limit: int | None = None, steps: int = 2):
+                 measure_limit: int | None = None, steps: int = 2, rank: int = 16):
         d = _defaults()
         self.device, self.steps = d["device"], steps
         self.measure_limit = int(measure_limit or d["limit"])
@@ -58,6 +62,9 @@ class MemoryPanel:
                                       continuous_update=False)
         self.dtype = widgets.Dropdown(options=list(DTYPES), value=dtype or d["dtype"], description="dtype", style=style)
         self.optimizer = widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=style)
+        self.rank = widgets.SelectionSlider(options=sorted({*RANKS, int(rank)}), value=int(rank), description="rank",
+                                            style=style, continuous_update=False,
+                                            tooltip="GaLore's rank: the optimizer state lives in a rank-r projection")
         self.budget = widgets.FloatLogSlider(value=budget_gib or d["budget_gib"], base=2, min=-10, max=11, step=0.25,
                                              description="budget GiB", readout_format=".3g", style=style,
                                              continuous_update=False)
@@ -67,7 +74,7 @@ class MemoryPanel:
         self.message = widgets.HTML()  # the measurement's outcome in words
         self.output = widgets.Output()  # the measurement's figures
         self.last_estimate = self.last_result = self.last_figure = self.last_error = None
-        controls = (self.model, self.batch, self.seq, self.dtype, self.optimizer, self.budget)
+        controls = (self.model, self.batch, self.seq, self.dtype, self.optimizer, self.rank, self.budget)
         for w in controls:
             w.observe(self._on_change, names="value")
         self.button.on_click(self._on_measure)
@@ -79,14 +86,21 @@ class MemoryPanel:
 
     # ---- reading the controls ---------------------------------------------------------------
     def _args(self) -> dict:
-        return dict(model=self.model.value, batch=int(self.batch.value), seq=int(self.seq.value),
+        args = dict(model=self.model.value, batch=int(self.batch.value), seq=int(self.seq.value),
                     dtype=self.dtype.value, optimizer=self.optimizer.value)
+        if self._galore():
+            args["rank"] = int(self.rank.value)
+        return args
+
+    def _galore(self) -> bool:
+        return self.optimizer.value.startswith("galore")
 
     def _budget_bytes(self) -> int:
         return int(self.budget.value * GiB)
 
     # ---- callbacks: read the controls, make one library call, draw ---------------------------
     def _on_change(self, _change=None) -> None:
+        self.rank.disabled = not self._galore()  # other optimizers have no rank
         try:
             est = estimate(**self._args(), device=self.device)
         except ValueError as e:  # e.g. a sequence longer than the model's positions

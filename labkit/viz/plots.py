@@ -1,68 +1,23 @@
-"""Static plots of memory: predicted vs measured bars, the timeline of one step, and fit grids."""
+"""Static plots of memory: predicted vs measured bars, the timeline of one step, the predicted phases.
+
+Colours, units and PNG output live in .style, the fit grid and breakdown table in .tables; their
+names are importable from here too, as the lessons use them (`plots.fit_table`, `plots.to_png`).
+"""
 
 from __future__ import annotations
 
-import io
-
 import matplotlib
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
 from matplotlib.transforms import blended_transform_factory
 
-from labkit.memory.report import CATEGORIES, PHASES, Breakdown, Category
-from labkit.memory.units import GiB, KiB, MiB, fmt_bytes, parse_bytes
+from labkit.memory.report import CATEGORIES, PHASES, Breakdown
+from labkit.memory.units import fmt_bytes
 
-# One colour per category, the same in every labkit figure (seaborn's "deep" palette).
-CATEGORY_COLORS: dict[Category, str] = {
-    Category.PARAM: "#4C72B0",  # blue
-    Category.BUFFER: "#8C8C8C",  # grey
-    Category.GRAD: "#DD8452",  # orange
-    Category.OPT: "#55A868",  # green
-    Category.ACT: "#C44E52",  # red
-    Category.TEMP: "#CCB974",  # sand
-}
-PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868"}
-FITS, DOES_NOT_FIT = "#2E7D32", "#C62828"  # green and red for verdicts and budget lines
+from .style import CATEGORY_COLORS, DOES_NOT_FIT, FITS, PHASE_COLORS, _axes, _legend, _stack, pick_unit, to_png
+from .tables import BreakdownTable, breakdown_table, fit_table
 
-
-def pick_unit(n_bytes: float) -> tuple[str, int]:
-    """The binary unit that reads best for sizes up to n_bytes: (name, bytes per unit)."""
-    for name, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n_bytes >= size:
-            return name, size
-    return "B", 1
-
-
-def to_png(fig: Figure, dpi: int = 100, tight: bool = True) -> bytes:
-    """The figure as PNG bytes (what panels and live plots put on screen); tight=False is twice as
-    fast (one draw, not two) for figures whose layout already fits."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight" if tight else None)
-    return buf.getvalue()
-
-
-def _show_figures_as_png() -> None:
-    """In IPython, show a returned Figure as PNG even before pyplot loads the inline backend (which would)."""
-    try:
-        from IPython import get_ipython
-
-        png = get_ipython().display_formatter.formatters["image/png"]
-    except (ImportError, AttributeError):  # no IPython, or not running in it
-        return
-    if Figure not in png.type_printers:
-        png.for_type(Figure, to_png)
-
-
-_show_figures_as_png()
-
-
-def _axes(ax, figsize, right=0.97):
-    if ax is not None:
-        return ax.figure, ax
-    fig = Figure(figsize=figsize)
-    ax = fig.add_subplot(1, 1, 1)
-    fig.subplots_adjust(left=0.09, right=right, bottom=0.16, top=0.86)
-    return fig, ax
+__all__ = ["CATEGORY_COLORS", "PHASE_COLORS", "FITS", "DOES_NOT_FIT", "pick_unit", "to_png", "compare_bar",
+           "timeline", "prediction_bar", "fit_table", "BreakdownTable", "breakdown_table"]
 
 
 def _pick(obj, phase: str) -> tuple[str, Breakdown]:
@@ -77,23 +32,6 @@ def _ratio(measured: int, predicted: int) -> str:
     if predicted == 0:
         return "-" if measured == 0 else "not predicted"
     return f"{measured / predicted:.2f}"
-
-
-def _stack(ax, x: float, b: Breakdown, size: int, width: float = 0.6, min_label: float = 0.0) -> None:
-    """One stacked bar, PARAM at the bottom; segments taller than min_label get their value written in."""
-    bottom = 0.0
-    for c in CATEGORIES:
-        h = b.bytes[c] / size
-        if h > 0:
-            ax.bar(x, h, width, bottom=bottom, color=CATEGORY_COLORS[c], edgecolor="white", linewidth=0.5)
-            if min_label and h >= min_label:
-                ax.text(x, bottom + h / 2, f"{h:.3g}", ha="center", va="center", fontsize=8, color="white")
-        bottom += h
-
-
-def _legend(ax, cats=CATEGORIES, **kw) -> None:
-    handles = [Patch(color=CATEGORY_COLORS[c], label=c.value) for c in cats]
-    ax.legend(handles=handles, fontsize=8, frameon=False, **kw)
 
 
 def compare_bar(estimate, measurement, ax=None, phase: str = "peak", tolerance: float = 0.10) -> Figure:
@@ -235,79 +173,3 @@ def prediction_bar(estimate, budget: int | None = None, ax=None) -> Figure:
         ax.set_title(title, fontsize=9)
     _legend(ax, CATEGORIES[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
-
-
-def fit_table(rows, budgets, ax=None, title: str = "which models fit in which memory") -> Figure:
-    """A grid of (model name, peak bytes) rows against budgets (bytes, '16GiB', or {label: size}):
-    green cells fit, red cells do not; each cell says how much of the budget the peak needs."""
-    if isinstance(budgets, dict):
-        cols = [(str(k), parse_bytes(v)) for k, v in budgets.items()]
-    else:
-        cols = [(fmt_bytes(parse_bytes(b), 0 if parse_bytes(b) % GiB == 0 else 1), parse_bytes(b)) for b in budgets]
-    rows = [(str(name), int(peak)) for name, peak in rows]
-    width = 2.0 + 1.3 * len(cols)
-    fig, ax = _axes(ax, (width, 1.1 + 0.55 * len(rows)))
-    for i, (_, peak) in enumerate(rows):
-        for j, (_, cap) in enumerate(cols):
-            fits = peak <= cap
-            ax.add_patch(Rectangle((j, i), 1, 1, facecolor="#C8E6C9" if fits else "#FFCDD2", edgecolor="white", linewidth=2))
-            need = peak / cap
-            text = f"fits ({need:.0%})" if fits else f"no ({need:.1f}x)" if need < 100 else "no (>100x)"
-            ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=9, color=FITS if fits else DOES_NOT_FIT)
-    ax.set_xlim(0, len(cols))
-    ax.set_ylim(len(rows), 0)
-    ax.set_xticks([j + 0.5 for j in range(len(cols))], [name for name, _ in cols])
-    ax.set_yticks([i + 0.5 for i in range(len(rows))], [f"{name}\npeak {fmt_bytes(peak, 1)}" for name, peak in rows])
-    ax.xaxis.tick_top()
-    ax.tick_params(length=0)
-    for s in ax.spines.values():
-        s.set_visible(False)
-    ax.set_title(title + "\n(cell: peak as a share of the budget)", fontsize=10, pad=28)
-    if ax.figure is fig and len(fig.axes) == 1:
-        fig.subplots_adjust(left=1.9 / width, right=0.98, top=1 - 1.0 / fig.get_figheight(), bottom=0.04)
-    return fig
-
-
-class BreakdownTable:
-    """Bytes per category (rows) at the peak of each phase (columns): prints as text, shows as HTML."""
-
-    def __init__(self, title: str, header: list[str], rows: list[list]):
-        self.title, self.header, self.rows = title, header, rows  # rows: [name, bytes, bytes, ...]
-
-    def _cells(self) -> list[list[str]]:
-        return [self.header] + [[r[0]] + [fmt_bytes(v) for v in r[1:]] for r in self.rows]
-
-    def __str__(self) -> str:
-        cells = self._cells()
-        widths = [max(len(row[j]) for row in cells) for j in range(len(self.header))]
-        lines = [self.title] if self.title else []
-        for k, row in enumerate(cells):
-            lines.append("  ".join(row[0].ljust(widths[0]) if j == 0 else v.rjust(widths[j]) for j, v in enumerate(row)))
-            if k == 0 or k == len(cells) - 2:
-                lines.append("  ".join("-" * w for w in widths))
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        cells = self._cells()
-        head = "".join(f"<th>{h}</th>" for h in cells[0])
-        body = "".join(
-            "<tr>" + "".join(f"<td style='text-align:{'left' if j == 0 else 'right'}'>{'<b>%s</b>' % v if i == len(cells) - 2 else v}</td>"
-                             for j, v in enumerate(row)) + "</tr>"
-            for i, row in enumerate(cells[1:]))
-        return f"<table><caption>{self.title}</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def breakdown_table(result) -> BreakdownTable:
-    """Bytes per category and in total for an Estimate or a Measurement (one column per phase, the
-    peak phase marked), or for a single Breakdown."""
-    if isinstance(result, Breakdown):
-        phases, title = {"bytes": result}, ""
-    else:
-        phases, title = result.phases, getattr(result, "label", "")
-    peak = None if isinstance(result, Breakdown) else result.peak_phase
-    header = ["category"] + [f"{p} (peak)" if p == peak else p for p in phases]
-    rows = [[c.value] + [b.bytes[c] for b in phases.values()] for c in CATEGORIES]
-    rows.append(["total"] + [b.total for b in phases.values()])
-    return BreakdownTable(title, header, rows)

@@ -1,8 +1,5 @@
 """Lessons 02-04: every reference solution passes its check; blanks and plausible wrong answers fail, with a hint."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -11,65 +8,24 @@ from labkit.memory import MiB, estimate
 from labkit.models.gpt import GPTConfig
 from labkit.precision import quantize_fp8
 
-SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions"
 CFG = GPTConfig(n_layer=3, n_head=2, n_embd=64, block_size=64)  # three blocks: k = 2 (sqrt) and k = 3 differ
 B, S = 4, 32
-BLANKS = [None, ...]
 GRADS = torch.tensor([3e-9, 2e-7, 5e-5, 1e-2, 4.0])
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny CPU steps run faster on one thread (and far faster on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _solutions(name: str):
-    spec = importlib.util.spec_from_file_location(f"solutions_{name}", SOLUTIONS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def sol02():
-    return _solutions("lesson02")
-
-
-@pytest.fixture(scope="module")
-def sol03():
-    return _solutions("lesson03")
-
-
-@pytest.fixture(scope="module")
-def sol04():
-    return _solutions("lesson04")
-
-
-def _says(capsys, mark: str, *words: str) -> str:
-    out = capsys.readouterr().out
-    assert mark in out, out
-    for w in words:
-        assert w in out, out
-    return out
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny CPU steps run faster on one thread
 
 
 # ---- lesson 02, exercise 1: bytes per parameter with fp32 masters ----------------------------------------
-def test_master_bytes_solutions_pass(sol02, capsys):
+def test_master_bytes_solutions_pass(sol02, says):
     assert lesson02.check_master_bytes(sol02.MASTER_BYTES_PER_PARAM, "sgd-momentum") is True
     assert lesson02.check_master_bytes(sol02.ADAMW_MASTER_BYTES_PER_PARAM, "adamw") is True
     assert lesson02.check_master_bytes(sol02.master_bytes_per_param(0), "sgd") is True
-    assert "❌" not in _says(capsys, "✅")
+    assert "❌" not in says("✅")
     assert sol02.MASTER_BYTES_PER_PARAM == 16 and sol02.ADAMW_MASTER_BYTES_PER_PARAM == 20
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_master_bytes_blank_fails(blank, capsys):
+def test_master_bytes_blank_fails(blank, says):
     assert lesson02.check_master_bytes(blank) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
 @pytest.mark.parametrize("optimizer, answer, hint", [
@@ -81,26 +37,26 @@ def test_master_bytes_blank_fails(blank, capsys):
     ("adamw", 19, "add up"),
     ("sgd-momentum", "sixteen", "expected a number"),
 ])
-def test_master_bytes_wrong_answers_fail_with_a_hint(optimizer, answer, hint, capsys):
+def test_master_bytes_wrong_answers_fail_with_a_hint(optimizer, answer, hint, says):
     assert lesson02.check_master_bytes(answer, optimizer) is False
-    _says(capsys, "❌", hint)
+    says("❌", hint)
 
 
 # ---- lesson 02, exercise 2: the window of usable loss scales ----------------------------------------------
-def test_scale_window_solution_passes(sol02, capsys):
+def test_scale_window_solution_passes(sol02, says):
     assert lesson02.scale_window(GRADS) == (16.0, 8192.0)  # from flush_fraction and overflow_fraction
     assert (sol02.SMALLEST_SCALE, sol02.LARGEST_SCALE) == (16.0, 8192.0)
     assert sol02.largest_scale_by_hand(GRADS) == 8192.0
     assert lesson02.check_scale_window(sol02.SMALLEST_SCALE, sol02.LARGEST_SCALE, GRADS) is True
     other = torch.tensor([1e-6, 0.5, 30.0])
     assert lesson02.check_scale_window(sol02.smallest_scale(other), sol02.largest_scale(other), other) is True
-    assert "❌" not in _says(capsys, "✅", "usable scales")
+    assert "❌" not in says("✅", "usable scales")
 
 
 @pytest.mark.parametrize("smallest, largest", [(None, 8192), (16, None), (..., ...)])
-def test_scale_window_blanks_fail(smallest, largest, capsys):
+def test_scale_window_blanks_fail(smallest, largest, says):
     assert lesson02.check_scale_window(smallest, largest, GRADS) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
 @pytest.mark.parametrize("smallest, largest, hint", [
@@ -113,16 +69,16 @@ def test_scale_window_blanks_fail(smallest, largest, capsys):
     (24, 8192, "power of two"),
     (16, 10000, "power of two"),
 ])
-def test_scale_window_wrong_answers_fail_with_a_hint(smallest, largest, hint, capsys):
+def test_scale_window_wrong_answers_fail_with_a_hint(smallest, largest, hint, says):
     assert lesson02.check_scale_window(smallest, largest, GRADS) is False
-    _says(capsys, "❌", hint)
+    says("❌", hint)
 
 
 # ---- lesson 02, exercise 3: the scale torch._scaled_mm expects -------------------------------------------
-def test_scaled_mm_scale_solution_passes(sol02, capsys):
+def test_scaled_mm_scale_solution_passes(sol02, says):
     assert lesson02.check_scaled_mm_scale(sol02.SCALE_A, amax=1e4, fmt="e4m3") is True
     assert lesson02.check_scaled_mm_scale(sol02.scaled_mm_scale(3.0, 57344.0), amax=3.0, fmt="e5m2") is True
-    _says(capsys, "✅")
+    says("✅")
 
 
 def test_scaled_mm_scale_matches_the_quantizer():
@@ -132,109 +88,104 @@ def test_scaled_mm_scale_matches_the_quantizer():
     assert lesson02.scaled_mm_scale(1e4, "e4m3") == pytest.approx(1 / float(s))
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_scaled_mm_scale_blank_fails(blank, capsys):
+def test_scaled_mm_scale_blank_fails(blank, says):
     assert lesson02.check_scaled_mm_scale(blank, amax=1e4) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
 @pytest.mark.parametrize("answer, hint", [(448 / 1e4, "reciprocal"), (1e4 / 57344, "e5m2"), (1.0, "undoes")])
-def test_scaled_mm_scale_wrong_answers_fail_with_a_hint(answer, hint, capsys):
+def test_scaled_mm_scale_wrong_answers_fail_with_a_hint(answer, hint, says):
     assert lesson02.check_scaled_mm_scale(answer, amax=1e4, fmt="e4m3") is False
-    _says(capsys, "❌", hint)
+    says("❌", hint)
 
 
 # ---- lesson 03, exercise 1: what a checkpointed block keeps ----------------------------------------------
-def test_kept_per_block_solution_passes(sol03, capsys):
+def test_kept_per_block_solution_passes(sol03, says):
     assert lesson03.check_kept_per_block(sol03.kept_per_block(CFG, B, S), CFG, B, S) is True
     assert lesson03.check_kept_per_block(sol03.kept_per_block(CFG, 3, 16, 2), CFG, 3, 16, "bf16") is True
-    _says(capsys, "✅")
+    says("✅")
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_kept_per_block_blank_fails(blank, capsys):
+def test_kept_per_block_blank_fails(blank, says):
     assert lesson03.check_kept_per_block(blank, CFG, B, S) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
-def test_kept_per_block_wrong_answers_fail_with_a_hint(capsys):
+def test_kept_per_block_wrong_answers_fail_with_a_hint(says):
     right = B * S * CFG.n_embd * 4
     for answer, hint in ((right * CFG.n_layer, "per block"), (right // 4, "elements"), (right * 4, "inner width"),
                          (right / MiB, "MiB"), (right + 12345, "only its input")):
         assert lesson03.check_kept_per_block(answer, CFG, B, S) is False
-        _says(capsys, "❌", hint)
+        says("❌", hint)
     blocks = next(t.bytes for t in estimate(CFG, B, S).terms if t.name == "activations saved by the blocks")
     assert lesson03.check_kept_per_block(blocks / CFG.n_layer, CFG, B, S) is False
-    _says(capsys, "❌", "without")
+    says("❌", "without")
 
 
 # ---- lesson 03, exercise 2: the best number of segments --------------------------------------------------
-def test_best_segments_solution_passes(sol03, capsys):
+def test_best_segments_solution_passes(sol03, says):
     k = sol03.best_segments(CFG, B, S)
     assert lesson03.check_best_segments(k, CFG, B, S) is True
-    _says(capsys, "✅")
+    says("✅")
     assert k == CFG.n_layer  # a block costs far more than its input: memory keeps falling up to k = n
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_best_segments_blank_fails(blank, capsys):
+def test_best_segments_blank_fails(blank, says):
     assert lesson03.check_best_segments(blank, CFG, B, S) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
-def test_best_segments_wrong_answers_fail_with_a_hint(capsys):
+def test_best_segments_wrong_answers_fail_with_a_hint(says):
     assert lesson03.check_best_segments(2, CFG, B, S) is False  # round(sqrt(3))
-    _says(capsys, "❌", "sqrt")
+    says("❌", "sqrt")
     assert lesson03.check_best_segments(1, CFG, B, S) is False
-    _says(capsys, "❌", "every k")
+    says("❌", "every k")
     assert lesson03.check_best_segments(9, CFG, B, S) is False
-    _says(capsys, "❌", "between 1")
+    says("❌", "between 1")
     assert lesson03.check_best_segments(2.5, CFG, B, S) is False
-    _says(capsys, "❌", "whole number")
+    says("❌", "whole number")
 
 
 # ---- lesson 03, exercise 3: the FLOPs recomputation adds -------------------------------------------------
-def test_recompute_factor_solutions_pass(sol03, capsys):
+def test_recompute_factor_solutions_pass(sol03, says):
     measured = sol03.measured_flops_factor(CFG, B, S)
     assert measured == pytest.approx(lesson03.recompute_factor(CFG, B, S))
     assert 1.2 < measured < 4 / 3  # one extra forward of the blocks; the head is not recomputed
     assert lesson03.check_recompute_factor(measured, CFG, B, S) is True
     assert lesson03.check_recompute_factor(sol03.FLOPS_FACTOR_ESTIMATE, CFG, B, S) is True  # the reasoning's 4/3
-    _says(capsys, "✅", "head")
+    says("✅", "head")
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_recompute_factor_blank_fails(blank, capsys):
+def test_recompute_factor_blank_fails(blank, says):
     assert lesson03.check_recompute_factor(blank, CFG, B, S) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
 @pytest.mark.parametrize("answer, hint", [(2.0, "not a whole second step"), (1.5, "two forwards"),
                                           (1.0, "not free"), (3.0, "count in forwards")])
-def test_recompute_factor_wrong_answers_fail_with_a_hint(answer, hint, capsys):
+def test_recompute_factor_wrong_answers_fail_with_a_hint(answer, hint, says):
     assert lesson03.check_recompute_factor(answer, CFG, B, S) is False
-    _says(capsys, "❌", hint)
+    says("❌", hint)
 
 
 # ---- lesson 04, exercise 1: the weight of a micro-batch's loss -------------------------------------------
-def test_micro_weight_solution_passes(sol04, capsys):
+def test_micro_weight_solution_passes(sol04, says):
     assert sol04.THIRD_WEIGHT == 0.25
     assert lesson04.check_micro_weight(sol04.THIRD_WEIGHT, [3, 3, 2], 2) is True
     assert lesson04.check_micro_weight(sol04.micro_weight([4, 4], 0), [4, 4], 0) is True
-    _says(capsys, "✅")
+    says("✅")
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_micro_weight_blank_fails(blank, capsys):
+def test_micro_weight_blank_fails(blank, says):
     assert lesson04.check_micro_weight(blank, [3, 3, 2], 2) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
 @pytest.mark.parametrize("answer, hint", [(1 / 3, "uneven"), (1.0, "too big"), (0.5, "already a mean"),
                                           (4.0, "upside down"), (0.3, "sum over micro-batches")])
-def test_micro_weight_wrong_answers_fail_with_a_hint(answer, hint, capsys):
+def test_micro_weight_wrong_answers_fail_with_a_hint(answer, hint, says):
     assert lesson04.check_micro_weight(answer, [3, 3, 2], 2) is False
-    _says(capsys, "❌", hint)
+    says("❌", hint)
 
 
 # ---- lesson 04, exercise 2: the largest micro-batch that fits ----------------------------------------------
@@ -250,24 +201,23 @@ def budget():
     return (lo + hi) // 2
 
 
-def test_largest_micro_batch_solution_passes(sol04, budget, capsys):
+def test_largest_micro_batch_solution_passes(sol04, budget, says):
     m = sol04.largest_micro_batch(CFG, 8, S, budget, checkpoint="full")
     assert m == 2 == lesson04.largest_micro_batch(CFG, 8, S, budget, checkpoint="full")
     assert lesson04.check_largest_micro_batch(m, CFG, 8, S, budget, checkpoint="full") is True
     tiny = _peak(1) // 2
     assert sol04.largest_micro_batch(CFG, 8, S, tiny) == 0
     assert lesson04.check_largest_micro_batch(0, CFG, 8, S, tiny, checkpoint="full") is True
-    _says(capsys, "✅", "none fits")
+    says("✅", "none fits")
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_largest_micro_batch_blank_fails(blank, budget, capsys):
+def test_largest_micro_batch_blank_fails(blank, budget, says):
     assert lesson04.check_largest_micro_batch(blank, CFG, 8, S, budget, checkpoint="full") is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
 @pytest.mark.parametrize("answer, hint", [(4, "does not fit"), (1, "larger"), (3, "does not divide"),
                                           (16, "between 1"), (1.5, "whole number")])
-def test_largest_micro_batch_wrong_answers_fail_with_a_hint(answer, hint, budget, capsys):
+def test_largest_micro_batch_wrong_answers_fail_with_a_hint(answer, hint, budget, says):
     assert lesson04.check_largest_micro_batch(answer, CFG, 8, S, budget, checkpoint="full") is False
-    _says(capsys, "❌", hint)
+    says("❌", hint)

@@ -1,31 +1,11 @@
 """Lesson 07: every reference solution passes its check; blanks and plausible wrong answers fail, with a hint."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from labkit.exercises import lesson07
 
-SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions"
-BLANKS = [None, ...]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def sol07():
-    spec = importlib.util.spec_from_file_location("solutions_lesson07", SOLUTIONS / "lesson07.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny CPU steps run faster on one thread
 
 
 @pytest.fixture(scope="module")
@@ -36,27 +16,18 @@ def weight():
     return w
 
 
-def _says(capsys, mark: str, *words: str) -> str:
-    out = capsys.readouterr().out
-    assert mark in out, out
-    for word in words:
-        assert word in out, out
-    return out
-
-
 # ---- exercise 1: bits per parameter of NF4 with double quantization -------------------------------------
-def test_nf4_bits_solution_passes(sol07, capsys):
+def test_nf4_bits_solution_passes(sol07, says):
     assert lesson07.check_nf4_bits(sol07.NF4_BITS_128, 128) is True
     assert lesson07.check_nf4_bits(sol07.nf4_bits(64), 64) is True
     assert lesson07.check_nf4_bits(sol07.nf4_bits(256), 256) is True
-    assert "❌" not in _says(capsys, "✅", "4 + 8/128")
+    assert "❌" not in says("✅", "4 + 8/128")
     assert abs(lesson07.nf4_bits_measured(64) - 4.127) < 1e-3  # the paper's figure
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_nf4_bits_blank_fails(blank, capsys):
+def test_nf4_bits_blank_fails(blank, says):
     assert lesson07.check_nf4_bits(blank) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
 @pytest.mark.parametrize("answer, hint", [
@@ -69,27 +40,26 @@ def test_nf4_bits_blank_fails(blank, capsys):
     (5, "add up"),
     ("4.06", "expected a number"),
 ])
-def test_nf4_bits_wrong_answers_fail_with_a_hint(answer, hint, capsys):
+def test_nf4_bits_wrong_answers_fail_with_a_hint(answer, hint, says):
     assert lesson07.check_nf4_bits(answer, 128) is False
-    _says(capsys, "❌", hint)
+    says("❌", hint)
 
 
 # ---- exercise 2: what one outlier does to per-tensor absmax int8 ----------------------------------------
-def test_zeros_solution_passes(sol07, weight, capsys):
+def test_zeros_solution_passes(sol07, weight, says):
     answer = sol07.zeros_per_tensor(weight)
     assert answer == lesson07.zeros_per_tensor(weight)
     assert answer > weight.numel() // 5  # the outlier's step wipes out many small weights
     assert lesson07.check_zeros_per_tensor(answer, weight) is True
-    _says(capsys, "✅", "max|W|/127")
+    says("✅", "max|W|/127")
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_zeros_blank_fails(blank, weight, capsys):
+def test_zeros_blank_fails(blank, weight, says):
     assert lesson07.check_zeros_per_tensor(blank, weight) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
-def test_zeros_wrong_answers_fail_with_a_hint(weight, capsys):
+def test_zeros_wrong_answers_fail_with_a_hint(weight, says):
     step = weight.abs().max() / 127
     wrong = {
         int((torch.round(weight / (weight.abs().amax(1, keepdim=True) / 127)) == 0).sum()): "per channel",
@@ -101,6 +71,6 @@ def test_zeros_wrong_answers_fail_with_a_hint(weight, capsys):
     assert len(wrong) == 5, "the wrong answers must differ from each other for this weight"
     for answer, hint in wrong.items():
         assert lesson07.check_zeros_per_tensor(answer, weight) is False
-        _says(capsys, "❌", hint)
+        says("❌", hint)
     assert lesson07.check_zeros_per_tensor(2.5, weight) is False
-    _says(capsys, "❌", "whole number")
+    says("❌", "whole number")

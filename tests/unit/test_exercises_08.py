@@ -1,32 +1,12 @@
 """Lesson 08: every reference solution passes its check; blanks and plausible wrong answers fail, with a hint."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from labkit.exercises import lesson08
 from labkit.models.gpt import GPT, GPTConfig
 
-SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions"
-BLANKS = [None, ...]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def sol08():
-    spec = importlib.util.spec_from_file_location("solutions_lesson08", SOLUTIONS / "lesson08.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny CPU steps run faster on one thread
 
 
 @pytest.fixture(scope="module")
@@ -42,30 +22,21 @@ def gpt():
     return GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=32, vocab_size=64))
 
 
-def _says(capsys, mark: str, *words: str) -> str:
-    out = capsys.readouterr().out
-    assert mark in out, out
-    for word in words:
-        assert word in out, out
-    return out
-
-
 # ---- exercise 1: parameters LoRA trains --------------------------------------------------------------
-def test_lora_params_solution_passes(sol08, minilm, gpt, capsys):
+def test_lora_params_solution_passes(sol08, minilm, gpt, says):
     answer = sol08.lora_params(minilm, ("query", "value"), 8)
     assert answer == lesson08.lora_params(minilm, ("query", "value"), 8) == 6 * 2 * 8 * (384 + 384)
     assert lesson08.check_lora_params(answer, minilm) is True
-    _says(capsys, "✅", "12 layers", "r x (d_in + d_out)")
+    says("✅", "12 layers", "r x (d_in + d_out)")
     assert lesson08.check_lora_params(sol08.lora_params(gpt, ("c_fc",), 4), gpt, ("c_fc",), 4) is True
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_lora_params_blank_fails(blank, minilm, capsys):
+def test_lora_params_blank_fails(blank, minilm, says):
     assert lesson08.check_lora_params(blank, minilm) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
-def test_lora_params_wrong_answers_fail_with_a_hint(minilm, capsys):
+def test_lora_params_wrong_answers_fail_with_a_hint(minilm, says):
     r, n = 8, 12  # 12 layers of 384 x 384
     wrong = {
         n * r * 384: "one of the two",
@@ -78,28 +49,27 @@ def test_lora_params_wrong_answers_fail_with_a_hint(minilm, capsys):
     }
     for answer, hint in wrong.items():
         assert lesson08.check_lora_params(answer, minilm) is False, answer
-        _says(capsys, "❌", hint)
+        says("❌", hint)
     assert lesson08.check_lora_params(7.5, minilm) is False
-    _says(capsys, "❌", "whole number")
+    says("❌", "whole number")
 
 
 # ---- exercise 2: bytes of a frozen NF4 base -------------------------------------------------------------
-def test_nf4_base_bytes_solution_passes(sol08, capsys):
+def test_nf4_base_bytes_solution_passes(sol08, says):
     for shape in ((4096, 4096), (512, 1024)):
         answer = sol08.nf4_base_bytes(*shape)
         assert answer == lesson08.nf4_base_bytes(*shape)
         assert lesson08.check_nf4_base_bytes(answer, shape) is True
-        _says(capsys, "✅", "8-bit absmax per 64")
+        says("✅", "8-bit absmax per 64")
     assert abs(8 * sol08.nf4_base_bytes() / 4096**2 - 4.127) < 1e-3  # the QLoRA paper's bits per parameter
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_nf4_base_bytes_blank_fails(blank, capsys):
+def test_nf4_base_bytes_blank_fails(blank, says):
     assert lesson08.check_nf4_base_bytes(blank, (512, 1024)) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
-def test_nf4_base_bytes_wrong_answers_fail_with_a_hint(capsys):
+def test_nf4_base_bytes_wrong_answers_fail_with_a_hint(says):
     n = 512 * 1024
     blocks = n // 64
     wrong = {
@@ -112,16 +82,16 @@ def test_nf4_base_bytes_wrong_answers_fail_with_a_hint(capsys):
     }
     for answer, hint in wrong.items():
         assert lesson08.check_nf4_base_bytes(answer, (512, 1024)) is False, answer
-        _says(capsys, "❌", hint)
+        says("❌", hint)
 
 
 # ---- exercise 3: the most optimizer state LISA holds ----------------------------------------------------
-def test_lisa_opt_solution_passes(sol08, gpt, capsys):
+def test_lisa_opt_solution_passes(sol08, gpt, says):
     for gamma in (1, 2):
         answer = sol08.lisa_opt_bytes(gpt, gamma)
         assert answer == lesson08.lisa_opt_bound(gpt, gamma)
         assert lesson08.check_lisa_opt_bytes(answer, gpt, gamma) is True
-        _says(capsys, "✅", "step counters")
+        says("✅", "step counters")
 
 
 def test_lisa_bound_is_what_training_holds(gpt):
@@ -137,13 +107,12 @@ def test_lisa_bound_is_what_training_holds(gpt):
     assert max(s["OPT"] for s in naive["steps"]) > bound
 
 
-@pytest.mark.parametrize("blank", BLANKS)
-def test_lisa_opt_blank_fails(blank, gpt, capsys):
+def test_lisa_opt_blank_fails(blank, gpt, says):
     assert lesson08.check_lisa_opt_bytes(blank, gpt) is False
-    _says(capsys, "❌", "not answered yet")
+    says("❌", "not answered yet")
 
 
-def test_lisa_opt_wrong_answers_fail_with_a_hint(gpt, capsys):
+def test_lisa_opt_wrong_answers_fail_with_a_hint(gpt, says):
     layer = gpt.blocks[0]
     lay_n, lay_t = sum(p.numel() for p in layer.parameters()), len(list(layer.parameters()))
     in_layers = {id(p) for p in gpt.blocks.parameters()}
@@ -159,4 +128,4 @@ def test_lisa_opt_wrong_answers_fail_with_a_hint(gpt, capsys):
     }
     for answer, hint in wrong.items():
         assert lesson08.check_lisa_opt_bytes(answer, gpt, 1) is False, answer
-        _says(capsys, "❌", hint)
+        says("❌", hint)

@@ -238,3 +238,17 @@ def test_peak_bars_draws_one_stack_per_item_with_totals_and_budgets():
         peak_bars({})
     with pytest.raises(TypeError, match="Breakdown"):
         peak_bars({"x": 3})
+
+
+# ------------------------------------------------------------------------------------- module layout
+def test_plots_still_offers_every_name_the_lessons_use():
+    """The lessons write `plots.fit_table`, `plots.to_png`, ...; the tables and style moved out of plots."""
+    from labkit.viz import plots, style, tables
+
+    for name in ("fit_table", "breakdown_table", "BreakdownTable"):
+        assert getattr(plots, name) is getattr(tables, name), name
+    for name in ("to_png", "pick_unit", "CATEGORY_COLORS", "PHASE_COLORS", "FITS", "DOES_NOT_FIT"):
+        assert getattr(plots, name) is getattr(style, name), name
+    for name in ("compare_bar", "timeline", "prediction_bar"):
+        assert callable(getattr(plots, name)), name
+    assert set(plots.__all__) >= {"fit_table", "breakdown_table", "to_png", "compare_bar", "timeline", "prediction_bar"}

@@ -20,7 +20,7 @@ def panel():
 def test_panel_exposes_its_controls_and_a_box():
     p = MemoryPanel(model="gpt2-tiny")
     for name, kind in (("model", widgets.Dropdown), ("batch", widgets.IntSlider), ("seq", widgets.IntSlider),
-                       ("dtype", widgets.Dropdown), ("optimizer", widgets.Dropdown),
+                       ("dtype", widgets.Dropdown), ("optimizer", widgets.Dropdown), ("rank", widgets.SelectionSlider),
                        ("budget", widgets.FloatLogSlider), ("button", widgets.Button), ("output", widgets.Output)):
         assert isinstance(getattr(p, name), kind), name
     assert isinstance(p.widget, widgets.VBox) and callable(p._ipython_display_)
@@ -45,6 +45,39 @@ def test_prediction_redraws_when_any_control_changes(panel):
     assert panel.last_estimate.peak[Category.PARAM] == params_fp32 // 2
     assert "bf16" in panel.last_estimate.label and "sgd" in panel.last_estimate.label
 
+
+
+def test_rank_is_offered_for_galore_only_and_moves_its_prediction(panel):
+    assert panel.rank.disabled and "rank" not in panel.last_estimate.label  # adamw has no rank
+    adamw_opt = panel.last_estimate.peak[Category.OPT]
+    panel.rank.value = 4  # ignored while the optimizer has no rank
+    assert panel.last_estimate.peak[Category.OPT] == adamw_opt
+    for optimizer in ("galore", "galore8bit"):
+        panel.optimizer.value = optimizer
+        assert not panel.rank.disabled
+        opt = {}
+        for r in (4, 16, 32):
+            panel.rank.value = r
+            assert panel.last_estimate.label.endswith(f"{optimizer} rank={r}")
+            opt[r] = panel.last_estimate.peak[Category.OPT]
+        assert opt[4] < opt[16] < opt[32] < adamw_opt  # GaLore's state grows with the rank
+    panel.rank.value = 128  # more than gpt2-tiny's 64-wide matrices: explained, not raised
+    assert panel.last_estimate is None and "rank 128 exceeds" in panel.verdict.value
+    panel.optimizer.value = "sgd"
+    assert panel.rank.disabled and panel.last_estimate is not None
+    assert MemoryPanel(model="gpt2-tiny", optimizer="galore", rank=12).last_estimate.label.endswith("rank=12")
+
+
+def test_measuring_galore_uses_the_chosen_rank(panel):
+    panel.optimizer.value = "galore"
+    measured = {}
+    for r in (8, 32):
+        panel.rank.value = r
+        panel.button.click()
+        assert panel.last_error is None, panel.last_error
+        measured[r] = panel.last_result.measurement.peak[Category.OPT]
+        assert abs(measured[r] / panel.last_estimate.peak[Category.OPT] - 1) < 0.05  # the step ran GaLore at rank r
+    assert measured[8] < measured[32]
 
 def test_budget_changes_the_verdict_not_the_estimate(panel):
     est = panel.last_estimate
