@@ -40,3 +40,16 @@ def test_real_budget_out_of_memory_is_a_result():
     assert not r.fits and "does not fit" in r.message
     torch.cuda.empty_cache()
     assert torch.cuda.mem_get_info()[0] >= free - 64 * 2**20  # memory came back
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("options", [dict(lora_rank=16), dict(lora_rank=16, quant="nf4"), dict(lora_rank=16, quant="int8"),
+                                     dict(lisa_layers=2)], ids=["lora", "qlora-nf4", "lora-int8", "lisa"])
+@pytest.mark.parametrize("model", [GPTConfig(n_layer=6, n_head=8, n_embd=512, block_size=1024), "gpt2", "llama-tiny"])
+def test_peft_estimate_within_5_percent_of_max_memory_allocated(model, dtype, options):
+    torch.cuda.empty_cache()
+    e = estimate(model, 8, 512, dtype, "adamw", device="cuda", **options)
+    m = measure_step(model, 8, 512, dtype, "adamw", device="cuda", **options)
+    allocated = m.allocator["max_allocated"]
+    assert abs(e.peak.total - allocated) <= 0.05 * allocated, (e.peak.total, allocated, m.peak.total)
+    assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total
