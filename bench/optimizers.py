@@ -28,15 +28,14 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 import labkit.device
 from labkit.data import get_batch, load_tokens
 from labkit.device import pick_device
-from labkit.memory import Category, Ledger, fmt_bytes, train_step
+from labkit.memory import Ledger, fmt_bytes, train_step
 from labkit.models.gpt import GPT
 from labkit.optim import Adafactor, AdamW8bit, GaLoreAdamW, GaLoreAdamW8bit, Lion, galore_param_groups
-from labkit.optim import adam8bit, galore
+from labkit.optim import adam8bit, galore, state_bytes
 
 
 @dataclass
@@ -67,26 +66,6 @@ def cuda_sync_works():
         yield
     finally:
         torch.cuda.synchronize = saved
-
-
-def hidden_tensors(opt) -> list[torch.Tensor]:
-    """Tensors kept inside objects in the optimizer's state (galore-torch's GaLoreProjector keeps `ortho_matrix`,
-    a view that holds all of U or Vh): neither labkit.optim.state_bytes nor the Ledger's state walk sees them."""
-    objects = [x for state in opt.state.values() for x in tree_flatten(state)[0]
-               if not isinstance(x, torch.Tensor) and hasattr(x, "__dict__")]
-    return [v for x in objects for v in vars(x).values() if isinstance(v, torch.Tensor)]
-
-
-def held_bytes(opt) -> int:
-    """Bytes of every storage the optimizer's state holds, each once, hidden ones included (whole storages)."""
-    seen, total = set(), 0
-    for t in [t for s in opt.state.values() for t in tree_flatten(s)[0]] + hidden_tensors(opt):
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
 
 
 def recipes(rank: int) -> dict:
@@ -131,8 +110,6 @@ def run(name, reference, make, model0, train_batches, val_batches, device) -> Ro
         x, y = train_batches[0]
         train_step(model, opt, x, y)  # step 1: the state exists from here on
         with Ledger(model, opt, label=name, device=device) as led:
-            for t in hidden_tensors(opt):  # made in step 1 and held: count them too
-                led.track(t, Category.OPT)
             train_step(model, opt, *train_batches[1])
         meas = led.measurement()
         times = []
@@ -142,7 +119,7 @@ def run(name, reference, make, model0, train_batches, val_batches, device) -> Ro
             train_step(model, opt, x, y)
             sync(device)
             times.append(time.perf_counter() - t0)
-    return Row(name, reference, held_bytes(opt), meas.peak.total, meas.peak_phase,
+    return Row(name, reference, state_bytes(opt), meas.peak.total, meas.peak_phase,
                statistics.median(times) if times else float("nan"), val_loss(model, val_batches))
 
 

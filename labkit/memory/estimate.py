@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .families import WALKS
-from .optim_terms import OPTIMIZERS, TORCH_STATES
+from .optim_terms import OPTIMIZERS
 from . import optim_terms, peft_terms
 from .phases import POLICIES, StepBytes, step_phases
 from .report import Breakdown, Category, Estimate, Term
@@ -18,6 +18,7 @@ from .spec import ModelSpec, spec_from
 from .walk import Walk
 
 DTYPES = ("fp32", "fp16", "bf16", "mixed-fp16", "mixed-bf16")
+STEP_AND_OFFLOAD = "step_in_backward and optimizer_offload: OffloadAdamW steps all parameters at once; choose one"
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
     micro_batch: rows per micro-batch, dividing `batch` (gradient accumulation).
     rank: GaLore's rank (optimizer "galore" or "galore8bit").
     optimizer_offload: "cpu" or "disk": AdamW's state lives off the device (labkit.optim.OffloadAdamW).
-    step_in_backward: each parameter steps as soon as its gradient is ready (labkit.optim.StepInBackward).
+    step_in_backward: each parameter steps as soon as its gradient is ready (labkit.optim.StepInBackward,
+    any optimizer; not with optimizer_offload or micro_batch).
     lora_rank: LoRA adapters of rank r on `lora_targets` ("all-linear": every Linear but lm_head, or
     module names / endings such as "q_proj,v_proj"), every base parameter frozen (labkit.peft.apply_lora).
     quant: the frozen base of the adapted Linears: "none", "int8" (per-row absmax codes) or "nf4"
@@ -134,6 +136,8 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
         raise ValueError(f"optimizer_offload works with adamw (labkit.optim.OffloadAdamW), not {optimizer!r}")
     if step_in_backward and micro_batch not in (None, batch):
         raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
+    if step_in_backward and optimizer_offload:
+        raise ValueError(STEP_AND_OFFLOAD)
     prec = Precision.of(dtype)
     spec = spec_from(model, **overrides)
     peft = peft_terms.peft_of(spec, lora_rank, lora_targets, quant, lisa_layers)
@@ -192,20 +196,28 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
     proj_out = 2 * r * h * mm  # the two output projections' results: kept, never saved by autograd
     ts = spec if peft is None else peft_terms.trainable_spec(spec, peft)  # what trains
     head_trains, emb_trains = w.trains("lm_head"), w.trains("wte")
+    head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
     return StepBytes(
         P=param_bytes(spec, prec) if peft is None else _peft_param_bytes(spec, peft, prec.weight),
         # with frozen weights the walk counts autocast's copies (Walk._count_copies)
         C=autocast_copy_bytes(spec, prec) if peft is None else w.copy_bytes, G=grad_bytes(ts, prec),
         O=optimizer_state_bytes(ts, prec, optimizer, rank),
         opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank),
-        largest_grad=ts.largest_param * gb,
+        **optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank),
+        head_held=head_grad if spec.tied else 0,  # a tied head's gradient waits for the embedding's part
+        step_freed=(2 * ts.largest_param if prec.autocast else 0, r * spec.ffn * mm,
+                    (0 if spec.family == "labkit-gpt" else 1) * r * spec.ffn * mm),
+        head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer, kept=kept, kept_saved=kept - proj_out,
         after=w.saved_bytes - marks[-1][0], lsm=lsm, logits=r * V * mm + upcast,
         head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0),
-        head_grad=(V * h + 2 * h) * gb if head_trains else 0, stream=r * h * gb,
+        head_grad=head_grad, stream=r * h * gb,
         # MLP backward: the gradients into and out of the activation are alive while its output is
-        # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors.
-        tau=(1 if spec.family == "labkit-gpt" else 2) * r * spec.ffn * mm,
+        # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors. Under LoRA
+        # one more: a frozen down projection holds no input for that moment to free, and an adapted
+        # one adds its adapter's dx to the base's (both B*S*ffn) into a third.
+        tau=((1 if spec.family == "labkit-gpt" else 2) + (1 if peft is not None and not peft.lisa_layers else 0))
+        * r * spec.ffn * mm,
         tau_grad=spec.ffn * h * mm if peft is None or peft.lisa_layers else ts.largest_param * mm,
         layer_grad=ts.layer_params * gb,
         layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
@@ -237,10 +249,10 @@ def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft) -> list[Term]:
         return [
             Term("parameters", Category.PARAM, b.P, f"N x {d} B = {spec.n_params:,} x {d}", "all predictors"), copies,
             Term("gradients", Category.GRAD, b.G, f"N x {d} B", "Playbook #104; ml-engineering #23"),
-            Term("optimizer state", Category.OPT, b.O, _state_formula(optimizer, d), "ZeRO K; HF docs; labkit.optim"),
+            Term("optimizer state", Category.OPT, b.O, optim_terms.state_formula(optimizer, d), "ZeRO K; HF docs; labkit.optim"),
         ]
     n_train = peft_terms.trainable_spec(spec, peft).n_params
-    state = _state_formula(optimizer, d).replace("N", "N_train")
+    state = optim_terms.state_formula(optimizer, d).replace("N", "N_train")
     if peft.lisa_layers:
         return [
             Term("parameters", Category.PARAM, b.P, f"N x {d} B = {spec.n_params:,} x {d}", "all predictors"), copies,
@@ -288,10 +300,3 @@ def _terms(spec, prec, optimizer, B, S, w, b: StepBytes, peft=None) -> list[Term
         Term("logits (+ fp32 copy) during the loss", Category.TEMP, b.logits, "B x S x V x bytes", "predictors.md 3.10"),
     ]
 
-
-def _state_formula(optimizer: str, d: int) -> str:
-    return {"adamw8bit": "2N + 8 per 256-block (fp32 below 4096 elements)", "adam8bit": "2N + 8 per 256-block",
-            "lion": f"N x {d} B (one momentum)", "adafactor": "4(m + n) per matrix, 4n per vector",
-            "galore": f"{d} x r(k + 2K) per attention/MLP matrix, Adam elsewhere",
-            "galore8bit": f"{d} x r k + 8-bit moments per matrix"}.get(
-        optimizer, f"{TORCH_STATES.get(optimizer, 0)} x N x {d} B (+ step counters)")

@@ -17,7 +17,10 @@ import torch.optim.optimizer as _optim_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .report import CATEGORIES, PHASES, Breakdown, Category, Measurement, Timeline
+from labkit.optim.base import state_tensors
+
+from .replay import replay
+from .report import Breakdown, Category, Measurement
 from .budget import SimulatedOutOfMemoryError, describe_breakdown
 from .units import fmt_bytes
 
@@ -169,10 +172,8 @@ class Ledger(TorchDispatchMode):
                     self.track(p, Category.PARAM)
                 if p.grad is not None:
                     self.track(p.grad, Category.GRAD)
-        for state in opt.state.values():
-            for t in tree_flatten(state)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.track(t, Category.OPT)
+        for t in state_tensors(opt):
+            self.track(t, Category.OPT)
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -189,10 +190,8 @@ class Ledger(TorchDispatchMode):
 
     def _post_step(self, opt, args, kwargs) -> None:
         self._in_optimizer = False
-        for state in opt.state.values():
-            for t in tree_flatten(state)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.track(t, Category.OPT)
+        for t in state_tensors(opt):
+            self.track(t, Category.OPT)
 
     def _set_phase(self, phase: str) -> None:
         if phase == self._phase:
@@ -291,44 +290,13 @@ class Ledger(TorchDispatchMode):
         return self._live_bytes
 
     def measurement(self) -> Measurement:
-        """Replay the events with final tags: the timeline and each phase's peak breakdown."""
-        cur = {c: 0 for c in CATEGORIES}
-        series = {c: [] for c in CATEGORIES}
-        peaks: dict[str, Breakdown] = {}
-        marks = self._marks  # in the order they happened (two may share an event index)
-        mi, phase = 0, "forward"
-        baseline = Breakdown()
-        for i, (sid, delta) in enumerate(self._events):
-            while mi < len(marks) and marks[mi][0] <= i:
-                phase = marks[mi][1]
-                mi += 1
-                start = Breakdown(dict(cur))  # a phase's peak may be its first moment
-                if phase not in peaks or start.total > peaks[phase].total:
-                    peaks[phase] = start
-            cur[self._recs[sid].tag] += delta
-            for c in CATEGORIES:
-                series[c].append(cur[c])
-            if sid in self._baseline_sids and delta > 0:
-                baseline.bytes[self._recs[sid].tag] += delta
-            total = sum(cur.values())
-            best = peaks.get(phase)
-            if best is None or total > best.total:
-                peaks[phase] = Breakdown(dict(cur))
-        phases = {p: peaks[p] for p in PHASES if p in peaks}
-        for p in peaks:
-            phases.setdefault(p, peaks[p])
-        if not phases:
-            phases["forward"] = Breakdown(dict(cur))
-        return Measurement(
-            label=self.label,
-            phases=phases,
-            timeline=Timeline(series, [(i, p, s) for i, p, s in marks]),
-            baseline=baseline,
-            allocator=self._allocator,
-        )
+        """Replay the events with final tags: the timeline, each phase's peak breakdown and what is live at the end."""
+        return replay(self._events, [r.tag for r in self._recs], self._marks, self._baseline_sids, self.label,
+                      self._allocator)
 
 
 def _freed(ledger_ref, key: int, sid: int) -> None:
     ledger = ledger_ref()
     if ledger is not None:
         ledger._on_free(key, sid)
+

@@ -50,12 +50,21 @@ class StepBytes:
     head_copy: int  # autocast copy of the output matrix
     seg_input: int  # one block's input: the residual stream, B x S x h
     emb_temp: int  # the embedding's dense gradient (and the sum, when tied)
-    largest_grad: int  # the largest parameter's gradient (all that step-in-backward keeps at once)
     fwd_block: int  # live inside one block's forward: residual in and mid, norm output, MLP in and out
     offload_back: int  # at a block's worst backward op with offload: the MLP input copied back and
     #                    two gradients of its size, or the same three for the attention probabilities
     buffers: int = 0  # int8/NF4 frozen base weights (BUFFER), there all the time
     dequant: int = 0  # scratch of dequantizing one quantized weight on the fly (forward and backward)
+    # step-in-backward: (largest gradient, step temporaries) of one block's parameters and of the rest;
+    # head_held: the tied head's partial gradient, held from the head until the embedding's part is added;
+    # step_freed: what is gone from a block's worst moment when its largest matrix, the MLP's output
+    # projection (backward's first), steps: its autocast copy and saved input, and of the MLP's transient
+    # gradients all but that projection's input gradient
+    block_step: tuple[int, int] = (0, 0)
+    rest_step: tuple[int, int] = (0, 0)
+    head_held: int = 0
+    step_freed: tuple[int, int, int] = (0, 0, 0)
+    head_freed: tuple[int, int, int] = (0, 0, 0)  # the same for an untied head: its copy, saved input, all but dX
 
 
 def bd(param=0, grad=0, opt=0, act=0, temp=0) -> Breakdown:
@@ -88,8 +97,10 @@ def step_phases(b: StepBytes, n_layer: int, policy: str = "none", segments: int 
                 offload: bool = False, grads_exist: bool = False, step_in_backward: bool = False
                 ) -> dict[str, Breakdown]:
     """Peak breakdown of each phase. grads_exist: a later micro-batch (all gradients already made).
-    step_in_backward: each gradient is stepped and freed when made, so backward holds one at a time
-    (plus that step's temporaries) and the optimizer phase holds none."""
+    step_in_backward: each gradient is stepped and freed when made, so backward holds about one at a
+    time; the "optimizer" phase is then the moments inside backward where a parameter steps (the
+    ledger's phase while any optimizer's step runs): a block's moment plus the step of its largest
+    parameter, and the head's (untied) or the embedding's (tied) moment plus the largest other one's."""
     sizes = segments_of(n_layer, policy, segments)
     held = held_per_unit(b, policy, offload, sizes)
     outside = 0 if offload else b.before + b.after - b.lsm  # saved outside the blocks, but the loss
@@ -121,7 +132,7 @@ def step_phases(b: StepBytes, n_layer: int, policy: str = "none", segments: int 
             act, remade = held_before, b.offload_back
         else:  # recomputed: all of the unit's activations but what it held (its input, kept outputs)
             act, remade = held_before + held[j], m * b.layer - b.seg_input - (b.kept_saved if policy == "selective" else 0)
-        grads = b.G if grads_exist else b.head_grad + done * b.layer_grad
+        grads = b.G if grads_exist else 0 if step_in_backward else b.head_grad + done * b.layer_grad
         if offload:
             copies = kept_copies  # none left on the device
         elif recompute:  # the head's copy is freed; the recomputed unit casts its weights again
@@ -129,16 +140,32 @@ def step_phases(b: StepBytes, n_layer: int, policy: str = "none", segments: int 
         else:  # each finished block's copies are freed
             copies = kept_copies - b.head_copy - done * b.layer_copy
         # offload_back includes its own transient; a quantized base dequantizes each weight again
-        transient = b.stream + (0 if offload else max(b.tau, b.dequant))
+        transient = b.stream + (0 if offload else max(b.tau, b.dequant)) + (b.head_held if step_in_backward else 0)
         moments.append(bd(copies, grads + b.tau_grad, b.O, act, remade + transient))
         done += m
-    moments.append(bd(b.P, b.G, b.O, b.inputs, b.stream + b.emb_temp))
-    if step_in_backward:  # one gradient at a time, and its step's scratch, instead of all of them
-        for x in moments:
-            x.bytes[Category.GRAD] = min(x.bytes[Category.GRAD], b.largest_grad)
-            x.bytes[Category.TEMP] += b.opt_temp
+    moments.append(bd(b.P, b.rest_step[0] if step_in_backward else b.G, b.O, b.inputs, b.stream + b.emb_temp))
     bwd = max(moments, key=lambda x: x.total)
-    opt = bd(b.P, 0 if step_in_backward else b.G, b.O, b.inputs, 0 if step_in_backward else b.opt_temp)
+    if step_in_backward:
+        opt = max(_steps_in_backward(b, moments), key=lambda x: x.total)
+    else:
+        opt = bd(b.P, b.G, b.O, b.inputs, b.opt_temp)
     for x in (fwd, bwd, opt):
         x.bytes[Category.BUFFER] += b.buffers
     return {"forward": fwd, "backward": bwd, "optimizer": opt}
+
+
+def _steps_in_backward(b: StepBytes, moments: list[Breakdown]) -> list[Breakdown]:
+    """The backward moments at which a parameter steps: each block's (its largest parameter's gradient and
+    step temporaries on top), and the head's (untied head) or the last one's (the tied embedding)."""
+    def stepping(x: Breakdown, step: tuple[int, int], freed=(0, 0, 0)) -> Breakdown:
+        y = Breakdown(dict(x.bytes))
+        y.bytes[Category.GRAD] = step[0]
+        y.bytes[Category.TEMP] += step[1] - freed[2]
+        y.bytes[Category.PARAM] -= freed[0]
+        y.bytes[Category.ACT] -= freed[1]
+        return y
+
+    out = [stepping(x, b.block_step, b.step_freed) for x in moments[2:-1]]
+    # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad)
+    out.append(stepping(moments[-1], b.rest_step, (0, 0, b.emb_temp)) if b.head_held else stepping(moments[1], b.rest_step, b.head_freed))
+    return out

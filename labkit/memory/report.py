@@ -92,13 +92,14 @@ class Timeline:
 
 @dataclass
 class Measurement:
-    """What the ledger saw: the peak of each phase by category, and the timeline."""
+    """What the ledger saw: the peak of each phase by category, the timeline, and what was live at the end."""
 
     label: str
     phases: dict[str, Breakdown]  # phase name -> breakdown at that phase's peak (over all steps)
     timeline: Timeline
     baseline: Breakdown  # live bytes when tracking started
     allocator: dict[str, int] | None = None  # CUDA only: allocated, reserved, max_allocated, ...
+    final: Breakdown | None = None  # live bytes when the ledger stopped (e.g. all optimizer state after the last step)
 
     @property
     def peak_phase(self) -> str:

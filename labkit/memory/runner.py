@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .estimate import DTYPES, OPTIMIZERS, Precision, _check_peft_options
+from .estimate import DTYPES, OPTIMIZERS, STEP_AND_OFFLOAD, Precision, _check_peft_options
 from .peft_terms import parse_targets, peft_of
 from .spec import spec_from
 from .budget import cuda_limit
@@ -70,41 +70,38 @@ def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = 
     return peft
 
 
-def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float = 1e-3, foreach=None,
-                   rank: int | None = None, optimizer_offload: str | None = None, step_in_backward: bool = False,
-                   offload_folder: str | None = None):
-    """An optimizer by name: torch.optim's SGD (momentum 0.9 for "sgd-momentum"), Adam, AdamW, or
-    labkit.optim's AdamW8bit, Adam8bit, Lion, Adafactor, GaLoreAdamW(8bit) (rank r on attention and MLP
-    matrices), OffloadAdamW (optimizer_offload "cpu"/"disk") or StepInBackward around AdamW."""
+def optimizer_class(optimizer: str, lr: float = 1e-3, foreach=None) -> tuple[type, dict]:
+    """(class, keywords) of an optimizer name: torch.optim's SGD (momentum 0.9 for "sgd-momentum"), Adam,
+    AdamW, or labkit.optim's AdamW8bit, Adam8bit, Lion, Adafactor (relative step sizes, transformers'
+    default: no lr), GaLoreAdamW, GaLoreAdamW8bit (their parameters: labkit.optim.galore_param_groups)."""
     from labkit import optim as lo
 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    plain = dict(lr=lr, foreach=foreach)
+    return {"sgd": (torch.optim.SGD, plain), "sgd-momentum": (torch.optim.SGD, dict(plain, momentum=0.9)),
+            "adam": (torch.optim.Adam, plain), "adamw": (torch.optim.AdamW, plain),
+            "adamw8bit": (lo.AdamW8bit, dict(lr=lr)), "adam8bit": (lo.Adam8bit, dict(lr=lr)),
+            "lion": (lo.Lion, dict(lr=lr)), "adafactor": (lo.Adafactor, {}),
+            "galore": (lo.GaLoreAdamW, dict(lr=lr)), "galore8bit": (lo.GaLoreAdamW8bit, dict(lr=lr))}[optimizer]
+
+
+def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float = 1e-3, foreach=None,
+                   rank: int | None = None, optimizer_offload: str | None = None, step_in_backward: bool = False,
+                   offload_folder: str | None = None):
+    """An optimizer by name (see `optimizer_class`; GaLore with rank r on attention and MLP matrices), or
+    OffloadAdamW (optimizer_offload "cpu"/"disk"), or any of them wrapped in StepInBackward."""
+    from labkit import optim as lo
+
+    cls, kw = optimizer_class(optimizer, lr, foreach)
     if optimizer_offload is not None:
         if optimizer != "adamw":
             raise ValueError(f"optimizer_offload works with adamw, not {optimizer!r}")
+        if step_in_backward:
+            raise ValueError(STEP_AND_OFFLOAD)
         return lo.OffloadAdamW(model.parameters(), lr=lr, offload=optimizer_offload, folder=offload_folder)
-    params = list(model.parameters())
-    if step_in_backward:
-        cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
-               "adamw8bit": lo.AdamW8bit, "lion": lo.Lion}.get(optimizer)
-        if cls is None:
-            raise ValueError(f"step_in_backward supports adamw, adam, sgd, adamw8bit and lion, not {optimizer!r}")
-        return lo.StepInBackward(params, cls, lr=lr)
-    if optimizer.startswith("galore"):
-        cls = lo.GaLoreAdamW if optimizer == "galore" else lo.GaLoreAdamW8bit
-        return cls(lo.galore_param_groups(model, rank), lr=lr)
-    simple = {"adamw8bit": lo.AdamW8bit, "adam8bit": lo.Adam8bit, "lion": lo.Lion}
-    if optimizer in simple:
-        return simple[optimizer](params, lr=lr)
-    if optimizer == "adafactor":
-        return lo.Adafactor(params)  # relative step sizes, as transformers' default
-    if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, foreach=foreach)
-    if optimizer == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=foreach)
-    cls = torch.optim.Adam if optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=lr, foreach=foreach)
+    params = lo.galore_param_groups(model, rank) if optimizer.startswith("galore") else list(model.parameters())
+    return lo.StepInBackward(params, cls, **kw) if step_in_backward else cls(params, **kw)
 
 
 def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = None,
@@ -163,6 +160,8 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if step_in_backward and micro_batch not in (None, batch):
+        raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
     torch.manual_seed(seed)
     device = torch.device(device or "cpu")
     m = build_model(model, dtype, device, **overrides)

@@ -62,6 +62,19 @@ def adam8bit_update_naive(p: torch.Tensor, g: torch.Tensor, state: dict, step: i
 
 
 # ---- the real one: a torch.optim.Optimizer that works through each tensor a chunk at a time -------
+_MAPS: dict = {}  # (signed, device) -> (256 codes, 255 midpoints): 4 KiB per device, not state
+
+
+def code_map(signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dynamic map's 256 codes and the 255 midpoints between them (nearest code = bucketize on these),
+    made once per device and shared by every 8-bit optimizer (step-in-backward makes one per parameter)."""
+    key = (signed, torch.device(device))
+    if key not in _MAPS:
+        code = dynamic_map(signed=signed).to(device)
+        _MAPS[key] = code, (code[1:] + code[:-1]) / 2  # bytes: 1 KiB + 1020 B
+    return _MAPS[key]
+
+
 class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
     """8-bit Adam with bitsandbytes' semantics (parity with `bitsandbytes.optim.Adam8bit`).
 
@@ -86,16 +99,8 @@ class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
                         min_8bit_size=check_int("min_8bit_size", min_8bit_size, low=0))
         self.chunk_size = check_int("chunk_size", chunk_size, multiple_of=blocksize)
         super().__init__(params, defaults)
-        self._maps: dict = {}  # (signed, device) -> (256 codes, 255 midpoints): 4 KiB per device, not state
         for p in (p for g in self.param_groups for p in g["params"]):  # made now, not inside the first step
-            self._map(True, p.device), self._map(False, p.device)
-
-    def _map(self, signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (signed, torch.device(device))
-        if key not in self._maps:
-            code = dynamic_map(signed=signed).to(device)
-            self._maps[key] = code, (code[1:] + code[:-1]) / 2  # bytes: 1 KiB + 1020 B, shared by all tensors
-        return self._maps[key]
+            code_map(True, p.device), code_map(False, p.device)
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         state["step"] = 0
@@ -176,7 +181,7 @@ class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
 
     def _dequantize(self, codes, absmax, signed: bool, bs: int) -> torch.Tensor:
         """codes (chunk,) uint8 -> fp32 code[codes] * absmax of each value's block."""
-        code, _ = self._map(signed, codes.device)
+        code, _ = code_map(signed, codes.device)
         x = code.index_select(0, codes.int())  # bytes: 4 (int32 index, freed) + 4 per value
         for rows, scale in _block_rows(x, absmax, bs):
             rows.mul_(scale.unsqueeze(1))
@@ -184,7 +189,7 @@ class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
 
     def _quantize(self, x, codes_out, absmax_out, signed: bool, bs: int) -> None:
         """x (chunk,) fp32, overwritten -> codes_out (uint8) and absmax_out (fp32 per block)."""
-        _, mids = self._map(signed, x.device)
+        _, mids = code_map(signed, x.device)
         for rows, amax in _block_rows(x, absmax_out, bs):
             amax.copy_(torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()))  # max |x| per block
             rows.div_(amax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))  # in [-1, 1]

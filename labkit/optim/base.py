@@ -39,16 +39,25 @@ def check_int(name: str, value, low: int = 1, multiple_of: int | None = None) ->
 
 
 # ---- counting ------------------------------------------------------------------------------------
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor storage in `optimizer.state` (each storage once), as the Ledger's OPT counts them."""
-    seen, total = set(), 0
+def state_tensors(optimizer):
+    """Every tensor in `optimizer.state`, and those held one level down as attributes of plain objects kept
+    in it (galore-torch keeps a GaLoreProjector whose `ortho_matrix` is a view of all of U or Vh)."""
     for state in optimizer.state.values():
-        for t in tree_flatten(state)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st.data_ptr() not in seen:
-                    seen.add(st.data_ptr())
-                    total += st.nbytes()
+        for x in tree_flatten(state)[0]:
+            if isinstance(x, torch.Tensor):
+                yield x
+            elif hasattr(x, "__dict__") and not isinstance(x, type):
+                yield from (v for v in vars(x).values() if isinstance(v, torch.Tensor))
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor storage `state_tensors` finds (each storage once, whole), as the Ledger's OPT counts them."""
+    seen, total = set(), 0
+    for t in state_tensors(optimizer):
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
     return total
 
 

@@ -9,6 +9,13 @@ galore-torch's GaLoreAdamW8bit gets the same result by swapping `p.data` for a z
 bitsandbytes can step it, after cloning the whole weight (`p.saved_data = p.data.clone()`): m*n extra
 values each step, and the parameter's storage is replaced by the clone. Here the low-rank update is
 computed directly and added into the weight in place: no copy of the weight, and its storage stays.
+
+A reference bug (galore-torch 1.0 with bitsandbytes 0.50): galore-torch passes `percentile_clipping=100,
+block_wise=True` to bitsandbytes' update by position, and 0.50 removed those two arguments, so they land
+in `max_unorm=100, skip_zeros=True`. For projected states under 4096 values (kept fp32) the 32-bit
+kernel then clips each update's norm to 100 x the norm of the parameter it steps, which galore-torch
+has swapped for an all-zero low-rank stand-in: those matrices never update. Parity is therefore
+checked on states of at least 4096 values (lesson 06 shows the bug).
 """
 
 from __future__ import annotations
@@ -17,8 +24,7 @@ import math
 
 import torch
 
-from labkit.quant.dynamic import dynamic_map
-
+from .adam8bit import code_map
 from .base import KeepStateDtypes, check_betas, check_int, check_number
 from .galore import add_back_projected, check_galore_group, make_projector, project, projection_side
 
@@ -58,10 +64,9 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
                         weight_decay=check_number("weight_decay", weight_decay),
                         blocksize=check_int("blocksize", blocksize),
                         min_8bit_size=check_int("min_8bit_size", min_8bit_size, low=0))
-        self._maps: dict = {}  # (signed, device) -> (256 codes, 255 midpoints), 2 KiB, shared by all tensors
         super().__init__(params, defaults)
         for p in {p.device: p for g in self.param_groups for p in g["params"]}.values():
-            self._code(True, p.device), self._code(False, p.device)  # made now, not inside a measured step
+            code_map(True, p.device), code_map(False, p.device)  # made now, not inside a measured step
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -71,13 +76,6 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
         check_betas(group["betas"])
         if "rank" in group:
             check_galore_group(group)
-
-    def _code(self, signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (signed, torch.device(device))
-        if key not in self._maps:
-            code = dynamic_map(signed=signed).to(device)
-            self._maps[key] = code, (code[1:] + code[:-1]) / 2  # nearest code = bucketize on midpoints
-        return self._maps[key]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -152,7 +150,7 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
 
     def _dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool, bs: int) -> torch.Tensor:
         """uint8 codes -> fp32 code[codes] * absmax of each value's block (= dynamic.dequantize_blockwise)."""
-        code, _ = self._code(signed, codes.device)
+        code, _ = code_map(signed, codes.device)
         x = code.index_select(0, codes.reshape(-1).int())  # bytes: 4 per value (+4, the int32 index, freed)
         for rows, scale in _block_rows(x, absmax, bs):
             rows.mul_(scale.unsqueeze(1))
@@ -160,7 +158,7 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
 
     def _store(self, state: dict, name: str, x: torch.Tensor, signed: bool, bs: int) -> None:
         """Quantize fp32 x into state's codes and absmax (= dynamic.quantize_blockwise), overwriting x."""
-        _, mids = self._code(signed, x.device)
+        _, mids = code_map(signed, x.device)
         flat, absmax = x.view(-1), state[f"{name}_absmax"]
         for rows, amax in _block_rows(flat, absmax, bs):
             amax.copy_(torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()))  # max |x| per block

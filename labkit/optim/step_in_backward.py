@@ -41,6 +41,8 @@ class StepInBackward:
 
     params: parameters or param groups as for any torch optimizer (GaLore groups with "rank" work:
         each parameter's optimizer gets its group's settings). Keywords go to every optimizer.
+        Any optimizer that updates each parameter from its own gradient and state works: torch.optim's,
+        and labkit.optim's 8-bit Adam, Lion, Adafactor, GaLoreAdamW and GaLoreAdamW8bit.
     `step()` and `zero_grad()` do nothing (the work happens in backward), so an ordinary training
     loop runs unchanged. `param_groups` lists every parameter's group (set "lr" there to schedule it),
     `state` maps each parameter to its state, and `state_dict()` / `load_state_dict()` resume.

@@ -16,6 +16,7 @@ from labkit.models.gpt import GPTConfig
 
 G = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64)
 WIDE = GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=64)  # weights dominate: dequantization matters
+LONG = GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=256)  # activations dominate: the MLP backward peaks
 
 CASES = [  # (model, B, S, dtype, options)
     (G, 4, 64, "fp32", dict(lora_rank=4)),
@@ -24,6 +25,8 @@ CASES = [  # (model, B, S, dtype, options)
     (G, 4, 64, "fp32", dict(lora_rank=8, quant="int8")),
     (G, 4, 64, "fp32", dict(lisa_layers=1)),
     (WIDE, 1, 16, "fp32", dict(lora_rank=8, quant="nf4")),
+    (LONG, 4, 256, "fp32", dict(lora_rank=8)),  # an adapted down projection: base dx + adapter dx + their sum
+    (LONG, 4, 256, "fp32", dict(lora_rank=8, lora_targets="c_attn")),  # a frozen one holds no input to free
     (G, 2, 32, "mixed-bf16", dict(lora_rank=8, quant="nf4")),
     ("gpt2-tiny", 4, 64, "fp32", dict(lora_rank=4)),
     ("gpt2-tiny", 4, 64, "fp32", dict(lora_rank=16, lora_targets="c_attn,mlp.c_proj", quant="nf4")),

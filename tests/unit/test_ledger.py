@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from labkit.memory import Category, Ledger, build_model, make_optimizer, train_step
+from labkit.memory import Category, Ledger, Measurement, build_model, make_optimizer, train_step
 from labkit.models.gpt import GPTConfig
 
 WORKLOADS = {
@@ -112,3 +112,48 @@ def test_frozen_parameters_are_accepted_and_tagged_when_unfrozen_later():
     grads = {id(p.grad.untyped_storage()) for p in model.parameters()}
     assert len(grads) == 4
     assert led.measurement().peak[Category.GRAD] == 4 * (16 * 16 + 16 + 16 * 4 + 4)  # both layers' gradients
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "galore"])
+def test_final_breakdown_holds_all_optimizer_state(optimizer):
+    """Measurement.final: live bytes when the ledger stops. GaLore's optimizer-phase peak falls in step 1,
+    before all its state exists; the final breakdown has all of it, as labkit.optim.state_bytes counts it."""
+    from labkit.optim import state_bytes
+
+    torch.manual_seed(0)
+    m = build_model(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
+    opt = make_optimizer(m, optimizer, rank=8)
+    x, y = _batch(256, 2, 16)
+    with Ledger(m, opt) as led:
+        for _ in range(2):
+            train_step(m, opt, x, y)
+    meas = led.measurement()
+    assert meas.final[Category.OPT] == state_bytes(opt) > 0
+    assert meas.final[Category.PARAM] == sum(p.numel() * 4 for p in m.parameters())
+    assert meas.final[Category.GRAD] == meas.final[Category.ACT] == 0
+    assert meas.final.total == meas.timeline.total[-1]
+    hand = Measurement("by hand", {"forward": meas.final}, meas.timeline, meas.baseline)
+    assert hand.final is None  # still optional where a Measurement is built by hand
+
+
+class _Projector:
+    def __init__(self, n):
+        self.matrix = torch.zeros(n)  # a tensor held as an attribute of an object in the state (galore-torch)
+
+
+class _HoldsObjects(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.param_groups[0]["params"]:
+            self.state[p].setdefault("projector", _Projector(1000))
+        return super().step(closure)
+
+
+def test_tensors_inside_objects_in_optimizer_state_count_as_state():
+    model = torch.nn.Linear(4, 4)
+    opt = _HoldsObjects(model.parameters(), lr=0.1)
+    with Ledger(model, opt) as led:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert led.measurement().final[Category.OPT] == 2 * 4000  # weight's and bias's projector

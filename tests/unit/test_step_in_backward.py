@@ -126,3 +126,28 @@ def test_bad_input():
         StepInBackward([])
     with pytest.raises(ValueError, match="^lr"):
         StepInBackward([torch.nn.Parameter(torch.zeros(4, 4))], GaLoreAdamW, lr=-1.0)
+
+
+@pytest.mark.parametrize("kind", ["galore", "galore8bit"])
+def test_estimate_of_a_projector_refresh_step_in_backward(kind):
+    """With update_proj_gap=1 every step refreshes GaLore's projectors (an SVD per matrix) inside backward:
+    the estimate's "optimizer" phase is the moment the largest matrix steps, SVD included, with the
+    activations still alive. Measured 0.3 % over (peak and that phase), bf16."""
+    from labkit.memory import build_model, estimate
+    from labkit.optim.galore8bit import GaLoreAdamW8bit
+
+    cfg = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64)
+    torch.manual_seed(0)
+    m = build_model(cfg, "bf16")
+    cls = GaLoreAdamW if kind == "galore" else GaLoreAdamW8bit
+    opt = StepInBackward(galore_param_groups(m, rank=16, update_proj_gap=1), cls, lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with Ledger(m, opt) as led:
+        for _ in range(2):
+            t = torch.randint(0, cfg.vocab_size, (2, 33), generator=g)
+            train_step(m, opt, t[:, :-1], t[:, 1:], "bf16")
+    meas = led.measurement()
+    e = estimate(cfg, 2, 32, "bf16", kind, rank=16, step_in_backward=True)
+    assert e.peak_phase == meas.peak_phase == "optimizer"
+    assert abs(e.peak.total - meas.peak.total) <= 0.01 * meas.peak.total
+    assert e.phases["optimizer"][Category.GRAD] == meas.phases["optimizer"][Category.GRAD]  # the c_fc gradient
