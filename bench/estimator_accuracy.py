@@ -77,6 +77,10 @@ def configs(quick: bool = False) -> list[Config]:
                           "adamw", dict(opts)))
     out.append(Config("gpt manual p=0.1 offload", _gpt("manual", 0.1, n_layer=4, n_embd=64, block_size=64), 4, 64,
                       "fp32", "sgd", {"offload_activations": True}))
+    # optimizer placement (labkit.optim): a step per parameter inside backward, state on the host
+    for opt, dtype, opts in (("adamw", "fp32", {"step_in_backward": True}), ("lion", "mixed-bf16", {"step_in_backward": True}),
+                             ("adamw8bit", "fp32", {"step_in_backward": True}), ("adamw", "fp32", {"optimizer_offload": "cpu"})):
+        out.append(Config("gpt L6 h96 " + " ".join(f"{k}={v}" for k, v in opts.items()), deep, 4, 64, dtype, opt, dict(opts)))
     # transformers presets (sdpa; gpt2-tiny has dropout 0.1, so CPU SDPA takes its math path)
     hf_plan = [  # (preset, overrides, B, S, dtype, optimizer)
         ("gpt2-tiny", {}, 4, 64, "fp32", "adamw"), ("gpt2-tiny", {}, 4, 64, "mixed-bf16", "adam"),
@@ -123,6 +127,9 @@ def configs(quick: bool = False) -> list[Config]:
         ("llama-tiny", "llama-tiny", 2, 32, "mixed-bf16", {"lora_rank": 8, "quant": "nf4"}),
         ("llama-tiny h256", "llama-tiny", 1, 8, "fp32", {"lora_rank": 4, "quant": "nf4", "hidden_size": 256,
                                                           "intermediate_size": 512}),
+        ("gpt h128 S256 (activations dominate)", _gpt("sdpa", 0.0, block_size=256), 4, 256, "fp32", {"lora_rank": 8}),
+        ("gpt h128 S256 (activations dominate)", _gpt("sdpa", 0.0, block_size=256), 4, 256, "fp32",
+         {"lora_rank": 8, "quant": "nf4"}),
     ]
     for label, model, B, S, dtype, opts in peft_plan:
         shown = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ("hidden_size", "intermediate_size"))
