@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .base import KeepStateDtypes, check_number
+from .base import KeepStateDtypes, check_number, params_with_grads, run_closure
 
 
 def state_bytes_for(shape, beta1: float | None = None) -> int:
@@ -112,17 +112,9 @@ class Adafactor(KeepStateDtypes, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Adafactor does not support sparse gradients")
-                self._update(p, group)
+        loss = run_closure(closure)
+        for p, group in params_with_grads(self, "Adafactor"):
+            self._update(p, group)
         return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:

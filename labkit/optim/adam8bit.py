@@ -20,7 +20,7 @@ import torch
 
 from labkit.quant.dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
 
-from .base import KeepStateDtypes, check_betas, check_int, check_number
+from .base import KeepStateDtypes, check_betas, check_int, check_number, params_with_grads, run_closure
 
 BLOCKSIZE = 256  # values per absmax block (bitsandbytes >= 0.44; 2048 in the paper)
 MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 state
@@ -116,24 +116,16 @@ class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Adam8bit does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    self._init_state(p, state, group)
-                state["step"] += 1
-                if "m" in state:
-                    self._update_fp32(p, state, group)
-                else:
-                    self._update_8bit(p, state, group)
+        loss = run_closure(closure)
+        for p, group in params_with_grads(self, "Adam8bit"):
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state, group)
+            state["step"] += 1
+            if "m" in state:
+                self._update_fp32(p, state, group)
+            else:
+                self._update_8bit(p, state, group)
         return loss
 
     def _update_fp32(self, p, state, group) -> None:

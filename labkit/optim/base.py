@@ -39,6 +39,25 @@ def check_int(name: str, value, low: int = 1, multiple_of: int | None = None) ->
 
 
 # ---- counting ------------------------------------------------------------------------------------
+def run_closure(closure):
+    """The loss of `closure()` with gradients enabled (optimizers step under no_grad), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def params_with_grads(optimizer, name: str):
+    """(parameter, its group) for every parameter that has a gradient; sparse gradients are refused by `name`."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients")
+            yield p, group
+
+
 def state_tensors(optimizer):
     """Every tensor in `optimizer.state`, and those held one level down as attributes of plain objects kept
     in it (galore-torch keeps a GaLoreProjector whose `ortho_matrix` is a view of all of U or Vh)."""

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .base import KeepStateDtypes, check_betas, check_int, check_number
+from .base import KeepStateDtypes, check_betas, check_int, check_number, params_with_grads, run_closure
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right")
 GALORE_DEFAULTS = dict(update_proj_gap=200, scale=0.25, proj_type="std")  # the README's recipe
@@ -100,6 +100,16 @@ def add_back_projected(p: torch.Tensor, low: torch.Tensor, P: torch.Tensor, side
         p.addmm_(low, P, alpha=alpha)  # (m, r) @ (r, n)
 
 
+def check_galore_adam_group(group: dict) -> None:
+    """Check a group of an Adam-style GaLore optimizer: lr, eps, weight_decay, betas, and the GaLore settings
+    of a group that has a rank (the others run plain Adam)."""
+    for name in ("lr", "eps", "weight_decay"):
+        check_number(name, group[name])
+    check_betas(group["betas"])
+    if "rank" in group:
+        check_galore_group(group)
+
+
 def check_galore_group(group: dict) -> None:
     """Fill a GaLore group's defaults and check rank, update_proj_gap, scale and proj_type, in place."""
     for k, v in GALORE_DEFAULTS.items():
@@ -140,26 +150,13 @@ class GaLoreAdamW(KeepStateDtypes, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        for name in ("lr", "eps", "weight_decay"):
-            check_number(name, group[name])
-        check_betas(group["betas"])
-        if "rank" in group:
-            check_galore_group(group)
+        check_galore_adam_group(self.param_groups[-1])
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("GaLoreAdamW does not support sparse gradients")
-                self._update(p, self.state[p], group)
+        loss = run_closure(closure)
+        for p, group in params_with_grads(self, "GaLoreAdamW"):
+            self._update(p, self.state[p], group)
         return loss
 
     def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:

@@ -25,8 +25,8 @@ import math
 import torch
 
 from .adam8bit import code_map
-from .base import KeepStateDtypes, check_betas, check_int, check_number
-from .galore import add_back_projected, check_galore_group, make_projector, project, projection_side
+from .base import KeepStateDtypes, check_betas, check_int, check_number, params_with_grads, run_closure
+from .galore import add_back_projected, check_galore_adam_group, make_projector, project, projection_side
 
 BLOCKSIZE = 256  # values per absmax block
 MIN_8BIT_SIZE = 4096  # smaller states stay fp32, as in bitsandbytes
@@ -70,26 +70,13 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        for name in ("lr", "eps", "weight_decay"):
-            check_number(name, group[name])
-        check_betas(group["betas"])
-        if "rank" in group:
-            check_galore_group(group)
+        check_galore_adam_group(self.param_groups[-1])
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("GaLoreAdamW8bit does not support sparse gradients")
-                self._update(p, self.state[p], group)
+        loss = run_closure(closure)
+        for p, group in params_with_grads(self, "GaLoreAdamW8bit"):
+            self._update(p, self.state[p], group)
         return loss
 
     def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .base import KeepStateDtypes, check_betas, check_number
+from .base import KeepStateDtypes, check_betas, check_number, params_with_grads, run_closure
 
 
 def state_bytes_for(shape, dtype_bytes: int = 4) -> int:
@@ -54,26 +54,18 @@ class Lion(KeepStateDtypes, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
+        loss = run_closure(closure)
+        for p, group in params_with_grads(self, "Lion"):
             (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
             if self.decoupled_weight_decay:
                 wd = wd / self.init_lr
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients")
-                g, state = p.grad, self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)  # bytes: p's dtype per value
-                m = state["exp_avg"]
-                p.mul_(1 - lr * wd)
-                u = m.mul(b1).add_(g, alpha=1 - b1).sign_()  # bytes: 1 temporary the size of p
-                p.add_(u, alpha=-lr)
-                del u
-                m.mul_(b2).add_(g, alpha=1 - b2)
+            g, state = p.grad, self.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p)  # bytes: p's dtype per value
+            m = state["exp_avg"]
+            p.mul_(1 - lr * wd)
+            u = m.mul(b1).add_(g, alpha=1 - b1).sign_()  # bytes: 1 temporary the size of p
+            p.add_(u, alpha=-lr)
+            del u
+            m.mul_(b2).add_(g, alpha=1 - b2)
         return loss

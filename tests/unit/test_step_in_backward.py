@@ -10,30 +10,9 @@ from labkit.memory import Category, Ledger, train_step
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.optim.galore import GaLoreAdamW, galore_param_groups
 from labkit.optim.step_in_backward import StepInBackward, step_in_backward_naive
+from tiny_training import CFG, batches as _batches, same as _same, train as _train
 
-CFG = GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=64, block_size=32)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _batches(n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, CFG.vocab_size, (2, 17), generator=g) for _ in range(n)]
-
-
-def _train(model, opt, batches):
-    for x in batches:
-        train_step(model, opt, x[:, :-1], x[:, 1:])
-
-
-def _same(a, b):
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("kind", ["adamw", "galore"])
