@@ -64,6 +64,7 @@ class Ledger(TorchDispatchMode):
         self._params: dict[int, torch.nn.Parameter] = {}
         self._handles: list = []
         self._allocator: dict[str, int] | None = None
+        self._orig_resize = None
 
     # ---- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -89,9 +90,11 @@ class Ledger(TorchDispatchMode):
             self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._set_phase("forward")))
         if torch.cuda.is_available() and self.device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        self._patch_resize()
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._restore_resize()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -241,6 +244,48 @@ class Ledger(TorchDispatchMode):
             self._allocate(func, new, inputs)
         return out
 
+    # ---- storages resized in place ------------------------------------------------------------
+    def _patch_resize(self) -> None:
+        """`UntypedStorage.resize_` reaches no dispatch mode: FSDP and ZeRO-3 free a parameter's memory with
+        resize_(0) and re-grow it with resize_(n). Wrap it while the ledger runs (as PyTorch's MemTracker
+        does), so live bytes follow the resize and a budget applies to the growth."""
+        orig = torch.UntypedStorage.resize_
+        ref = weakref.ref(self)
+
+        def resize_(st, size):
+            led = ref()
+            if led is not None and led._counts_storage(st):
+                led._before_resize(st, int(size))
+            out = orig(st, size)
+            if led is not None and led._counts_storage(st):
+                led._after_resize(st)
+            return out
+
+        self._orig_resize = orig
+        torch.UntypedStorage.resize_ = resize_
+
+    def _restore_resize(self) -> None:
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize
+            self._orig_resize = None
+
+    def _counts_storage(self, st) -> bool:
+        return st.device.type != "meta" and (self.device_type is None or st.device.type == self.device_type)
+
+    def _before_resize(self, st, size: int) -> None:
+        """A budget check for the growth, before the memory is taken (a device would fail here)."""
+        sid = self._live.get(id(st))
+        grow = size - (self._recs[sid].nbytes if sid is not None else st.nbytes())
+        if self.budget is not None and grow > 0 and self._live_bytes + grow > self.budget:
+            self._out_of_memory("UntypedStorage.resize_", grow)
+
+    def _after_resize(self, st) -> None:
+        sid = self._live.get(id(st))
+        if sid is not None:
+            self._resized(sid, st)
+        elif st.nbytes():  # a storage made outside the ledger, grown inside it
+            self._add(st, Category.TEMP, None, "resize_")
+
     def _resized(self, sid: int, st) -> None:
         n = st.nbytes()
         rec = self._recs[sid]
@@ -252,13 +297,7 @@ class Ledger(TorchDispatchMode):
     def _allocate(self, func, new, inputs) -> None:
         requested = sum(st.nbytes() for st, _ in new)
         if self.budget is not None and self._live_bytes + requested > self.budget:
-            live = self.live()
-            raise SimulatedOutOfMemoryError(
-                f"out of memory (simulated): {func} tried to allocate {fmt_bytes(requested)} in the "
-                f"{self._phase} pass of step {self._step} with {fmt_bytes(live.total)} of the "
-                f"{fmt_bytes(self.budget)} budget in use ({describe_breakdown(live)})",
-                requested, self.budget, live,
-            )
+            self._out_of_memory(func, requested)
         # A cast of a parameter (autocast's 16-bit weight copy) counts as parameter memory.
         cast_of_param = func in _CAST_OPS and any(
             self._recs[self._live[k]].tag is Category.PARAM for k in inputs if k in self._live
@@ -266,6 +305,15 @@ class Ledger(TorchDispatchMode):
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         for st, t in new:
             self._add(st, Category.PARAM if cast_of_param else Category.TEMP, t, name)
+
+    def _out_of_memory(self, what, requested: int) -> None:
+        live = self.live()
+        raise SimulatedOutOfMemoryError(
+            f"out of memory (simulated): {what} tried to allocate {fmt_bytes(requested)} in the "
+            f"{self._phase} pass of step {self._step} with {fmt_bytes(live.total)} of the "
+            f"{fmt_bytes(self.budget)} budget in use ({describe_breakdown(live)})",
+            requested, self.budget, live,
+        )
 
     # ---- results ----------------------------------------------------------------------------------
     def live(self) -> Breakdown:

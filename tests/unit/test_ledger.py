@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from labkit.memory import Category, Ledger, Measurement, build_model, make_optimizer, train_step
+from labkit.memory import Category, Ledger, Measurement, SimulatedOutOfMemoryError, build_model, make_optimizer, train_step
 from labkit.models.gpt import GPTConfig
 
 WORKLOADS = {
@@ -157,3 +157,76 @@ def test_tensors_inside_objects_in_optimizer_state_count_as_state():
         opt.step()
         opt.zero_grad()
     assert led.measurement().final[Category.OPT] == 2 * 4000  # weight's and bias's projector
+
+
+# ---- storages resized in place (FSDP / ZeRO-3 free and re-grow parameters this way) ----------------
+def _fsdp_like(n_layer=4, width=256, shards=4, seed=0):
+    """Each weight lives as a 1/shards flat shard; its full storage is re-grown with resize_ before use and
+    freed with resize_(0) after, in forward and in backward, as FSDP does with unsharded parameters."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(n_layer)])
+    full = {p: p.numel() * p.element_size() for p in model.parameters()}
+    shard = {p: p.detach().reshape(-1)[: p.numel() // shards].clone() for p in model.parameters()}
+
+    def grow(p):
+        if p.untyped_storage().nbytes() == 0:
+            p.untyped_storage().resize_(full[p])
+            p.data.view(-1).zero_()[: shard[p].numel()].copy_(shard[p])
+
+    def free(p):
+        p.untyped_storage().resize_(0)
+
+    for mod in model:
+        mod.register_forward_pre_hook(lambda m, a: grow(m.weight))
+        mod.register_forward_hook(lambda m, a, o: free(m.weight))
+        mod.register_full_backward_pre_hook(lambda m, g: grow(m.weight))
+        mod.weight.register_post_accumulate_grad_hook(free)
+    for p in model.parameters():
+        free(p)
+    return model, full
+
+
+def _fsdp_step(model):
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0), requires_grad=True)  # the batch
+    model(x).square().sum().backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def test_resized_storages_match_memtracker():
+    m, full = _fsdp_like()
+    mt = MemTracker()
+    mt.track_external(m)
+    with mt:
+        _fsdp_step(m)
+    ref = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    with Ledger(m) as led:
+        _fsdp_step(m)
+    meas = led.measurement()
+    assert abs(meas.peak.total - ref) <= 0.01 * ref, (meas.peak.total, ref)
+    # one layer's weight is unsharded at a time; every weight is freed again at the end
+    assert meas.peak[Category.PARAM] == max(full.values())
+    assert meas.final[Category.PARAM] == 0
+    assert torch.UntypedStorage.resize_ is torch.UntypedStorage.__dict__["resize_"]  # restored on exit
+
+
+def test_resize_growth_counts_against_the_budget():
+    m, full = _fsdp_like()
+    with Ledger(m) as led:
+        _fsdp_step(m)
+    peak = led.measurement().peak.total
+    with Ledger(m, budget=peak):
+        _fsdp_step(m)
+    with pytest.raises(SimulatedOutOfMemoryError, match="resize_"):
+        with Ledger(m, budget=max(full.values()) - 1):
+            _fsdp_step(m)
+    for p in m.parameters():  # the failed step left a weight grown: free it for the next user
+        p.untyped_storage().resize_(0)
+
+
+def test_resize_is_restored_after_an_error():
+    orig = torch.UntypedStorage.resize_
+    with pytest.raises(ZeroDivisionError):
+        with Ledger():
+            1 / 0
+    assert torch.UntypedStorage.resize_ is orig
