@@ -1,6 +1,6 @@
 """How close labkit.memory.estimate comes to the ledger's measurement, over many small CPU training steps.
 
-    python bench/estimator_accuracy.py [--quick]
+    python bench/estimator_accuracy.py [--quick] [--random N --seed S]
 
 For each configuration it predicts one step, measures two real steps on the CPU (measure_step) and
 prints predicted vs measured peak, the error as a percentage of the measured peak, both peak phases
@@ -12,6 +12,8 @@ tolerance are then shown category by category. The last line is the summary:
 from __future__ import annotations
 
 import argparse
+import math
+import random
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -140,6 +142,96 @@ def configs(quick: bool = False) -> list[Config]:
     return out
 
 
+# ---- random configurations: cases nobody chose ------------------------------------------------------
+WORK_CAP = 4e9  # multiply-adds of one forward (about B*S*L*(12 h^2 + 2 S h)): keeps a measurement under ~10 s on 2 cores
+OPTIONS_P = {"checkpoint": 0.35, "offload_activations": 0.1, "micro_batch": 0.2, "step_in_backward": 0.1,
+             "optimizer_offload": 0.1}
+PEFT_P = (("none", 0.55), ("lora", 0.15), ("qlora", 0.1), ("lora-int8", 0.05), ("lisa", 0.15))
+
+
+def _loguniform_int(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def _draw(rng: random.Random) -> Config | None:
+    """One configuration from wide ranges: layers 1-6, width 32-512 with 1-8 heads, sequence 1-1024, batch 1-8,
+    every dtype, optimizer and attention kind, the activation policies, optimizer placement and PEFT methods,
+    over the three families. Sizes are log-uniform; a draw over WORK_CAP is redrawn (see `random_configs`)."""
+    family = rng.choice(["labkit-gpt", "labkit-gpt", "gpt2", "llama"])
+    L, heads = rng.randint(1, 6), rng.choice([1, 2, 4, 8])
+    hd = rng.choice([d for d in (8, 16, 32, 64) if 32 <= heads * d <= 512])
+    h, S, B = heads * hd, _loguniform_int(rng, 1, 1024), rng.randint(1, 8)
+    block = max(S, rng.choice([64, 128, 256, 512, 1024]))
+    dropout = rng.choice([0.0, 0.0, 0.1])
+    attention = rng.choice(["sdpa", "manual"])
+    if family == "labkit-gpt":
+        model, ov, name = GPTConfig(n_layer=L, n_head=heads, n_embd=h, block_size=block, dropout=dropout,
+                                    attention=attention), {}, f"gpt L{L} h{h}/{heads} {attention} p={dropout:g}"
+    elif family == "gpt2":
+        model, name = "gpt2-tiny", f"gpt2 L{L} h{h}/{heads} {attention} p={dropout:g}"
+        ov = dict(n_layer=L, n_head=heads, n_embd=h, n_positions=block, attn_pdrop=dropout, resid_pdrop=dropout,
+                  embd_pdrop=dropout, attn_implementation="sdpa" if attention == "sdpa" else "eager")
+    else:
+        kv = rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0])
+        ffn = rng.choice([2 * h, 8 * h // 3 // 8 * 8 or 8, 4 * h])
+        model, name = "llama-tiny", f"llama L{L} h{h}/{heads}/{kv} ffn{ffn} {attention} p={dropout:g}"
+        ov = dict(num_hidden_layers=L, num_attention_heads=heads, num_key_value_heads=kv, hidden_size=h,
+                  intermediate_size=ffn, max_position_embeddings=block, attention_dropout=dropout,
+                  attn_implementation="sdpa" if attention == "sdpa" else "eager")
+    ffn = ov.get("intermediate_size", 4 * h)
+    if B * S * L * (4 * h * h + 3 * h * ffn + 2 * S * h) > WORK_CAP:
+        return None
+    dtype = rng.choice(["fp32", "fp16", "bf16", "mixed-fp16", "mixed-bf16"])
+    optimizer = rng.choice(["sgd", "sgd-momentum", "adam", "adamw", "adamw8bit", "adam8bit", "lion", "adafactor",
+                            "galore", "galore8bit"])
+    opts: dict = dict(ov)
+    if optimizer.startswith("galore"):
+        opts["rank"] = rng.choice([r for r in (2, 4, 8, 16, 32) if r <= h // 2] or [2])
+    if rng.random() < OPTIONS_P["checkpoint"]:
+        opts["checkpoint"] = rng.choice(["full", "sqrt", "selective"])
+        if opts["checkpoint"] == "full" and L > 1 and rng.random() < 0.5:
+            opts["segments"] = rng.randint(1, L)
+    if rng.random() < OPTIONS_P["offload_activations"]:
+        opts["offload_activations"] = True
+    if B > 1 and rng.random() < OPTIONS_P["micro_batch"]:
+        opts["micro_batch"] = rng.choice([m for m in range(1, B) if B % m == 0])
+    if rng.random() < OPTIONS_P["step_in_backward"]:
+        opts["step_in_backward"] = True
+    if optimizer == "adamw" and rng.random() < OPTIONS_P["optimizer_offload"]:
+        opts["optimizer_offload"] = "cpu"
+    u, peft = rng.random(), "none"
+    for kind, p in PEFT_P:
+        if u < p:
+            peft = kind
+            break
+        u -= p
+    if peft in ("lora", "qlora", "lora-int8"):
+        opts["lora_rank"] = rng.choice([1, 4, 8, 16])
+        opts["quant"] = {"lora": "none", "qlora": "nf4", "lora-int8": "int8"}[peft]
+    elif peft == "lisa":
+        opts["lisa_layers"] = rng.randint(1, L)
+    shown = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ov)
+    return Config(f"{name} {shown}".rstrip(), model, B, S, dtype, optimizer, opts)
+
+
+def random_configs(n: int, seed: int) -> list[Config]:
+    """n configurations the estimator accepts, drawn with `seed`. A draw the estimator refuses (an option pair
+    it does not model, a rank over a matrix side) or over WORK_CAP is drawn again; the refusal rate is printed."""
+    rng, out, refused = random.Random(seed), [], 0
+    while len(out) < n:
+        c = _draw(rng)
+        if c is None:
+            continue
+        try:
+            estimate(c.model, c.batch, c.seq, c.dtype, c.optimizer, device="cpu", **c.overrides)
+        except ValueError:
+            refused += 1
+            continue
+        out.append(c)
+    print(f"random configurations: seed={seed} drawn={n} refused_by_estimator={refused}", file=sys.stderr)
+    return out
+
+
 def run_one(c: Config) -> dict:
     e = estimate(c.model, c.batch, c.seq, c.dtype, c.optimizer, device="cpu", **c.overrides)
     m = measure_step(c.model, c.batch, c.seq, c.dtype, c.optimizer, steps=2, **c.overrides)
@@ -175,8 +267,13 @@ def breakdown(r: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a handful of configurations")
+    ap.add_argument("--random", type=int, metavar="N", help="N random configurations instead of the fixed set")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random configurations (default 0)")
     args = ap.parse_args(argv)
-    results = [run_one(c) for c in tqdm(configs(args.quick), desc="estimate vs ledger", file=sys.stderr)]
+    if args.random is not None and args.random <= 0:
+        ap.error("--random must be a positive integer")
+    chosen = random_configs(args.random, args.seed) if args.random else configs(args.quick)
+    results = [run_one(c) for c in tqdm(chosen, desc="estimate vs ledger", file=sys.stderr)]
 
     rows = [["config", "predicted", "measured", "error %", "peak phase (pred/meas)", "worst category (% of peak)"]]
     for r in results:

@@ -10,7 +10,7 @@ import sys
 
 from labkit.memory.estimate import DTYPES, OPTIMIZERS
 from labkit.memory.peft_terms import QUANTS
-from labkit.memory.phases import POLICIES
+from labkit.memory.moments import POLICIES
 from labkit.memory.report import CATEGORIES, PHASES
 from labkit.memory.units import fmt_bytes
 

@@ -12,7 +12,7 @@ from typing import Sequence
 from .families import WALKS
 from .optim_terms import OPTIMIZERS
 from . import optim_terms, peft_terms
-from .phases import POLICIES, StepBytes, step_phases
+from .moments import POLICIES, StepBytes, step_moments
 from .report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
 from .walk import Walk
@@ -155,11 +155,12 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
     b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = 0
-    phases = step_phases(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward)
-    if micro < batch:  # later micro-batches: every gradient already exists
-        later = step_phases(b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=True)
-        phases = {k: max(phases[k], later[k], key=lambda x: x.total) for k in phases}
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
+    b.states = _state_groups(_model_state_terms(spec, prec, optimizer, b, peft))
+    moments = step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward)
+    if micro < batch:  # later micro-batches: every gradient already exists
+        moments += step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=True,
+                                tag="micro-batch 2 on")
     extras = [f"checkpoint={checkpoint}"] * (checkpoint != "none") + ["offload"] * offload_activations
     extras += [f"micro_batch={micro}"] * (micro < batch) + [f"rank={rank}"] * optimizer.startswith("galore")
     extras += [f"optimizer_offload={optimizer_offload}"] * bool(optimizer_offload)
@@ -168,7 +169,7 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
         extras.append(f"LISA layers={peft.lisa_layers}" if peft.lisa_layers else
                       f"{peft.method} r={peft.rank} targets={len(peft.targets)}")
     label = " ".join([f"{spec.name} B={batch} S={seq} {dtype} {optimizer}", *extras])
-    return Estimate(label, spec.n_params, phases, terms)
+    return Estimate(label, spec.n_params, terms=terms, moments=moments)
 
 
 def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, checkpoint, offload_activations):
@@ -285,6 +286,18 @@ def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft) -> list[Term]:
         out.append(Term("dequantization scratch", Category.TEMP, b.dequant,
                         f"{per} B x the largest quantized weight, one layer at a time",
                         "labkit.quant.dequantize_nf4 / dequantize_int8"))
+    return out
+
+
+def _state_groups(terms: list[Term]) -> dict[str, list[Term]]:
+    """The model-state terms by the StepBytes field they make up: P (weights), C (autocast copies), G, O, buffers."""
+    key = {Category.GRAD: "G", Category.OPT: "O", Category.BUFFER: "buffers"}
+    out: dict[str, list[Term]] = {}
+    for t in terms:
+        if t.category is Category.PARAM:
+            out.setdefault("C" if t.name.startswith("autocast") else "P", []).append(t)
+        elif t.category in key:
+            out.setdefault(key[t.category], []).append(t)
     return out
 
 

@@ -60,13 +60,57 @@ class Term:
 
 
 @dataclass
+class Moment:
+    """One candidate moment of a training step: where it is, and the terms live then. Its bytes are exactly
+    the sum of its terms; the estimate's peak is its largest moment."""
+
+    phase: str  # "forward", "backward" or "optimizer"
+    where: str  # e.g. "block 3 backward (2nd micro-batch)", "the loss", "AdamW step"
+    terms: list[Term]
+
+    @property
+    def total(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    def breakdown(self) -> Breakdown:
+        b = Breakdown()
+        for t in self.terms:
+            b.bytes[t.category] += t.bytes
+        return b
+
+    def explain(self) -> str:
+        """The moment's terms as a table: bytes, category, name, formula and source; the last line the sum."""
+        from .units import fmt_bytes
+
+        rows = [(fmt_bytes(t.bytes), str(t.category), t.name, t.formula, t.source) for t in self.terms if t.bytes]
+        widths = [max([len(r[i]) for r in rows] + [0]) for i in range(4)]
+        lines = [f"{self.phase}: {self.where}"]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + (f"  [{r[4]}]" if r[4] else "")
+                  for r in rows]
+        lines.append(f"  {fmt_bytes(self.total)} = the sum of the {len(rows)} terms above")
+        return "\n".join(line.rstrip() for line in lines)
+
+
+@dataclass
 class Estimate:
-    """The estimator's prediction for one training step."""
+    """The estimator's prediction for one training step: candidate moments made of terms; the peak is the
+    largest moment. `phases` holds each phase's largest moment as a breakdown by category."""
 
     label: str  # e.g. "gpt2 B=4 S=256 mixed-bf16 adamw"
     n_params: int
-    phases: dict[str, Breakdown]  # phase name -> breakdown at that phase's peak
-    terms: list[Term] = field(default_factory=list)
+    phases: dict[str, Breakdown] | None = None  # phase name -> breakdown at that phase's peak (from moments)
+    terms: list[Term] = field(default_factory=list)  # the step's main terms, each once (a summary table)
+    moments: list[Moment] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.phases is None:
+            if not self.moments:
+                raise ValueError("an Estimate needs moments (or phases)")
+            best: dict[str, Moment] = {}
+            for m in self.moments:
+                if m.phase not in best or m.total > best[m.phase].total:
+                    best[m.phase] = m
+            self.phases = {p: best[p].breakdown() for p in sorted(best, key=_phase_order)}
 
     @property
     def peak_phase(self) -> str:
@@ -75,6 +119,26 @@ class Estimate:
     @property
     def peak(self) -> Breakdown:
         return self.phases[self.peak_phase]
+
+    @property
+    def peak_moment(self) -> Moment | None:
+        """The largest moment (the first of equals, in step order); None for an estimate built from phases."""
+        return max(self.moments, key=lambda m: m.total) if self.moments else None
+
+    def explain(self, phase: str | None = None) -> str:
+        """Where every byte of the peak (or of `phase`'s largest moment) comes from: term, formula, source."""
+        if not self.moments:
+            raise ValueError("this estimate was built from phases, not moments: nothing to explain")
+        pool = [m for m in self.moments if phase is None or m.phase == phase]
+        if not pool:
+            raise ValueError(f"no moment in phase {phase!r}; phases: {', '.join(self.phases)}")
+        top = max(pool, key=lambda m: m.total)
+        head = f"{self.label}: {'peak' if phase is None else phase + ' peak'} at {top.phase}, {top.where}"
+        return head + "\n" + top.explain()
+
+
+def _phase_order(p: str) -> int:
+    return PHASES.index(p) if p in PHASES else len(PHASES)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.memory import Category, estimate, measure_step
+from labkit.memory import Category, estimate, fmt_bytes, measure_step
 from labkit.memory.estimate import Precision, autocast_copy_bytes, grad_bytes, optimizer_state_bytes, param_bytes
 from labkit.memory.families import WALKS
 from labkit.memory.spec import spec_from
@@ -117,3 +117,46 @@ def test_big_presets_estimate_without_memory():
     e = estimate("llama2-70b", 1, 4096, "mixed-bf16", "adamw")
     assert e.n_params == 68_976_648_192
     assert e.peak.total > 16 * e.n_params  # weights, gradients and Adam alone: over a TB
+
+
+# ---- moments made of terms ---------------------------------------------------------------------------
+MOMENT_CASES = [
+    dict(model="gpt2-tiny", batch=2, seq=32, dtype="mixed-bf16", optimizer="adamw"),
+    dict(model="llama-tiny", batch=2, seq=32, dtype="bf16", optimizer="adamw8bit", lora_rank=4, quant="nf4"),
+    dict(model=GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=64), batch=4, seq=64, dtype="fp32",
+         optimizer="adamw", checkpoint="sqrt", micro_batch=2),
+    dict(model=GPTConfig(n_layer=3, n_head=2, n_embd=64, block_size=64), batch=2, seq=64, dtype="mixed-fp16",
+         optimizer="lion", step_in_backward=True),
+    dict(model=GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, dropout=0.1, attention="manual"), batch=2,
+         seq=64, dtype="fp32", optimizer="sgd", offload_activations=True),
+    dict(model="gpt2-tiny", batch=2, seq=32, dtype="fp32", optimizer="galore", rank=8),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MOMENT_CASES)))
+def test_every_moment_is_the_sum_of_its_terms_and_the_peak_is_the_largest(case):
+    kw = dict(MOMENT_CASES[case])
+    e = estimate(kw.pop("model"), kw.pop("batch"), kw.pop("seq"), **kw)
+    assert e.moments and {m.phase for m in e.moments} == set(e.phases)
+    for m in e.moments:
+        assert m.total == sum(t.bytes for t in m.terms)
+        assert m.breakdown().total == m.total
+        assert all(t.formula for t in m.terms if t.bytes), [t.name for t in m.terms if not t.formula]
+    top = e.peak_moment
+    assert top.total == e.peak.total == max(m.total for m in e.moments)
+    for phase, b in e.phases.items():
+        assert b.total == max(m.total for m in e.moments if m.phase == phase)
+
+
+def test_explain_names_every_term_of_the_peak_and_its_sum():
+    e = estimate("gpt2-tiny", 2, 32, "mixed-bf16", "adamw")
+    text = e.explain()
+    top = e.peak_moment
+    assert top.where in text.splitlines()[0]
+    for t in top.terms:
+        if t.bytes:
+            assert t.name in text and t.formula in text
+    assert text.splitlines()[-1].strip().startswith(fmt_bytes(e.peak.total))
+    assert "optimizer step temporaries" in e.explain("optimizer")
+    with pytest.raises(ValueError, match="no moment in phase"):
+        e.explain("warm-up")
