@@ -3,7 +3,7 @@
 import pytest
 
 from labkit.memory import estimate, measure_step
-from labkit.memory.phases import segments_of
+from labkit.memory.moments import segments_of
 from labkit.models.gpt import GPTConfig
 
 G = GPTConfig(n_layer=6, n_head=4, n_embd=96, block_size=64)
