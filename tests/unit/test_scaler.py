@@ -513,3 +513,49 @@ def test_pickle_and_deepcopy_between_iterations():
     for clone in (pickle.loads(pickle.dumps(sc)), copy.deepcopy(sc)):
         assert clone.state_dict() == sc.state_dict()
         assert _continue(clone, ["ok"] * 4)[0] == _continue(copy.deepcopy(sc), ["ok"] * 4)[0]
+
+
+def test_the_check_is_on_the_scaled_gradient():
+    """As GradScaler's kernel: inf/nan is looked for in the scaled gradient, before the unscale. With S < 1 a
+    finite scaled gradient can overflow when divided by S; like GradScaler, that is not a skip (the true
+    gradient itself is beyond fp32, with or without a scaler)."""
+    out = []
+    for make in (ours, torch_scaler):
+        w = nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([w], lr=1.0)
+        sc = make(init_scale=0.5, growth_interval=1)
+        sc.scale(w.sum()).backward()
+        w.grad[0] = 3.0e38  # finite; x 1/S = 6e38 overflows
+        found = sc.unscale_(opt)
+        sc.step(opt)
+        sc.update()
+        out.append((found, sc.get_scale(), w.grad.clone(), w.detach().clone()))
+    assert out[0][0] is False
+    assert out[0][1] == out[1][1] == 1.0  # a clean step: S grew
+    assert torch.equal(out[0][2], out[1][2]) and out[0][2][0] == math.inf
+    assert torch.equal(out[0][3], out[1][3])
+
+
+@pytest.mark.parametrize("opt_kw", [dict(fused=True), dict(foreach=True), dict(foreach=False)])
+def test_fused_and_foreach_adamw(opt_kw):
+    """GradScaler hands a fused optimizer (_step_supports_amp_scaling) S and found_inf and lets its kernel
+    unscale and skip; the labkit scaler unscales and skips itself. Same scale, same weights. (A skipped
+    first step still creates GradScaler's fused AdamW state, with step 0; here the state starts later.)"""
+    logs = []
+    for make in (ours, torch_scaler):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(7))
+        opt = torch.optim.AdamW([w], lr=1e-2, **opt_kw)
+        sc = make(init_scale=2.0**8, growth_interval=2)
+        log = []
+        for i, bad in enumerate(["inf", "ok", "ok", "nan", "ok", "ok", "ok"]):
+            opt.zero_grad()
+            sc.scale((w * torch.arange(7.0) * (i + 1)).sin().sum()).backward()
+            _poison(w.grad, bad)
+            sc.step(opt)
+            sc.update()
+            log.append((sc.get_scale(), int(opt.state[w]["step"]) if w in opt.state else 0, w.detach().clone()))
+        logs.append(log)
+    for m, r in zip(*logs):
+        assert m[:2] == r[:2] and torch.equal(m[2], r[2])
+    assert logs[0][-1][1] == 5  # five real steps of seven
