@@ -109,7 +109,8 @@ def naive_master_step(working: list, masters: list, optimizer: torch.optim.Optim
     if scaler is None:
         optimizer.step()
     else:  # unscale the fp32 grads (fp16 ones cannot be), skip on inf/nan, adjust S
-        stepped = scaler.step(optimizer)
+        stepped = not scaler.unscale_(optimizer)  # True unless a gradient was inf/nan
+        scaler.step(optimizer)
         scaler.update()
     with torch.no_grad():
         for p, m in zip(working, masters):  # 3. masters -> working copy, rounded to 16 bits
@@ -160,7 +161,8 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         if self.scaler is None:
             self.inner.step()
         else:
-            stepped = self.scaler.step(self.inner)
+            stepped = not self.scaler.unscale_(self.inner)  # True unless a gradient was inf/nan
+            self.scaler.step(self.inner)
             self.scaler.update()
             self.skipped_steps += not stepped
         if stepped:
