@@ -8,9 +8,10 @@ CUDA, 2 for a pinned staging copy in the weight's dtype.
 
 - offload="cpu": host arrays in RAM. On CUDA they are pinned, the copies are non_blocking on a side
   stream, and each weight's host-to-device copy overlaps the CPU update of the next parameter.
-- offload="disk": master, m and v are numpy memmaps in a fresh folder under `folder`; the OS pages
-  them in as the step walks the parameters, so RAM holds about one parameter's worth. `close()`
-  (or leaving a `with` block, or garbage collection) deletes the folder.
+- offload="disk": master, m and v are numpy memmaps in a fresh folder under `folder` (the lessons
+  pass `labkit.paths.data_dir()`, the repository's data/); the OS pages them in as the step walks
+  the parameters, so RAM holds about one parameter's worth. `close()` (or leaving a `with` block,
+  or garbage collection) deletes the folder.
 
 On a CPU-only machine the "device" and the host are the same memory. The host arrays are then made
 by numpy, outside torch's dispatch, and every host operation writes in place into them or into two
