@@ -2,9 +2,10 @@
 
 The device keeps only the (low-precision) weights it computes with. Each step the gradients go
 device -> host, AdamW updates the fp32 master weights there, and the new weights go host -> device
-(techniques.md section 9). Device bytes per parameter: 2 (bf16 weight) + 2 (bf16 gradient, until
-zero_grad) instead of 16 for mixed-precision AdamW; the host holds 12 (fp32 master, m, v), plus, on
-CUDA, 2 for a pinned staging copy in the weight's dtype.
+(ZeRO-Offload: Ren et al. 2021, arXiv 2101.06840; ZeRO-Infinity: Rajbhandari et al. 2021, arXiv
+2104.07857; DeepSpeed's `offload_optimizer` setting). Device bytes per parameter: 2 (bf16 weight)
++ 2 (bf16 gradient, until zero_grad) instead of 16 for mixed-precision AdamW; the host holds 12
+(fp32 master, m, v), plus, on CUDA, 2 for a pinned staging copy in the weight's dtype.
 
 - offload="cpu": host arrays in RAM. On CUDA they are pinned, the copies are non_blocking on a side
   stream, and each weight's host-to-device copy overlaps the CPU update of the next parameter.
