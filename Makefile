@@ -1,5 +1,6 @@
 # labkit: one environment for the lab, the tests and the benchmarks.
-#   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/
+#   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/ (as root too: containers, cloud VMs)
+#   make colab URL=https://github.com/ORG/labkit   set the repository URL in every notebook's Colab install cell
 #   make test   same environment; unit + widget tests and every notebook under nbval (smoke mode)
 
 PYTHON ?= python3
@@ -26,7 +27,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab test test-gpu bench clean
+.PHONY: env lab colab test test-gpu bench clean
 
 env: $(STAMP)
 
@@ -51,8 +52,18 @@ $(STAMP): pyproject.toml
 	@touch $@
 	@echo ">> environment ready: $(VENV)"
 
+# Jupyter refuses to start as root (containers, course servers, cloud VMs) unless told --allow-root.
+ALLOW_ROOT = $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: env
-	$(VENV)/bin/jupyter lab notebooks/ $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab notebooks/ $(ALLOW_ROOT) $(LAB_ARGS)
+
+# Needs only python3 (no .venv): edits the notebooks' JSON, keeps them clean (no outputs).
+colab:
+	@if [ -z "$(URL)" ]; then \
+	  echo "make colab: give the repository's URL, e.g. make colab URL=https://github.com/ORG/labkit" >&2; exit 2; \
+	fi
+	$(PYTHON) -m labkit.colab "$(URL)" notebooks
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 test: env

@@ -15,6 +15,7 @@ from .spec import spec_from
 from .budget import cuda_limit
 from .ledger import Ledger
 from .report import Measurement
+from labkit.paths import data_dir
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "mixed-fp16": torch.float16, "mixed-bf16": torch.bfloat16}
 LISA_INTERVAL = 20  # steps between LISA's layer switches (LMFlow's default K)
@@ -151,7 +152,7 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
     progress: a tqdm bar over the steps (default: when there are 10 or more).
     checkpoint, segments: labkit.recompute.checkpoint_blocks(model, checkpoint, segments) (labkit's GPT).
     offload_activations, micro_batch: as in `train_step`.
-    rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload uses a temp folder).
+    rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload: a temporary folder in data_dir()).
     lora_rank, lora_targets, quant, lisa_layers: as in `estimate`; see `apply_peft` (LISA switches
     layers every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires).
     """
@@ -168,7 +169,8 @@ def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: st
     peft = apply_peft(m, dtype, lora_rank, lora_targets, quant, lisa_layers)
     if peft is not None:
         _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, checkpoint, offload_activations)
-    folder = tempfile.TemporaryDirectory() if optimizer_offload == "disk" else contextlib.nullcontext()
+    disk = optimizer_offload == "disk"
+    folder = tempfile.TemporaryDirectory(prefix="labkit-measure-", dir=data_dir()) if disk else contextlib.nullcontext()
     with folder as path:
         opt = make_optimizer(m, optimizer, lr, foreach, rank, optimizer_offload, step_in_backward, path)
         before = None

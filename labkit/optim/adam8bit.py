@@ -1,7 +1,8 @@
 """8-bit Adam and AdamW: m and v kept as 1-byte dynamic-map codes plus one fp32 absmax per 256 values.
 
 Every step dequantizes m and v to fp32, does the ordinary Adam update, and quantizes them back
-(bitsandbytes' blockwise "static 8-bit" optimizer, techniques.md section 1):
+(bitsandbytes' blockwise "static 8-bit" optimizer: Dettmers et al. 2022, "8-bit Optimizers via
+Block-wise Quantization", arXiv 2110.02861; blocks of 256 since bitsandbytes PR #1365, in 0.44.0):
 
     m = qmap_signed[m_codes] * m_absmax[block];  v = qmap_unsigned[v_codes] * v_absmax[block]
     m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g

@@ -1,8 +1,9 @@
 """GaLore: AdamW whose moments live in a rank-r projection of each weight matrix's gradient.
 
-Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection"; reference
-galore-torch 1.0 (techniques.md section 3). For a weight gradient G (m x n), every `update_proj_gap`
-steps (and at step 0) the projector P is refreshed from the SVD of G, on the smaller side:
+Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection" (arXiv
+2403.03507); reference galore-torch 1.0 (github.com/jiaweizzhao/GaLore). For a weight gradient G
+(m x n), every `update_proj_gap` steps (and at step 0) the projector P is refreshed from the SVD of
+G, on the smaller side:
 
     m <  n ("left"):  P = U[:, :r]  (m, r);   R = P.T @ G  (r, n);   dW = scale * P @ N
     m >= n ("right"): P = Vh[:r]    (r, n);   R = G @ P.T  (m, r);   dW = scale * N @ P

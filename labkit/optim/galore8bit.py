@@ -1,7 +1,8 @@
 """8-bit GaLore: GaLore's low-rank Adam moments stored as 1-byte dynamic-map codes, stepped without copying the weight.
 
 The projected moments (r x max(m, n)) are quantized blockwise as bitsandbytes' 8-bit Adam does
-(techniques.md sections 1 and 3): m with the signed dynamic map, v with the unsigned one, one fp32
+(Dettmers et al. 2022, arXiv 2110.02861; bitsandbytes 0.50, blocks of 256 since bitsandbytes PR #1365;
+GaLore: Zhao et al. 2024, arXiv 2403.03507): m with the signed dynamic map, v with the unsigned one, one fp32
 absmax per 256 values; states under `min_8bit_size` (4096) values stay fp32. The update follows
 bitsandbytes' arithmetic, lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps), then is projected back.
 

@@ -1,7 +1,8 @@
 """Lion: a sign-of-momentum optimizer with one state tensor, half of Adam's optimizer memory.
 
-Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"; reference lion-pytorch
-(techniques.md section 5). Per step, with the update's sign taken BEFORE the momentum moves:
+Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (arXiv 2302.06675); reference
+implementation github.com/lucidrains/lion-pytorch. Per step, with the update's sign taken BEFORE the
+momentum moves:
 
     p *= 1 - lr*wd                           # decoupled weight decay
     p -= lr * sign(b1*m + (1-b1)*g)          # every coordinate moves by exactly lr

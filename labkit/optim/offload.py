@@ -2,15 +2,17 @@
 
 The device keeps only the (low-precision) weights it computes with. Each step the gradients go
 device -> host, AdamW updates the fp32 master weights there, and the new weights go host -> device
-(techniques.md section 9). Device bytes per parameter: 2 (bf16 weight) + 2 (bf16 gradient, until
-zero_grad) instead of 16 for mixed-precision AdamW; the host holds 12 (fp32 master, m, v), plus, on
-CUDA, 2 for a pinned staging copy in the weight's dtype.
+(ZeRO-Offload: Ren et al. 2021, arXiv 2101.06840; ZeRO-Infinity: Rajbhandari et al. 2021, arXiv
+2104.07857; DeepSpeed's `offload_optimizer` setting). Device bytes per parameter: 2 (bf16 weight)
++ 2 (bf16 gradient, until zero_grad) instead of 16 for mixed-precision AdamW; the host holds 12
+(fp32 master, m, v), plus, on CUDA, 2 for a pinned staging copy in the weight's dtype.
 
 - offload="cpu": host arrays in RAM. On CUDA they are pinned, the copies are non_blocking on a side
   stream, and each weight's host-to-device copy overlaps the CPU update of the next parameter.
-- offload="disk": master, m and v are numpy memmaps in a fresh folder under `folder`; the OS pages
-  them in as the step walks the parameters, so RAM holds about one parameter's worth. `close()`
-  (or leaving a `with` block, or garbage collection) deletes the folder.
+- offload="disk": master, m and v are numpy memmaps in a fresh folder under `folder` (the lessons
+  pass `labkit.paths.data_dir()`, the repository's data/); the OS pages them in as the step walks
+  the parameters, so RAM holds about one parameter's worth. `close()` (or leaving a `with` block,
+  or garbage collection) deletes the folder.
 
 On a CPU-only machine the "device" and the host are the same memory. The host arrays are then made
 by numpy, outside torch's dispatch, and every host operation writes in place into them or into two

@@ -4,7 +4,8 @@
 parameter's `.grad` for this backward pass (all its uses summed, so a tied weight fires once). If
 that function steps the parameter's own optimizer and sets `.grad = None`, the model never holds
 more than about one weight gradient at a time: gradient memory drops from the sum of all parameters'
-gradients to roughly the largest one (GaLore's per-layer weight update, techniques.md section 3).
+gradients to roughly the largest one (GaLore's per-layer weight update: Zhao et al. 2024, arXiv 2403.03507;
+github.com/jiaweizzhao/GaLore, optimizer `galore_adamw8bit_per_layer`).
 
 What it costs: no global view of the gradients before the step. Clipping by the total gradient
 norm, gradient accumulation over micro-batches and skipping a step on inf/nan (GradScaler) all need
