@@ -229,8 +229,19 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         + 2 * r * spec.ffn * mm,
         offload_back=max(3 * r * spec.ffn * mm, 3 * probs // L + 2 * r * h * mm),
         buffers=0 if peft is None else peft_terms.base_buffer_bytes(spec, peft),
+        points=_block_points(w, marks, gb), forward_extra=w.forward_extra, forward_locals=w.forward_locals,
         dequant=0 if peft is None else peft_terms.dequant_scratch_bytes(peft, 2 if prec.autocast else gb),
     ), w
+
+
+def _block_points(w: Walk, marks, gb: int) -> list[tuple]:
+    """Block 0's recorded op moments, relative to the block's start (all blocks are alike)."""
+    if len(marks) < 2:
+        return []
+    start, end = marks[0], marks[1]
+    return [(phase, what, before - start[0], saved, temp, (end[2] - trained) * gb)
+            for phase, what, before, saved, temp, trained in w.points if start[0] <= before <= end[0]
+            and start[2] <= trained <= end[2]][: 2 * max(1, len(w.points) // max(len(marks) - 1, 1) // 2)]
 
 
 def _peft_param_bytes(spec, peft, d: int) -> int:

@@ -8,7 +8,13 @@ activation estimate follows the implementation a learner actually runs. Attentio
 
 from __future__ import annotations
 
+from .attention import AttnShape, materialised
 from .walk import T, Walk
+
+
+def _shape(w: Walk, B: int, heads: int, S: int, n: int, mm: int, sm: int, kv_repeat: int = 1) -> AttnShape:
+    drop = 1 if w.device == "cuda" else sm
+    return AttnShape(B, heads, S, n // (B * heads * S), mm, sm, w.x_bytes, drop, kv_repeat)
 
 
 def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bool:
@@ -35,6 +41,8 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
     dropout mask and dropped probabilities are kept; on CPU it upcasts 16-bit inputs to fp32.
     rg: whether q, k or v requires grad (else nothing is saved)."""
     b = 4 if w.device == "cpu" else w.mm_bytes
+    if rg:
+        w.point("attention (SDPA math)", materialised("math", _shape(w, B, heads, S, n, b, b), p))
     w.keep(w.new(B * heads * S * S, b, "attention scores"))  # q @ k^T (bmm)
     w.keep(w.new(n, b, "probs @ v"))  # bmm
     if rg:
@@ -52,8 +60,10 @@ def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: flo
     if not qkv.rg:  # nothing is recorded
         w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores")), w.keep(w.new(n, w.mm_bytes, "probs @ v"))
         return w.new(n, w.mm_bytes, "attention out (contiguous)", False)
+    sm = 4 if w.autocast and w.device == "cuda" else w.mm_bytes
     for part in ("q contiguous", "k^T contiguous", "v contiguous"):
         w.save(w.new(n, w.mm_bytes, part))
+    w.point("attention (manual)", materialised("manual", _shape(w, B, heads, S, n, w.mm_bytes, sm), p))
     w.save(w.new(S * S, 1, "causal mask"))
     w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores"))  # q @ k^T (bmm)
     probs = w.new(B * heads * S * S, 4 if w.autocast and w.device == "cuda" else w.mm_bytes, "attention probs")
@@ -62,6 +72,34 @@ def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: flo
     w.save(w.as_matmul_input(dropped))  # probs @ v takes a 16-bit copy under autocast
     w.keep(w.new(n, w.mm_bytes, "probs @ v"))  # bmm
     return w.new(n, w.mm_bytes, "attention out (contiguous)")  # transpose(1, 2).contiguous()
+
+
+def attention_eager(w: Walk, q: T, k: T, v: T, B: int, heads: int, kv_heads: int, S: int, n: int, p: float,
+                    fp32_softmax: bool) -> T:
+    """transformers' eager attention (GPT-2, Llama): matmul(q, k^T) * scale + the model's float mask, softmax
+    (Llama: in fp32, then cast to q's dtype), dropout, matmul with v. The matmuls save q and k (with grouped
+    query attention, k and v repeated to every head: repeat_kv copies them), softmax its output, the second
+    matmul the (dropped) probabilities and v."""
+    rg = q.rg or k.rg or v.rg
+    mm, rep = w.mm_bytes, heads // kv_heads
+    sm = 4 if fp32_softmax else max(mm, w.x_bytes)  # 16-bit scores + the model's fp32 mask promote to fp32
+    w.forward_extra = max(w.forward_extra, B * S * S * w.x_bytes)  # the (B, 1, S, S) mask, for the whole forward
+    if not rg:
+        w.keep(w.new(B * heads * S * S, mm, "attention scores")), w.keep(w.new(n, mm, "probs @ v"))
+        return w.new(n, mm, "attention out (contiguous)", False)
+    kr = w.new(n, mm, "k repeated") if rep > 1 else k
+    vr = w.new(n, mm, "v repeated") if rep > 1 else v
+    w.save(w.as_matmul_input(q), w.as_matmul_input(kr))
+    w.point("attention (eager)", materialised("eager", _shape(w, B, heads, S, n, mm, sm, rep), p))
+    w.keep(w.new(B * heads * S * S, mm, "attention scores"))  # q @ k^T (bmm)
+    probs = w.new(B * heads * S * S, sm, "attention probs")
+    w.save(probs)
+    if sm != mm:
+        probs = w.new(B * heads * S * S, mm, "attention probs (cast)")
+    dropped = w.dropout(probs, p, "attention dropout")
+    w.save(dropped, w.as_matmul_input(vr))
+    w.keep(w.new(n, mm, "probs @ v"))  # bmm
+    return w.new(n, mm, "attention out (contiguous)")
 
 
 def _embeddings(w: Walk, spec, S: int, n: int, tokens: str, positions: str) -> T:
@@ -107,6 +145,7 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     n = r * h
     w.save(w.new(r, 8, "shifted labels"))
     x = _embeddings(w, spec, S, n, "transformer.wte", "transformer.wpe")
+    w.forward_locals = n * w.x_bytes + S * h * w.x_bytes  # GPT2Model.forward keeps inputs_embeds and position_embeds
     fused = fused_attention_used(w.device, spec.attention, spec.attn_dropout)
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
@@ -117,7 +156,8 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
         elif spec.attention == "sdpa":
             y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout, qkv.rg)
         else:
-            y = attention_manual(w, qkv, B, spec.n_head, S, n, spec.attn_dropout)
+            q, k, v = (T(n, qkv.itemsize, f"{part}.{i}", base=qkv, rg=qkv.rg) for part in "qkv")  # views of c_attn's output
+            y = attention_eager(w, q, k, v, B, spec.n_head, spec.n_head, S, n, spec.attn_dropout, False)
         o = w.dropout(w.linear(y, r, h, f"c_proj.{i}", m + "attn.c_proj"), spec.dropout, f"resid dropout.{i}")
         x = w.add(x, o, f"residual.{i}")
         f = w.linear(w.layer_norm(x, r, f"ln_2.{i}", m + "ln_2"), r, spec.ffn, f"c_fc.{i}", m + "mlp.c_fc")
@@ -131,24 +171,27 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
 def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     """transformers' LlamaForCausalLM: RMSNorm in Python ops, rotary q/k, SwiGLU MLP, GQA."""
     r, h = B * S, spec.hidden
-    hd = h // spec.n_head
-    kv = spec.n_kv_head * hd
+    hd = spec.head_dim or h // spec.n_head
+    qd, kv = spec.n_head * hd, spec.n_kv_head * hd  # q and attention output widths (hidden unless head_dim says)
     w.save(w.new(r, 8, "shifted labels"))
     w.save(w.new(2 * S * hd, w.x_bytes, "rotary cos and sin"))
     x = w.new(r * h, w.x_bytes, "token embeddings", w.trains("model.embed_tokens"))
+    w.forward_locals = r * h * w.x_bytes  # LlamaModel.forward keeps inputs_embeds until it returns
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
         m = f"model.layers.{i}."
         a = w.rms_norm_python(x, r, f"input_layernorm.{i}", m + "input_layernorm")
-        q = w.linear(a, r, h, f"q_proj.{i}", m + "self_attn.q_proj")
+        q = w.linear(a, r, qd, f"q_proj.{i}", m + "self_attn.q_proj")
         k = w.linear(a, r, kv, f"k_proj.{i}", m + "self_attn.k_proj")
         v = w.linear(a, r, kv, f"v_proj.{i}", m + "self_attn.v_proj")
         q = w.new(q.numel, q.itemsize, f"q rotated.{i}", q.rg)
         k = w.new(r * kv, q.itemsize, f"k rotated.{i}", k.rg)
         if fused_attention_used(w.device, spec.attention, spec.attn_dropout):
-            y = sdpa_fused(w, q, k, v, B, spec.n_head, S, r * h, spec.attn_dropout)
+            y = sdpa_fused(w, q, k, v, B, spec.n_head, S, r * qd, spec.attn_dropout)
+        elif spec.attention == "sdpa":
+            y = sdpa_math(w, B, spec.n_head, S, r * qd, spec.attn_dropout, q.rg or k.rg or v.rg)
         else:
-            y = sdpa_math(w, B, spec.n_head, S, r * h, spec.attn_dropout, q.rg or k.rg or v.rg)
+            y = attention_eager(w, q, k, v, B, spec.n_head, spec.n_kv_head, S, r * qd, spec.attn_dropout, True)
         x = w.add(x, w.linear(y, r, h, f"o_proj.{i}", m + "self_attn.o_proj"), f"residual.{i}")
         a = w.rms_norm_python(x, r, f"post_attention_layernorm.{i}", m + "post_attention_layernorm")
         gate = w.linear(a, r, spec.ffn, f"gate_proj.{i}", m + "mlp.gate_proj")

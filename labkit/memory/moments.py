@@ -94,6 +94,14 @@ class StepBytes:
     step_freed: tuple[int, int, int] = (0, 0, 0)
     head_freed: tuple[int, int, int] = (0, 0, 0)  # the same for an untied head: its copy, saved input, all but dX
     states: dict = field(default_factory=dict)  # "P", "C", "G", "O", "buffers" -> the model-state terms making it up
+    # worst moments inside a block's ops (materialised attention, labkit.memory.attention), block 0's:
+    # (phase, what, saved by the block before the op, the op's saved tensors alive then, its temporaries,
+    #  bytes of the block's gradients made by then in backward)
+    points: list = field(default_factory=list)
+    forward_extra: int = 0  # alive through the forward, never saved (transformers' (B, 1, S, S) float mask)
+    forward_locals: int = _f(T_, "embeddings held by the model's forward function", "r h d (+ S h d positions)",
+                             "transformers' GPT2Model/LlamaModel.forward keep inputs_embeds (and position_embeds) "
+                             "in locals until they return")
 
     def state(self, key: str) -> list[Term]:
         """A model state as the estimate's own terms (e.g. frozen base + adapters for P under LoRA), when they
@@ -183,6 +191,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                           [*states, *b.state("C"), *buffers, b.term("inputs"), *outside[:1],
                            *_held_terms(b, policy, offload, sizes, n_units - 1), b.term("fwd_block")]))
 
+    fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx)
+
     # autocast's weight copies after the forward: all kept (none), the head's only (the blocks' copies
     # are not saved by a checkpointed region; its recompute casts again), or none (offloaded)
     recompute = policy != "none" and not offload
@@ -242,6 +252,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         if step_in_backward and b.head_held:
             terms.append(b.term("head_held"))
         block_moments.append(Moment("backward", where + sfx, terms))
+        moments += _backward_points(b, policy, offload, sizes, j, done, states, buffers, grads_exist,
+                                    step_in_backward, recompute, n_layer, where, sfx)
         done += m
     rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_, b.rest_step[0],
                    "largest such gradient x d", "labkit.optim.StepInBackward")] if step_in_backward else b.state("G")
@@ -254,6 +266,82 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         moments.append(Moment("optimizer", "the optimizer step" + sfx,
                               [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp")]))
     return moments
+
+
+def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
+    """Inside the last block's forward, at each recorded op's worst moment (labkit.memory.attention)."""
+    out = []
+    n_units, L = len(sizes), sum(sizes)
+    extra = [custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
+                    "made once per forward by the model's masking utilities")] if b.forward_extra else []
+    extra += [b.term("forward_locals")] if b.forward_locals else []
+    if policy == "none" and not offload and (extra or b.points):  # the blocks' end: all saved, nothing freed yet
+        out.append(Moment("forward", f"the end of block {L - 1}" + sfx, [
+            *states, *b.state("C"), *buffers, b.term("inputs"), b.term("before"),
+            *_held_terms(b, policy, offload, sizes, L), *extra,
+            b.term("stream", name="the last block's output projection and residual sum", nbytes=2 * b.stream)]))
+    for phase, what, before, saved, temp, _ in b.points:
+        if phase != "forward":
+            continue
+        terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra]
+        if offload:  # saved tensors leave the device; the op's temporaries stay
+            terms.append(custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.memory.attention)",
+                                "the op sequence of this attention path"))
+        elif policy == "none":
+            terms += [b.term("before"), *_held_terms(b, policy, offload, sizes, L - 1),
+                      custom(f"saved by block {L - 1} before it", A_, before, "walk, block prefix", "derivatives.yaml"),
+                      custom(f"{what} saved so far", A_, saved, "replayed ops (labkit.memory.attention)",
+                             "the op sequence of this attention path"),
+                      custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.memory.attention)",
+                             "the op sequence of this attention path")]
+        else:  # inside a checkpointed region nothing is saved: the same tensors live as temporaries
+            terms += [b.term("before"), *_held_terms(b, policy, offload, sizes, n_units - 1),
+                      b.term("seg_input", name="the last unit's input"),
+                      custom(f"{what} (no grad: tensors freed when unused)", T_, saved + temp,
+                             "replayed ops (labkit.memory.attention)", "the op sequence of this attention path")]
+        out.append(Moment("forward", f"block {L - 1} forward, {what}" + sfx, terms))
+    return out
+
+
+def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buffers, grads_exist, step_in_backward,
+                     recompute, n_layer, where, sfx) -> list[Moment]:
+    """Inside unit j's backward, at each recorded op's worst moment: what the unit's earlier ops saved is still
+    alive (recomputed, for a checkpointed unit), what came after it is freed, the op's temporaries on top."""
+    if offload:
+        return []
+    out, m = [], sizes[j]
+    for phase, what, before, saved, temp, grads_made in b.points:
+        if phase != "backward":
+            continue
+        terms = [*states, *buffers, b.term("inputs"), b.term("before"), *_held_terms(b, policy, offload, sizes, j)]
+        if recompute:
+            terms += _held_terms(b, policy, offload, [m], 1)
+            terms.append(custom("recomputed activations of the unit, up to the op", T_,
+                                (m - 1) * b.layer + before + saved - b.seg_input
+                                - (b.kept_saved if policy == "selective" else 0),
+                                "(blocks in the unit - 1) x A_block + the block's prefix - segment input",
+                                "torch.utils.checkpoint re-runs the forward"))
+            if b.C:
+                terms.append(b.term("layer_copy", m, "autocast copies of the recomputed unit"))
+        else:
+            terms += [custom(f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",
+                             "derivatives.yaml"),
+                      custom(f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.memory.attention)",
+                             "the op sequence of this attention path")]
+            if b.C:
+                terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
+                                    name=f"autocast copies of the {n_layer - done} blocks not finished"))
+        terms.append(custom(f"{what}: temporaries", T_, temp, "replayed ops (labkit.memory.attention)",
+                            "the op sequence of this attention path"))
+        terms.append(b.term("stream"))
+        if not grads_exist and not step_in_backward:
+            terms.append(b.term("head_grad"))
+            if done:
+                terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
+            terms.append(custom("gradients of this block made so far", G_, grads_made,
+                                "parameters after the op x d", "AccumulateGrad, in reverse order"))
+        out.append(Moment("backward", f"{where}, {what}" + sfx, terms))
+    return out
 
 
 def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str) -> list[Moment]:

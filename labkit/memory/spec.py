@@ -32,6 +32,12 @@ class ModelSpec:
     layer_matmul_params: int = 0  # the same, in one block
     param_names: list[str] = field(default_factory=list)  # name of each parameter tensor (a tied one once)
     linears: list[tuple] = field(default_factory=list)  # (module name, d_in, d_out, bias elements): LoRA targets
+    head_dim: int = 0  # per-head width (Llama configs may set it apart from hidden / heads); 0: hidden // n_head
+
+    @property
+    def attn_width(self) -> int:
+        """Width of q and of attention's output: n_head x head_dim (= hidden unless a config sets head_dim)."""
+        return self.n_head * (self.head_dim or self.hidden // self.n_head)
 
     @property
     def largest_param(self) -> int:
@@ -95,7 +101,8 @@ def _hf_spec(name: str, hcfg, model=None) -> ModelSpec:
                    n_kv_head=hcfg.num_key_value_heads or hcfg.num_attention_heads, ffn=hcfg.intermediate_size,
                    vocab=hcfg.vocab_size, max_positions=hcfg.max_position_embeddings,
                    tied=bool(getattr(hcfg, "tie_word_embeddings", False)), dropout=0.0,
-                   attn_dropout=float(getattr(hcfg, "attention_dropout", 0.0)), attention=attention)
+                   attn_dropout=float(getattr(hcfg, "attention_dropout", 0.0)), attention=attention,
+                   head_dim=getattr(hcfg, "head_dim", None) or hcfg.hidden_size // hcfg.num_attention_heads)
         family = "llama"
     else:
         raise ValueError(f"the estimator knows GPT-2 and Llama architectures, not {mt!r} ({name})")

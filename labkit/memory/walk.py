@@ -56,6 +56,12 @@ class Walk:
     quantized: bool = False  # the adapted Linears' bases are int8/NF4 (dequantized on the fly, save nothing)
     linears: dict[str, tuple] = field(default_factory=dict)  # module name -> (d_in, d_out, bias elements)
     copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
+    trained: int = 0  # elements of the trained parameters the walk has passed (their gradients come in reverse)
+    # worst moments inside ops (labkit.memory.attention): (phase, what, saved bytes before the op,
+    # the op's own saved bytes alive then, its temporaries then, `trained` before the op)
+    points: list[tuple] = field(default_factory=list)
+    forward_extra: int = 0  # alive through the whole forward, never saved (transformers' 4-D float mask)
+    forward_locals: int = 0  # tensors a model's forward function holds in locals until it returns (embeddings)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:
@@ -101,6 +107,8 @@ class Walk:
         trains, r = self.trains(module), self.lora.get(module, 0)
         if trains:
             self.save(self.as_matmul_input(x))
+        d_in, d_out, bias = self.linears.get(module, (0, 0, 0))
+        self.trained += (d_in * d_out + bias if trains else 0) + r * (d_in + d_out)
         if r:
             self.save(self.new(x.numel, self.low_bytes, f"{name} adapter input") if self.autocast else x,
                       self.new(rows * r, self.mm_bytes, f"{name} lora_A out"))
@@ -126,9 +134,14 @@ class Walk:
         self.kept_bytes += t.nbytes
         return t
 
-    def mark(self) -> tuple[int, int]:
-        """(saved, kept) bytes so far: the walk's position, for per-layer differences."""
-        return self.saved_bytes, self.kept_bytes
+    def mark(self) -> tuple[int, int, int]:
+        """(saved, kept bytes, trained elements) so far: the walk's position, for per-layer differences."""
+        return self.saved_bytes, self.kept_bytes, self.trained
+
+    def point(self, what: str, pts) -> None:
+        """Record an op's worst forward and backward moments (an AttnPoints) at the walk's position."""
+        for phase, (op, saved, temp) in (("forward", pts.forward), ("backward", pts.backward)):
+            self.points.append((phase, f"{what}: {op}", self.saved_bytes, saved, temp, self.trained))
 
     def layer_norm(self, x: T, rows: int, name: str, module: str = "") -> T:
         """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the

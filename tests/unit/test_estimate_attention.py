@@ -1,0 +1,60 @@
+"""Materialised attention's transients (labkit.memory.attention) against the ledger, where they set the peak."""
+
+import pytest
+
+from labkit.memory import estimate, measure_step
+from labkit.memory.attention import AttnShape, materialised
+from labkit.models.gpt import GPTConfig
+
+TOL = 0.03  # of the measured peak, as every lesson states it
+
+
+def test_manual_attention_ops_by_hand():
+    """B=1, a=4, S=512, fp32: P = 4 MiB. Forward: the scaled and the masked scores and two S^2 bool masks;
+    backward: the probabilities (saved) with d attn and softmax's backward output."""
+    a = AttnShape(B=1, heads=4, S=512, head_dim=8, mm=4, sm=4, x=4, drop_mask=4)
+    P, M = 4 * 512 * 512 * 4, 512 * 512
+    pts = materialised("manual", a, 0.0)
+    assert pts.forward == ("masked", M, 2 * P + M)  # ~mask saved; scaled + masked + tril live
+    assert pts.backward == ("d scores", P + M, 2 * P)
+    assert pts.saved == P + M
+    with_dropout = materialised("manual", a, 0.1)
+    assert with_dropout.saved == 3 * P + M  # probs, dropout mask, dropped
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        materialised("flash", a, 0.0)
+
+
+CASES = {  # each sets its peak inside attention
+    "labkit manual fp32": (GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=512, attention="manual",
+                                     vocab_size=16), 1, 512, "fp32", {}),
+    "labkit manual dropout bf16": (GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=256, attention="manual",
+                                             dropout=0.1, vocab_size=16), 2, 256, "bf16", {}),
+    "sdpa math (dropout) fp32": (GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=256, dropout=0.1,
+                                           vocab_size=16), 2, 256, "fp32", {}),
+    "gpt2 eager mixed-bf16": ("gpt2-tiny", 2, 128, "mixed-bf16",
+                              dict(n_layer=2, n_head=4, n_embd=32, attn_implementation="eager", vocab_size=16,
+                                   attn_pdrop=0.1)),
+    "llama eager GQA fp32": ("llama-tiny", 2, 128, "fp32",
+                             dict(num_hidden_layers=2, attn_implementation="eager", vocab_size=16)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_transients_against_the_ledger(name):
+    model, B, S, dtype, ov = CASES[name]
+    e = estimate(model, B, S, dtype, "sgd", **ov)
+    m = measure_step(model, B, S, dtype, "sgd", steps=2, **ov)
+    for phase in ("forward", "backward"):
+        assert abs(e.phases[phase].total - m.phases[phase].total) <= TOL * m.peak.total, (
+            phase, e.phases[phase].total, m.phases[phase].total, e.explain(phase))
+    assert abs(e.peak.total - m.peak.total) <= TOL * m.peak.total
+
+
+def test_without_the_attention_moments_these_cases_were_low():
+    """The moments matter: the largest moment outside attention misses the measured peak by far."""
+    model, B, S, dtype, ov = CASES["labkit manual fp32"]
+    e = estimate(model, B, S, dtype, "sgd", **ov)
+    m = measure_step(model, B, S, dtype, "sgd", steps=2, **ov)
+    outside = max(x.total for x in e.moments if "attention" not in x.where)
+    assert outside < 0.8 * m.peak.total
+    assert "attention" in e.peak_moment.where
