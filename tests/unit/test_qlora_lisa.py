@@ -2,6 +2,7 @@
 
 import copy
 
+import bitsandbytes as bnb
 import pytest
 import torch
 import torch.nn as nn
@@ -12,7 +13,6 @@ from labkit.peft import (LISA, LISANaive, LoRALinear, NF4Base, apply_qlora, base
                          qlora_optimizer, to_nf4, trainable_parameters)
 from labkit.quant.nf4 import NF4Linear, dequantize_nf4, nbytes_nf4, quantize_nf4
 
-bnb = pytest.importorskip("bitsandbytes")
 C, T = 32, 16
 
 

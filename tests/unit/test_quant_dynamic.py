@@ -1,11 +1,10 @@
 """The 8-bit dynamic map and blockwise quantization against bitsandbytes."""
 
+import bitsandbytes.functional as bnb_f
 import pytest
 import torch
 
-bnb_f = pytest.importorskip("bitsandbytes.functional")
-
-from labkit.quant import dequantize_blockwise, dynamic_map, quantize_blockwise  # noqa: E402
+from labkit.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
 
 
 @pytest.mark.parametrize("signed", [True, False])
