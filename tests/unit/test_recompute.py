@@ -256,10 +256,9 @@ def test_try_compile_is_opt_in_and_fails_softly(capsys, monkeypatch):
 
 
 def test_compiled_chain_saves_less():
-    try:
-        fig = compare_compiled(shape=(16, 64))
-    except Exception as e:  # no dynamo on this Python, or no compiler: say why
-        pytest.skip(f"torch.compile unavailable here: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    """aot_eager_decomp_partition: dynamo and AOT autograd's partitioner, no C++ compiler, so it runs
+    wherever torch.compile does (compare_compiled raises with the reason where it does not)."""
+    fig = compare_compiled(shape=(16, 64))
     assert fig.eager >= 4 * fig.input_bytes  # eager keeps several tensors of the input's size
     assert fig.compiled < fig.input_bytes  # the partitioner keeps only the input and recomputes
     assert fig.compiled_graph <= fig.input_bytes < fig.eager_graph
