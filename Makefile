@@ -1,6 +1,7 @@
 # labkit: one environment for the lab, the tests and the benchmarks.
 #   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/
 #   make test   same environment; unit + widget tests and every notebook under nbval (smoke mode)
+#   make test-parity  the `parity` tests again on PyTorch's portable CPU kernels (ATEN_CPU_CAPABILITY=default)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -26,7 +27,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab test test-gpu bench clean
+.PHONY: env lab test test-parity test-gpu bench clean
 
 env: $(STAMP)
 
@@ -56,7 +57,12 @@ lab: env
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 test: env
-	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --nbval-lax -p no:cacheprovider
+	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --nbval-lax -p no:cacheprovider -rs
+
+# The tests marked `parity` (numbers compared with a reference library or a torch kernel) once more, on
+# ATen's portable kernels, as a CPU without AVX2/AVX-512 runs them: their tolerances must not depend on the CPU.
+test-parity: env
+	ATEN_CPU_CAPABILITY=default LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests -m parity -p no:cacheprovider -rs
 
 test-gpu: env
 	@if [ -d tests/gpu ]; then \

@@ -45,6 +45,7 @@ class TwoLinears(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parity
 def test_frozen_base_matches_bitsandbytes_linear4bit(dtype, double_quant):
     torch.manual_seed(0)
     lin = nn.Linear(128, 64)
@@ -74,6 +75,7 @@ def test_reference_linear4bit_computes_in_its_dtype_in_eval_too(shape):
     assert y_eval.dtype == torch.float32 and torch.equal(y_eval, y_train)
 
 
+@pytest.mark.parity
 def test_reference_linear4bit_refuses_what_bitsandbytes_cpu_dequantizes_wrongly():
     """bitsandbytes' CPU dequantize_4bit takes a value's block from its row and column, right only when
     in_features is a multiple of 64: a 32-input layer comes back with block 0's scale in every row."""
@@ -92,6 +94,7 @@ def test_reference_linear4bit_refuses_what_bitsandbytes_cpu_dequantizes_wrongly(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parity
 def test_qlora_matches_peft_on_bitsandbytes(dtype):
     from peft import LoraConfig, get_peft_model
 

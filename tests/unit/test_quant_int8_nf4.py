@@ -91,6 +91,7 @@ def test_teaching_version_equals_per_tensor():
     assert torch.equal(codes, q.codes) and torch.equal(zero.view(1), q.zero_point)
 
 
+@pytest.mark.parity
 def test_absmax_rows_match_bitsandbytes_int8_vectorwise():
     bnb_f = bnb.functional
     w = weights(1024, 384)
@@ -103,6 +104,7 @@ def test_absmax_rows_match_bitsandbytes_int8_vectorwise():
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")  # torch deprecates its quantized tensors
+@pytest.mark.parity
 def test_zeropoint_rows_match_torch_quint8():
     w = weights(1024, 384)
     q = quantize_int8(w, "zeropoint", "channel")
@@ -250,10 +252,12 @@ def _bnb_state(qs, shape):
                     qs.state2.absmax if nested else None, qs.offset if nested else None)
 
 
+@pytest.mark.parity
 def test_nf4_levels_equal_bitsandbytes():
     assert torch.equal(NF4_CODE, bnb.functional.get_4bit_type("nf4", device="cpu"))
 
 
+@pytest.mark.parity
 def test_nf4_ties_like_bitsandbytes():
     mids = (NF4_CODE[1:] + NF4_CODE[:-1]) / 2
     block = torch.cat([torch.ones(1), mids, -mids, torch.zeros(33)])  # exact ties, both signs
@@ -262,6 +266,7 @@ def test_nf4_ties_like_bitsandbytes():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parity
 def test_nf4_codes_and_values_match_bitsandbytes(dtype):
     w = weights(768, 384).to(dtype)
     ref_packed, ref_state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
@@ -274,6 +279,7 @@ def test_nf4_codes_and_values_match_bitsandbytes(dtype):
                                rtol=0, atol=0)
 
 
+@pytest.mark.parity
 def test_nf4_double_quant_matches_bitsandbytes():
     w = weights(1536, 384)
     ref_packed, ref_state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
@@ -307,6 +313,7 @@ def _linear4bit(bnb, lin, compute_dtype, double_quant):
 
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parity
 def test_nf4_linear_matches_linear4bit(double_quant, compute_dtype):
     torch.manual_seed(0)
     lin = torch.nn.Linear(384, 512)
@@ -336,6 +343,7 @@ def test_nf4_linear_matches_linear4bit(double_quant, compute_dtype):
     torch.testing.assert_close(g_ours, g_ref, rtol=tol, atol=tol)  # only the input gets a gradient
 
 
+@pytest.mark.parity
 def test_dynamic_map_is_the_absmax_map():
     # the double-quantization map: ours and bnb's agree to float32 rounding, which is why our
     # dequantization of a bnb state is 1e-6-close rather than bit-equal

@@ -35,6 +35,7 @@ PATTERN = ["ok"] * 3 + ["inf"] + ["ok"] * 5 + ["nan", "inf"] + ["ok"] * 7 + ["in
 
 @pytest.mark.parametrize("kw", [dict(init_scale=2.0**10, growth_interval=3), dict(init_scale=1.0, growth_interval=2,
                                                                                      growth_factor=4.0, backoff_factor=0.25)])
+@pytest.mark.parity
 def test_trajectory_and_skips_equal_gradscaler(kw):
     ours = _run(lambda: DynamicLossScaler(**kw), PATTERN, False)
     ref = _run(lambda: torch.amp.GradScaler("cpu", **kw), PATTERN, True)
