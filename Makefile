@@ -2,6 +2,7 @@
 #   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/ (as root too: containers, cloud VMs)
 #   make colab URL=https://github.com/ORG/labkit   set the repository URL in every notebook's Colab install cell
 #   make test   same environment; unit + widget tests and every notebook under nbval (smoke mode)
+#   make test-parity  the `parity` tests again on PyTorch's portable CPU kernels (ATEN_CPU_CAPABILITY=default)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -27,7 +28,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab test test-gpu bench clean
+.PHONY: env lab colab test test-parity test-gpu bench clean
 
 env: $(STAMP)
 
@@ -67,7 +68,12 @@ colab:
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 test: env
-	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --nbval-lax -p no:cacheprovider
+	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --nbval-lax -p no:cacheprovider -rs
+
+# The tests marked `parity` (numbers compared with a reference library or a torch kernel) once more, on
+# ATen's portable kernels, as a CPU without AVX2/AVX-512 runs them: their tolerances must not depend on the CPU.
+test-parity: env
+	ATEN_CPU_CAPABILITY=default LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests -m parity -p no:cacheprovider -rs
 
 test-gpu: env
 	@if [ -d tests/gpu ]; then \

@@ -12,6 +12,20 @@
   weight, neither a parameter nor a buffer; this shows them (and the packed Params4bit codes) to the
   Ledger as frozen weight storage (BUFFER), as labkit's NF4 layers register theirs.
 
+bitsandbytes' CPU 4-bit limits (bitsandbytes 0.50, measured on an AVX512-BF16 CPU, the same under
+ATEN_CPU_CAPABILITY=default: these kernels live in bitsandbytes' own library, which reads the CPU
+itself). (1) Its CPU dequantize_4bit, which every CPU Linear4bit forward and backward runs, finds a
+value's absmax as row * (in_features // blocksize) + column // blocksize: right only when
+in_features is a multiple of the block size (64 for NF4); a 32-input layer is dequantized with
+block 0's absmax in every row, silently. `bnb_linear4bit` refuses such a layer on the CPU. (2) On a
+CPU whose bitsandbytes reports AVX512-BF16 (`bitsandbytes.functional.has_avx512bf16()`), a
+Linear4bit in eval mode given an input that does not require grad repacks its weight in place for a
+fused kernel that computes in bf16 whatever compute_dtype says (about 3e-3 relative off the fp32
+layer), and that repacking also needs out_features % 32 == 0 (else an AssertionError, or "shape
+'[32, 0]' is invalid" for 32 inputs). `bnb_linear4bit` turns that shortcut off
+(`support_avx512bf16_for_cpu = False` on the layer), so the reference computes what labkit's QLoRA
+computes, in the same dtype, on every CPU.
+
 What the Ledger cannot see: bitsandbytes' custom ops (bitsandbytes::gemm_4bit, dequantize_4bit)
 reach it as one op each, counted by their outputs; a temporary made inside one (gemm_4bit's CPU
 kernel dequantizes the weight before its matmul) is invisible. `hidden_bytes_bound` is the
@@ -27,6 +41,8 @@ import torch.nn as nn
 
 from .lora import _matches, _replace
 
+NF4_BLOCKSIZE = 64  # bitsandbytes' Params4bit default, and labkit's
+
 
 def peft_lora(model: nn.Module, targets: Sequence[str], r: int, alpha: float, train_also: Sequence[str] = ()) -> nn.Module:
     """peft's LoRA on the Linears named in `targets` (full names); modules in train_also are unfrozen whole."""
@@ -40,13 +56,19 @@ def peft_lora(model: nn.Module, targets: Sequence[str], r: int, alpha: float, tr
 
 
 def bnb_linear4bit(lin: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
-    """bitsandbytes' Linear4bit (NF4, double quantization) holding `lin`'s weight, quantized on its device."""
+    """bitsandbytes' Linear4bit (NF4, double quantization) holding `lin`'s weight, quantized on its device,
+    computing in compute_dtype in eval mode too (bitsandbytes' bf16 CPU inference shortcut off).
+    On the CPU, in_features must be a multiple of 64 (ValueError otherwise; see the module docstring)."""
     import bitsandbytes as bnb
 
+    if lin.weight.device.type == "cpu" and lin.in_features % NF4_BLOCKSIZE:
+        raise ValueError(f"bitsandbytes' CPU 4-bit kernels need in_features divisible by {NF4_BLOCKSIZE} (the NF4 block "
+                         f"size) to dequantize correctly, got a Linear with {lin.in_features} inputs (see labkit.peft.reference)")
     q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=compute_dtype,
                           compress_statistics=True, quant_type="nf4", device="meta")
+    q.support_avx512bf16_for_cpu = False  # no bf16 inference shortcut on AVX512-BF16 CPUs (module docstring)
     q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4",
-                                 compress_statistics=True)
+                                 compress_statistics=True, blocksize=NF4_BLOCKSIZE)
     if lin.bias is not None:
         q.bias = nn.Parameter(lin.bias.data.clone(), requires_grad=False)
     return q.to(lin.weight.device)  # Params4bit quantizes on its first .to(device), on CPU too

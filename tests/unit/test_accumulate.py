@@ -43,6 +43,7 @@ def _assert_close(ga, gb):
 
 
 @pytest.mark.parametrize("micro_batch", [8, 4, 2, 1, [3, 3, 2], [5, 1, 2], [1, 7]])
+@pytest.mark.parity
 def test_accumulated_gradient_equals_big_batch(micro_batch):
     m, (x, y) = _gpt(), _data()
     big = m(x, y)
@@ -54,6 +55,7 @@ def test_accumulated_gradient_equals_big_batch(micro_batch):
     _assert_close(_grads(m), ref)
 
 
+@pytest.mark.parity
 def test_loss_fn_and_one_step_like_the_big_batch():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))

@@ -1,11 +1,13 @@
 """Simulated budgets fail exactly where a device of that size would, and memory comes back."""
 
 import gc
+import re
 
 import pytest
 import torch
 
 from labkit.memory import Category, Ledger, SimulatedOutOfMemoryError, measure_step, run_within_budget
+from labkit.memory.units import fmt_bytes, parse_bytes
 from labkit.models.gpt import GPTConfig
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
@@ -36,10 +38,22 @@ def test_run_within_budget_reports_and_returns_to_baseline():
 
 
 def test_budget_message_names_the_largest_category():
+    """'does not fit: NEED > BUDGET budget; cat1 X, cat2 Y, ... in use when Z more was asked for': the
+    categories in use, largest first, and in-use plus asked is the need (each figure rounded to 0.01 unit)."""
+    budget = 4 * 2**20
     r = run_within_budget(lambda: measure_step(GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=256), 16, 256,
-                                               budget=4 * 2**20), 4 * 2**20)
-    assert "does not fit" in r.message and "GiB" not in r.message.split(">")[0] or True
-    assert "budget" in r.message
+                                               budget=budget), budget)
+    m = re.fullmatch(r"does not fit: (.+?) > 4\.00 MiB budget; (.+) in use when (.+?) more was asked for", r.message)
+    assert m and not r.fits, r.message
+    need, parts, asked = m.groups()
+    assert need == fmt_bytes(r.peak) and r.peak > budget
+    named = [p.rsplit(" ", 2) for p in parts.split(", ")]  # [["temporaries", "2.10", "MiB"], ...]
+    assert len(named) >= 2 and {name for name, *_ in named} <= {c.value for c in Category}
+    sizes = [parse_bytes(f"{v} {u}") for _, v, u in named]
+    assert sizes == sorted(sizes, reverse=True)  # the largest first
+    figures = [f"{v} {u}" for _, v, u in named] + [asked]
+    rounding = sum(0.005 * parse_bytes(f"1 {f.split()[1]}") for f in figures)
+    assert abs(sum(parse_bytes(f) for f in figures) - r.peak) <= rounding
 
 
 @pytest.mark.parametrize("bad", [0, -5])

@@ -83,3 +83,16 @@ def test_torch_range_is_the_same_everywhere():
     assert [r.replace(" ", "") for r in conda] == ["pytorch>=2.4,<3"]
     makefile_range = re.search(r"^TORCH_RANGE\s*=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M)
     assert makefile_range and makefile_range.group(1) == "torch>=2.4,<3"
+
+
+def test_ci_reruns_the_parity_tests_on_portable_kernels():
+    """`make test-parity` reruns the `parity` tests with ATEN_CPU_CAPABILITY=default, and CI runs it after `make test`."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\ntest-parity:", 1)[1].split("\n\n", 1)[0]
+    assert "ATEN_CPU_CAPABILITY=default" in recipe and "-m parity" in recipe and "LABKIT_SMOKE=1" in recipe
+    test_recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert " -rs" in test_recipe  # skips say why
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip().startswith("make test")]
+    assert ci == ["make test </dev/null", "make test-parity </dev/null"]
+    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    assert any(m.startswith("parity:") for m in markers)

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import transformers.optimization
 
 from labkit.memory import Category, Precision, estimate, make_optimizer, measure_step, spec_from
 from labkit.memory.optim_terms import adam8bit_state, galore_matrix_state, state_bytes
@@ -92,7 +93,7 @@ def test_make_optimizer_steps_any_optimizer_in_backward():
 def test_adafactor_state_of_a_3d_tensor_as_transformers():
     """transformers' Adafactor factors any tensor of 2+ dims over its last two: rows shape[:-1], columns
     shape[:-2] + shape[-1:]. It also keeps a 0-dim "RMS" tensor per parameter (4 B); labkit does not."""
-    ref_cls = pytest.importorskip("transformers.optimization").Adafactor
+    ref_cls = transformers.optimization.Adafactor
     shape = (8, 3, 5, 7)  # a conv weight (out, in, kh, kw)
     spec = dataclasses.replace(spec_from(G), param_shapes=[shape], param_numels=[math.prod(shape)])
     predicted = state_bytes(spec, 4, "adafactor")

@@ -15,7 +15,8 @@ from labkit.optim.galore import GaLoreAdamW, galore_adam_naive, galore_param_gro
 from labkit.optim.galore8bit import GaLoreAdamW8bit
 from labkit.quant.dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
 
-galore_torch = pytest.importorskip("galore_torch")
+import galore_torch
+
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # galore-torch's AdamW deprecation notice
 
 CFG = GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=64, block_size=32)
@@ -34,6 +35,49 @@ def no_cuda_sync(monkeypatch):
     """galore-torch's GaLoreAdamW8bit calls torch.cuda.synchronize() unconditionally, which raises on a
     CPU-only torch; everything else in it (bitsandbytes >= 0.50 kernels) runs on CPU."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def _parity_atol(params, steps: int, rank: int) -> float:
+    """What two correct fp32 GaLore-Adam implementations may differ by after `steps` steps.
+
+    They do the same arithmetic except the order of accumulation in the back-projection: labkit adds
+    scale*P@N into p inside one addmm_, the reference rounds P@N (a sum of `rank` products), scales it,
+    then adds it. So per step each value may take up to rank + 1 different roundings, each at most
+    eps of the largest value involved (<= max|p|: the updates are far smaller); over `steps` steps,
+    steps * (rank + 1) * eps * max|p|. A sign flipped or a bias correction missing moves values by
+    about lr*scale (1e-3 here), hundreds of times more."""
+    return steps * (rank + 1) * EPS * max(p.detach().abs().max().item() for p in params)
+
+
+def _vector_dim(P: torch.Tensor, side: str) -> int:
+    """The dim along which each singular vector of projector P runs: down the columns of U[:, :r]
+    (left, P is (m, r)), along the rows of Vh[:r] (right, P is (r, n))."""
+    return 0 if side == "left" else 1
+
+
+@pytest.fixture
+def svd_sign_convention(monkeypatch):
+    """torch.linalg.svd, as both galore-torch and labkit call it, with one sign convention: each singular
+    triplet (U[:, i], Vh[i]) is flipped, both together, so that the largest-|.| entry of U[:, i] is
+    positive. An SVD fixes each singular vector only up to its sign, and MKL's gesdd picks it in a way
+    that a 1e-8 change of the input (one ulp of a gradient, from another GEMM order or another CPU's
+    kernels) can flip. GaLore does not reproject its moments when P changes, so a vector flipped in one
+    optimizer and not the other at a refresh adds the new projected gradient to the old moment in one
+    and subtracts it in the other: a real 1e-3 divergence of two correct implementations. With this
+    convention both get the same signs from nearly equal gradients. Returns the list of inputs seen."""
+    svd, seen = torch.linalg.svd, []
+
+    def signed_svd(A, full_matrices=True, **kw):
+        U, S, Vh = svd(A, full_matrices=full_matrices, **kw)
+        sign = torch.sign(U.gather(-2, U.abs().argmax(dim=-2, keepdim=True)))  # (..., 1, k)
+        seen.append(tuple(A.shape))
+        return torch.return_types.linalg_svd((U * sign, S, Vh * sign.transpose(-2, -1)))
+
+    monkeypatch.setattr(torch.linalg, "svd", signed_svd)
+    return seen
 
 
 def _groups(ps, rank=8, gap=3, proj_type="std"):
@@ -59,6 +103,7 @@ def _batches(n, seed=1):
 
 
 # ---- fp32 GaLore -------------------------------------------------------------------------------------------
+@pytest.mark.parity
 def test_naive_matches_optimizer():
     torch.manual_seed(0)
     w1 = torch.randn(24, 40)
@@ -74,10 +119,12 @@ def test_naive_matches_optimizer():
     torch.testing.assert_close(w1, w2.detach(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right"])
 def test_parity_with_galore_torch(proj_type):
-    """Identical gradients, projector refreshed 4 times: parameters within 1e-6 (measured 3e-8, one
-    ulp from a different GEMM memory layout), projectors equal up to the SVD's sign per vector."""
+    """Identical gradients, projector refreshed 4 times: the same gradient goes into the same SVD, so
+    the projectors agree (up to each vector's sign) and the parameters differ only by the rounding of
+    the back-projection (see _parity_atol; measured 3e-8)."""
     ps, qs = _twins([(32, 96), (96, 32), (48, 48), (64,)])
     ref = galore_torch.GaLoreAdamW(_groups(ps, proj_type=proj_type), lr=1e-2, weight_decay=0.1)
     ours = GaLoreAdamW(_groups(qs, proj_type=proj_type), lr=1e-2, weight_decay=0.1)
@@ -85,19 +132,26 @@ def test_parity_with_galore_torch(proj_type):
         _feed(ps, qs)
         ref.step()
         ours.step()
+    atol = _parity_atol(ps, steps=10, rank=8)
     for p, q in zip(ps, qs):
-        torch.testing.assert_close(q.detach(), p.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=0, atol=atol)
     for p, q in zip(ps[:3], qs[:3]):
         Pr, Po = ref.state[p]["projector"].ortho_matrix, ours.state[q]["projector"]
         assert Po.shape == Pr.shape
-        dim = 0 if Po.shape[0] == min(Po.shape) else 1  # the r singular vectors run along the other dim
-        sign = torch.sign((Po * Pr).sum(dim=dim, keepdim=True))
-        torch.testing.assert_close(Po, Pr * sign, rtol=0, atol=1e-5)
-    assert (qs[0].detach() - ps[0].detach()).abs().max() < 1e-6 < qs[0].detach().abs().max()
+        dim = _vector_dim(Po, gl.projection_side(p.shape, proj_type))
+        sign = torch.sign((Po * Pr).sum(dim=dim, keepdim=True))  # one sign per singular vector
+        assert sign.numel() == 8
+        torch.testing.assert_close(Po, Pr * sign, rtol=0, atol=8 * EPS)  # unit vectors: a few ulps of 1
+    assert (qs[0].detach() - ps[0].detach()).abs().max() < atol < qs[0].detach().abs().max()
 
 
-def test_parity_on_gpt_training():
-    """Real gradients from a GPT, projector refreshed every 2 steps: parameters within 1e-5 after 6 steps."""
+@pytest.mark.parity
+def test_parity_on_gpt_training(svd_sign_convention):
+    """Real gradients from a GPT, projector refreshed every 2 steps (3 times): parameters within
+    _parity_atol after 6 steps (measured 2.6e-7 of 6.8e-6). The two models' gradients drift apart by
+    an ulp after the first step, so each SVD sees slightly different inputs in the two optimizers:
+    without one sign convention for both (svd_sign_convention) a vector flips now and then (which ones
+    depends on the CPU's kernels) and the parameters differ by 2e-3 to 4e-3."""
     torch.manual_seed(0)
     a = GPT(CFG)
     b = copy.deepcopy(a)
@@ -106,9 +160,10 @@ def test_parity_on_gpt_training():
     for x in _batches(6):
         for m, o in ((a, oa), (b, ob)):
             train_step(m, o, x[:, :-1], x[:, 1:])
+    assert len(svd_sign_convention) == 2 * 3 * 4 * CFG.n_layer  # both optimizers' SVDs had the convention
     moved = max((p - q).abs().max().item() for p, q in zip(GPT(CFG).parameters(), b.parameters()))
     diff = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-    assert diff < 1e-5 and moved > 1e-2
+    assert diff <= _parity_atol(a.parameters(), steps=6, rank=8) and moved > 1e-2
 
 
 def test_param_groups_choose_attention_and_mlp_matrices():
@@ -186,6 +241,7 @@ def test_vectors_and_oversized_rank_are_refused():
 
 
 # ---- 8-bit GaLore ------------------------------------------------------------------------------------------
+@pytest.mark.parity
 def test_8bit_parity_with_galore_torch(no_cuda_sync):
     """Same gradients; projected states of >= 4096 values are 8-bit in both. bitsandbytes' native CPU
     quantizer picks a neighbouring code now and then (see test_quant_dynamic), so the parameter

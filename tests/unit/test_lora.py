@@ -52,6 +52,7 @@ def _pair(targets, r=4, alpha=16, rslora=False, dropout=0.0):
 
 
 @pytest.mark.parametrize("rslora", [False, True])
+@pytest.mark.parity
 def test_outputs_and_gradients_match_peft(rslora):
     ref, mine, pairs = _pair(["c_attn", "c_fc"], rslora=rslora)
     assert len(pairs) == 4
@@ -68,6 +69,7 @@ def test_outputs_and_gradients_match_peft(rslora):
                                       sum(p.numel() for p in ref.parameters()))
 
 
+@pytest.mark.parity
 def test_dropout_matches_peft_with_the_same_seed():
     ref, mine, pairs = _pair(["c_fc"], dropout=0.3)
     x, y = _xy()
@@ -175,6 +177,7 @@ def test_bad_input_says_what_to_do():
         LoRALinear(nn.Linear(4, 4), dropout=1.0)
 
 
+@pytest.mark.parity
 def test_gpt2_conv1d_layers_are_adapted_and_match_peft():
     """GPT-2 (transformers) uses Conv1D, not nn.Linear: all-linear must find them (it once found none and
     froze the whole model), and the result must equal peft's, which adapts Conv1D with fan_in_fan_out."""

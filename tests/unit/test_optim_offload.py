@@ -21,6 +21,7 @@ def _make(model, offload, tmp_path, **kw):
 
 
 @pytest.mark.parametrize("offload", ["cpu", "disk"])
+@pytest.mark.parity
 def test_fp32_equals_torch_adamw_bitwise(offload, tmp_path):
     torch.manual_seed(0)
     a = GPT(CFG)
@@ -32,6 +33,7 @@ def test_fp32_equals_torch_adamw_bitwise(offload, tmp_path):
     assert _same(a, b) and not _same(a, GPT(CFG))
 
 
+@pytest.mark.parity
 def test_bf16_weights_follow_fp32_master_adamw():
     """bf16 on the device, fp32 master on the host: equal to AdamW on an fp32 copy fed the bf16
     gradients, rounded to bf16 after every step."""

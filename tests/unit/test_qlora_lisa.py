@@ -2,6 +2,7 @@
 
 import copy
 
+import bitsandbytes as bnb
 import pytest
 import torch
 import torch.nn as nn
@@ -10,9 +11,8 @@ from labkit.memory import Category, Ledger
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.peft import (LISA, LISANaive, LoRALinear, NF4Base, apply_qlora, base_bytes, find_layers, lisa_memory_trace,
                          qlora_optimizer, to_nf4, trainable_parameters)
-from labkit.quant.nf4 import NF4Linear, nbytes_nf4
+from labkit.quant.nf4 import NF4Linear, dequantize_nf4, nbytes_nf4, quantize_nf4
 
-bnb = pytest.importorskip("bitsandbytes")
 C, T = 32, 16
 
 
@@ -45,6 +45,7 @@ class TwoLinears(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parity
 def test_frozen_base_matches_bitsandbytes_linear4bit(dtype, double_quant):
     torch.manual_seed(0)
     lin = nn.Linear(128, 64)
@@ -54,7 +55,46 @@ def test_frozen_base_matches_bitsandbytes_linear4bit(dtype, double_quant):
     assert torch.equal(ref(x), mine(x))  # measured difference: exactly 0 (tolerance 0)
 
 
+@pytest.mark.parity
+@pytest.mark.parametrize("shape", [(48, 64), (96, 128), (64, 192)])
+def test_reference_linear4bit_computes_in_its_dtype_in_eval_too(shape):
+    """labkit.peft.reference.bnb_linear4bit in eval mode under no_grad: on an AVX512-BF16 CPU bitsandbytes
+    would repack the weight for its bf16 inference kernel (which fails for 48 outputs: it needs
+    out_features % 32 == 0); with that shortcut off it computes exactly what it computes in training
+    mode (dequantize, fp32 matmul), on every CPU."""
+    from labkit.peft.reference import bnb_linear4bit
+
+    torch.manual_seed(0)
+    d_out, d_in = shape
+    ref = bnb_linear4bit(nn.Linear(d_in, d_out), torch.float32)
+    x = torch.randn(4, 7, d_in)
+    with torch.no_grad():
+        y_train = ref.train()(x)
+        y_eval = ref.eval()(x)
+    assert not getattr(ref.weight.quant_state, "packing_format_for_cpu", False)  # not repacked
+    assert y_eval.dtype == torch.float32 and torch.equal(y_eval, y_train)
+
+
+@pytest.mark.parity
+def test_reference_linear4bit_refuses_what_bitsandbytes_cpu_dequantizes_wrongly():
+    """bitsandbytes' CPU dequantize_4bit takes a value's block from its row and column, right only when
+    in_features is a multiple of 64: a 32-input layer comes back with block 0's scale in every row."""
+    from labkit.peft.reference import bnb_linear4bit
+
+    torch.manual_seed(0)
+    w = torch.randn(32, 32) * 0.1
+    codes, state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+    mine, mine_state = quantize_nf4(w, 64, double_quant=False)
+    assert torch.equal(codes.view(-1), mine.view(-1))  # the same codes and absmax ...
+    assert torch.equal(state.absmax, mine_state.absmax)
+    assert not torch.allclose(bnb.functional.dequantize_4bit(codes, state), dequantize_nf4(mine, mine_state))  # ... not the same weight
+    with pytest.raises(ValueError, match="in_features divisible by 64") as e:
+        bnb_linear4bit(nn.Linear(32, 64), torch.float32)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parity
 def test_qlora_matches_peft_on_bitsandbytes(dtype):
     from peft import LoraConfig, get_peft_model
 

@@ -1,14 +1,14 @@
 """The 8-bit dynamic map and blockwise quantization against bitsandbytes."""
 
+import bitsandbytes.functional as bnb_f
 import pytest
 import torch
 
-bnb_f = pytest.importorskip("bitsandbytes.functional")
-
-from labkit.quant import dequantize_blockwise, dynamic_map, quantize_blockwise  # noqa: E402
+from labkit.quant import dequantize_blockwise, dynamic_map, quantize_blockwise
 
 
 @pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parity
 def test_map_equals_bitsandbytes(signed):
     ours = dynamic_map(signed=signed)
     ref = bnb_f.create_dynamic_map(signed=signed).float()
@@ -20,6 +20,7 @@ def test_map_equals_bitsandbytes(signed):
 
 
 @pytest.mark.parametrize("n, scale", [(10_000, 3.0), (4096 * 3 + 17, 1e-3)])
+@pytest.mark.parity
 def test_codes_match_bitsandbytes_except_near_ties(n, scale):
     torch.manual_seed(0)
     x = torch.randn(n) * scale

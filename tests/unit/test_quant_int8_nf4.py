@@ -1,6 +1,8 @@
 """Int8 (absmax / zero-point) and NF4 (double-quantized) weights: error bounds, bytes, and parity with
 bitsandbytes and torch's quantized tensors."""
 
+import bitsandbytes as bnb
+import bitsandbytes.functional
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,8 +91,9 @@ def test_teaching_version_equals_per_tensor():
     assert torch.equal(codes, q.codes) and torch.equal(zero.view(1), q.zero_point)
 
 
+@pytest.mark.parity
 def test_absmax_rows_match_bitsandbytes_int8_vectorwise():
-    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    bnb_f = bnb.functional
     w = weights(1024, 384)
     ref_codes, row_absmax, _ = bnb_f.int8_vectorwise_quant(w.clone())
     q = quantize_int8(w, "absmax", "channel")
@@ -101,6 +104,7 @@ def test_absmax_rows_match_bitsandbytes_int8_vectorwise():
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")  # torch deprecates its quantized tensors
+@pytest.mark.parity
 def test_zeropoint_rows_match_torch_quint8():
     w = weights(1024, 384)
     q = quantize_int8(w, "zeropoint", "channel")
@@ -241,11 +245,6 @@ def test_nf4_bad_input():
 # ----------------------------------------------------------------------------- NF4 vs bitsandbytes
 
 
-@pytest.fixture(scope="module")
-def bnb():
-    return pytest.importorskip("bitsandbytes")
-
-
 def _bnb_state(qs, shape):
     """A bitsandbytes QuantState as our NF4State."""
     nested = qs.nested
@@ -253,11 +252,13 @@ def _bnb_state(qs, shape):
                     qs.state2.absmax if nested else None, qs.offset if nested else None)
 
 
-def test_nf4_levels_equal_bitsandbytes(bnb):
+@pytest.mark.parity
+def test_nf4_levels_equal_bitsandbytes():
     assert torch.equal(NF4_CODE, bnb.functional.get_4bit_type("nf4", device="cpu"))
 
 
-def test_nf4_ties_like_bitsandbytes(bnb):
+@pytest.mark.parity
+def test_nf4_ties_like_bitsandbytes():
     mids = (NF4_CODE[1:] + NF4_CODE[:-1]) / 2
     block = torch.cat([torch.ones(1), mids, -mids, torch.zeros(33)])  # exact ties, both signs
     ref, _ = bnb.functional.quantize_4bit(block, blocksize=64, quant_type="nf4", compress_statistics=False)
@@ -265,7 +266,8 @@ def test_nf4_ties_like_bitsandbytes(bnb):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nf4_codes_and_values_match_bitsandbytes(bnb, dtype):
+@pytest.mark.parity
+def test_nf4_codes_and_values_match_bitsandbytes(dtype):
     w = weights(768, 384).to(dtype)
     ref_packed, ref_state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
     packed, state = quantize_nf4(w, double_quant=False)
@@ -277,7 +279,8 @@ def test_nf4_codes_and_values_match_bitsandbytes(bnb, dtype):
                                rtol=0, atol=0)
 
 
-def test_nf4_double_quant_matches_bitsandbytes(bnb):
+@pytest.mark.parity
+def test_nf4_double_quant_matches_bitsandbytes():
     w = weights(1536, 384)
     ref_packed, ref_state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
     packed, state = quantize_nf4(w, double_quant=True)
@@ -310,7 +313,8 @@ def _linear4bit(bnb, lin, compute_dtype, double_quant):
 
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
-def test_nf4_linear_matches_linear4bit(bnb, double_quant, compute_dtype):
+@pytest.mark.parity
+def test_nf4_linear_matches_linear4bit(double_quant, compute_dtype):
     torch.manual_seed(0)
     lin = torch.nn.Linear(384, 512)
     ref_layer = _linear4bit(bnb, lin, compute_dtype, double_quant)
@@ -339,7 +343,8 @@ def test_nf4_linear_matches_linear4bit(bnb, double_quant, compute_dtype):
     torch.testing.assert_close(g_ours, g_ref, rtol=tol, atol=tol)  # only the input gets a gradient
 
 
-def test_dynamic_map_is_the_absmax_map(bnb):
+@pytest.mark.parity
+def test_dynamic_map_is_the_absmax_map():
     # the double-quantization map: ours and bnb's agree to float32 rounding, which is why our
     # dequantization of a bnb state is 1e-6-close rather than bit-equal
     torch.testing.assert_close(dynamic_map(), bnb.functional.create_dynamic_map(signed=True).float(),

@@ -63,6 +63,7 @@ PATTERN = ["ok"] * 3 + ["inf"] + ["ok"] * 5 + ["nan", "inf"] + ["ok"] * 7 + ["-i
 @pytest.mark.parametrize("kw", [dict(init_scale=2.0**10, growth_interval=3),
                                 dict(init_scale=1.0, growth_interval=2, growth_factor=4.0, backoff_factor=0.25),
                                 dict(init_scale=0.1, growth_interval=2, growth_factor=1.5, backoff_factor=0.3)])
+@pytest.mark.parity
 def test_trajectory_and_skips_equal_gradscaler(kw):
     mine = _run(lambda: ours(**kw), PATTERN)
     ref = _run(lambda: torch_scaler(**kw), PATTERN)
