@@ -1,7 +1,7 @@
 """Lion: a sign-of-momentum optimizer with one state tensor, half of Adam's optimizer memory.
 
-Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"; reference lion-pytorch
-(techniques.md section 5). Per step, with the update's sign taken BEFORE the momentum moves:
+Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"; reference lion-pytorch.
+Per step, with the update's sign taken BEFORE the momentum moves:
 
     p *= 1 - lr*wd                           # decoupled weight decay
     p -= lr * sign(b1*m + (1-b1)*g)          # every coordinate moves by exactly lr
@@ -21,7 +21,10 @@ from .base import KeepStateDtypes, check_betas, check_number, params_with_grads,
 
 
 def state_bytes_for(shape, dtype_bytes: int = 4) -> int:
-    """State bytes of one parameter tensor: m in the parameter's dtype (4 per element in fp32); no step counter."""
+    """State bytes of one parameter tensor under Lion: dtype_bytes * prod(shape), its one momentum m in the
+    parameter's dtype (4 per element in fp32, half of AdamW's m and v); no step counter.
+    Source: Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (Lion keeps only the momentum);
+    lion-pytorch's Lion (state "exp_avg")."""
     return dtype_bytes * math.prod(shape)
 
 
