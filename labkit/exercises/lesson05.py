@@ -40,7 +40,7 @@ def check_adam8bit_state_bytes(answer, shape) -> bool:
                       f"(an fp32 absmax for m and one for v per block of {adam8bit.BLOCKSIZE}): "
                       f"{expected / n:.3f} B per parameter instead of 8.")
     if n < adam8bit.MIN_8BIT_SIZE:
-        if close(value, 2 * n + 8 * blocks, rel=1e-9) or close(value, 2 * n, rel=1e-9):
+        if close(value, adam8bit.state_bytes_for(shape, min_8bit_size=0), rel=1e-9) or close(value, 2 * n, rel=1e-9):
             return failed(f"{name}: only {n:,} values, fewer than min_8bit_size = {adam8bit.MIN_8BIT_SIZE}: such "
                           "tensors keep fp32 m and v (8 bytes per value); quantizing them would save almost nothing.")
         return failed(f"{name}: a tensor this small keeps fp32 m and v: 4 + 4 bytes per value.")
@@ -53,7 +53,7 @@ def check_adam8bit_state_bytes(answer, shape) -> bool:
         return failed(f"{name}: m and v each have their own absmax per block: 2 x 4 bytes per block.")
     if close(value, n + 4 * blocks, rel=1e-9):
         return failed(f"{name}: that is one state; Adam keeps two (m and v), each as codes + absmax.")
-    if close(value, 2 * n + 8 * math.ceil(n / 2048), rel=1e-9):
+    if close(value, adam8bit.state_bytes_for(shape, blocksize=2048), rel=1e-9):
         return failed(f"{name}: blocks of 2048 are the paper's (and bitsandbytes <= 0.43); since 0.44 a block has "
                       f"{adam8bit.BLOCKSIZE} values.")
     if close(value, 2 * n + 8 * n / adam8bit.BLOCKSIZE, rel=1e-12) and n % adam8bit.BLOCKSIZE:

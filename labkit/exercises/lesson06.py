@@ -57,10 +57,11 @@ def check_galore_state_bytes(answer, shape, rank: int, dtype_bytes: int = 4) -> 
 
 # ---- exercise 2: the rank where GaLore stops saving memory -----------------------------------------------
 def break_even_rank(shape) -> int:
-    """The smallest rank r whose GaLore state r(k + 2K) is at least AdamW's 2mn (any dtype: it cancels)."""
-    m, n = _matrix(shape)
-    k, K = min(m, n), max(m, n)
-    return math.ceil(2 * m * n / (k + 2 * K))
+    """The smallest rank r whose GaLore state r(k + 2K) is at least AdamW's 2mn (any dtype: it cancels).
+    Both come from galore.state_bytes_for (rank None: plain AdamW), which is linear in the rank."""
+    shape = _matrix(shape)
+    adamw, per_rank = galore.state_bytes_for(shape, None, 1), galore.state_bytes_for(shape, 1, 1)
+    return -(-adamw // per_rank)  # ceil, in integers
 
 
 def check_break_even_rank(answer, shape) -> bool:

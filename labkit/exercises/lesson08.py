@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from labkit.peft import LISA, apply_lora, count_parameters, find_layers, find_targets, lisa_bound
-from labkit.quant import nbytes_nf4, quantize_nf4
+from labkit.quant import nbytes_nf4, nf4_bytes_for, quantize_nf4
 
 from . import close, failed, integer, passed
 
@@ -75,9 +75,9 @@ def check_nf4_base_bytes(answer, shape=(4096, 4096)) -> bool:
         return passed(f"{name}: {expected:,} = {n // 2:,} (codes, 2 per byte) + {blocks:,} (an 8-bit absmax per 64) "
                       f"+ {4 * blocks // 256:,} (an fp32 scale per 256 blocks) + 4 (the offset): "
                       f"{expected / (2 * n):.1%} of its bf16 bytes.")
-    if close(value, n // 2 + blocks + 4 * blocks // 256, abs_=0):
+    if value == nf4_bytes_for(n) - 4:
         return failed(f"{name}: almost: double quantization also keeps one fp32 offset (the mean absmax) per tensor.")
-    if value == nf4_base_bytes(rows, cols, False) or value == n // 2 + 4 * blocks:
+    if value in (nf4_base_bytes(rows, cols, False), nf4_bytes_for(n, double_quant=False)):
         return failed(f"{name}: that keeps an fp32 absmax per block (4.5 bits): without double quantization.")
     if value == n // 2:
         return failed(f"{name}: the 4-bit codes alone; every block of 64 also needs its absmax.")

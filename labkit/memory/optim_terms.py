@@ -1,8 +1,10 @@
 """Optimizer state and step temporaries, per optimizer, from the parameters' shapes.
 
-Each formula is the state labkit.optim (or torch.optim) keeps, counted per tensor and checked
-against the ledger in tests/unit/test_estimate_optim.py. n is a tensor's element count, d the bytes
-of the parameters' dtype, (m, n) a matrix's shape with k = min(m, n), K = max(m, n), r the rank.
+The state of one tensor is the optimizer module's own rule (labkit.optim.adam8bit, galore, galore8bit,
+lion, adafactor: each `state_bytes_for`), summed here over the model's shapes; torch.optim's SGD and
+Adam keep d-byte states per element. Checked against the ledger in tests/unit/test_estimate_optim.py.
+n is a tensor's element count, d the bytes of the parameters' dtype, (m, n) a matrix's shape with
+k = min(m, n), K = max(m, n), r the rank.
 """
 
 from __future__ import annotations
@@ -11,26 +13,23 @@ import math
 import re
 from dataclasses import replace
 
-from labkit.optim import adafactor
+from labkit.optim import adafactor, adam8bit, galore, galore8bit, lion
 
 TORCH_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}  # d-byte states per element
 OPTIMIZERS = (*TORCH_STATES, "adamw8bit", "adam8bit", "lion", "adafactor", "galore", "galore8bit")
-MIN_8BIT, BLOCK, CHUNK = 4096, 256, 1 << 20  # labkit.optim.AdamW8bit's small-tensor limit, block, chunk
+# labkit.optim.AdamW8bit's small-tensor limit, block and chunk (its module owns them)
+MIN_8BIT, BLOCK, CHUNK = adam8bit.MIN_8BIT_SIZE, adam8bit.BLOCKSIZE, adam8bit.CHUNK_SIZE
 
 
 def adam8bit_state(n: int) -> int:
-    """8-bit Adam: m and v as uint8 codes + one fp32 absmax per 256-block each: 2n + 8*ceil(n/256);
-    tensors under 4096 elements keep fp32 m and v: 8n (bitsandbytes' min_8bit_size)."""
-    return 8 * n if n < MIN_8BIT else 2 * n + 8 * math.ceil(n / BLOCK)
+    """8-bit Adam's state of a tensor of n values: labkit.optim.adam8bit.state_bytes_for."""
+    return adam8bit.state_bytes_for((n,))
 
 
 def galore_matrix_state(m: int, n: int, r: int, d: int, eight_bit: bool) -> int:
-    """GaLore: projector k x r (d bytes) + Adam's m and v in the r x K projected space:
-    d*r*(k + 2K), or with 8-bit moments d*r*k + the 8-bit rule for s = r*K values."""
-    k, K = min(m, n), max(m, n)
-    if eight_bit:
-        return d * r * k + adam8bit_state(r * K)
-    return d * r * (k + 2 * K)
+    """GaLore's state of one (m, n) matrix at rank r: labkit.optim.galore.state_bytes_for, or
+    labkit.optim.galore8bit.state_bytes_for with 8-bit moments."""
+    return (galore8bit if eight_bit else galore).state_bytes_for((m, n), r, d)
 
 
 def state_bytes(spec, d: int, optimizer: str, rank: int | None = None) -> int:
@@ -40,17 +39,15 @@ def state_bytes(spec, d: int, optimizer: str, rank: int | None = None) -> int:
         counters = 4 * len(shapes) if optimizer in ("adam", "adamw") else 0  # a float32 step per tensor
         return TORCH_STATES[optimizer] * spec.n_params * d + counters
     if optimizer in ("adamw8bit", "adam8bit"):
-        return sum(adam8bit_state(math.prod(s)) for s in shapes)
-    if optimizer == "lion":
-        return spec.n_params * d  # one momentum, in the parameters' dtype
+        return sum(adam8bit.state_bytes_for(s) for s in shapes)
+    if optimizer == "lion":  # one momentum, in the parameters' dtype
+        return sum(lion.state_bytes_for(s, d) for s in shapes)
     if optimizer == "adafactor":  # factored over the last two dims: row and column averages (fp32)
         return sum(adafactor.state_bytes_for(s) for s in shapes)
-    if optimizer in ("galore", "galore8bit"):
-        eight = optimizer == "galore8bit"
-        chosen = spec.galore_shapes
-        rest = spec.n_params - sum(m * n for m, n in chosen)
-        rest_state = sum(adam8bit_state(math.prod(s)) for s in _rest_shapes(spec)) if eight else 2 * d * rest
-        return sum(galore_matrix_state(m, n, rank, d, eight) for m, n in chosen) + rest_state
+    if optimizer in ("galore", "galore8bit"):  # the attention/MLP matrices at rank r, the rest plain (8-bit) AdamW
+        rule = galore8bit if optimizer == "galore8bit" else galore
+        return (sum(rule.state_bytes_for(s, rank, d) for s in spec.galore_shapes)
+                + sum(rule.state_bytes_for(s, None, d) for s in _rest_shapes(spec)))
     raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
@@ -112,7 +109,8 @@ def _rest_shapes(spec) -> list[tuple]:
 
 def state_formula(optimizer: str, d: int) -> str:
     """The state term's formula, as the estimate's table shows it."""
-    return {"adamw8bit": "2N + 8 per 256-block (fp32 below 4096 elements)", "adam8bit": "2N + 8 per 256-block",
+    return {"adamw8bit": f"2N + 8 per {BLOCK}-block (fp32 below {MIN_8BIT} elements)",
+            "adam8bit": f"2N + 8 per {BLOCK}-block",
             "lion": f"N x {d} B (one momentum)", "adafactor": "4(rows + columns) per tensor of 2+ dims, 4n per vector",
             "galore": f"{d} x r(k + 2K) per attention/MLP matrix, Adam elsewhere",
             "galore8bit": f"{d} x r k + 8-bit moments per matrix"}.get(

@@ -5,7 +5,10 @@ labkit.peft: `apply_lora` freezes every parameter and adds A (r, d_in) and B (d_
 targeted Linear ("all-linear": all but lm_head, as peft); `apply_qlora` stores each targeted weight as
 NF4 buffers (labkit.peft.NF4Base); `LISA` trains the embeddings, final norm and head always and
 `lisa_layers` of the transformer layers at a time (their gradients and Adam state released on switch).
-Sources: Hu et al. 2021 (LoRA), Dettmers et al. 2023 (QLoRA), Pan et al. 2024 (LISA); techniques.md 2, 4.
+The bytes of one adapter, one NF4 or int8 weight and its dequantization scratch are the technique
+modules' own (labkit.peft.lora.adapter_numel, labkit.quant.nf4.nf4_bytes_for, labkit.quant.int8.int8_bytes_for
+and the *_DEQUANT_BYTES_PER_WEIGHT beside each dequantize function): this module sums them over the targets.
+Sources: Hu et al. 2021 (LoRA), Dettmers et al. 2023 (QLoRA), Pan et al. 2024 (LISA).
 """
 
 from __future__ import annotations
@@ -15,15 +18,12 @@ import re
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from labkit.peft.lora import adapter_numel
+from labkit.quant.int8 import INT8_DEQUANT_BYTES_PER_WEIGHT, int8_bytes_for
+from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE, NF4_BLOCKSIZE, NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes_for
+
 QUANTS = ("none", "int8", "nf4")
-NF4_BLOCK, DQ_BLOCK = 64, 256  # weights per NF4 absmax; absmax values per second-level fp32 scale
-# Dequantizing one NF4 weight on the fly (labkit.quant.nf4.dequantize_nf4) holds, at its worst moment,
-# the int32 byte index (4 B per 2 weights) beside the fp32 result (4 B), or the fp32 result and its
-# 16-bit copy (2 B): 6 B per weight. (It was 13 with per-weight int64 indices: change it here.)
-NF4_DEQUANT_BYTES_PER_WEIGHT = 6
-# Int8 (labkit.quant.int8.dequantize_int8, per-row absmax): the codes as fp32 (4 B) and, in fp32
-# compute, the scaled product (4 B); in 16-bit compute the fp32 copy (4 B) and its 16-bit cast (2 B).
-INT8_DEQUANT_BYTES_PER_WEIGHT = {4: 8, 2: 6}
+NF4_BLOCK, DQ_BLOCK = NF4_BLOCKSIZE, DOUBLE_QUANT_BLOCKSIZE  # labkit.quant.nf4's: weights per absmax, absmax per scale
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
@@ -137,8 +137,8 @@ def trainable_spec(spec, peft: Peft):
 
 
 def adapter_elements(peft: Peft) -> int:
-    """r (d_in + d_out) per adapted Linear."""
-    return sum(peft.rank * (d_in + d_out) for _, d_in, d_out, _ in peft.targets) if peft.rank else 0
+    """LoRA's trainable values: labkit.peft.lora.adapter_numel, r (d_in + d_out), per adapted Linear."""
+    return sum(adapter_numel(d_in, d_out, peft.rank) for _, d_in, d_out, _ in peft.targets) if peft.rank else 0
 
 
 def quantized_weights(spec, peft: Peft) -> int:
@@ -150,15 +150,14 @@ def quantized_weights(spec, peft: Peft) -> int:
 
 # ---- bytes --------------------------------------------------------------------------------------------
 def nf4_bytes(n: int) -> int:
-    """One NF4 weight of n elements with double quantization: n/2 packed codes + one uint8 absmax code
-    per 64 + one fp32 scale per 256 absmax values + a 4-byte offset: ~0.5159 B/weight (bitsandbytes)."""
-    blocks = n // NF4_BLOCK
-    return n // 2 + blocks + 4 * math.ceil(blocks / DQ_BLOCK) + 4
+    """One NF4 weight of n elements, blocks of 64, double quantization: labkit.quant.nf4.nf4_bytes_for."""
+    return nf4_bytes_for(n)
 
 
 def int8_bytes(d_in: int, d_out: int) -> int:
-    """One int8 weight, per-row absmax: 1 byte per weight + one fp32 scale per output row."""
-    return d_in * d_out + 4 * d_out
+    """One (d_out, d_in) int8 weight, per-row absmax (what Int8Linear.from_linear keeps):
+    labkit.quant.int8.int8_bytes_for."""
+    return int8_bytes_for((d_out, d_in), "absmax", "channel")
 
 
 def base_buffer_bytes(spec, peft: Peft) -> int:

@@ -28,7 +28,9 @@ from .base import KeepStateDtypes, check_number, params_with_grads, run_closure
 def state_bytes_for(shape, beta1: float | None = None) -> int:
     """fp32 state bytes of one parameter tensor: 4 x (m + n) for an (..., m, n) tensor's row and
     column averages (4 x prod(shape[:-1]) + 4 x prod(shape[:-2]) x n), 4 per element for a vector,
-    + 4 per element for the first moment when beta1 is set. The step counter is a Python int."""
+    + 4 per element for the first moment when beta1 is set. The step counter is a Python int.
+    Source: Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost"
+    (section 3, factored second moment); transformers' Adafactor (exp_avg_sq_row, exp_avg_sq_col)."""
     n = math.prod(shape)
     if len(shape) >= 2:
         second = math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]

@@ -19,17 +19,27 @@ import math
 
 import torch
 
-from labkit.quant.dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
+from labkit.quant.dynamic import (code_map, dequantize_blockwise, dequantize_blockwise_, dynamic_map,
+                                  quantize_blockwise, quantize_blockwise_)
 
 from .base import KeepStateDtypes, check_betas, check_int, check_number, params_with_grads, run_closure
 
 BLOCKSIZE = 256  # values per absmax block (bitsandbytes >= 0.44; 2048 in the paper)
-MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 state
+MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 state (bitsandbytes' min_8bit_size)
+CHUNK_SIZE = 1 << 20  # values Adam8bit dequantizes at a time (its step temporaries: about 16 bytes each)
 
 
 def state_bytes_for(shape, blocksize: int = BLOCKSIZE, min_8bit_size: int = MIN_8BIT_SIZE) -> int:
-    """State bytes of one parameter tensor: 8 per element below min_8bit_size (fp32 m and v), else
-    2 per element (uint8 m and v codes) + 8 per block of `blocksize` (fp32 absmax of m and of v)."""
+    """State bytes of one tensor of n = prod(shape) values under 8-bit Adam (m and v):
+
+        8n                          if n < min_8bit_size (4096): fp32 m and v
+        2n + 8 * ceil(n / blocksize) otherwise: a uint8 code per value for m and for v, plus an fp32
+                                    absmax per block of `blocksize` (256) for each
+
+    about 2.03 bytes per value instead of fp32 Adam's 8. The one owner of this rule: GaLore's 8-bit
+    moments (labkit.optim.galore8bit) and the estimator (labkit.memory) call it.
+    Source: Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"; bitsandbytes'
+    Optimizer2State (min_8bit_size=4096; block size 256 since bitsandbytes 0.44, 2048 before)."""
     n = math.prod(shape)
     if n < min_8bit_size:
         return 8 * n
@@ -44,7 +54,7 @@ def adam8bit_update_naive(p: torch.Tensor, g: torch.Tensor, state: dict, step: i
     """One 8-bit Adam step on p (fp32) in place; state holds m_codes, m_absmax, v_codes, v_absmax.
 
     Readable, not frugal: m and v are dequantized whole, so the step briefly holds about 5 fp32
-    copies of p (m, v, sqrt(v), the quantizer's normalized copy and its int64 indices).
+    copies of p (m, v, sqrt(v), the quantizer's normalized copy and its int32 indices).
     """
     b1, b2 = betas
     qm, qv = dynamic_map(signed=True), dynamic_map(signed=False)
@@ -63,19 +73,6 @@ def adam8bit_update_naive(p: torch.Tensor, g: torch.Tensor, state: dict, step: i
 
 
 # ---- the real one: a torch.optim.Optimizer that works through each tensor a chunk at a time -------
-_MAPS: dict = {}  # (signed, device) -> (256 codes, 255 midpoints): 4 KiB per device, not state
-
-
-def code_map(signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dynamic map's 256 codes and the 255 midpoints between them (nearest code = bucketize on these),
-    made once per device and shared by every 8-bit optimizer (step-in-backward makes one per parameter)."""
-    key = (signed, torch.device(device))
-    if key not in _MAPS:
-        code = dynamic_map(signed=signed).to(device)
-        _MAPS[key] = code, (code[1:] + code[:-1]) / 2  # bytes: 1 KiB + 1020 B
-    return _MAPS[key]
-
-
 class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
     """8-bit Adam with bitsandbytes' semantics (parity with `bitsandbytes.optim.Adam8bit`).
 
@@ -93,7 +90,7 @@ class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, blocksize: int = BLOCKSIZE, min_8bit_size: int = MIN_8BIT_SIZE,
-                 chunk_size: int = 1 << 20):
+                 chunk_size: int = CHUNK_SIZE):
         defaults = dict(lr=check_number("lr", lr), betas=check_betas(betas), eps=check_number("eps", eps),
                         weight_decay=check_number("weight_decay", weight_decay),
                         blocksize=check_int("blocksize", blocksize),
@@ -173,20 +170,14 @@ class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
             p.copy_(work)
 
     def _dequantize(self, codes, absmax, signed: bool, bs: int) -> torch.Tensor:
-        """codes (chunk,) uint8 -> fp32 code[codes] * absmax of each value's block."""
+        """codes (chunk,) uint8 -> fp32 code[codes] * absmax of each value's block (labkit.quant.dynamic)."""
         code, _ = code_map(signed, codes.device)
-        x = code.index_select(0, codes.int())  # bytes: 4 (int32 index, freed) + 4 per value
-        for rows, scale in _block_rows(x, absmax, bs):
-            rows.mul_(scale.unsqueeze(1))
-        return x
+        return dequantize_blockwise_(codes, absmax, code, bs)  # bytes: 4 (int32 index, freed) + 4 per value
 
     def _quantize(self, x, codes_out, absmax_out, signed: bool, bs: int) -> None:
         """x (chunk,) fp32, overwritten -> codes_out (uint8) and absmax_out (fp32 per block)."""
         _, mids = code_map(signed, x.device)
-        for rows, amax in _block_rows(x, absmax_out, bs):
-            amax.copy_(torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()))  # max |x| per block
-            rows.div_(amax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))  # in [-1, 1]
-        codes_out.copy_(torch.bucketize(x, mids, out_int32=True))  # nearest code; bytes: 4 per value (int32)
+        quantize_blockwise_(x, codes_out, absmax_out, mids, bs)  # bytes: 4 per value (int32 code indices)
 
 
 class AdamW8bit(Adam8bit):
@@ -195,12 +186,3 @@ class AdamW8bit(Adam8bit):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
-
-
-def _block_rows(x: torch.Tensor, per_block: torch.Tensor, bs: int):
-    """(rows, per-block values) pairs that cover x: full blocks as (nblocks, bs), then a short last row."""
-    full = x.numel() // bs
-    if full:
-        yield x[: full * bs].view(full, bs), per_block[:full]
-    if x.numel() > full * bs:
-        yield x[full * bs:].view(1, -1), per_block[full:full + 1]

@@ -26,8 +26,19 @@ PROJ_TYPES = ("std", "reverse_std", "left", "right")
 GALORE_DEFAULTS = dict(update_proj_gap=200, scale=0.25, proj_type="std")  # the README's recipe
 
 
-def state_bytes_for(shape, rank: int, dtype_bytes: int = 4) -> int:
-    """GaLore state of one (m, n) matrix: r*min(m, n) projector + 2*r*max(m, n) moments, in the param dtype."""
+def state_bytes_for(shape, rank: int | None, dtype_bytes: int = 4) -> int:
+    """State bytes of one tensor under GaLoreAdamW, in the parameter's dtype (dtype_bytes each):
+
+        dtype_bytes * rank * (min(m, n) + 2 * max(m, n))   an (m, n) GaLore matrix: the projector
+                                                           (rank x the smaller side) + Adam's m and v
+                                                           (rank x the larger side each)
+        dtype_bytes * 2 * prod(shape)                      rank None: a parameter left to plain AdamW
+
+    The step counter is a Python int (no bytes). The one owner of this rule: lesson 06's checks and the
+    estimator (labkit.memory) call it. Source: Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training
+    by Gradient Low-Rank Projection" (Table 1: optimizer states mr + 2nr for m <= n)."""
+    if rank is None:
+        return dtype_bytes * 2 * math.prod(shape)
     m, n = shape
     return dtype_bytes * rank * (min(m, n) + 2 * max(m, n))
 

@@ -25,23 +25,28 @@ import math
 
 import torch
 
-from .adam8bit import code_map
+from labkit.quant.dynamic import code_map, dequantize_blockwise_, quantize_blockwise_
+
+from . import adam8bit
+from .adam8bit import BLOCKSIZE, MIN_8BIT_SIZE  # the 8-bit rule's block and small-state limit: one owner
 from .base import KeepStateDtypes, check_betas, check_int, check_number, params_with_grads, run_closure
 from .galore import add_back_projected, check_galore_adam_group, make_projector, project, projection_side
-
-BLOCKSIZE = 256  # values per absmax block
-MIN_8BIT_SIZE = 4096  # smaller states stay fp32, as in bitsandbytes
 
 
 def state_bytes_for(shape, rank: int | None, dtype_bytes: int = 4, blocksize: int = BLOCKSIZE,
                     min_8bit_size: int = MIN_8BIT_SIZE) -> int:
-    """State bytes of one tensor: the projector (r*min(m, n) x dtype) for a GaLore matrix, plus m and v
-    of R's size k (k = r*max(m, n), or numel without rank): 2*k + 8*ceil(k/blocksize), or 8*k below min_8bit_size."""
+    """State bytes of one tensor under 8-bit GaLore: for an (m, n) GaLore matrix the projector,
+    dtype_bytes * rank * min(m, n), plus Adam's m and v of the projected gradient (rank * max(m, n)
+    values) under the 8-bit rule; without a rank (a parameter left to plain 8-bit AdamW) the 8-bit
+    rule on all its values. The 8-bit rule is labkit.optim.adam8bit.state_bytes_for: 2k + 8*ceil(k/256)
+    for k values, 8k below 4096.
+    Source: Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection"
+    (GaLoreAdamW8bit); Dettmers et al. 2022 for the 8-bit moments."""
     if rank is None:
         proj, k = 0, math.prod(shape)
     else:
         proj, k = dtype_bytes * rank * min(shape), rank * max(shape)
-    return proj + (8 * k if k < min_8bit_size else 2 * k + 8 * math.ceil(k / blocksize))
+    return proj + adam8bit.state_bytes_for((k,), blocksize, min_8bit_size)
 
 
 class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
@@ -137,27 +142,11 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
                 self._dequantize(state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], False, group["blocksize"]))
 
     def _dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool, bs: int) -> torch.Tensor:
-        """uint8 codes -> fp32 code[codes] * absmax of each value's block (= dynamic.dequantize_blockwise)."""
+        """uint8 codes -> fp32 code[codes] * absmax of each value's block (labkit.quant.dynamic)."""
         code, _ = code_map(signed, codes.device)
-        x = code.index_select(0, codes.reshape(-1).int())  # bytes: 4 per value (+4, the int32 index, freed)
-        for rows, scale in _block_rows(x, absmax, bs):
-            rows.mul_(scale.unsqueeze(1))
-        return x.view(codes.shape)
+        return dequantize_blockwise_(codes, absmax, code, bs).view(codes.shape)  # bytes: 4 per value (+4 freed)
 
     def _store(self, state: dict, name: str, x: torch.Tensor, signed: bool, bs: int) -> None:
-        """Quantize fp32 x into state's codes and absmax (= dynamic.quantize_blockwise), overwriting x."""
+        """Quantize fp32 x into state's codes and absmax (labkit.quant.dynamic), overwriting x."""
         _, mids = code_map(signed, x.device)
-        flat, absmax = x.view(-1), state[f"{name}_absmax"]
-        for rows, amax in _block_rows(flat, absmax, bs):
-            amax.copy_(torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()))  # max |x| per block
-            rows.div_(amax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))  # in [-1, 1]
-        state[f"{name}_codes"].view(-1).copy_(torch.bucketize(flat, mids, out_int32=True))  # bytes: 4 per value
-
-
-def _block_rows(x: torch.Tensor, per_block: torch.Tensor, bs: int):
-    """(rows, per-block values) covering flat x: the full blocks as (nblocks, bs), then the short last one."""
-    full = x.numel() // bs
-    if full:
-        yield x[: full * bs].view(full, bs), per_block[:full]
-    if x.numel() > full * bs:
-        yield x[full * bs:].view(1, -1), per_block[full:full + 1]
+        quantize_blockwise_(x.view(-1), state[f"{name}_codes"].view(-1), state[f"{name}_absmax"], mids, bs)

@@ -22,7 +22,10 @@ from .base import KeepStateDtypes, check_betas, check_number, params_with_grads,
 
 
 def state_bytes_for(shape, dtype_bytes: int = 4) -> int:
-    """State bytes of one parameter tensor: m in the parameter's dtype (4 per element in fp32); no step counter."""
+    """State bytes of one parameter tensor under Lion: dtype_bytes * prod(shape), its one momentum m in the
+    parameter's dtype (4 per element in fp32, half of AdamW's m and v); no step counter.
+    Source: Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (Lion keeps only the momentum);
+    lion-pytorch's Lion (state "exp_avg")."""
     return dtype_bytes * math.prod(shape)
 
 

@@ -1,7 +1,8 @@
 """Parameter-efficient fine-tuning from scratch: LoRA, QLoRA (LoRA on an NF4-frozen base) and LISA."""
 
-from .lora import (LoRALinear, LoRALinearNaive, ParamCounts, apply_lora, count_parameters, find_targets,
-                   linear_names, lora_modules, lora_scaling, lora_state_dict, merge_lora, trainable_parameters)
+from .lora import (LoRALinear, LoRALinearNaive, ParamCounts, adapter_numel, apply_lora, count_parameters,
+                   find_targets, linear_names, lora_modules, lora_scaling, lora_state_dict, merge_lora,
+                   trainable_parameters)
 from .qlora import NF4Base, apply_qlora, base_bytes, qlora_optimizer, to_nf4
 from .lisa import LISA, LISANaive, find_layers, lisa_bound, lisa_memory_trace
 from .tasks import (FOLIO_GENRES, TASK_CLASSES, MeanPoolClassifier, TaskResult, adapt_task, classify_task, format_results,
@@ -19,6 +20,7 @@ __all__ = [
     "TASK_CLASSES",
     "TaskResult",
     "adapt_task",
+    "adapter_numel",
     "apply_lora",
     "apply_qlora",
     "base_bytes",

@@ -12,7 +12,7 @@ Two versions, teaching first:
 - `LoRALinear` (the real one, what peft does) adds the low-rank path to the base output: only the
   (N, r) intermediate is extra. Bytes per adapted Linear in fp32 with AdamW: 4 per base weight
   (frozen: no gradient, no state) + 16 per adapter parameter (4 weight + 4 grad + 8 Adam), with
-  r * (d_in + d_out) adapter parameters.
+  adapter_numel(d_in, d_out, r) = r * (d_in + d_out) adapter parameters.
 """
 
 from __future__ import annotations
@@ -32,6 +32,15 @@ def _check_rank(r, alpha) -> None:
         raise ValueError(f"LoRA rank r must be a positive integer (typical: 4 to 64), got {r!r}")
     if not isinstance(alpha, (int, float)) or alpha <= 0:
         raise ValueError(f"LoRA alpha must be a positive number (peft's default is 8), got {alpha!r}")
+
+
+def adapter_numel(d_in: int, d_out: int, r: int) -> int:
+    """Trainable values LoRA adds beside one (d_out, d_in) Linear: r * (d_in + d_out), A (r, d_in) + B (d_out, r).
+    Source: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (section 4.1); peft's LoraLayer."""
+    for name, v in (("d_in", d_in), ("d_out", d_out), ("r", r)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    return r * (d_in + d_out)
 
 
 def lora_scaling(r: int, alpha: float, rslora: bool = False) -> float:

@@ -5,9 +5,16 @@ Each block of `blocksize` values is divided by its largest magnitude (absmax), s
 [-1, 1], and every value is replaced by the index of the nearest of 256 code values. The dynamic map
 spends its codes like a float: one decade per exponent step, from about 1e-6 up to 1, finer near 1.
 Storage: 1 byte per value + 4 bytes (fp32 absmax) per block, e.g. 2.03 bytes/param for Adam's m+v.
+
+One implementation: `quantize_blockwise_` and `dequantize_blockwise_` work on a flat fp32 tensor in
+place, block by block (no padded copy, int32 indices), and everything else calls them: the functional
+`quantize_blockwise` / `dequantize_blockwise` here, the 8-bit optimizers a chunk at a time
+(labkit.optim.adam8bit, galore8bit) and NF4's first level with its own 16 codes (labkit.quant.nf4).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,8 +38,60 @@ def dynamic_map(signed: bool = True, exponent_steps: int = 7) -> torch.Tensor:
 
 
 def _check(blocksize: int) -> None:
-    if not isinstance(blocksize, int) or blocksize <= 0:
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize <= 0:
         raise ValueError(f"blocksize must be a positive integer, got {blocksize!r}")
+
+
+def midpoints(code: torch.Tensor) -> torch.Tensor:
+    """The len(code) - 1 decision boundaries between sorted codes: the nearest code = bucketize on these."""
+    return (code[1:] + code[:-1]) / 2
+
+
+_MAPS: dict = {}  # (signed, device) -> (256 codes, 255 midpoints): 4 KiB per device, not state
+
+
+def code_map(signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dynamic map's 256 codes and the 255 midpoints between them, made once per device and shared by
+    every 8-bit optimizer (step-in-backward makes one optimizer per parameter)."""
+    key = (signed, torch.device(device))
+    if key not in _MAPS:
+        code = dynamic_map(signed=signed).to(device)
+        _MAPS[key] = code, midpoints(code)  # bytes: 1 KiB + 1020 B
+    return _MAPS[key]
+
+
+def block_rows(x: torch.Tensor, per_block: torch.Tensor, blocksize: int):
+    """(rows, per-block values) pairs that cover flat x: the full blocks as a (nblocks, blocksize) view,
+    then the short last block as a (1, rest) view; per_block holds one value per block."""
+    full = x.numel() // blocksize
+    if full:
+        yield x[: full * blocksize].view(full, blocksize), per_block[:full]
+    if x.numel() > full * blocksize:
+        yield x[full * blocksize:].view(1, -1), per_block[full:full + 1]
+
+
+def quantize_blockwise_(x: torch.Tensor, codes_out: torch.Tensor, absmax_out: torch.Tensor, mids: torch.Tensor,
+                        blocksize: int) -> None:
+    """Blockwise absmax quantization in place: flat fp32 x is divided by each block's max |x| (written to
+    absmax_out, fp32, one per block) and codes_out (flat, x's length) gets the index of the nearest code,
+    by bucketize on the codes' midpoints `mids` (a tie goes to the lower code). x is overwritten.
+    A block of zeros keeps absmax 0 (its values are divided by the smallest normal float, staying 0).
+    bytes: the int32 code indices, 4 per value, beside x (Dettmers et al. 2022, 8-bit Optimizers via
+    Block-wise Quantization; bitsandbytes' quantize_blockwise)."""
+    for rows, amax in block_rows(x, absmax_out, blocksize):
+        amax.copy_(torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()))  # max |x| per block
+        rows.div_(amax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))  # in [-1, 1]
+    codes_out.copy_(torch.bucketize(x, mids, out_int32=True))
+
+
+def dequantize_blockwise_(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int
+                          ) -> torch.Tensor:
+    """uint8 codes (any shape) -> flat fp32 code[codes] * absmax of each value's block, scaled in place.
+    bytes: 4 per value (the result) + 4 per value for the int32 index while it is looked up."""
+    x = code.index_select(0, codes.reshape(-1).int())
+    for rows, scale in block_rows(x, absmax, blocksize):
+        rows.mul_(scale.unsqueeze(1))
+    return x
 
 
 def quantize_blockwise(x: torch.Tensor, code: torch.Tensor | None = None, blocksize: int = 256
@@ -45,17 +104,10 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor | None = None, blocks
     _check(blocksize)
     code = dynamic_map(signed=True) if code is None else code
     code = code.to(x.device, torch.float32)
-    flat = x.detach().reshape(-1).float()
-    n = flat.numel()
-    pad = (-n) % blocksize
-    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, blocksize)  # (nblocks, blocksize)
-    absmax = blocks.abs().amax(dim=1)  # (nblocks,) fp32
-    normed = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
-    mids = (code[1:] + code[:-1]) / 2  # 255 decision boundaries
-    idx = torch.bucketize(normed, mids)  # ties go to the lower code
-    codes = idx.to(torch.uint8).view(-1)[:n]
-    if pad:
-        codes = codes.clone()  # a storage of exactly n bytes, not the padded blocks' (a view would keep them)
+    flat = x.detach().reshape(-1).to(torch.float32, copy=True)  # normalised in place below
+    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(math.ceil(flat.numel() / blocksize), dtype=torch.float32, device=x.device)
+    quantize_blockwise_(flat, codes, absmax, midpoints(code), blocksize)
     return codes.view(x.shape), absmax
 
 
@@ -64,7 +116,5 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.
     """codes (uint8, any shape) and absmax per block -> values code[codes] * absmax, in `dtype`."""
     _check(blocksize)
     code = dynamic_map(signed=True) if code is None else code
-    flat = code.to(codes.device, torch.float32)[codes.reshape(-1).long()]
-    n = flat.numel()
-    scale = absmax.float().repeat_interleave(blocksize)[:n]
-    return (flat * scale).view(codes.shape).to(dtype)
+    x = dequantize_blockwise_(codes, absmax.float(), code.to(codes.device, torch.float32), blocksize)
+    return x.view(codes.shape).to(dtype)

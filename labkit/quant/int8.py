@@ -21,6 +21,27 @@ from .matmul import dequant_linear
 MODES = ("absmax", "zeropoint")
 GRANULARITIES = ("tensor", "channel", "block")
 _TINY = torch.finfo(torch.float32).tiny  # guards 0 / 0 in all-zero groups
+# Dequantizing one weight on the fly (dequantize_int8, as Int8Linear does), at its worst moment, by the
+# compute dtype's bytes: fp32 (4) holds the codes as fp32 (4 B) and the scaled product (4 B); 16-bit (2)
+# holds the fp32 copy of the codes (4 B) and its 16-bit cast (2 B). Change it here if dequantize_int8 changes.
+INT8_DEQUANT_BYTES_PER_WEIGHT = {4: 8, 2: 6}
+
+
+def int8_bytes_for(shape, mode: str = "absmax", granularity: str = "channel", blocksize: int | None = 64) -> int:
+    """Bytes of one tensor in int8 (what quantize_int8 keeps), n = prod(shape) values in g groups:
+
+        n + 4g      absmax: a 1-byte code per value + one fp32 scale per group
+        n + 5g      zeropoint: the same + one uint8 zero point per group
+
+    with g = 1 ("tensor"), shape[0] ("channel": one per output row of a weight) or n / blocksize ("block").
+    Source: Dettmers et al. 2022, "LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale"
+    (absmax, vector-wise scales); Jacob et al. 2018, "Quantization and Training of Neural Networks for
+    Efficient Integer-Arithmetic-Only Inference" (zero point)."""
+    x = torch.empty(tuple(shape), device="meta")  # only for the argument checks: no storage
+    _check_args(x, mode, granularity, blocksize)
+    n = math.prod(shape)
+    groups = {"tensor": 1, "channel": shape[0] if len(shape) else 0, "block": n // (blocksize or 1)}[granularity]
+    return n + (5 if mode == "zeropoint" else 4) * groups
 
 # ----------------------------------------------------------------------------- teaching version
 # One scale for the whole tensor, four lines each. The real version below only adds groups.

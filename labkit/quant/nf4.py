@@ -10,12 +10,13 @@ Bits per parameter: 4 + 32/64 = 4.5 without; 4 + 8/64 + 32/(64*256) = 4.127 with
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from .dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
+from .dynamic import dequantize_blockwise, dynamic_map, midpoints, quantize_blockwise, quantize_blockwise_
 from .int8 import _TINY
 from .matmul import dequant_linear
 
@@ -27,8 +28,29 @@ NF4_CODE = torch.tensor([
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 ])  # fmt: skip
+NF4_BLOCKSIZE = 64  # weights per absmax (QLoRA's and bitsandbytes' default)
 DOUBLE_QUANT_BLOCKSIZE = 256  # absmax values per second-level fp32 scale
 _DYNAMIC_MAP = dynamic_map(signed=True)  # the 256 levels for the absmax values, built once
+# Dequantizing one weight (dequantize_nf4) holds, at its worst moment, the int32 byte index (4 B per 2
+# weights) beside the fp32 result (4 B), or the fp32 result and its 16-bit copy (2 B): 6 B per weight.
+# (It was 13 with per-weight int64 indices: change it here if dequantize_nf4 changes.)
+NF4_DEQUANT_BYTES_PER_WEIGHT = 6
+
+
+def nf4_bytes_for(n: int, blocksize: int = NF4_BLOCKSIZE, double_quant: bool = True) -> int:
+    """Bytes of one weight of n values in NF4 (what quantize_nf4 keeps; n divisible by blocksize), b = n/blocksize:
+
+        n/2 + b + 4*ceil(b/256) + 4   with double quantization: packed 4-bit codes, one uint8 absmax code
+                                      per block, one fp32 scale per 256 absmax values, one fp32 offset
+        n/2 + 4b                      without: an fp32 absmax per block
+
+    ~0.5159 bytes (4.127 bits) per weight at blocksize 64 with double quantization, 0.5625 (4.5) without.
+    Source: Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs" (section 3, double
+    quantization); bitsandbytes' quantize_4bit (blocksize 64, compress_statistics)."""
+    blocks = n // blocksize
+    if not double_quant:
+        return n // 2 + 4 * blocks
+    return n // 2 + blocks + 4 * math.ceil(blocks / DOUBLE_QUANT_BLOCKSIZE) + 4
 
 
 def normal_float_map(offset: float = 0.9677083) -> torch.Tensor:
@@ -81,7 +103,7 @@ class NF4State:
     absmax: torch.Tensor  # (blocks,) fp32, or uint8 dynamic-map codes when double-quantized
     shape: torch.Size  # of the original weight
     dtype: torch.dtype  # of the original weight: what dequantize_nf4 returns by default
-    blocksize: int = 64  # weights per absmax
+    blocksize: int = NF4_BLOCKSIZE  # weights per absmax
     absmax_scale: torch.Tensor | None = None  # (ceil(blocks / 256),) fp32: second-level absmax
     absmax_offset: torch.Tensor | None = None  # () fp32: the mean subtracted before quantizing absmax
 
@@ -108,18 +130,21 @@ def _check_blocksize(w: torch.Tensor, blocksize: int) -> None:
                          "choose one that does (64 divides every hidden size that is a multiple of 64)")
 
 
-def quantize_nf4(w: torch.Tensor, blocksize: int = 64, double_quant: bool = True) -> tuple[torch.Tensor, NF4State]:
+def quantize_nf4(w: torch.Tensor, blocksize: int = NF4_BLOCKSIZE, double_quant: bool = True
+                 ) -> tuple[torch.Tensor, NF4State]:
     """w (float, any shape) -> (packed uint8 codes of shape (numel/2,), NF4State).
 
-    bytes: numel/2 codes + blocks x (4 fp32 absmax, or 1 uint8 code + 4/256 fp32 + one 4-byte offset)."""
+    Blockwise absmax quantization (labkit.quant.dynamic.quantize_blockwise_) with the 16 NF4 levels as
+    the codes: each block divided by its absmax, each value to the nearest level (a tie to the lower).
+    bytes: nf4_bytes_for(numel, blocksize, double_quant)."""
     if not w.is_floating_point():
         raise TypeError(f"NF4 quantization takes a floating-point tensor, got {w.dtype}")
     _check_blocksize(w, blocksize)
-    blocks = w.detach().reshape(-1, blocksize).float()  # (blocks, blocksize)
-    absmax = blocks.abs().amax(dim=1)  # (blocks,) fp32
-    normed = blocks / absmax.clamp_min(_TINY)[:, None]  # in [-1, 1]
-    code = NF4_CODE.to(w.device)
-    idx = torch.bucketize(normed, (code[1:] + code[:-1]) / 2)  # nearest level; a tie goes to the lower
+    flat = w.detach().reshape(-1).to(torch.float32, copy=True)  # normalised in place
+    absmax = torch.empty(flat.numel() // blocksize, dtype=torch.float32, device=w.device)  # (blocks,) fp32
+    idx = torch.empty(flat.numel(), dtype=torch.uint8, device=w.device)
+    quantize_blockwise_(flat, idx, absmax, midpoints(NF4_CODE.to(w.device)), blocksize)
+    del flat
     packed = pack_nibbles(idx)  # (numel/2,) uint8
     if not double_quant:
         return packed, NF4State(absmax, w.shape, w.dtype, blocksize)
@@ -148,7 +173,8 @@ def dequantize_nf4(packed: torch.Tensor, state: NF4State, dtype: torch.dtype | N
 
     One lookup per byte (a 256-entry table of level pairs) with int32 indices: the temporaries are
     the (numel/2,) int32 byte indices (2 bytes per weight) next to the fp32 result (4 per weight),
-    scaled in place; a 16-bit `dtype` adds its 2-byte copy. Peak: 6 bytes per weight (the result included).
+    scaled in place; a 16-bit `dtype` adds its 2-byte copy. Peak: NF4_DEQUANT_BYTES_PER_WEIGHT = 6 bytes
+    per weight (the result included).
     """
     packed = packed.reshape(-1).view(torch.uint8)
     if 2 * packed.numel() != state.shape.numel():
@@ -203,7 +229,7 @@ class NF4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True,
+    def from_linear(cls, linear: nn.Linear, blocksize: int = NF4_BLOCKSIZE, double_quant: bool = True,
                     compute_dtype: torch.dtype | None = None, keep_dequantized: bool = False) -> "NF4Linear":
         packed, state = quantize_nf4(linear.weight, blocksize, double_quant)
         return cls(packed, state, linear.bias, compute_dtype, keep_dequantized)

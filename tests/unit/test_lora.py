@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 
 from labkit.memory import Category, Ledger
 from labkit.models.gpt import GPT, GPTConfig
-from labkit.peft import (LoRALinear, LoRALinearNaive, apply_lora, count_parameters, find_targets,
+from labkit.peft import (LoRALinear, LoRALinearNaive, adapter_numel, apply_lora, count_parameters, find_targets,
                          lora_scaling, lora_state_dict, merge_lora, trainable_parameters)
 
 C, T = 32, 16
@@ -156,7 +156,8 @@ def test_bytes_per_parameter_of_an_adapted_linear():
             opt.step()
             opt.zero_grad(set_to_none=False)
         live = led.live()
-    n_adapter = r * (d_in + d_out)
+    n_adapter = adapter_numel(d_in, d_out, r)
+    assert n_adapter == r * (d_in + d_out) == m[0].lora_A.numel() + m[0].lora_B.numel()
     assert live[Category.PARAM] == 4 * d_in * d_out + 4 * n_adapter
     assert live[Category.GRAD] == 4 * n_adapter
     assert live[Category.OPT] == 8 * n_adapter + 2 * 4
@@ -175,6 +176,9 @@ def test_bad_input_says_what_to_do():
         apply_lora(_gpt(), ["c_attn"], train_also=["classifier"])
     with pytest.raises(ValueError, match="dropout"):
         LoRALinear(nn.Linear(4, 4), dropout=1.0)
+    for bad in ((0, 4, 2), (4, 4, 2.5), (4, True, 2)):
+        with pytest.raises(ValueError, match="positive integer"):
+            adapter_numel(*bad)
 
 
 @pytest.mark.parity

@@ -53,5 +53,8 @@ def test_roundtrip_error_and_bad_blocksize():
     assert codes.dtype == torch.uint8 and absmax.numel() == 16
     assert (dequantize_blockwise(codes, absmax, blocksize=64) - x).abs().max() < 0.05 * x.abs().max()
     assert torch.equal(dequantize_blockwise(*quantize_blockwise(torch.zeros(300))), torch.zeros(300))
+    x0 = x.clone()
+    quantize_blockwise(x)
+    assert torch.equal(x, x0)  # the in-place core works on a copy: the caller's fp32 tensor is untouched
     with pytest.raises(ValueError, match="blocksize"):
         quantize_blockwise(x, blocksize=0)

@@ -19,7 +19,9 @@ from labkit.quant import (
     dequantize_nf4,
     dequantize_nf4_toy,
     dynamic_map,
+    int8_bytes_for,
     nbytes_nf4,
+    nf4_bytes_for,
     normal_float_map,
     pack_nibbles,
     quant_error,
@@ -217,7 +219,31 @@ def test_nf4_bits_per_param(double_quant):
     else:
         expected = w.numel() // 2 + 4 * blocks
         assert bits_per_param_nf4(packed, state) == 4.5
-    assert nbytes_nf4(packed, state) == expected
+    assert nbytes_nf4(packed, state) == expected == nf4_bytes_for(w.numel(), 64, double_quant)
+
+
+@pytest.mark.parametrize("shape, blocksize", [((64, 64), 64), ((3, 128), 32), ((300, 64), 128), ((256, 256), 64)])
+def test_nf4_bytes_formula_equals_what_quantize_nf4_keeps(shape, blocksize):
+    """The one NF4 byte rule (nf4_bytes_for, which the estimator sums) against the tensors quantize_nf4 makes,
+    including a last second-level group that is not full (blocks not a multiple of 256)."""
+    w = torch.randn(shape)
+    w0 = w.clone()
+    for dq in (True, False):
+        assert nbytes_nf4(*quantize_nf4(w, blocksize, dq)) == nf4_bytes_for(w.numel(), blocksize, dq)
+    assert torch.equal(w, w0)  # the fp32 input is not normalised in place
+
+
+def test_int8_bytes_formula_equals_what_quantize_int8_keeps():
+    for shape in ((384, 384), (10, 7), (5,), (3, 4, 8)):
+        for mode in ("absmax", "zeropoint"):
+            for granularity, bs in (("tensor", None), ("channel", None), ("block", shape[-1])):
+                q = quantize_int8(torch.randn(shape), mode, granularity, bs)
+                assert q.nbytes == int8_bytes_for(shape, mode, granularity, bs), (shape, mode, granularity)
+    assert int8_bytes_for((512, 256)) == 512 * 256 + 4 * 512  # per-row absmax: one fp32 scale per output row
+    with pytest.raises(ValueError, match="does not divide"):
+        int8_bytes_for((10, 7), "absmax", "block", 3)
+    with pytest.raises(ValueError, match="unknown granularity"):
+        int8_bytes_for((10, 7), "absmax", "row")
 
 
 def test_nf4_error_is_bounded():
