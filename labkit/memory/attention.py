@@ -80,6 +80,7 @@ class AttnPoints:
     forward: tuple[str, int, int]
     backward: tuple[str, int, int]
     saved: int
+    kept: int = 0  # matmul outputs before the forward's worst moment (q @ k^T) that selective checkpointing keeps
 
 
 def materialised(kind: str, a: AttnShape, p: float) -> AttnPoints:
@@ -164,4 +165,4 @@ def materialised(kind: str, a: AttnShape, p: float) -> AttnPoints:
         grad = "d scaled"
     g.alloc("dq", a.vec(a.mm))
     g.alloc("dk", a.vec(a.mm))
-    return AttnPoints(fwd, g.worst, saved)
+    return AttnPoints(fwd, g.worst, saved, a.sq(a.mm))

@@ -239,8 +239,8 @@ def _block_points(w: Walk, marks, gb: int) -> list[tuple]:
     if len(marks) < 2:
         return []
     start, end = marks[0], marks[1]
-    return [(phase, what, before - start[0], saved, temp, (end[2] - trained) * gb)
-            for phase, what, before, saved, temp, trained in w.points if start[0] <= before <= end[0]
+    return [(phase, what, before - start[0], saved, temp, (end[2] - trained) * gb, kept - start[1])
+            for phase, what, before, saved, temp, trained, kept in w.points if start[0] <= before <= end[0]
             and start[2] <= trained <= end[2]][: 2 * max(1, len(w.points) // max(len(marks) - 1, 1) // 2)]
 
 

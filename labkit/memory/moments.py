@@ -96,7 +96,7 @@ class StepBytes:
     states: dict = field(default_factory=dict)  # "P", "C", "G", "O", "buffers" -> the model-state terms making it up
     # worst moments inside a block's ops (materialised attention, labkit.memory.attention), block 0's:
     # (phase, what, saved by the block before the op, the op's saved tensors alive then, its temporaries,
-    #  bytes of the block's gradients made by then in backward)
+    #  bytes of the block's gradients made by then in backward, matmul outputs of the block up to the op)
     points: list = field(default_factory=list)
     forward_extra: int = 0  # alive through the forward, never saved (transformers' (B, 1, S, S) float mask)
     forward_locals: int = _f(T_, "embeddings held by the model's forward function", "r h d (+ S h d positions)",
@@ -280,7 +280,7 @@ def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) 
             *states, *b.state("C"), *buffers, b.term("inputs"), b.term("before"),
             *_held_terms(b, policy, offload, sizes, L), *extra,
             b.term("stream", name="the last block's output projection and residual sum", nbytes=2 * b.stream)]))
-    for phase, what, before, saved, temp, _ in b.points:
+    for phase, what, before, saved, temp, _, kept in b.points:
         if phase != "forward":
             continue
         terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra]
@@ -299,6 +299,9 @@ def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) 
                       b.term("seg_input", name="the last unit's input"),
                       custom(f"{what} (no grad: tensors freed when unused)", T_, saved + temp,
                              "replayed ops (labkit.memory.attention)", "the op sequence of this attention path")]
+            if policy == "selective":  # the block's matmul outputs so far stay cached for its backward
+                terms.append(custom("matmul outputs kept so far in the block (selective)", A_, kept,
+                                    "walk: outputs of mm/bmm/sdpa up to the op", "torch SAC policy MUST_SAVE"))
         out.append(Moment("forward", f"block {L - 1} forward, {what}" + sfx, terms))
     return out
 
@@ -310,7 +313,7 @@ def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buff
     if offload:
         return []
     out, m = [], sizes[j]
-    for phase, what, before, saved, temp, grads_made in b.points:
+    for phase, what, before, saved, temp, grads_made, _ in b.points:
         if phase != "backward":
             continue
         terms = [*states, *buffers, b.term("inputs"), b.term("before"), *_held_terms(b, policy, offload, sizes, j)]

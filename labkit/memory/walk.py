@@ -58,7 +58,7 @@ class Walk:
     copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
     trained: int = 0  # elements of the trained parameters the walk has passed (their gradients come in reverse)
     # worst moments inside ops (labkit.memory.attention): (phase, what, saved bytes before the op,
-    # the op's own saved bytes alive then, its temporaries then, `trained` before the op)
+    # the op's own saved bytes alive then, its temporaries then, `trained` before the op, kept bytes then)
     points: list[tuple] = field(default_factory=list)
     forward_extra: int = 0  # alive through the whole forward, never saved (transformers' 4-D float mask)
     forward_locals: int = 0  # tensors a model's forward function holds in locals until it returns (embeddings)
@@ -141,7 +141,8 @@ class Walk:
     def point(self, what: str, pts) -> None:
         """Record an op's worst forward and backward moments (an AttnPoints) at the walk's position."""
         for phase, (op, saved, temp) in (("forward", pts.forward), ("backward", pts.backward)):
-            self.points.append((phase, f"{what}: {op}", self.saved_bytes, saved, temp, self.trained))
+            self.points.append((phase, f"{what}: {op}", self.saved_bytes, saved, temp, self.trained,
+                                self.kept_bytes + pts.kept))
 
     def layer_norm(self, x: T, rows: int, name: str, module: str = "") -> T:
         """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the
