@@ -453,7 +453,8 @@ def build_parser() -> _Parser:
                        description=f"Predict one training step's memory. {UNITS_NOTE}.")
     e.add_argument("--model", required=True, metavar="NAME_OR_CONFIG",
                    help="a preset, a local transformers config, a hub id (online), or gpt:KEY=VAL,... "
-                        "for labkit's GPT, e.g. gpt:n_layer=4,n_embd=256,block_size=512")
+                        "for labkit's GPT, e.g. gpt:n_layer=4,n_embd=256,block_size=512; at most "
+                        f"{MAX_LAYERS} layers, sizes up to 2**24")
     common(e, "cpu", "mixed-bf16")
     e.add_argument("--checkpoint", choices=POLICIES, default="none",
                    help="activation checkpointing of labkit's GPT blocks (labkit.recompute)")
@@ -476,8 +477,8 @@ def build_parser() -> _Parser:
     e.set_defaults(run=cmd_estimate, parser=e)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
                        description=f"Which models fit which budgets. {UNITS_NOTE}.")
-    w.add_argument("--models", default=None, help="comma-separated, each as --model of estimate "
-                   "(default: every non-tiny preset)")
+    w.add_argument("--models", default=None, help="comma-separated, each as --model of estimate, "
+                   f"{MAX_WALL_LAYERS} layers in all (default: every non-tiny preset)")
     w.add_argument("--budgets", default="16,24,48,80", help="comma-separated GiB")
     w.add_argument("--methods", default="full,lora,qlora",
                    help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")

@@ -56,6 +56,7 @@ class Walk:
     quantized: bool = False  # the adapted Linears' bases are int8/NF4 (dequantized on the fly, save nothing)
     linears: dict[str, tuple] = field(default_factory=dict)  # module name -> (d_in, d_out, bias elements)
     copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
+    saved_total: int = 0  # bytes of `saved`, summed as tensors are saved (read once per layer by `mark`)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:
@@ -75,11 +76,12 @@ class Walk:
             r = t.root()
             if id(r) not in self.saved:
                 self.saved[id(r)] = r
+                self.saved_total += r.nbytes
                 self.log.append((r.name, r.nbytes))
 
     @property
     def saved_bytes(self) -> int:
-        return sum(t.nbytes for t in self.saved.values())
+        return self.saved_total
 
     @property
     def mm_bytes(self) -> int:
