@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import math
+import re
 import sys
 
 from labkit.memory.estimate import DTYPES, OPTIMIZERS
@@ -28,21 +31,76 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message}")
 
 
-# ----------------------------------------------------------------------------- reading arguments
+# ----------------------------------------------------------------------------- bounds
+# Sizes are computed from shapes, never allocated, but a model is still read by building it layer by layer
+# on the meta device and walking its forward once per layer (milliseconds per layer). Inputs are refused by
+# rule where an answer would be meaningless or slow, never by a clock:
+MAX_LAYERS = 256  # 2x the deepest published dense LLM (Llama 3.1 405B: 126 layers; PaLM 118; GPT-3 96)
+MAX_SIZE = 2**24  # widths, heads, vocabulary, positions: 16,777,216, far above any published model
+#                   (hidden 16,384 to 25,600, vocabularies up to 256,000, 10M positions), and small enough
+#                   that every weight is a tensor PyTorch can describe (its byte count fits in int64)
+MAX_WALL_LAYERS = 2 * MAX_LAYERS  # layers of all the models of one `wall` together (the default presets: 288)
+INT_LIMIT = 2**63  # an integer option must fit in int64, as PyTorch's sizes do
+ADDRESS_SPACE = 2**64  # bytes a 64-bit machine can address: a larger predicted peak has no meaning
+_INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: no '1_000', no other scripts' digits
+_NUMBER = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")  # no nan, inf or hex
+
+
+def integer(text: str) -> int:
+    """argparse type: a decimal integer written in ASCII digits (its range is checked by `_positive`)."""
+    if not _INTEGER.fullmatch(text.strip()):
+        raise ValueError(text)
+    return int(text)
+
+
+def _positive(parser: argparse.ArgumentParser, name: str, value) -> None:
+    if value is None:
+        return
+    if value <= 0:
+        parser.error(f"{name} must be a positive integer, got {value}")
+    if value >= INT_LIMIT:
+        parser.error(f"{name} must be below 2**63 (int64, as PyTorch's sizes), got {value}")
+
+
+def _items(parser, name: str, text: str) -> list[str]:
+    """A comma-separated option: every item present and given once. In --models a gpt: spec keeps its
+    KEY=VAL items (gpt2,gpt:n_layer=2,n_embd=64 is two models)."""
+    items = []
+    for s in (s.strip() for s in text.split(",")):
+        if name == "--models" and items and items[-1].startswith("gpt:") and "=" in s and ":" not in s:
+            items[-1] += "," + s
+        else:
+            items.append(s)
+    if not any(items):
+        parser.error(f"{name} must not be empty, got {text!r}")
+    if not all(items):
+        parser.error(f"{name} has an empty item in {text!r}: separate items with single commas")
+    dup = next((s for i, s in enumerate(items) if s in items[:i]), None)
+    if dup is not None:
+        parser.error(f"{name} names {dup!r} twice")
+    return items
+
+
+# ----------------------------------------------------------------------------- reading models
 def parse_gpt_spec(text: str):
     """'gpt:n_layer=4,n_embd=256' -> GPTConfig(n_layer=4, n_embd=256); each value takes its field's type."""
     from labkit.models.gpt import GPTConfig
 
     fields = {f.name: f for f in dataclasses.fields(GPTConfig)}
-    body = text.split(":", 1)[1] if ":" in text else ""
+    if text == "gpt":
+        return GPTConfig()
+    body = text.split(":", 1)[1]
     kwargs = {}
-    for item in filter(None, (s.strip() for s in body.split(","))):
+    for item in (s.strip() for s in body.split(",")):
         key, eq, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not eq or not key or not value:
-            raise ValueError(f"malformed gpt spec item {item!r}: write KEY=VAL, e.g. gpt:n_layer=4,n_embd=256")
+            raise ValueError(f"malformed gpt spec item {item!r} in {text!r}: write KEY=VAL items, "
+                             "e.g. gpt:n_layer=4,n_embd=256 (or gpt for the defaults)")
         if key not in fields:
             raise ValueError(f"GPTConfig has no field {key!r}; fields: {', '.join(fields)}")
+        if key in kwargs:
+            raise ValueError(f"gpt spec gives {key} twice in {text!r}")
         kwargs[key] = _convert(key, value, type(fields[key].default))
     return GPTConfig(**kwargs)
 
@@ -54,6 +112,8 @@ def _convert(key: str, value: str, kind: type):
         if value.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"gpt spec: {key} must be true or false, got {value!r}")
+    if kind is int and not _INTEGER.fullmatch(value):
+        raise ValueError(f"gpt spec: {key} must be int, got {value!r}")
     try:
         return kind(value)
     except ValueError:
@@ -67,9 +127,129 @@ def resolve_model(text: str):
     return text
 
 
-def _positive(parser: argparse.ArgumentParser, name: str, value) -> None:
-    if value <= 0:
-        parser.error(f"{name} must be a positive integer, got {value}")
+# what the estimator reads from a transformers config, by the config's own names: the layer count, sizes,
+# sizes that may be None, pairs (a, b) where b must divide a, and dropout probabilities
+_HF_FIELDS = {
+    "gpt2": dict(layers="n_layer", sizes=("n_embd", "n_head", "vocab_size", "n_positions"), optional=("n_inner",),
+                 divides=(("n_embd", "n_head"),), dropout=("resid_pdrop", "attn_pdrop", "embd_pdrop")),
+    "llama": dict(layers="num_hidden_layers", sizes=("hidden_size", "num_attention_heads", "vocab_size",
+                                                     "intermediate_size", "max_position_embeddings"),
+                  optional=("num_key_value_heads", "head_dim"),
+                  divides=(("hidden_size", "num_attention_heads"), ("num_attention_heads", "num_key_value_heads")),
+                  dropout=("attention_dropout",)),
+}
+
+
+def _check_config(text: str, config) -> int:
+    """Check a transformers config's sizes; returns its layer count (0 for an architecture not listed above)."""
+    f = _HF_FIELDS.get(getattr(config, "model_type", ""))
+    if f is None:  # other architectures: spec_from says which ones it knows
+        return 0
+    sizes = {k: getattr(config, k, None) for k in f["sizes"]}
+    sizes.update({k: getattr(config, k) for k in f["optional"] if getattr(config, k, None) is not None})
+    _check_sizes(text, (f["layers"], getattr(config, f["layers"], None)), sizes, f["divides"])
+    if "head_dim" in sizes and sizes["num_attention_heads"] * sizes["head_dim"] > MAX_SIZE:
+        raise ValueError(f"{text}: num_attention_heads x head_dim = {sizes['num_attention_heads'] * sizes['head_dim']} "
+                         f"is above {MAX_SIZE:,} (2**24), far beyond any published model")
+    for k in f["dropout"]:
+        v = getattr(config, k, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise ValueError(f"{text}: {k} must be a dropout probability in [0, 1), got {v!r}")
+    return getattr(config, f["layers"])
+
+
+def _check_sizes(text: str, layers: tuple[str, object], sizes: dict[str, object], divides=()) -> None:
+    """Every size a positive integer within the bounds above; pairs that must divide, divide."""
+    for name, v in [layers, *sizes.items()]:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{text}: {name} must be a positive integer, got {v!r}")
+    name, n = layers
+    if n > MAX_LAYERS:
+        raise ValueError(f"{text}: {name}={n} is more than {MAX_LAYERS} layers, twice the deepest published "
+                         "dense LLM (the estimator reads a model layer by layer)")
+    for name, v in sizes.items():
+        if v > MAX_SIZE:
+            raise ValueError(f"{text}: {name}={v} is above {MAX_SIZE:,} (2**24), far beyond any published model")
+    for a, b in divides:
+        if a in sizes and b in sizes and sizes[a] % sizes[b]:
+            raise ValueError(f"{text}: {a} ({sizes[a]}) must be divisible by {b} ({sizes[b]})")
+
+
+def _guarded(text: str, read):
+    try:  # transformers validates a config, and torch a model's sizes, with errors of their own types
+        return read()
+    except (ValueError, TypeError, OSError):
+        raise
+    except Exception as err:  # one line for whatever else a library refuses in a config
+        raise ValueError(f"cannot read model {text!r}: {type(err).__name__}: {err}") from err
+
+
+def check_model(text: str) -> tuple[object, int]:
+    """--model TEXT as estimate takes it (a GPTConfig or the name) and its layer count, its sizes checked
+    against the bounds above before anything is built."""
+    from labkit.models.gpt import GPTConfig
+
+    model = resolve_model(text)
+    if isinstance(model, GPTConfig):
+        _check_sizes(text, ("n_layer", model.n_layer),
+                     {k: getattr(model, k) for k in ("n_embd", "n_head", "vocab_size", "block_size")})
+        return model, model.n_layer
+
+    def layers():
+        from labkit.models import hf
+
+        return _check_config(text, hf.get_config(model))
+
+    return model, _guarded(text, layers)
+
+
+@contextlib.contextmanager
+def _shapes_only():
+    """torch.nn.init's in-place fills as no-ops while a model is built on the meta device: there are no values
+    to fill, and filling a meta tensor still costs about a millisecond (most of the time of reading a deep
+    model). transformers' no_init_weights does the same while it loads weights."""
+    import torch
+
+    init = torch.nn.init
+    fills = {n: f for n, f in vars(init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
+    try:
+        for n in fills:
+            setattr(init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, f in fills.items():
+            setattr(init, n, f)
+
+
+def read_model(model, text: str):
+    """The ModelSpec of a checked model (built on the meta device, shapes only)."""
+    from labkit.memory.spec import spec_from
+
+    def read():
+        with _shapes_only():
+            return spec_from(model)
+
+    return _guarded(text, read)
+
+
+# the estimator's keyword names, as this command line spells them (messages of labkit.memory.estimate)
+_OPTION_NAMES = [(rf"(?<![\w-]){k}(?!\w)", v) for k, v in {
+    "micro_batch": "--micro-batch", "optimizer_offload": "--optimizer-offload", "checkpoint": "--checkpoint",
+    "step_in_backward": "--step-in-backward", "offload_activations": "--offload-activations",
+    "lora_rank": "--lora-rank", "lora_targets": "--lora-targets", "lisa_layers": "--lisa-layers"}.items()]
+_OPTION_NAMES += [(r"^(batch|seq|rank|segments) ", r"--\1 "), (r"use a GPTConfig", "use --model gpt:KEY=VAL,...")]
+
+
+def _cli_words(message: str) -> str:
+    for pattern, option in _OPTION_NAMES:
+        message = re.sub(pattern, option, message)
+    return message
+
+
+def _check_peak(peak: int, what: str) -> None:
+    if peak > ADDRESS_SPACE:
+        raise ValueError(f"{what}: the predicted peak, {peak:.3g} bytes, is beyond 2**64 bytes, all a 64-bit "
+                         "machine can address; lower --batch or --seq or the model's size")
 
 
 # ----------------------------------------------------------------------------- estimate
@@ -113,24 +293,56 @@ def format_estimate(e, device: str) -> str:
     return "\n".join(lines)
 
 
-def cmd_estimate(args, parser) -> int:
-    from labkit.memory.estimate import estimate
-
-    _positive(parser, "--batch", args.batch)
-    _positive(parser, "--seq", args.seq)
+def check_estimate_options(args, parser) -> int | None:
+    """Refuse what the command line alone shows is wrong: numbers out of range and options that mean
+    something only with another. Returns the micro-batch. (What depends on the model, such as --seq beyond
+    its positions or --lisa-layers beyond its layers, the estimator checks.)"""
+    for name in ("batch", "seq", "segments", "micro_batch", "accumulate", "rank", "lora_rank", "lisa_layers"):
+        _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
     micro = args.micro_batch
     if args.accumulate is not None:
-        _positive(parser, "--accumulate", args.accumulate)
         if micro is not None:
             parser.error("give --micro-batch or --accumulate, not both")
         if args.batch % args.accumulate:
             parser.error(f"--accumulate {args.accumulate} must divide --batch {args.batch}")
         micro = args.batch // args.accumulate
-    e = estimate(resolve_model(args.model), args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
-                 checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
-                 micro_batch=micro, rank=args.rank, optimizer_offload=args.optimizer_offload,
-                 step_in_backward=args.step_in_backward, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-                 quant=args.quant, lisa_layers=args.lisa_layers)
+    elif micro is not None and args.batch % micro:
+        parser.error(f"--micro-batch {micro} must divide --batch {args.batch}")
+    if args.segments is not None and args.checkpoint != "full":
+        parser.error(f"--segments {args.segments} needs --checkpoint full (sqrt picks its own, none and "
+                     f"selective have none), got --checkpoint {args.checkpoint}")
+    galore = args.optimizer.startswith("galore")
+    if args.rank is not None and not galore:
+        parser.error(f"--rank {args.rank} is GaLore's rank: give it with --optimizer galore or galore8bit, "
+                     f"not {args.optimizer}")
+    if galore and args.rank is None:
+        parser.error(f"--optimizer {args.optimizer} needs --rank R (e.g. --rank 128)")
+    if args.lora_rank is None:
+        if args.lora_targets is not None:
+            parser.error(f"--lora-targets {args.lora_targets!r} selects where LoRA adapters go: give --lora-rank too")
+        if args.quant != "none":
+            parser.error(f"--quant {args.quant} stores the frozen base under LoRA adapters: give --lora-rank too")
+    if args.lisa_layers is not None and (args.lora_rank is not None or args.quant != "none"):
+        parser.error("--lisa-layers trains whole layers: give it without --lora-rank and --quant")
+    if args.lora_targets is None:
+        args.lora_targets = "all-linear"
+    return micro
+
+
+def cmd_estimate(args, parser) -> int:
+    from labkit.memory.estimate import estimate
+
+    micro = check_estimate_options(args, parser)
+    spec = read_model(check_model(args.model)[0], args.model)
+    try:
+        e = estimate(spec, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
+                     checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
+                     micro_batch=micro, rank=args.rank, optimizer_offload=args.optimizer_offload,
+                     step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
+                     lora_targets=args.lora_targets, quant=args.quant, lisa_layers=args.lisa_layers)
+    except ValueError as err:
+        raise ValueError(_cli_words(str(err))) from err
+    _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
     if args.json:
         print(json.dumps(estimate_dict(args.model, e, args)))
     else:
@@ -146,14 +358,18 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _number_list(parser, name: str, text: str, kind):
-    try:
-        values = [kind(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        parser.error(f"{name} must be a comma-separated list, got {text!r}")
-    if not values:
-        parser.error(f"{name} must not be empty")
-    return values
+def _budgets(parser, text: str) -> list:
+    """--budgets: GiB, each at least one byte and at most 2**64 bytes (2**34 GiB)."""
+    out = []
+    for item in _items(parser, "--budgets", text):
+        b = float(item) if _NUMBER.fullmatch(item) else math.nan
+        if not (2**-30 <= b <= 2**34):
+            parser.error(f"--budgets must be numbers of GiB from 2**-30 (one byte) to 2**34 (2**64 bytes), "
+                         f"got {item!r}")
+        out.append(int(b) if b.is_integer() else b)
+    if len(set(out)) < len(out):
+        parser.error(f"--budgets gives one budget twice in {text!r}")
+    return out
 
 
 def format_wall(rows: list[dict], args) -> str:
@@ -171,22 +387,44 @@ def format_wall(rows: list[dict], args) -> str:
 
 
 def cmd_wall(args, parser) -> int:
-    from labkit.memory.wall import fit_table
+    from labkit.memory.wall import METHODS, default_models, fit_table
 
     _positive(parser, "--batch", args.batch)
     _positive(parser, "--seq", args.seq)
-    models = _number_list(parser, "--models", args.models, str) if args.models else None
-    budgets = _number_list(parser, "--budgets", args.budgets, float)
-    if any(b <= 0 for b in budgets):
-        parser.error(f"--budgets must be positive numbers of GiB, got {args.budgets!r}")
-    budgets = [int(b) if b.is_integer() else b for b in budgets]
-    methods = _number_list(parser, "--methods", args.methods, str)
     _positive(parser, "--lora-rank", args.lora_rank)
-    rows = fit_table([resolve_model(m) for m in models] if models else None, budgets, args.batch,
-                     args.seq, args.dtype, args.optimizer, args.device, methods=methods, lora_rank=args.lora_rank)
-    if models:  # show the names as typed (a gpt: spec included)
-        for r, m in zip(rows, [m for m in models for _ in methods]):
-            r["model"] = m
+    models = _items(parser, "--models", args.models) if args.models is not None else None
+    budgets = _budgets(parser, args.budgets)
+    methods = _items(parser, "--methods", args.methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if args.lora_rank is not None and methods == ["full"]:
+        parser.error(f"--lora-rank {args.lora_rank} is for the lora and qlora methods, not --methods full alone")
+    if args.dtype is not None and "full" not in methods:
+        parser.error(f"--dtype {args.dtype} is full fine-tuning's precision (LoRA and QLoRA keep a bf16 base): "
+                     "add full to --methods")
+    if args.optimizer.startswith("galore"):
+        parser.error(f"--optimizer {args.optimizer} needs a rank, which wall does not take: use "
+                     "`labkit estimate --optimizer galore --rank R`")
+    args.lora_rank = 16 if args.lora_rank is None else args.lora_rank
+    args.dtype = "mixed-bf16" if args.dtype is None else args.dtype
+    models = models or default_models()
+    checked = [check_model(text) for text in models]
+    if sum(n for _, n in checked) > MAX_WALL_LAYERS:
+        parser.error(f"--models have {sum(n for _, n in checked)} layers in all, more than {MAX_WALL_LAYERS} "
+                     "(twice the most one model may have): compare fewer or shallower models")
+    rows = []
+    for text, (model, _) in zip(models, checked):  # each model read once for all its methods
+        spec = read_model(model, text)
+        try:
+            new = fit_table([spec], budgets, args.batch, args.seq, args.dtype, args.optimizer, args.device,
+                            methods=methods, lora_rank=args.lora_rank)
+        except ValueError as err:  # fit_table names the model by its spec: name it as typed
+            raise ValueError(f"{text}: {_cli_words(str(err.__cause__ or err))}") from err
+        for r in new:
+            _check_peak(r["peak"], f"{text} ({r['method']}) with --batch {args.batch} --seq {args.seq}")
+            r["model"] = text
+        rows += new
     if args.json:
         print(json.dumps({"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
                           "device": args.device, "budgets_gib": budgets, "methods": methods,
@@ -201,10 +439,11 @@ def build_parser() -> _Parser:
     parser = _Parser(prog="labkit", description="Predict the memory of training a model.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    def common(p, device_default):
-        p.add_argument("--batch", type=int, default=1, help="sequences per step (B)")
-        p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (S)")
-        p.add_argument("--dtype", choices=DTYPES, default="mixed-bf16", help="how weights and compute are stored")
+    def common(p, device_default, dtype_default):
+        p.add_argument("--batch", type=integer, default=1, help="sequences per step (B)")
+        p.add_argument("--seq", type=integer, default=1024, help="tokens per sequence (S)")
+        p.add_argument("--dtype", choices=DTYPES, default=dtype_default,
+                       help="how weights and compute are stored (default mixed-bf16)")
         p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
         p.add_argument("--device", choices=("cpu", "cuda"), default=device_default,
                        help="fused attention, dropout masks and Adam's foreach path differ")
@@ -214,35 +453,38 @@ def build_parser() -> _Parser:
                        description=f"Predict one training step's memory. {UNITS_NOTE}.")
     e.add_argument("--model", required=True, metavar="NAME_OR_CONFIG",
                    help="a preset, a local transformers config, a hub id (online), or gpt:KEY=VAL,... "
-                        "for labkit's GPT, e.g. gpt:n_layer=4,n_embd=256,block_size=512")
-    common(e, "cpu")
+                        "for labkit's GPT, e.g. gpt:n_layer=4,n_embd=256,block_size=512; at most "
+                        f"{MAX_LAYERS} layers, sizes up to 2**24")
+    common(e, "cpu", "mixed-bf16")
     e.add_argument("--checkpoint", choices=POLICIES, default="none",
                    help="activation checkpointing of labkit's GPT blocks (labkit.recompute)")
-    e.add_argument("--segments", type=int, default=None, help="segments for --checkpoint full (default: every block)")
+    e.add_argument("--segments", type=integer, default=None, help="segments for --checkpoint full (default: every block)")
     e.add_argument("--offload-activations", action="store_true", help="keep saved activations in host memory")
-    e.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (gradient accumulation)")
-    e.add_argument("--accumulate", type=int, default=None, help="micro-batches per step (batch / micro-batch)")
-    e.add_argument("--rank", type=int, default=None, help="GaLore's rank (--optimizer galore or galore8bit)")
+    e.add_argument("--micro-batch", type=integer, default=None, help="rows per micro-batch (gradient accumulation)")
+    e.add_argument("--accumulate", type=integer, default=None, help="micro-batches per step (batch / micro-batch)")
+    e.add_argument("--rank", type=integer, default=None, help="GaLore's rank (--optimizer galore or galore8bit)")
     e.add_argument("--optimizer-offload", choices=("cpu", "disk"), default=None,
                    help="AdamW state and step in host memory or on disk (labkit.optim.OffloadAdamW)")
     e.add_argument("--step-in-backward", action="store_true", help="step each parameter as its gradient is ready")
-    e.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank; every base weight frozen")
-    e.add_argument("--lora-targets", default="all-linear",
+    e.add_argument("--lora-rank", type=integer, default=None, help="LoRA adapters of this rank; every base weight frozen")
+    e.add_argument("--lora-targets", default=None,
                    help="comma-separated Linear module names or endings (e.g. q_proj,v_proj), "
-                        "or all-linear (every Linear but lm_head)")
+                        "or all-linear (every Linear but lm_head; the default); needs --lora-rank")
     e.add_argument("--quant", choices=QUANTS, default="none",
                    help="store the frozen base under the adapters in int8 or NF4 (nf4 = QLoRA); needs --lora-rank")
-    e.add_argument("--lisa-layers", type=int, default=None,
+    e.add_argument("--lisa-layers", type=integer, default=None,
                    help="LISA: train embeddings, head and this many sampled layers at a time")
     e.set_defaults(run=cmd_estimate, parser=e)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
                        description=f"Which models fit which budgets. {UNITS_NOTE}.")
-    w.add_argument("--models", default=None, help="comma-separated (default: every non-tiny preset)")
+    w.add_argument("--models", default=None, help="comma-separated, each as --model of estimate, "
+                   f"{MAX_WALL_LAYERS} layers in all (default: every non-tiny preset)")
     w.add_argument("--budgets", default="16,24,48,80", help="comma-separated GiB")
     w.add_argument("--methods", default="full,lora,qlora",
                    help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")
-    w.add_argument("--lora-rank", type=int, default=16, help="LoRA rank for the lora and qlora methods")
-    common(w, "cuda")
+    w.add_argument("--lora-rank", type=integer, default=None,
+                   help="LoRA rank for the lora and qlora methods (default 16)")
+    common(w, "cuda", None)
     w.set_defaults(run=cmd_wall, parser=w)
     return parser
 

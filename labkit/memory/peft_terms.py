@@ -99,6 +99,9 @@ def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none"
             raise ValueError("lora_targets selects where LoRA adapters go: give lora_rank too (e.g. 16)")
         return None
     targets = resolve_targets(spec, lora_targets)
+    name, d_in, d_out, _ = min(targets, key=lambda t: min(t[1], t[2]))
+    if lora_rank > min(d_in, d_out):  # B @ A has rank <= min(d_in, d_out) whatever r is: a bigger r only costs
+        raise ValueError(f"lora_rank {lora_rank} exceeds the smaller side of LoRA target {name} ({min(d_in, d_out)})")
     if quant == "nf4":
         odd = [name for name, d_in, d_out, _ in targets if (d_in * d_out) % NF4_BLOCK]
         if odd:

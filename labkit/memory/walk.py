@@ -62,6 +62,7 @@ class Walk:
     points: list[tuple] = field(default_factory=list)
     forward_extra: int = 0  # alive through the whole forward, never saved (transformers' 4-D float mask)
     forward_locals: int = 0  # tensors a model's forward function holds in locals until it returns (embeddings)
+    saved_total: int = 0  # bytes of `saved`, summed as tensors are saved (read once per layer by `mark`)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:
@@ -81,11 +82,12 @@ class Walk:
             r = t.root()
             if id(r) not in self.saved:
                 self.saved[id(r)] = r
+                self.saved_total += r.nbytes
                 self.log.append((r.name, r.nbytes))
 
     @property
     def saved_bytes(self) -> int:
-        return sum(t.nbytes for t in self.saved.values())
+        return self.saved_total
 
     @property
     def mm_bytes(self) -> int:

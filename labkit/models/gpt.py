@@ -100,6 +100,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying: one (V, C) matrix, counted once
+        if self.wte.weight.is_meta:  # shapes only (how labkit.memory reads a model): no values to initialize
+            return
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith("c_proj.weight"):

@@ -153,12 +153,12 @@ def test_cli_estimate_peft_options(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--lora-rank", "0"], "lora_rank must be a positive integer"),
+    (["--lora-rank", "0"], "--lora-rank must be a positive integer"),
     (["--lora-rank", "8", "--lora-targets", "q_proj"], "c_attn, c_fc, c_proj"),
-    (["--quant", "nf4"], "give lora_rank"),
+    (["--quant", "nf4"], "give --lora-rank"),
     (["--quant", "fp4", "--lora-rank", "8"], "--quant"),
-    (["--lisa-layers", "5"], "lisa_layers"),
-    (["--lisa-layers", "1", "--lora-rank", "8"], "without lora_rank"),
+    (["--lisa-layers", "5"], "--lisa-layers"),
+    (["--lisa-layers", "1", "--lora-rank", "8"], "without --lora-rank"),
 ])
 def test_cli_bad_peft_input_is_one_line_and_status_2(capsys, argv, message):
     code, out, err = _run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8", *argv)
