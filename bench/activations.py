@@ -7,7 +7,7 @@ no checkpointing, full (every block), sqrt(n) segments, selective (keep matmul o
 activation offload, one AdamW step is measured three times: under the Ledger (peak of the step,
 activations saved when backward starts, ACT at the backward peak), under FlopCounterMode (FLOPs),
 and on the clock (median of --reps steps). Every figure is also given as a ratio to no
-checkpointing in the same run. Then the segment sweep (labkit.recompute.activation_flops_report),
+checkpointing in the same run. Then the segment sweep (labkit.run.activation_flops_report),
 and the peak of fp32 vs mixed fp16 / bf16 (measure_step). The last line is the summary:
 `activations: full_act=X sqrt_act=Y selective_act=Z offload_act=W full_flops=A sqrt_flops=B mixed_bf16_peak=C`
 (act: activations saved at the start of backward, on the device; ratios to none, or to fp32 for the peak).
@@ -27,10 +27,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import labkit.device
 from labkit.device import pick_device
-from labkit.memory import Category, Ledger, fmt_bytes, make_optimizer, measure_step, train_step
+from labkit.memory import Category, Ledger, fmt_bytes
+from labkit.run import make_optimizer, measure_step, train_step
 from labkit.models.gpt import GPT
-from labkit.recompute import activation_flops_report, checkpoint_blocks, format_report, offload_activations, sqrt_segments
-from labkit.recompute.measure import saved_bytes
+from labkit.recompute import checkpoint_blocks, offload_activations, sqrt_segments
+from labkit.run.policies import activation_flops_report, format_report
+from labkit.run.policies import saved_bytes
 
 
 @dataclass
@@ -128,7 +130,7 @@ def main() -> None:
               f"{ratio(r.act_at_peak, base.act_at_peak):.3f} / {ratio(r.flops, base.flops):.3f} / "
               f"{ratio(r.seconds, base.seconds):.2f}")
 
-    print("\nsegments k: one measured step each (labkit.recompute.activation_flops_report, SGD)")
+    print("\nsegments k: one measured step each (labkit.run.activation_flops_report, SGD)")
     sweep = activation_flops_report(model, x, y)
     print(format_report(sweep))
 

@@ -1,4 +1,4 @@
-"""How close labkit.memory.estimate comes to the ledger's measurement, over many small CPU training steps.
+"""How close labkit.estimate comes to the ledger's measurement, over many small CPU training steps.
 
     python bench/estimator_accuracy.py [--quick] [--random N --seed S]
 
@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from labkit.memory import CATEGORIES, estimate, fmt_bytes, measure_step
+from labkit.memory import CATEGORIES, fmt_bytes
+from labkit.estimate import estimate
+from labkit.run import measure_step
 from labkit.models.gpt import GPTConfig
 
 TOLERANCE = 3.0  # % of the measured peak, as the lessons state it

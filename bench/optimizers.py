@@ -32,7 +32,8 @@ import torch
 import labkit.device
 from labkit.data import get_batch, load_tokens
 from labkit.device import pick_device
-from labkit.memory import Ledger, fmt_bytes, train_step
+from labkit.memory import Ledger, fmt_bytes
+from labkit.run import train_step
 from labkit.models.gpt import GPT
 from labkit.optim import Adafactor, AdamW8bit, GaLoreAdamW, GaLoreAdamW8bit, Lion, galore_param_groups
 from labkit.optim import adam8bit, galore, state_bytes

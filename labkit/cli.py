@@ -11,9 +11,9 @@ import math
 import re
 import sys
 
-from labkit.memory.estimate import DTYPES, OPTIMIZERS
-from labkit.memory.peft_terms import QUANTS
-from labkit.memory.moments import POLICIES
+from labkit.estimate.predict import DTYPES, OPTIMIZERS
+from labkit.estimate.peft_terms import QUANTS
+from labkit.estimate.moments import POLICIES
 from labkit.memory.report import CATEGORIES, PHASES
 from labkit.memory.units import fmt_bytes
 
@@ -223,7 +223,7 @@ def _shapes_only():
 
 def read_model(model, text: str):
     """The ModelSpec of a checked model (built on the meta device, shapes only)."""
-    from labkit.memory.spec import spec_from
+    from labkit.estimate.spec import spec_from
 
     def read():
         with _shapes_only():
@@ -232,7 +232,7 @@ def read_model(model, text: str):
     return _guarded(text, read)
 
 
-# the estimator's keyword names, as this command line spells them (messages of labkit.memory.estimate)
+# the estimator's keyword names, as this command line spells them (messages of labkit.estimate)
 _OPTION_NAMES = [(rf"(?<![\w-]){k}(?!\w)", v) for k, v in {
     "micro_batch": "--micro-batch", "optimizer_offload": "--optimizer-offload", "checkpoint": "--checkpoint",
     "step_in_backward": "--step-in-backward", "offload_activations": "--offload-activations",
@@ -330,7 +330,7 @@ def check_estimate_options(args, parser) -> int | None:
 
 
 def cmd_estimate(args, parser) -> int:
-    from labkit.memory.estimate import estimate
+    from labkit.estimate.predict import estimate
 
     micro = check_estimate_options(args, parser)
     spec = read_model(check_model(args.model)[0], args.model)
@@ -387,7 +387,7 @@ def format_wall(rows: list[dict], args) -> str:
 
 
 def cmd_wall(args, parser) -> int:
-    from labkit.memory.wall import METHODS, default_models, fit_table
+    from labkit.estimate.wall import METHODS, default_models, fit_table
 
     _positive(parser, "--batch", args.batch)
     _positive(parser, "--seq", args.seq)

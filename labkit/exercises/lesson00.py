@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from labkit.memory import fmt_bytes
-from labkit.memory.estimate import Precision, param_bytes
-from labkit.memory.spec import spec_from
+from labkit.estimate.predict import Precision, param_bytes
+from labkit.estimate.spec import spec_from
 
 from . import close, failed, number, passed
 

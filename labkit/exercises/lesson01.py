@@ -7,7 +7,7 @@ agrees with the lesson's own predictions by construction.
 from __future__ import annotations
 
 from labkit.memory import GiB, MiB, fmt_bytes
-from labkit.memory.estimate import (
+from labkit.estimate.predict import (
     Precision,
     autocast_copy_bytes,
     estimate,
@@ -15,7 +15,7 @@ from labkit.memory.estimate import (
     optimizer_state_bytes,
     param_bytes,
 )
-from labkit.memory.spec import spec_from
+from labkit.estimate.spec import spec_from
 
 from . import close, failed, integer, number, passed
 

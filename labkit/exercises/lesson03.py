@@ -2,16 +2,17 @@
 segments, and the FLOPs that recomputation adds.
 
 Expected values come from the library: the model's shapes (labkit.memory.spec_from), the estimator's
-checkpoint option, and a measured training step under FlopCounterMode (labkit.recompute.measure).
+checkpoint option, and a measured training step under FlopCounterMode (labkit.run.policies).
 """
 
 from __future__ import annotations
 
 import torch
 
-from labkit.memory import MiB, estimate, fmt_bytes
-from labkit.memory.estimate import Precision
-from labkit.memory.spec import spec_from
+from labkit.memory import MiB, fmt_bytes
+from labkit.estimate import estimate
+from labkit.estimate.predict import Precision
+from labkit.estimate.spec import spec_from
 
 from . import close, failed, integer, number, passed
 
@@ -87,7 +88,7 @@ def recompute_factor(config, batch: int, seq: int, seed: int = 0, device="cpu") 
     """Measured FLOPs of a training step with every block checkpointed / without (FlopCounterMode)."""
     from labkit.models.gpt import GPT
     from labkit.recompute import checkpoint_blocks
-    from labkit.recompute.measure import measure_training_step
+    from labkit.run.policies import measure_training_step
 
     torch.manual_seed(seed)
     model = GPT(config).to(device)

@@ -8,7 +8,8 @@ Expected values come from the library: labkit.accumulate.split_sizes and the est
 from __future__ import annotations
 
 from labkit.accumulate import split_sizes
-from labkit.memory import estimate, fmt_bytes
+from labkit.memory import fmt_bytes
+from labkit.estimate import estimate
 
 from . import close, failed, integer, number, passed
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-from labkit.memory import fmt_bytes, spec_from
+from labkit.memory import fmt_bytes
+from labkit.estimate import spec_from
 from labkit.optim import adafactor, adam8bit
 
 from . import close, failed, number, passed

@@ -1,11 +1,11 @@
-"""Predict and measure training memory: the spine every lesson stands on."""
+"""MEASURE: the ledger, budgets, and the types every layer shares. A leaf: it imports no technique.
+
+`labkit.estimate` predicts (it sums the byte formulas the technique modules own); `labkit.run` builds a
+model, applies a recipe and measures real steps under the `Ledger`.
+"""
 
 from .ledger import Ledger
-from .report import CATEGORIES, PHASES, Breakdown, Category, Estimate, Measurement, Term, Timeline
+from .report import CATEGORIES, PHASES, Breakdown, Category, Estimate, Measurement, Moment, Term, Timeline
 from .units import GiB, KiB, MiB, fmt_bytes, parse_bytes
-from .estimate import DTYPES, OPTIMIZERS, Precision, estimate
-from .peft_terms import QUANTS
 from .budget import BudgetResult, SimulatedOutOfMemoryError, cuda_limit, run_within_budget
-from .runner import apply_peft, build_model, make_optimizer, measure_step, train_step
-from .spec import ModelSpec, spec_from
-from .wall import METHODS, fit_table
+from .state import state_tensors

@@ -17,9 +17,8 @@ import torch.optim.optimizer as _optim_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from labkit.optim.base import state_tensors
-
 from .replay import replay
+from .state import state_tensors
 from .report import Breakdown, Category, Measurement
 from .budget import SimulatedOutOfMemoryError, describe_breakdown
 from .units import fmt_bytes

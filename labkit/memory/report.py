@@ -172,3 +172,8 @@ class Measurement:
     @property
     def peak(self) -> Breakdown:
         return self.phases[self.peak_phase]
+
+    @property
+    def saved(self) -> int:
+        """ACT when backward starts: the most ACT the timeline ever holds (ACT only shrinks in backward)."""
+        return max(self.timeline.bytes[Category.ACT], default=0)

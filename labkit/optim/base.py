@@ -6,6 +6,8 @@ import math
 import numbers
 
 import torch
+
+from labkit.memory.state import state_tensors  # noqa: F401  (re-exported: the optimizers' state walk)
 from torch.utils._pytree import tree_flatten
 
 
@@ -56,17 +58,6 @@ def params_with_grads(optimizer, name: str):
             if p.grad.is_sparse:
                 raise RuntimeError(f"{name} does not support sparse gradients")
             yield p, group
-
-
-def state_tensors(optimizer):
-    """Every tensor in `optimizer.state`, and those held one level down as attributes of plain objects kept
-    in it (galore-torch keeps a GaLoreProjector whose `ortho_matrix` is a view of all of U or Vh)."""
-    for state in optimizer.state.values():
-        for x in tree_flatten(state)[0]:
-            if isinstance(x, torch.Tensor):
-                yield x
-            elif hasattr(x, "__dict__") and not isinstance(x, type):
-                yield from (v for v in vars(x).values() if isinstance(v, torch.Tensor))
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -2,9 +2,8 @@
 
 from .checkpoint import ReentrantCheckpoint, RegionState, checkpoint, checkpoint_reentrant
 from .selective import POLICIES as SELECTIVE_POLICIES, SelectivePolicy, selective_checkpoint, selective_contexts, torch_policy
-from .segments import (POLICIES, activation_flops_report, best_segments, blocks_forward_flops, checkpoint_blocks,
+from .segments import (POLICIES, best_segments, blocks_forward_flops, checkpoint_blocks, forward_flops,
                        segment_bounds, sqrt_segments)
 from .offload import OffloadStats, offload_activations, offload_naive
 from .activations import GELUTanh, SiLU, gelu_tanh, gelu_tanh_naive, silu, silu_naive
 from .fusion import compare_compiled, pointwise_chain, try_compile
-from .measure import StepFigures, format_report, measure_training_step, saved_bytes

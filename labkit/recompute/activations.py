@@ -15,7 +15,6 @@ import torch
 
 from labkit.memory import Ledger
 
-from .measure import saved_bytes
 
 _C = math.sqrt(2.0 / math.pi)  # NewGELU's constant
 
@@ -97,7 +96,7 @@ def saved_activation_bytes(fn, shape=(8, 128, 512), dtype=torch.float32) -> int:
         del h
         loss.backward()  # backward starts here: what is alive from the forward is ACT
     # the loss and backward's seed gradient (made by loss.backward() before the engine runs): 1 element each
-    return saved_bytes(led.measurement()) - x.numel() * x.element_size() - 2 * loss.element_size()
+    return led.measurement().saved - x.numel() * x.element_size() - 2 * loss.element_size()
 
 
 def compare(shape=(8, 128, 512)) -> dict[str, tuple[int, int]]:

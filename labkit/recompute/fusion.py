@@ -21,7 +21,6 @@ import torch
 from labkit.memory import Ledger
 
 from .activations import gelu_tanh_naive
-from .measure import saved_bytes
 
 
 def _reason(e: BaseException) -> str:
@@ -140,7 +139,7 @@ def compare_compiled(fn=pointwise_chain, shape=(64, 256), backend: str = "aot_ea
             graph = graph_saved_bytes(loss.grad_fn)
             del h
             loss.backward()
-        return saved_bytes(led.measurement()) - n - 2 * loss.element_size(), graph  # loss and its seed gradient
+        return led.measurement().saved - n - 2 * loss.element_size(), graph  # loss and its seed gradient
 
     (e, eg), (c, cg) = measure(fn), measure(compiled)
     return FusionFigures(backend, e, c, eg, cg, n)

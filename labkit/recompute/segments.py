@@ -14,14 +14,13 @@ parameters and state_dict never change.
 
 from __future__ import annotations
 
-import copy
 import math
 from functools import partial
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from .checkpoint import checkpoint, checkpoint_reentrant
-from .measure import StepFigures, forward_flops, measure_training_step
 from .selective import SelectivePolicy, selective_contexts
 
 POLICIES = ("none", "full", "sqrt", "selective")
@@ -130,19 +129,8 @@ def blocks_forward_flops(model, x: torch.Tensor) -> int:
     return forward_flops(run)
 
 
-def activation_flops_report(model, x: torch.Tensor, y: torch.Tensor, ks=None, *, style: str = "hooks",
-                            selective="matmuls", optimizer: str = "sgd") -> list[StepFigures]:
-    """One measured training step per setting: no checkpointing (row 0), then k = 1..n segments (or
-    `ks`), then sqrt(n) and selective. Each row (`StepFigures`): ACT saved when backward starts, ACT and
-    the total at the backward peak, and the step's FLOPs (`row.extra_flops(rows[0])` is the recompute).
-    `labkit.recompute.measure.format_report(rows)` prints them with ratios."""
-    n = len(model.blocks)
-    ks = list(range(1, n + 1)) if ks is None else list(ks)
-    settings = [("none", None, "none")] + [(f"full k={k}", k, "full") for k in ks]
-    settings += [(f"sqrt k={sqrt_segments(n)}", None, "sqrt"), (f"selective {SelectivePolicy.of(selective).name}", None, "selective")]
-    rows = []
-    for label, k, policy in settings:
-        setup = partial(checkpoint_blocks, policy=policy, segments=k, style=style if policy != "selective" else "hooks",
-                        selective=selective)
-        rows.append(measure_training_step(copy.deepcopy(model), x, y, label, setup, optimizer, copy_model=False))
-    return rows
+def forward_flops(fn: Callable[[], object]) -> int:
+    """FLOPs FlopCounterMode counts for fn() run without autograd (one forward of a part of a model)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        fn()
+    return int(fc.get_total_flops())

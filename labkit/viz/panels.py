@@ -8,7 +8,9 @@ import ipywidgets as widgets
 from IPython.display import Image, display
 from matplotlib.figure import Figure
 
-from labkit.memory import DTYPES, OPTIMIZERS, GiB, estimate, fmt_bytes, measure_step, run_within_budget, spec_from
+from labkit.memory import GiB, fmt_bytes, run_within_budget
+from labkit.estimate import DTYPES, OPTIMIZERS, estimate, spec_from
+from labkit.run import measure_step
 from labkit.models.hf import PRESETS
 
 from .live import _in_ipython
@@ -39,7 +41,7 @@ def _defaults() -> dict:
 class MemoryPanel:
     """Predict one training step's memory for any preset; measure it for real when this machine can.
 
-    Every control change redraws the prediction (one call: `labkit.memory.estimate`). The button
+    Every control change redraws the prediction (one call: `labkit.estimate`). The button
     runs two real steps under the budget (one call: `run_within_budget(measure_step)`) and draws
     predicted vs measured and the memory timeline, or says why the step does not fit. It is offered
     only while the predicted step fits `measure_limit` bytes (default: what this machine can run).

@@ -1,6 +1,6 @@
 """Reference solutions for lesson 01's exercises (tests/unit/test_exercises.py checks each one)."""
 
-from labkit.memory import estimate
+from labkit.estimate import estimate
 
 
 # ---- exercise 1: bytes of model states per parameter ----------------------------------------------

@@ -2,10 +2,10 @@
 
 import torch
 
-from labkit.memory import estimate
+from labkit.estimate import estimate
 from labkit.models.gpt import GPT
 from labkit.recompute import checkpoint_blocks
-from labkit.recompute.measure import measure_training_step
+from labkit.run.policies import measure_training_step
 
 
 # ---- exercise 1: what full checkpointing keeps per block ------------------------------------------

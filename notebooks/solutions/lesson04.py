@@ -1,6 +1,6 @@
 """Reference solutions for lesson 04's exercises (tests/unit/test_exercises_02_04.py checks each one)."""
 
-from labkit.memory import estimate
+from labkit.estimate import estimate
 
 
 # ---- exercise 1: the weight of a micro-batch's loss ------------------------------------------------

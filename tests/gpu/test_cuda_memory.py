@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from labkit.memory import estimate, measure_step, run_within_budget
+from labkit.memory import run_within_budget
+from labkit.estimate import estimate
+from labkit.run import measure_step
 from labkit.models.gpt import GPTConfig
 
 pytestmark = [

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from labkit.accumulate import accumulate_grads, accumulate_step, split_sizes
-from labkit.memory import Ledger, make_optimizer
+from labkit.memory import Ledger
+from labkit.run import make_optimizer
 from labkit.models.gpt import GPT, GPTConfig
-from labkit.recompute.measure import saved_bytes
+from labkit.run.policies import saved_bytes
 
 B, T = 8, 16
 RTOL = 1e-5  # fp32: relative to the largest gradient entry of each tensor

@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from labkit.memory import Category, Ledger, SimulatedOutOfMemoryError, measure_step, run_within_budget
+from labkit.memory import Category, Ledger, SimulatedOutOfMemoryError, run_within_budget
+from labkit.run import measure_step
 from labkit.memory.units import fmt_bytes, parse_bytes
 from labkit.models.gpt import GPTConfig
 

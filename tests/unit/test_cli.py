@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from labkit.cli import main
-from labkit.memory import estimate
+from labkit.estimate import estimate
 from labkit.models.gpt import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +113,7 @@ def test_python_m_labkit_bad_input():
 
 def test_recompute_and_accumulation_options(capsys):
     from labkit.cli import main
-    from labkit.memory import estimate
+    from labkit.estimate import estimate
     from labkit.models.gpt import GPTConfig
 
     assert main(["estimate", "--model", "gpt:n_layer=4,n_embd=64,block_size=64", "--batch", "8", "--seq", "64",

@@ -11,7 +11,7 @@ import torch
 
 import labkit.cli as cli
 from labkit.cli import MAX_LAYERS, MAX_SIZE, MAX_WALL_LAYERS, main
-from labkit.memory.spec import spec_from
+from labkit.estimate.spec import spec_from
 from labkit.models import hf
 
 
@@ -290,7 +290,7 @@ def test_huge_models_are_refused_before_anything_is_built(capsys, cfg, monkeypat
     def no_build(*args, **kwargs):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr("labkit.memory.spec.spec_from", no_build)
+    monkeypatch.setattr("labkit.estimate.spec.spec_from", no_build)
     for model in ("gpt:n_layer=10000000", f"gpt:n_layer={MAX_LAYERS + 1}", "{cfg}/g_layers_huge.json",
                   "{cfg}/g_embd_huge.json", f"gpt:vocab_size={MAX_SIZE + 1}"):
         code, _, err = run(capsys, ["estimate", "--model", model, "--seq", "8"], cfg)

@@ -2,11 +2,13 @@
 
 import pytest
 
-from labkit.memory import Category, estimate, fmt_bytes, measure_step
-from labkit.memory.estimate import Precision, autocast_copy_bytes, grad_bytes, optimizer_state_bytes, param_bytes
-from labkit.memory.families import WALKS
-from labkit.memory.spec import spec_from
-from labkit.memory.walk import Walk
+from labkit.memory import Category, fmt_bytes
+from labkit.estimate import estimate
+from labkit.run import measure_step
+from labkit.estimate.predict import Precision, autocast_copy_bytes, grad_bytes, optimizer_state_bytes, param_bytes
+from labkit.estimate.families import WALKS
+from labkit.estimate.spec import spec_from
+from labkit.estimate.walk import Walk
 from labkit.models.gpt import GPTConfig
 
 GPT2 = 124_439_808

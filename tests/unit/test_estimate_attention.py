@@ -1,9 +1,10 @@
-"""Materialised attention's transients (labkit.memory.attention) against the ledger, where they set the peak."""
+"""Materialised attention's transients (labkit.estimate.attention) against the ledger, where they set the peak."""
 
 import pytest
 
-from labkit.memory import estimate, measure_step
-from labkit.memory.attention import AttnShape, materialised
+from labkit.estimate import estimate
+from labkit.run import measure_step
+from labkit.estimate.attention import AttnShape, materialised
 from labkit.models.gpt import GPTConfig
 
 TOL = 0.03  # of the measured peak, as every lesson states it

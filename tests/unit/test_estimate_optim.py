@@ -7,8 +7,10 @@ import pytest
 import torch
 import transformers.optimization
 
-from labkit.memory import Category, Precision, estimate, make_optimizer, measure_step, spec_from
-from labkit.memory.optim_terms import adam8bit_state, galore_matrix_state, state_bytes
+from labkit.memory import Category
+from labkit.estimate import Precision, estimate, spec_from
+from labkit.run import make_optimizer, measure_step
+from labkit.estimate.optim_terms import adam8bit_state, galore_matrix_state, state_bytes
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.optim import Adafactor, StepInBackward
 

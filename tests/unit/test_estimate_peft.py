@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from labkit.cli import main
-from labkit.memory import QUANTS, Category, GiB, build_model, estimate, fit_table, measure_step
-from labkit.memory.peft_terms import (NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes, peft_of, resolve_targets,
+from labkit.memory import Category, GiB
+from labkit.estimate import QUANTS, estimate, fit_table
+from labkit.run import build_model, measure_step
+from labkit.estimate.peft_terms import (NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes, peft_of, resolve_targets,
                                       trainable_spec)
-from labkit.memory.spec import spec_from
-from labkit.memory.wall import default_models
+from labkit.estimate.spec import spec_from
+from labkit.estimate.wall import default_models
 from labkit.models.gpt import GPTConfig
 
 G = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from labkit.memory import estimate, measure_step
-from labkit.memory.moments import segments_of
+from labkit.estimate import estimate
+from labkit.run import measure_step
+from labkit.estimate.moments import segments_of
 from labkit.models.gpt import GPTConfig
 
 G = GPTConfig(n_layer=6, n_head=4, n_embd=96, block_size=64)
@@ -38,8 +39,9 @@ def test_options_save_what_they_should():
     micro = estimate(G, 8, 64, micro_batch=2).peak.total
     assert full < sqrt < none and micro < none
     # what the forward leaves saved: every block's activations, or only the segments' inputs
-    from labkit.memory import Category, Precision, spec_from
-    from labkit.memory.estimate import input_bytes, walk_activations
+    from labkit.memory import Category
+    from labkit.estimate import Precision, spec_from
+    from labkit.estimate.predict import input_bytes, walk_activations
     w, marks = walk_activations(spec_from(G), Precision.of("fp32"), 8, 64, "cpu")
     act_none = estimate(G, 8, 64).phases["forward"][Category.ACT]
     assert act_none == input_bytes(8, 64) + w.saved_bytes

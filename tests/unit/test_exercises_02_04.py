@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from labkit.exercises import lesson02, lesson03, lesson04
-from labkit.memory import MiB, estimate
+from labkit.memory import MiB
+from labkit.estimate import estimate
 from labkit.models.gpt import GPTConfig
 from labkit.precision import quantize_fp8
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from labkit.exercises import lesson05, lesson06
-from labkit.memory import Category, Ledger, train_step
+from labkit.memory import Category, Ledger
+from labkit.run import train_step
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.optim import StepInBackward
 
@@ -129,7 +130,7 @@ def test_step_in_backward_wrong_answers_fail(answer, hint, says):
 
 
 def test_step_in_backward_whole_block_fails(says):
-    from labkit.memory import spec_from
+    from labkit.estimate import spec_from
 
     spec = spec_from(CFG)
     assert lesson05.check_step_in_backward_grad(4 * spec.layer_params, CFG) is False

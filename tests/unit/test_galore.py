@@ -6,7 +6,8 @@ import io
 import pytest
 import torch
 
-from labkit.memory import Category, Ledger, train_step
+from labkit.memory import Category, Ledger
+from labkit.run import train_step
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.optim import galore as gl
 from labkit.optim import galore8bit as gl8

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from labkit.memory import Category, Ledger, Measurement, SimulatedOutOfMemoryError, build_model, make_optimizer, train_step
+from labkit.memory import Category, Ledger, Measurement, SimulatedOutOfMemoryError
+from labkit.run import build_model, make_optimizer, train_step
 from labkit.models.gpt import GPTConfig
 
 WORKLOADS = {

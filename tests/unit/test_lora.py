@@ -185,7 +185,7 @@ def test_bad_input_says_what_to_do():
 def test_gpt2_conv1d_layers_are_adapted_and_match_peft():
     """GPT-2 (transformers) uses Conv1D, not nn.Linear: all-linear must find them (it once found none and
     froze the whole model), and the result must equal peft's, which adapts Conv1D with fan_in_fan_out."""
-    from labkit.memory import build_model
+    from labkit.run import build_model
 
     torch.manual_seed(0)
     m = build_model("gpt2-tiny").eval()  # no dropout: outputs comparable

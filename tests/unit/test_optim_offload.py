@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from labkit.memory import Category, Ledger, train_step
+from labkit.memory import Category, Ledger
+from labkit.run import train_step
 from labkit.models.gpt import GPT
 from labkit.optim.offload import OffloadAdamW, offload_adamw_step_naive
 from tiny_training import CFG, batches as _batches, same as _same, train as _train

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labkit import paths
-from labkit.memory import measure_step
+from labkit.run import measure_step
 from labkit.models.gpt import GPTConfig
 from labkit.optim import offload
 

@@ -11,10 +11,11 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.recompute import (SelectivePolicy, blocks_forward_flops, checkpoint, checkpoint_blocks, checkpoint_reentrant,
-                              compare_compiled, measure_training_step, offload_activations, segment_bounds,
-                              selective_checkpoint, sqrt_segments, torch_policy, try_compile)
+                              compare_compiled, offload_activations, segment_bounds, selective_checkpoint,
+                              sqrt_segments, torch_policy, try_compile)
 from labkit.recompute import activations as act
 from labkit.recompute.segments import best_segments
+from labkit.run import measure_training_step
 
 B, T, C = 2, 32, 32
 X_BYTES = B * T * C * 4  # one block input, fp32

@@ -6,7 +6,8 @@ import io
 import pytest
 import torch
 
-from labkit.memory import Category, Ledger, train_step
+from labkit.memory import Category, Ledger
+from labkit.run import train_step
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.optim.galore import GaLoreAdamW, galore_param_groups
 from labkit.optim.step_in_backward import StepInBackward, step_in_backward_naive
@@ -112,7 +113,8 @@ def test_estimate_of_a_projector_refresh_step_in_backward(kind):
     """With update_proj_gap=1 every step refreshes GaLore's projectors (an SVD per matrix) inside backward:
     the estimate's "optimizer" phase is the moment the largest matrix steps, SVD included, with the
     activations still alive. Measured 0.3 % over (peak and that phase), bf16."""
-    from labkit.memory import build_model, estimate
+    from labkit.estimate import estimate
+    from labkit.run import build_model
     from labkit.optim.galore8bit import GaLoreAdamW8bit
 
     cfg = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64)

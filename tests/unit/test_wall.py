@@ -2,8 +2,9 @@
 
 import pytest
 
-from labkit.memory import GiB, estimate, fit_table
-from labkit.memory.wall import default_models
+from labkit.memory import GiB
+from labkit.estimate import estimate, fit_table
+from labkit.estimate.wall import default_models
 from labkit.models.hf import PRESETS
 
 

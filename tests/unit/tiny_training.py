@@ -5,7 +5,7 @@ Importable from the tests in this folder (pytest puts a test's folder on sys.pat
 
 import torch
 
-from labkit.memory import train_step
+from labkit.run import train_step
 from labkit.models.gpt import GPTConfig
 
 CFG = GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=64, block_size=32)

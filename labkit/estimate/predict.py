@@ -13,7 +13,7 @@ from .families import WALKS
 from .optim_terms import OPTIMIZERS
 from . import optim_terms, peft_terms
 from .moments import POLICIES, StepBytes, step_moments
-from .report import Breakdown, Category, Estimate, Term
+from labkit.memory.report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
 from .walk import Walk
 
@@ -59,7 +59,7 @@ def optimizer_state_bytes(spec: ModelSpec, prec: Precision, optimizer: str, rank
     """k x N x bytes per weight + 4 bytes of step counter per tensor for Adam.
     k = 0 (SGD), 1 (momentum buffer), 2 (Adam's m and v). torch.optim keeps state in the
     parameters' dtype: 8N for fp32 Adam (12N with the master copy, as ZeRO's K = 12 counts).
-    8-bit Adam, Lion, Adafactor and GaLore: see labkit.memory.optim_terms."""
+    8-bit Adam, Lion, Adafactor and GaLore: see labkit.estimate.optim_terms."""
     return optim_terms.state_bytes(spec, prec.weight, optimizer, rank)
 
 
@@ -68,7 +68,7 @@ def optimizer_temp_bytes(spec: ModelSpec, prec: Precision, optimizer: str, forea
     """Adam's step makes sqrt(v) and sqrt(v)/c before adding eps in place: 2 temporaries the size
     of the largest parameter one tensor at a time (torch.optim single-tensor path, CPU default),
     or of all parameters at once in the foreach path (CUDA default). SGD works in place.
-    Others: labkit.memory.optim_terms.temp_bytes."""
+    Others: labkit.estimate.optim_terms.temp_bytes."""
     return optim_terms.temp_bytes(spec, prec.weight, optimizer, foreach, rank)
 
 
@@ -79,10 +79,10 @@ def input_bytes(batch: int, seq: int) -> int:
 
 
 def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, device: str, peft=None):
-    """Bytes saved for backward by the forward walk of the model's family (labkit.memory.families):
+    """Bytes saved for backward by the forward walk of the model's family (labkit.estimate.families):
     per layer this reproduces Korthikanti et al.'s sbh(34 + 5as/h) for their layer and precision,
     and adds the logits' log-softmax, B x S x V (4 bytes when the loss runs in fp32).
-    peft (labkit.memory.peft_terms.Peft): frozen weights save less, adapters save a little more."""
+    peft (labkit.estimate.peft_terms.Peft): frozen weights save less, adapters save a little more."""
     w = Walk(x_bytes=prec.weight, autocast=prec.autocast, device=device,
              linears={name: (d_in, d_out, bias) for name, d_in, d_out, bias in spec.linears})
     peft_terms.setup_walk(w, peft)
@@ -184,7 +184,7 @@ def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, ch
 
 def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, peft=None) -> tuple[StepBytes, Walk]:
     """Every byte count the phases need, from the model states and the forward walk of a micro-batch.
-    peft: LoRA/QLoRA/LISA (labkit.memory.peft_terms): only the trainable parameters get gradients and
+    peft: LoRA/QLoRA/LISA (labkit.estimate.peft_terms): only the trainable parameters get gradients and
     optimizer state; the frozen base stays in parameters (or in int8/NF4 buffers)."""
     w, marks = walk_activations(spec, prec, micro, S, device, peft)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes

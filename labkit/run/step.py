@@ -9,12 +9,12 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .estimate import DTYPES, OPTIMIZERS, STEP_AND_OFFLOAD, Precision, _check_peft_options
-from .peft_terms import parse_targets, peft_of
-from .spec import spec_from
-from .budget import cuda_limit
-from .ledger import Ledger
-from .report import Measurement
+from labkit.estimate.peft_terms import parse_targets, peft_of
+from labkit.estimate.predict import DTYPES, OPTIMIZERS, STEP_AND_OFFLOAD, Precision, _check_peft_options
+from labkit.estimate.spec import spec_from
+from labkit.memory.budget import cuda_limit
+from labkit.memory.ledger import Ledger
+from labkit.memory.report import Measurement
 from labkit.paths import data_dir
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "mixed-fp16": torch.float16, "mixed-bf16": torch.bfloat16}
@@ -45,7 +45,7 @@ def build_model(model, dtype: str = "fp32", device=None, **overrides) -> torch.n
 def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = None,
                lora_targets: str | Sequence[str] = "all-linear", quant: str = "none", lisa_layers: int | None = None):
     """Make `m` a LoRA / QLoRA / int8-base LoRA model in place (labkit.peft); returns the resolved
-    labkit.memory.peft_terms.Peft, or None for plain training. LISA needs the optimizer: see measure_step.
+    labkit.estimate.peft_terms.Peft, or None for plain training. LISA needs the optimizer: see measure_step.
 
     quant "nf4": labkit.peft.apply_qlora (NF4Base, double quantization); "int8": a labkit.quant.Int8Linear
     (per-row absmax) per target. The compute dtype is the model's (16-bit under mixed-*)."""

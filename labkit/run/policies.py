@@ -10,8 +10,13 @@ from typing import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from labkit.memory import Category, Ledger, Measurement, make_optimizer, train_step
+from functools import partial
+
+from labkit.memory import Category, Ledger, Measurement
 from labkit.memory.units import fmt_bytes
+from labkit.recompute import SelectivePolicy, checkpoint_blocks, sqrt_segments
+
+from .step import make_optimizer, train_step
 
 
 @dataclass
@@ -51,8 +56,8 @@ def format_report(rows: list[StepFigures]) -> str:
 
 
 def saved_bytes(m: Measurement) -> int:
-    """ACT when backward starts: the most ACT the timeline ever holds (ACT only shrinks in backward)."""
-    return max(m.timeline.bytes[Category.ACT], default=0)
+    """ACT when backward starts (`Measurement.saved`)."""
+    return m.saved
 
 
 def measure_training_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, label: str = "",
@@ -74,8 +79,19 @@ def measure_training_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
                        int(fc.get_total_flops()))
 
 
-def forward_flops(fn: Callable[[], object]) -> int:
-    """FLOPs FlopCounterMode counts for fn() run without autograd (one forward of a part of a model)."""
-    with torch.no_grad(), FlopCounterMode(display=False) as fc:
-        fn()
-    return int(fc.get_total_flops())
+def activation_flops_report(model, x: torch.Tensor, y: torch.Tensor, ks=None, *, style: str = "hooks",
+                            selective="matmuls", optimizer: str = "sgd") -> list[StepFigures]:
+    """One measured training step per setting: no checkpointing (row 0), then k = 1..n segments (or
+    `ks`), then sqrt(n) and selective. Each row (`StepFigures`): ACT saved when backward starts, ACT and
+    the total at the backward peak, and the step's FLOPs (`row.extra_flops(rows[0])` is the recompute).
+    `labkit.run.policies.format_report(rows)` prints them with ratios."""
+    n = len(model.blocks)
+    ks = list(range(1, n + 1)) if ks is None else list(ks)
+    settings = [("none", None, "none")] + [(f"full k={k}", k, "full") for k in ks]
+    settings += [(f"sqrt k={sqrt_segments(n)}", None, "sqrt"), (f"selective {SelectivePolicy.of(selective).name}", None, "selective")]
+    rows = []
+    for label, k, policy in settings:
+        setup = partial(checkpoint_blocks, policy=policy, segments=k, style=style if policy != "selective" else "hooks",
+                        selective=selective)
+        rows.append(measure_training_step(copy.deepcopy(model), x, y, label, setup, optimizer, copy_model=False))
+    return rows

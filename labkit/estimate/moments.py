@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from .report import Category, Moment, Term
+from labkit.memory.report import Category, Moment, Term
 
 POLICIES = ("none", "full", "sqrt", "selective")
 P_, B_, G_, O_, A_, T_ = (Category.PARAM, Category.BUFFER, Category.GRAD, Category.OPT, Category.ACT, Category.TEMP)
@@ -42,8 +42,8 @@ class StepBytes:
     C: int = _f(P_, "autocast 16-bit weight copies", "2 x matmul parameters",
                 "torch.autocast's weight cast cache, kept until backward")
     G: int = _f(G_, "gradients", "N_train x d", "gradients take the parameters' dtype (fp32 under mixed precision)")
-    O: int = _f(O_, "optimizer state", "per optimizer (labkit.memory.optim_terms)", "labkit.optim / torch.optim")
-    opt_temp: int = _f(T_, "optimizer step temporaries", "per optimizer (labkit.memory.optim_terms.temp_bytes)",
+    O: int = _f(O_, "optimizer state", "per optimizer (labkit.estimate.optim_terms)", "labkit.optim / torch.optim")
+    opt_temp: int = _f(T_, "optimizer step temporaries", "per optimizer (labkit.estimate.optim_terms.temp_bytes)",
                        "torch.optim _single_tensor/_multi_tensor Adam: sqrt(v) and its quotient")
     inputs: int = _f(A_, "token ids and targets", "2 x B x S x 8 (int64)", "the batch")
     before: int = _f(A_, "saved before the first block", "walk: position ids, embedding dropout mask",
@@ -79,7 +79,7 @@ class StepBytes:
     offload_back: int = _f(T_, "a block's worst backward op with offload",
                            "max(3 r f m: the MLP input copied back + two gradients of its size, 3 x probs / L + 2 r h m)",
                            "labkit.recompute.offload_activations: unpacked on use")
-    buffers: int = _f(B_, "int8/NF4 frozen base weights", "per weight (labkit.memory.peft_terms)", "Dettmers et al. 2023")
+    buffers: int = _f(B_, "int8/NF4 frozen base weights", "per weight (labkit.estimate.peft_terms)", "Dettmers et al. 2023")
     dequant: int = _f(T_, "dequantization scratch of one weight", "6 B (NF4) or 6-8 B (int8) x the largest weight",
                       "labkit.quant.dequantize_nf4 / dequantize_int8")
     # step-in-backward: (largest gradient, step temporaries) of one block's parameters and of the rest;
@@ -94,7 +94,7 @@ class StepBytes:
     step_freed: tuple[int, int, int] = (0, 0, 0)
     head_freed: tuple[int, int, int] = (0, 0, 0)  # the same for an untied head: its copy, saved input, all but dX
     states: dict = field(default_factory=dict)  # "P", "C", "G", "O", "buffers" -> the model-state terms making it up
-    # worst moments inside a block's ops (materialised attention, labkit.memory.attention), block 0's:
+    # worst moments inside a block's ops (materialised attention, labkit.estimate.attention), block 0's:
     # (phase, what, saved by the block before the op, the op's saved tensors alive then, its temporaries,
     #  bytes of the block's gradients made by then in backward, matmul outputs of the block up to the op)
     points: list = field(default_factory=list)
@@ -269,7 +269,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
 
 
 def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
-    """Inside the last block's forward, at each recorded op's worst moment (labkit.memory.attention)."""
+    """Inside the last block's forward, at each recorded op's worst moment (labkit.estimate.attention)."""
     out = []
     n_units, L = len(sizes), sum(sizes)
     extra = [custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
@@ -285,20 +285,20 @@ def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) 
             continue
         terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra]
         if offload:  # saved tensors leave the device; the op's temporaries stay
-            terms.append(custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.memory.attention)",
+            terms.append(custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
                                 "the op sequence of this attention path"))
         elif policy == "none":
             terms += [b.term("before"), *_held_terms(b, policy, offload, sizes, L - 1),
                       custom(f"saved by block {L - 1} before it", A_, before, "walk, block prefix", "derivatives.yaml"),
-                      custom(f"{what} saved so far", A_, saved, "replayed ops (labkit.memory.attention)",
+                      custom(f"{what} saved so far", A_, saved, "replayed ops (labkit.estimate.attention)",
                              "the op sequence of this attention path"),
-                      custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.memory.attention)",
+                      custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
                              "the op sequence of this attention path")]
         else:  # inside a checkpointed region nothing is saved: the same tensors live as temporaries
             terms += [b.term("before"), *_held_terms(b, policy, offload, sizes, n_units - 1),
                       b.term("seg_input", name="the last unit's input"),
                       custom(f"{what} (no grad: tensors freed when unused)", T_, saved + temp,
-                             "replayed ops (labkit.memory.attention)", "the op sequence of this attention path")]
+                             "replayed ops (labkit.estimate.attention)", "the op sequence of this attention path")]
             if policy == "selective":  # the block's matmul outputs so far stay cached for its backward
                 terms.append(custom("matmul outputs kept so far in the block (selective)", A_, kept,
                                     "walk: outputs of mm/bmm/sdpa up to the op", "torch SAC policy MUST_SAVE"))
@@ -329,12 +329,12 @@ def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buff
         else:
             terms += [custom(f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",
                              "derivatives.yaml"),
-                      custom(f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.memory.attention)",
+                      custom(f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.estimate.attention)",
                              "the op sequence of this attention path")]
             if b.C:
                 terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
                                     name=f"autocast copies of the {n_layer - done} blocks not finished"))
-        terms.append(custom(f"{what}: temporaries", T_, temp, "replayed ops (labkit.memory.attention)",
+        terms.append(custom(f"{what}: temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
                             "the op sequence of this attention path"))
         terms.append(b.term("stream"))
         if not grads_exist and not step_in_backward:

@@ -3,7 +3,7 @@
 Each primitive below says, in its docstring, which tensors PyTorch's autograd keeps for the backward
 pass (the rules of `tools/autograd/derivatives.yaml`) and so how many bytes it adds. A tensor saved
 by two ops (a LayerNorm's output read by three projections) is counted once, as in memory. Model
-families are written as short sequences of primitives in `labkit.memory.families`.
+families are written as short sequences of primitives in `labkit.estimate.families`.
 
 Frozen weights (LoRA, QLoRA, LISA) change what is saved: autograd saves an op's input only for the
 gradients it must compute, so a frozen Linear keeps nothing of x, and nothing is recorded at all
@@ -57,7 +57,7 @@ class Walk:
     linears: dict[str, tuple] = field(default_factory=dict)  # module name -> (d_in, d_out, bias elements)
     copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
     trained: int = 0  # elements of the trained parameters the walk has passed (their gradients come in reverse)
-    # worst moments inside ops (labkit.memory.attention): (phase, what, saved bytes before the op,
+    # worst moments inside ops (labkit.estimate.attention): (phase, what, saved bytes before the op,
     # the op's own saved bytes alive then, its temporaries then, `trained` before the op, kept bytes then)
     points: list[tuple] = field(default_factory=list)
     forward_extra: int = 0  # alive through the whole forward, never saved (transformers' 4-D float mask)
