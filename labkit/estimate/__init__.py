@@ -5,6 +5,7 @@ never re-derives one; `labkit.memory` holds the result types.
 """
 
 from .predict import DTYPES, OPTIMIZERS, Precision, estimate
+from .recipe import Recipe
 from .peft_terms import QUANTS
 from .moments import POLICIES
 from .spec import ModelSpec, spec_from

@@ -16,7 +16,9 @@ from dataclasses import replace
 from labkit.optim import adafactor, adam8bit, galore, galore8bit, lion
 
 TORCH_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}  # d-byte states per element
-OPTIMIZERS = (*TORCH_STATES, "adamw8bit", "adam8bit", "lion", "adafactor", "galore", "galore8bit")
+from .recipe import OPTIMIZERS  # noqa: E402  (the names, checked by Recipe)
+
+assert set(TORCH_STATES) <= set(OPTIMIZERS)
 # labkit.optim.AdamW8bit's small-tensor limit, block and chunk (its module owns them)
 MIN_8BIT, BLOCK, CHUNK = adam8bit.MIN_8BIT_SIZE, adam8bit.BLOCKSIZE, adam8bit.CHUNK_SIZE
 

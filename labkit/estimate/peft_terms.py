@@ -22,7 +22,7 @@ from labkit.peft.lora import adapter_numel
 from labkit.quant.int8 import INT8_DEQUANT_BYTES_PER_WEIGHT, int8_bytes_for
 from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE, NF4_BLOCKSIZE, NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes_for
 
-QUANTS = ("none", "int8", "nf4")
+from .recipe import QUANTS  # noqa: E402  (the names, checked by Recipe)
 NF4_BLOCK, DQ_BLOCK = NF4_BLOCKSIZE, DOUBLE_QUANT_BLOCKSIZE  # labkit.quant.nf4's: weights per absmax, absmax per scale
 _LAYER = re.compile(r"\.(\d+)\.")
 

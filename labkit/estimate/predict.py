@@ -10,15 +10,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .families import WALKS
-from .optim_terms import OPTIMIZERS
 from . import optim_terms, peft_terms
-from .moments import POLICIES, StepBytes, step_moments
+from .moments import StepBytes, step_moments
+from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
 from labkit.memory.report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
 from .walk import Walk
 
-DTYPES = ("fp32", "fp16", "bf16", "mixed-fp16", "mixed-bf16")
-STEP_AND_OFFLOAD = "step_in_backward and optimizer_offload: OffloadAdamW steps all parameters at once; choose one"
 
 
 @dataclass(frozen=True)
@@ -91,14 +89,12 @@ def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, dev
     return w, marks
 
 
-def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = "adamw", *,
-             device: str = "cpu", foreach: bool | None = None, checkpoint: str = "none",
-             segments: int | None = None, offload_activations: bool = False, micro_batch: int | None = None,
-             rank: int | None = None, optimizer_offload: str | None = None, step_in_backward: bool = False,
-             lora_rank: int | None = None, lora_targets: str | Sequence[str] = "all-linear", quant: str = "none",
-             lisa_layers: int | None = None, **overrides) -> Estimate:
-    """Predict one steady-state training step (gradients set to None between steps).
+def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str = "fp32", optimizer: str = "adamw",
+             **options) -> Estimate:
+    """Predict one steady-state training step (gradients set to None between steps) as moments made of terms.
 
+    Give a `labkit.estimate.Recipe`, or a model with batch, seq and the Recipe's other fields as keywords
+    (any other keyword overrides the preset's config, e.g. n_layer=2):
     model: preset name, config path, hub id, GPTConfig, GPT or transformers model/config.
     device: "cpu" or "cuda" (fused attention and dropout masks differ); foreach: Adam's foreach
     path (default: on CUDA only, as torch.optim does).
@@ -116,28 +112,21 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
     (QLoRA: NF4 with double quantization, labkit.peft.apply_qlora); needs lora_rank.
     lisa_layers: LISA with gamma = lisa_layers active layers (labkit.peft.LISA); not with lora_rank.
     """
-    for name, v in (("batch", batch), ("seq", seq)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if checkpoint not in POLICIES:
-        raise ValueError(f"checkpoint must be one of {', '.join(POLICIES)}, got {checkpoint!r}")
-    micro = batch if micro_batch is None else micro_batch
-    if not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0 or batch % micro:
-        raise ValueError(f"micro_batch must be a positive integer dividing batch ({batch}), got {micro_batch!r}")
-    if optimizer.startswith("galore") and (not isinstance(rank, int) or rank <= 0):
-        raise ValueError(f"rank must be a positive integer for {optimizer}, got {rank!r}")
-    if optimizer_offload not in (None, "cpu", "disk"):
-        raise ValueError(f"optimizer_offload must be None, 'cpu' or 'disk', got {optimizer_offload!r}")
-    if optimizer_offload and optimizer != "adamw":
-        raise ValueError(f"optimizer_offload works with adamw (labkit.optim.OffloadAdamW), not {optimizer!r}")
-    if step_in_backward and micro_batch not in (None, batch):
-        raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
-    if step_in_backward and optimizer_offload:
-        raise ValueError(STEP_AND_OFFLOAD)
+    if isinstance(model, Recipe):
+        if batch is not None or seq is not None or options or (dtype, optimizer) != ("fp32", "adamw"):
+            raise TypeError("give a Recipe alone, or a model with batch, seq and options, not both")
+        recipe = model
+    else:
+        recipe = Recipe.of(model, batch, seq, dtype=dtype, optimizer=optimizer, **options)
+    return _estimate(recipe)
+
+
+def _estimate(r: Recipe) -> Estimate:
+    model, batch, seq, dtype, optimizer, device = r.model, r.batch, r.seq, r.dtype, r.optimizer, r.device
+    checkpoint, segments, offload_activations, micro = r.checkpoint, r.segments, r.offload_activations, r.micro
+    rank, optimizer_offload, step_in_backward = r.rank, r.optimizer_offload, r.step_in_backward
+    lora_rank, lora_targets, quant, lisa_layers = r.lora_rank, r.lora_targets, r.quant, r.lisa_layers
+    overrides = r.config
     prec = Precision.of(dtype)
     spec = spec_from(model, **overrides)
     peft = peft_terms.peft_of(spec, lora_rank, lora_targets, quant, lisa_layers)
@@ -151,7 +140,7 @@ def estimate(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = 
     if (checkpoint != "none" or offload_activations) and spec.family != "labkit-gpt":
         raise ValueError("checkpoint and offload_activations are modelled for labkit's GPT (the blocks "
                          "labkit.recompute wraps); use a GPTConfig")
-    foreach = (device == "cuda") if foreach is None else foreach
+    foreach = (device == "cuda") if r.foreach is None else r.foreach
     b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = 0

@@ -10,7 +10,8 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.estimate.peft_terms import parse_targets, peft_of
-from labkit.estimate.predict import DTYPES, OPTIMIZERS, STEP_AND_OFFLOAD, Precision, _check_peft_options
+from labkit.estimate.predict import OPTIMIZERS, STEP_AND_OFFLOAD, Precision, _check_peft_options
+from labkit.estimate.recipe import Recipe
 from labkit.estimate.spec import spec_from
 from labkit.memory.budget import cuda_limit
 from labkit.memory.ledger import Ledger
@@ -137,32 +138,43 @@ def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = 
     return total
 
 
-def measure_step(model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = "adamw",
-                 steps: int = 2, budget: int | None = None, device=None, lr: float = 1e-3,
-                 foreach=None, data: torch.Tensor | None = None, seed: int = 0, progress: bool | None = None,
-                 checkpoint: str = "none", segments: int | None = None, offload_activations: bool = False,
-                 micro_batch: int | None = None, rank: int | None = None, optimizer_offload: str | None = None,
-                 step_in_backward: bool = False, lora_rank: int | None = None,
-                 lora_targets: str | Sequence[str] = "all-linear", quant: str = "none", lisa_layers: int | None = None,
-                 **overrides) -> Measurement:
-    """Build the model, then run `steps` training steps under a Ledger and return what it measured.
+def measure_step(model, batch: int | None = None, seq: int | None = None, dtype: str = "fp32",
+                 optimizer: str = "adamw", *, steps: int = 2, budget: int | None = None, device=None,
+                 lr: float = 1e-3, data: torch.Tensor | None = None, seed: int = 0, progress: bool | None = None,
+                 **options) -> Measurement:
+    """Build the model, apply the recipe, run `steps` training steps under a Ledger and return what it measured.
 
-    data: a 1-D tensor of token ids to sample batches from (default: random tokens).
+    Give a `labkit.estimate.Recipe`, or a model with batch, seq and the Recipe's fields as keywords (any other
+    keyword overrides the preset's config), exactly as `labkit.estimate.estimate` takes them. Run options:
+    steps: training steps to run (the first makes the optimizer state; peaks are over all of them).
     budget: bytes; exceeding it raises SimulatedOutOfMemoryError where a real device would fail.
+    device: where to run (default the CPU); a Recipe's device must agree with it.
+    data: a 1-D tensor of token ids to sample batches from (default: random tokens).
     progress: a tqdm bar over the steps (default: when there are 10 or more).
-    checkpoint, segments: labkit.recompute.checkpoint_blocks(model, checkpoint, segments) (labkit's GPT).
-    offload_activations, micro_batch: as in `train_step`.
-    rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload: a temporary folder in data_dir()).
-    lora_rank, lora_targets, quant, lisa_layers: as in `estimate`; see `apply_peft` (LISA switches
-    layers every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires).
+    The recipe: checkpoint, segments: labkit.recompute.checkpoint_blocks; offload_activations, micro_batch:
+    as in `train_step`; rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload: a
+    temporary folder in data_dir()); lora_rank, lora_targets, quant, lisa_layers: see `apply_peft` (LISA
+    switches layers every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires).
     """
-    for name, v in (("batch", batch), ("seq", seq), ("steps", steps)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if step_in_backward and micro_batch not in (None, batch):
-        raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    kind = torch.device(device or "cpu").type
+    if isinstance(model, Recipe):
+        if batch is not None or seq is not None or options or (dtype, optimizer) != ("fp32", "adamw"):
+            raise TypeError("give a Recipe alone, or a model with batch, seq and options, not both")
+        r = model
+        if device is None:
+            kind = r.device
+        elif r.device != kind:
+            raise ValueError(f"the recipe is for {r.device!r} but device={device!r}")
+    else:
+        r = Recipe.of(model, batch, seq, dtype=dtype, optimizer=optimizer, device=kind, **options)
+    model, batch, seq, dtype, optimizer = r.model, r.batch, r.seq, r.dtype, r.optimizer
+    checkpoint, segments, offload_activations, micro_batch = r.checkpoint, r.segments, r.offload_activations, r.micro_batch
+    rank, optimizer_offload, step_in_backward, foreach = r.rank, r.optimizer_offload, r.step_in_backward, r.foreach
+    lora_rank, lora_targets, quant, lisa_layers = r.lora_rank, r.lora_targets, r.quant, r.lisa_layers
+    overrides = r.config
+    device = device or kind
     torch.manual_seed(seed)
     device = torch.device(device or "cpu")
     m = build_model(model, dtype, device, **overrides)

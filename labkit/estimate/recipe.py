@@ -1,0 +1,138 @@
+"""A Recipe: one training step's setup (model, sizes, precision, recompute, optimizer, PEFT), checked once.
+
+`labkit.estimate.estimate(recipe)` predicts it and `labkit.run.measure_step(recipe)` measures it; both also
+take the same fields as keywords and build the Recipe themselves, so every check lives here (plus the
+checks that need the model's shapes, made when the estimator reads them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Sequence
+
+DTYPES = ("fp32", "fp16", "bf16", "mixed-fp16", "mixed-bf16")
+TORCH_OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
+OPTIMIZERS = (*TORCH_OPTIMIZERS, "adamw8bit", "adam8bit", "lion", "adafactor", "galore", "galore8bit")
+POLICIES = ("none", "full", "sqrt", "selective")
+QUANTS = ("none", "int8", "nf4")
+STEP_AND_OFFLOAD = "step_in_backward and optimizer_offload: OffloadAdamW steps all parameters at once; choose one"
+
+
+def _positive_int(name: str, v, optional: bool = False) -> None:
+    if optional and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one training step does. Sizes are per step; `micro_batch` splits `batch` (gradient accumulation)."""
+
+    model: object  # preset name, config path, hub id, GPTConfig, GPT or transformers model/config
+    batch: int  # rows per optimizer step (B)
+    seq: int  # tokens per row (S)
+    dtype: str = "fp32"  # one of DTYPES; "mixed-*": fp32 weights + torch.autocast
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+    device: str = "cpu"  # "cpu" or "cuda": fused attention, dropout masks and Adam's foreach path differ
+    foreach: bool | None = None  # Adam's foreach path (None: on CUDA only, as torch.optim does)
+    checkpoint: str = "none"  # one of POLICIES (labkit.recompute.checkpoint_blocks)
+    segments: int | None = None  # checkpointed segments for "full" (None: one per block)
+    offload_activations: bool = False  # saved activations live in host memory
+    micro_batch: int | None = None  # rows per micro-batch, dividing batch (None: the whole batch)
+    rank: int | None = None  # GaLore's rank (optimizer "galore" or "galore8bit")
+    optimizer_offload: str | None = None  # None, "cpu" or "disk" (labkit.optim.OffloadAdamW)
+    step_in_backward: bool = False  # each parameter steps when its gradient is ready
+    lora_rank: int | None = None  # LoRA adapters of this rank on lora_targets, the base frozen
+    lora_targets: str | tuple = "all-linear"  # "all-linear" or module names ("q_proj,v_proj" or a tuple)
+    quant: str = "none"  # the frozen base under LoRA: "none", "int8" or "nf4" (QLoRA)
+    lisa_layers: int | None = None  # LISA: this many layers train at a time
+    overrides: tuple = field(default=())  # (key, value) pairs set on a preset's config, e.g. (("n_layer", 2),)
+
+    def __post_init__(self) -> None:
+        _positive_int("batch", self.batch)
+        _positive_int("seq", self.seq)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.checkpoint not in POLICIES:
+            raise ValueError(f"checkpoint must be one of {', '.join(POLICIES)}, got {self.checkpoint!r}")
+        _positive_int("segments", self.segments, optional=True)
+        if self.segments is not None and self.checkpoint != "full":
+            raise ValueError("segments sets how many segments checkpoint='full' makes: give checkpoint='full' too")
+        micro = self.batch if self.micro_batch is None else self.micro_batch
+        if isinstance(micro, bool) or not isinstance(micro, int) or micro <= 0 or self.batch % micro:
+            raise ValueError(f"micro_batch must be a positive integer dividing batch ({self.batch}), "
+                             f"got {self.micro_batch!r}")
+        if self.optimizer.startswith("galore"):
+            _positive_int(f"rank (for {self.optimizer})", self.rank)
+        elif self.rank is not None:
+            raise ValueError(f"rank is GaLore's projection rank: give optimizer='galore' or 'galore8bit', "
+                             f"not {self.optimizer!r}")
+        if self.optimizer_offload not in (None, "cpu", "disk"):
+            raise ValueError(f"optimizer_offload must be None, 'cpu' or 'disk', got {self.optimizer_offload!r}")
+        if self.optimizer_offload and self.optimizer != "adamw":
+            raise ValueError(f"optimizer_offload works with adamw (labkit.optim.OffloadAdamW), not {self.optimizer!r}")
+        if self.step_in_backward and micro != self.batch:
+            raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
+        if self.step_in_backward and self.optimizer_offload:
+            raise ValueError(STEP_AND_OFFLOAD)
+        if self.quant not in QUANTS:
+            raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
+        for name in ("offload_activations", "step_in_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.overrides, tuple) or any(not (isinstance(kv, tuple) and len(kv) == 2)
+                                                        for kv in self.overrides):
+            raise ValueError("overrides must be a tuple of (key, value) pairs; use Recipe.of(..., key=value)")
+        for k, v in self.overrides:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"override {k} must be finite, got {v!r}")
+
+    @classmethod
+    def of(cls, model, batch: int, seq: int, **options) -> "Recipe":
+        """A Recipe from keywords: the fields above, and any other keyword as a model config override."""
+        names = {f.name for f in fields(cls)} - {"model", "batch", "seq", "overrides"}
+        known = {k: v for k, v in options.items() if k in names}
+        if isinstance(known.get("lora_targets"), list):
+            known["lora_targets"] = tuple(known["lora_targets"])
+        extra = tuple((k, v) for k, v in options.items() if k not in names)
+        return cls(model, batch, seq, overrides=extra, **known)
+
+    @property
+    def micro(self) -> int:
+        """Rows per micro-batch."""
+        return self.batch if self.micro_batch is None else self.micro_batch
+
+    @property
+    def config(self) -> dict:
+        """The overrides as keywords."""
+        return dict(self.overrides)
+
+    def options(self) -> dict:
+        """Every field but model, batch, seq and overrides, as keywords."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in ("model", "batch", "seq", "overrides"):
+            out.pop(k)
+        return out
+
+    def replace(self, **changes) -> "Recipe":
+        """A copy with some fields changed (checked again)."""
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+
+def as_recipe(model, batch=None, seq=None, **options) -> Recipe:
+    """`model` if it is a Recipe (no other arguments allowed), else Recipe.of(model, batch, seq, **options)."""
+    if isinstance(model, Recipe):
+        if batch is not None or seq is not None or options:
+            raise TypeError("give a Recipe alone, or a model with batch, seq and options, not both")
+        return model
+    if batch is None or seq is None:
+        raise TypeError("batch and seq are required with a model (or give a Recipe)")
+    return Recipe.of(model, batch, seq, **options)

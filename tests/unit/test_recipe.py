@@ -1,0 +1,65 @@
+"""Recipe: one step's setup checked once, taken alike by the estimator and the runner."""
+
+import dataclasses
+
+import pytest
+
+from labkit.estimate import Recipe, estimate
+from labkit.models.gpt import GPTConfig
+from labkit.run import measure_step
+
+G = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
+
+BAD = [
+    (dict(batch=0), "batch must be a positive integer"),
+    (dict(batch=True), "batch must be a positive integer"),
+    (dict(seq=2.0), "seq must be a positive integer"),
+    (dict(dtype="fp8"), "unknown dtype"),
+    (dict(optimizer="adagrad"), "unknown optimizer"),
+    (dict(device="tpu"), "device must be"),
+    (dict(checkpoint="some"), "checkpoint must be one of"),
+    (dict(segments=2), "give checkpoint='full' too"),
+    (dict(checkpoint="full", segments=0), "segments must be a positive integer"),
+    (dict(batch=4, micro_batch=3), "micro_batch must be a positive integer dividing batch"),
+    (dict(optimizer="galore"), "rank"),
+    (dict(optimizer="galore", rank=-1), "rank"),
+    (dict(rank=4), "GaLore's projection rank"),
+    (dict(optimizer_offload="nvme"), "optimizer_offload must be"),
+    (dict(optimizer="lion", optimizer_offload="cpu"), "works with adamw"),
+    (dict(batch=4, micro_batch=2, step_in_backward=True), "cannot accumulate"),
+    (dict(optimizer_offload="cpu", step_in_backward=True), "choose one"),
+    (dict(quant="int4"), "quant must be one of"),
+    (dict(offload_activations=1), "must be True or False"),
+    (dict(dropout=float("nan")), "must be finite"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD, ids=[m for _, m in BAD])
+def test_bad_recipes_are_refused_with_one_clear_line(change, message):
+    kw = dict(batch=2, seq=16)
+    kw.update(change)
+    with pytest.raises(ValueError, match=message) as e:
+        Recipe.of(G, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_a_recipe_is_frozen_and_replace_checks_again():
+    r = Recipe.of("gpt2-tiny", 2, 16, dtype="bf16", n_layer=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.batch = 3
+    assert r.config == {"n_layer": 1} and r.micro == 2
+    with pytest.raises(ValueError, match="micro_batch"):
+        r.replace(micro_batch=3)
+
+
+def test_estimate_and_measure_take_a_recipe_or_the_same_keywords():
+    r = Recipe.of(G, 2, 16, dtype="fp32", optimizer="adamw", checkpoint="full", segments=1)
+    kw = dict(dtype="fp32", optimizer="adamw", checkpoint="full", segments=1)
+    assert estimate(r).phases == estimate(G, 2, 16, **kw).phases
+    assert measure_step(r, seed=1).phases == measure_step(G, 2, 16, seed=1, **kw).phases
+    with pytest.raises(TypeError, match="Recipe alone"):
+        estimate(r, 2, 16)
+    with pytest.raises(TypeError, match="Recipe alone"):
+        measure_step(r, checkpoint="none")
+    with pytest.raises(ValueError, match="recipe is for 'cuda'"):
+        measure_step(r.replace(device="cuda"), device="cpu")
