@@ -79,6 +79,8 @@ class StepBytes:
     offload_back: int = _f(T_, "a block's worst backward op with offload",
                            "max(3 r f m: the MLP input copied back + two gradients of its size, 3 x probs / L + 2 r h m)",
                            "labkit.recompute.offload_activations: unpacked on use")
+    emb_dense: int = _f(T_, "dense embedding-table gradients before accumulation",
+                        "(V h + positions x h) x d", "embedding_dense_backward, then AccumulateGrad's in-place add")
     buffers: int = _f(B_, "int8/NF4 frozen base weights", "per weight (labkit.estimate.peft_terms)", "Dettmers et al. 2023")
     dequant: int = _f(T_, "dequantization scratch of one weight", "6 B (NF4) or 6-8 B (int8) x the largest weight",
                       "labkit.quant.dequantize_nf4 / dequantize_int8")
@@ -137,8 +139,10 @@ def segments_of(n: int, policy: str, segments: int | None) -> list[int]:
 
 
 def held_per_unit(b: StepBytes, policy: str, offload: bool, sizes: list[int]) -> list[int]:
-    """Bytes each unit (a segment, or a block) holds on the device from the forward to its backward."""
-    if offload:
+    """Bytes each unit (a segment, or a block) holds on the device from the forward to its backward. Offload moves
+    what autograd saves to the host, but a checkpointed unit's input (and selective's kept outputs) are held by
+    torch.utils.checkpoint itself, whose own saved-tensor hooks sit inside the offload hooks: they stay."""
+    if offload and policy == "none":
         return [0] * len(sizes)
     if policy == "none":
         return [b.layer] * len(sizes)
@@ -148,8 +152,8 @@ def held_per_unit(b: StepBytes, policy: str, offload: bool, sizes: list[int]) ->
 
 
 def _held_terms(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
-    """The activations the first `units` units hold until their backward."""
-    if offload or units == 0:
+    """The activations the first `units` units hold until their backward (see `held_per_unit`)."""
+    if (offload and policy == "none") or units == 0:
         return []
     blocks = sum(sizes[:units])
     if policy == "none":
@@ -225,7 +229,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         terms += _held_terms(b, policy, offload, sizes, j)
         if policy == "none" and not offload:
             terms.append(b.term("layer", m, f"saved by the block(s) in backward"))
-        elif offload:  # copied back one by one as backward needs them, freed after their last use
+        elif offload and policy == "none":  # copied back one by one as backward needs them, freed after use
             terms.append(b.term("offload_back"))
         else:  # recomputed: all of the unit's activations but what it held (its input, kept outputs)
             terms += _held_terms(b, policy, offload, [m], 1)
@@ -237,17 +241,18 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
             terms.append(b.term("head_grad"))
             if done:
                 terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
-        if offload:
-            pass  # no autocast copies left on the device
-        elif recompute:  # the head's copy is freed; the recomputed unit casts its weights again
+        if policy != "none":  # the head's copy is freed; the recomputed unit casts its weights again
             if b.C:
                 terms.append(b.term("layer_copy", m, "autocast copies of the recomputed unit"))
+        elif offload:
+            pass  # no autocast copies left on the device
         elif b.C:  # each finished block's copies are freed
             terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
                                 name=f"autocast copies of the {n_layer - done} blocks not finished"))
         terms.append(b.term("tau_grad"))
         terms.append(b.term("stream"))
-        if not offload:  # offload_back includes its own transient; a quantized base dequantizes each weight again
+        if not (offload and policy == "none"):  # offload_back includes its own transient; a quantized base
+            # dequantizes each weight again
             terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
         if step_in_backward and b.head_held:
             terms.append(b.term("head_held"))
@@ -258,7 +263,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_, b.rest_step[0],
                    "largest such gradient x d", "labkit.optim.StepInBackward")] if step_in_backward else b.state("G")
     end = Moment("backward", "the embedding's backward" + sfx,
-                 [*base_states, *buffers, b.term("inputs"), *rest, b.term("stream"), b.term("emb_temp")])
+                 [*base_states, *buffers, b.term("inputs"), *rest, b.term("stream"),
+                  b.term("emb_dense") if grads_exist else b.term("emb_temp")])
     moments += [*block_moments, end]
     if step_in_backward:
         moments += _steps_in_backward(b, block_moments, head, end, sfx)

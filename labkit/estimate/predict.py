@@ -214,6 +214,10 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         else max(w.copy_bytes - 2 * V * h, 0) // L,
         head_copy=2 * V * h if prec.autocast else 0, seg_input=r * h * gb,
         emb_temp=2 * V * h * gb if spec.tied and emb_trains else 0,  # tied: the dense embedding gradient and the sum
+        # with gradients already there (micro-batch 2 on), each embedding table's dense gradient is a temporary
+        # until AccumulateGrad adds it in place: the token table (tied or not) and the learned positions
+        emb_dense=((V * h if emb_trains else 0)
+                   + (spec.max_positions * h if spec.family != "llama" and emb_trains else 0)) * gb,
         fwd_block=2 * r * h * gb + r * h * (4 if prec.autocast else gb) + (r * h * mm if prec.autocast else 0)
         + 2 * r * spec.ffn * mm,
         offload_back=max(3 * r * spec.ffn * mm, 3 * probs // L + 2 * r * h * mm),

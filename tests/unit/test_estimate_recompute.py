@@ -21,6 +21,14 @@ CASES = [
     (G, 2, 32, "mixed-bf16", "sgd", dict(micro_batch=1, checkpoint="full", segments=3)),
     (G_MANUAL, 4, 64, "fp32", "sgd", dict(offload_activations=True)),
     (G_MANUAL, 4, 64, "fp32", "sgd", dict(checkpoint="sqrt")),
+    # offload with checkpointing: the units' inputs (and selective's kept outputs) stay on the device
+    (GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=128), 4, 128, "fp32", "adamw",
+     dict(checkpoint="full", offload_activations=True)),
+    (GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=128), 4, 128, "fp32", "adamw",
+     dict(checkpoint="selective", offload_activations=True)),
+    # micro-batch 2 on: the embedding tables' dense gradients are temporaries (a long position table here)
+    (GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=1024, attention="manual", dropout=0.1), 7, 15,
+     "mixed-bf16", "sgd", dict(micro_batch=1)),
 ]
 
 
