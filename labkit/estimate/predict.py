@@ -36,14 +36,15 @@ class Precision:
 # ---- model states ------------------------------------------------------------------------------
 def param_bytes(spec: ModelSpec, prec: Precision) -> int:
     """N x bytes per weight: 4 in fp32 and in mixed precision (the fp32 master copy is the model's own
-    weights), 2 in pure fp16/bf16. Source: every predictor (predictors.md section 4)."""
+    weights), 2 in pure fp16/bf16. Source: every predictor (ZeRO, Rajbhandari et al. 2020, section 3.1; the
+    Hugging Face docs' model-memory anatomy)."""
     return spec.n_params * prec.weight
 
 
 def autocast_copy_bytes(spec: ModelSpec, prec: Precision) -> int:
     """2 x (parameters that enter a matmul): autocast casts each Linear weight and bias to 16-bit
     once per forward and the matmul keeps the copy until backward. This is the '2 bytes of fp16
-    weights' of the 18 bytes/parameter in the HF docs (predictors.md section 4)."""
+    weights' of the 18 bytes/parameter in the Hugging Face docs (transformers' "Model training anatomy")."""
     return 2 * spec.matmul_params if prec.autocast else 0
 
 
@@ -277,10 +278,12 @@ def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft) -> list[Term]:
              f"r (d_in + d_out) x {d} B per target, r={peft.rank}, {len(peft.targets)} targets", "Hu et al. 2021"),
     ]
     if peft.quant != "none":
-        formula = ("n/2 + n/64 + 4 ceil(n/16384) + 4 per weight of n (~0.516 B/weight)" if peft.quant == "nf4"
-                   else "n + 4 d_out per weight (int8 codes + fp32 per-row scale)")
+        formula = ("n/2 + n/64 + 4 ceil(n/16384) + 4 per weight of n (~0.516 B/weight; labkit.quant.nf4_bytes_for)"
+                   if peft.quant == "nf4" else "n + 4 d_out per weight (int8 codes + fp32 per-row scale; "
+                   "labkit.quant.int8_bytes_for)")
         out.append(Term(f"{peft.quant.upper()} frozen base (buffers)", Category.BUFFER, b.buffers, formula,
-                        "Dettmers et al. 2023; techniques.md 2" if peft.quant == "nf4" else "labkit.quant.int8"))
+                        "Dettmers et al. 2023 (arXiv 2305.14314), double quantization" if peft.quant == "nf4"
+                        else "labkit.quant.int8"))
     out += [copies,
             Term("adapter gradients", Category.GRAD, b.G, f"N_train x {d} B = {n_train:,} x {d}", "Hu et al. 2021"),
             Term("adapter optimizer state", Category.OPT, b.O, state, "labkit.optim / torch.optim over N_train")]
@@ -312,8 +315,10 @@ def _terms(spec, prec, optimizer, B, S, w, b: StepBytes, peft=None) -> list[Term
         *_model_state_terms(spec, prec, optimizer, b, peft),
         Term("activations saved by the blocks", Category.ACT, blocks, "forward walk per layer ~ sbh(34 + ...)", "Korthikanti et al. 2022"),
         Term("attention scores (s^2)", Category.ACT, scores, "L x B x a x S^2 x bytes (x2-3 with dropout)", "Korthikanti et al. 2022: 5as/h"),
-        Term("log-softmax of the logits", Category.ACT, b.lsm, "B x S x V x bytes (4 if the loss runs in fp32)", "predictors.md 3.10"),
+        Term("log-softmax of the logits", Category.ACT, b.lsm, "B x S x V x bytes (4 if the loss runs in fp32)",
+             "log_softmax saves its output for nll_loss's backward (derivatives.yaml)"),
         Term("token ids and targets", Category.ACT, b.inputs, "2 x B x S x 8", "int64 inputs"),
-        Term("logits (+ fp32 copy) during the loss", Category.TEMP, b.logits, "B x S x V x bytes", "predictors.md 3.10"),
+        Term("logits (+ fp32 copy) during the loss", Category.TEMP, b.logits, "B x S x V x bytes",
+             "lm_head's output; transformers upcasts it with .float() before the loss"),
     ]
 
