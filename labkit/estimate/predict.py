@@ -143,7 +143,7 @@ def _estimate(r: Recipe) -> Estimate:
     foreach = (device == "cuda") if r.foreach is None else r.foreach
     b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft)
     if optimizer_offload:  # state and the step's work live in host memory
-        b.O = b.opt_temp = 0
+        b.O = b.opt_temp = b.opt_cast = 0
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
     b.states = _state_groups(_model_state_terms(spec, prec, optimizer, b, peft))
     moments = step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward)
@@ -193,6 +193,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         C=autocast_copy_bytes(spec, prec) if peft is None else w.copy_bytes, G=grad_bytes(ts, prec),
         O=optimizer_state_bytes(ts, prec, optimizer, rank),
         opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank),
+        opt_cast=optim_terms.cast_bytes(ts, prec.weight, optimizer, foreach, rank),
         **optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank),
         head_held=head_grad if spec.tied else 0,  # a tied head's gradient waits for the embedding's part
         step_freed=(2 * ts.largest_param if prec.autocast else 0, r * spec.ffn * mm,
