@@ -92,7 +92,8 @@ class StepBytes:
     # projection (backward's first), steps: its autocast copy and saved input, and of the MLP's transient
     # gradients all but that projection's input gradient
     block_step: tuple[int, int, int] = (0, 0, 0)
-    rest_step: tuple[int, int, int] = (0, 0, 0)
+    rest_step: tuple[int, int, int] = (0, 0, 0)  # outside the blocks, but a tied embedding
+    tied_step: tuple[int, int, int] = (0, 0, 0)  # the tied embedding (zeros when the head is untied)
     head_held: int = _f(T_, "the tied head's partial gradient", "V x h x d",
                         "held until the embedding's gradient is added (step in backward)")
     step_freed: tuple[int, int, int] = (0, 0, 0)
@@ -259,7 +260,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         moments += _backward_points(b, policy, offload, sizes, j, done, states, buffers, grads_exist,
                                     step_in_backward, recompute, n_layer, where, sfx)
         done += m
-    rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_, b.rest_step[0],
+    rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_,
+                   max(b.rest_step[0], b.tied_step[0]),
                    "largest such gradient x d", "labkit.optim.StepInBackward")] if step_in_backward else b.state("G")
     end = Moment("backward", "the embedding's backward" + sfx,
                  [*base_states, *buffers, b.term("inputs"), *rest, b.term("stream"), b.term("emb_temp")])
@@ -372,9 +374,13 @@ def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Mo
 
     out = [stepping(x, b.block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps")
            for x in blocks]
-    # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad)
+    # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad);
+    # the other parameters outside the blocks (a position embedding) step before, beside the head's part
     if b.head_held:
-        out.append(stepping(end, b.rest_step, (0, 0, b.emb_temp), "the tied embedding steps"))
+        out.append(stepping(end, b.tied_step, (0, 0, b.emb_temp), "the tied embedding steps"))
+        if b.rest_step[0]:
+            held = Moment(end.phase, end.where, [t for t in end.terms if t != b.term("emb_temp")] + [b.term("head_held")])
+            out.append(stepping(held, b.rest_step, where="the position embedding steps (the tied head's gradient held)"))
     else:
         out.append(stepping(head, b.rest_step, b.head_freed, "the head steps"))
     return out

@@ -90,11 +90,12 @@ def tensor_step_bytes(shape, d: int, optimizer: str) -> tuple[int, int]:
         (4c TEMP) and p32 = p.float() (4c PARAM).
     adamw8bit, adam8bit, n < 4096 (_update_fp32, fp32 m and v as state): up, 8n + up: m / v.sqrt().add_():
         sqrt(v) (4n) and the quotient (4n), beside g = grad.float() and p32 = p.float().
-    adafactor, 2+ dims (labkit.optim.Adafactor._update): up, 4n + 4(rows + columns) + 4 + up: the update
-        u = r * rsqrt(C) (4n) made from r = rsqrt(R / mean(R)) (4 x rows) and rsqrt(C) (4 x columns),
-        beside g = grad.float(), p32 = p.float() and the 0-dim step size (4). sq = g.square() (4n) is
-        freed before u is made.
-    adafactor, vectors: up, 4n + 4 + up: u = v.rsqrt() (or sq = g.square(), the same size before it).
+    adafactor (labkit.optim.Adafactor._update): up, 4n + max(4(rows + columns) + 4, 12) + up, beside
+        g = grad.float() (TEMP) and p32 = p.float() (PARAM) and the 0-dim step size lr (4): for 2+ dims the
+        update u = r * rsqrt(C) (4n) is made from r = rsqrt(R / mean(R)) (4 x rows) and rsqrt(C)
+        (4 x columns); for a vector u = v.rsqrt() (4n), and its clipping, u / (rms(u) / clip_threshold),
+        holds two more 0-dim tensors (u.norm(2) / sqrt(n), then / clip_threshold). sq = g.square() (4n)
+        is freed before u is made.
     """
     n = math.prod(shape)
     up = 4 * n if d != 4 else 0  # fp32 copy of a 16-bit parameter (PARAM) or gradient (TEMP)
@@ -111,8 +112,8 @@ def tensor_step_bytes(shape, d: int, optimizer: str) -> tuple[int, int]:
         up_c = 4 * c if d != 4 else 0
         return up_c, 16 * c + up_c
     if optimizer == "adafactor":
-        factors = adafactor.state_bytes_for(shape) if len(shape) >= 2 else 0
-        return up, 4 * n + factors + 4 + up
+        factors = adafactor.state_bytes_for(shape) if len(shape) >= 2 else 0  # 4(rows + columns)
+        return up, 4 * n + max(factors + 4, 12) + up
     raise ValueError(f"no per-tensor step rule for optimizer {optimizer!r}")
 
 
@@ -139,30 +140,38 @@ def step_bytes(spec, d: int, optimizer: str, foreach: bool) -> tuple[int, int]:
 
 def step_in_backward_units(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None) -> dict:
     """Step-in-backward: {"block_step": (largest gradient, step temporaries, parameter casts) of one block's
-    parameters, "rest_step": the same for the parameters outside the blocks}. Each parameter has an optimizer
-    of its own, so a step's temporaries are those of one tensor (foreach included: dn for Adam), made while
-    it steps: the worst tensor's `tensor_step_bytes`."""
+    parameters, "rest_step": the same for the parameters outside the blocks but a tied embedding,
+    "tied_step": the same for the tied embedding (zeros when the head is untied)}. Each parameter has an
+    optimizer of its own, so a step's temporaries are those of one tensor (foreach included: dn for Adam),
+    made while it steps: the worst tensor's `tensor_step_bytes`. The tied matrix is apart because it steps
+    last, once the embedding's gradient is added to the head's; the others outside the blocks (a position
+    embedding) step while the head's part is still held."""
     layer = re.compile(r"\.(\d+)\.")
     per_layer = len(spec.galore_shapes) // max(spec.n_layer, 1)
+    found = [layer.search(n) for n in spec.param_names]
+    block = [s for s, m in zip(spec.param_shapes, found) if m is not None and m.group(1) == "0"]
+    rest = [tuple(s) for s, m in zip(spec.param_shapes, found) if m is None]
+    tied = []
+    if spec.tied and (spec.vocab, spec.hidden) in rest:  # the embedding the head shares (parameters() gives it once)
+        rest.remove((spec.vocab, spec.hidden))
+        tied = [(spec.vocab, spec.hidden)]
     out = []
-    for block in (True, False):
-        found = [layer.search(n) for n in spec.param_names]
-        shapes = [s for s, m in zip(spec.param_shapes, found) if (m is not None and m.group(1) == "0" if block else m is None)]
-        if not shapes:
+    for unit_shapes, galore in ((block, spec.galore_shapes[:per_layer]), (rest, []), (tied, [])):
+        if not unit_shapes:
             out.append((0, 0, 0))
             continue
-        grad = max(math.prod(s) for s in shapes) * d
+        grad = max(math.prod(s) for s in unit_shapes) * d
         if optimizer in ("galore", "galore8bit"):
-            unit = replace(spec, param_shapes=shapes, param_numels=[math.prod(s) for s in shapes],
-                           galore_shapes=spec.galore_shapes[:per_layer] if block else [])
+            unit = replace(spec, param_shapes=unit_shapes, param_numels=[math.prod(s) for s in unit_shapes],
+                           galore_shapes=galore)
             unit = replace(unit, n_params=unit.largest_param)  # foreach: one tensor per optimizer
             out.append((grad, temp_bytes(unit, d, optimizer, foreach, rank), 0))
             continue
         one = [(0, d * math.prod(s)) if optimizer in ("adam", "adamw") and foreach  # _foreach_sqrt of one tensor
-               else tensor_step_bytes(s, d, optimizer) for s in shapes]
+               else tensor_step_bytes(s, d, optimizer) for s in unit_shapes]
         cast, temp = max(one, key=sum)
         out.append((grad, temp, cast))
-    return {"block_step": out[0], "rest_step": out[1]}
+    return {"block_step": out[0], "rest_step": out[1], "tied_step": out[2]}
 
 
 def _rest_shapes(spec) -> list[tuple]:

@@ -187,6 +187,8 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
     ts = spec if peft is None else peft_terms.trainable_spec(spec, peft)  # what trains
     head_trains, emb_trains = w.trains("lm_head"), w.trains("wte")
     head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
+    units = optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank)
+    block_largest = units["block_step"][0] // gb  # the block's largest matrix: the one a block's moment steps
     return StepBytes(
         P=param_bytes(spec, prec) if peft is None else _peft_param_bytes(spec, peft, prec.weight),
         # with frozen weights the walk counts autocast's copies (Walk._count_copies)
@@ -194,9 +196,9 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         O=optimizer_state_bytes(ts, prec, optimizer, rank),
         opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank),
         opt_cast=optim_terms.cast_bytes(ts, prec.weight, optimizer, foreach, rank),
-        **optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank),
-        head_held=head_grad if spec.tied else 0,  # a tied head's gradient waits for the embedding's part
-        step_freed=(2 * ts.largest_param if prec.autocast else 0, r * spec.ffn * mm,
+        **units,
+        head_held=V * h * gb if spec.tied and head_trains else 0,  # waits for the embedding's part (not the final norm)
+        step_freed=(2 * block_largest if prec.autocast else 0, r * spec.ffn * mm,
                     (0 if spec.family == "labkit-gpt" else 1) * r * spec.ffn * mm),
         head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer, kept=kept, kept_saved=kept - proj_out,
