@@ -44,7 +44,7 @@ class StepBytes:
     G: int = _f(G_, "gradients", "N_train x d", "gradients take the parameters' dtype (fp32 under mixed precision)")
     O: int = _f(O_, "optimizer state", "per optimizer (labkit.estimate.optim_terms)", "labkit.optim / torch.optim")
     opt_temp: int = _f(T_, "optimizer step temporaries", "per optimizer (labkit.estimate.optim_terms.temp_bytes)",
-                       "torch.optim _single_tensor/_multi_tensor Adam: sqrt(v) and its quotient")
+                       "the ops of each step: torch.optim's Adam sqrt(v) and its quotient, labkit.optim's fp32 copies")
     opt_cast: int = _f(P_, "the step's fp32 working copy of a 16-bit parameter", "4 x (elements or chunk) of the "
                        "stepping tensor (labkit.estimate.optim_terms.cast_bytes)",
                        "labkit.optim: p.float(), a cast of the parameter (parameter memory in the ledger)")

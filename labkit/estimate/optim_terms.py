@@ -2,7 +2,9 @@
 
 The state of one tensor is the optimizer module's own rule (labkit.optim.adam8bit, galore, galore8bit,
 lion, adafactor: each `state_bytes_for`), summed here over the model's shapes; torch.optim's SGD and
-Adam keep d-byte states per element. Checked against the ledger in tests/unit/test_estimate_optim.py.
+Adam keep d-byte states per element. The step's own memory (temporaries, and the fp32 working copy of a
+16-bit parameter, which the ledger counts as a parameter) follows the ops each step runs: `tensor_step_bytes`
+for one tensor, `step_bytes` for a whole step. Checked against the ledger in tests/unit/test_estimate_optim.py.
 n is a tensor's element count, d the bytes of the parameters' dtype, (m, n) a matrix's shape with
 k = min(m, n), K = max(m, n), r the rank.
 """
@@ -129,7 +131,8 @@ def step_bytes(spec, d: int, optimizer: str, foreach: bool) -> tuple[int, int]:
         call of labkit.optim, or in place for SGD).
     """
     if optimizer not in OPTIMIZERS or optimizer.startswith("galore"):
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(o for o in OPTIMIZERS if not o.startswith('galore'))}")
+        known = ", ".join(o for o in OPTIMIZERS if not o.startswith("galore"))
+        raise ValueError(f"unknown optimizer {optimizer!r} for step_bytes; choose one of {known} (GaLore: temp_bytes)")
     numels = [math.prod(s) for s in spec.param_shapes]
     if optimizer in ("adam", "adamw"):
         if foreach:

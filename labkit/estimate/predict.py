@@ -63,10 +63,11 @@ def optimizer_state_bytes(spec: ModelSpec, prec: Precision, optimizer: str, rank
 
 def optimizer_temp_bytes(spec: ModelSpec, prec: Precision, optimizer: str, foreach: bool,
                          rank: int | None = None) -> int:
-    """Adam's step makes sqrt(v) and sqrt(v)/c before adding eps in place: 2 temporaries the size
-    of the largest parameter one tensor at a time (torch.optim single-tensor path, CPU default),
-    or of all parameters at once in the foreach path (CUDA default). SGD works in place.
-    Others: labkit.estimate.optim_terms.temp_bytes."""
+    """Adam's step makes sqrt(v) and sqrt(v)/c before adding eps in place: 2 temporaries the size of a
+    parameter one tensor at a time, beside the previous tensor's quotient (torch.optim single-tensor path,
+    CPU default), or sqrt(v) of all parameters at once in the foreach path (CUDA default). SGD works in
+    place. labkit.optim's steps also copy a 16-bit parameter and its gradient to fp32 (the copy of the
+    parameter is PARAM: optim_terms.cast_bytes). Every rule: labkit.estimate.optim_terms.temp_bytes."""
     return optim_terms.temp_bytes(spec, prec.weight, optimizer, foreach, rank)
 
 
