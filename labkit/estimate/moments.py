@@ -44,7 +44,10 @@ class StepBytes:
     G: int = _f(G_, "gradients", "N_train x d", "gradients take the parameters' dtype (fp32 under mixed precision)")
     O: int = _f(O_, "optimizer state", "per optimizer (labkit.estimate.optim_terms)", "labkit.optim / torch.optim")
     opt_temp: int = _f(T_, "optimizer step temporaries", "per optimizer (labkit.estimate.optim_terms.temp_bytes)",
-                       "torch.optim _single_tensor/_multi_tensor Adam: sqrt(v) and its quotient")
+                       "the ops of each step: torch.optim's Adam sqrt(v) and its quotient, labkit.optim's fp32 copies")
+    opt_cast: int = _f(P_, "the step's fp32 working copy of a 16-bit parameter", "4 x (elements or chunk) of the "
+                       "stepping tensor (labkit.estimate.optim_terms.cast_bytes)",
+                       "labkit.optim: p.float(), a cast of the parameter (parameter memory in the ledger)")
     inputs: int = _f(A_, "token ids and targets", "2 x B x S x 8 (int64)", "the batch")
     before: int = _f(A_, "saved before the first block", "walk: position ids, embedding dropout mask",
                      "autograd's saved tensors (derivatives.yaml)")
@@ -84,13 +87,15 @@ class StepBytes:
     buffers: int = _f(B_, "int8/NF4 frozen base weights", "per weight (labkit.estimate.peft_terms)", "Dettmers et al. 2023")
     dequant: int = _f(T_, "dequantization scratch of one weight", "6 B (NF4) or 6-8 B (int8) x the largest weight",
                       "labkit.quant.dequantize_nf4 / dequantize_int8")
-    # step-in-backward: (largest gradient, step temporaries) of one block's parameters and of the rest;
+    # step-in-backward: (largest gradient, step temporaries, fp32 casts of the parameter) of one block's
+    # parameters and of the rest;
     # head_held: the tied head's partial gradient, held from the head until the embedding's part is added;
     # step_freed: what is gone from a block's worst moment when its largest matrix, the MLP's output
     # projection (backward's first), steps: its autocast copy and saved input, and of the MLP's transient
     # gradients all but that projection's input gradient
-    block_step: tuple[int, int] = (0, 0)
-    rest_step: tuple[int, int] = (0, 0)
+    block_step: tuple[int, int, int] = (0, 0, 0)
+    rest_step: tuple[int, int, int] = (0, 0, 0)  # outside the blocks, but a tied embedding
+    tied_step: tuple[int, int, int] = (0, 0, 0)  # the tied embedding (zeros when the head is untied)
     head_held: int = _f(T_, "the tied head's partial gradient", "V x h x d",
                         "held until the embedding's gradient is added (step in backward)")
     step_freed: tuple[int, int, int] = (0, 0, 0)
@@ -260,7 +265,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         moments += _backward_points(b, policy, offload, sizes, j, done, states, buffers, grads_exist,
                                     step_in_backward, recompute, n_layer, where, sfx)
         done += m
-    rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_, b.rest_step[0],
+    rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_,
+                   max(b.rest_step[0], b.tied_step[0]),
                    "largest such gradient x d", "labkit.optim.StepInBackward")] if step_in_backward else b.state("G")
     end = Moment("backward", "the embedding's backward" + sfx,
                  [*base_states, *buffers, b.term("inputs"), *rest, b.term("stream"),
@@ -270,7 +276,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         moments += _steps_in_backward(b, block_moments, head, end, sfx)
     else:
         moments.append(Moment("optimizer", "the optimizer step" + sfx,
-                              [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp")]))
+                              [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp"),
+                               b.term("opt_cast")]))
     return moments
 
 
@@ -356,14 +363,16 @@ def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buff
 def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str) -> list[Moment]:
     """The backward moments at which a parameter steps: each block's (its largest parameter's gradient and
     step temporaries on top), and the head's (untied head) or the last one's (the tied embedding)."""
-    def stepping(x: Moment, step: tuple[int, int], freed=(0, 0, 0), where: str = "") -> Moment:
+    def stepping(x: Moment, step: tuple[int, int, int], freed=(0, 0, 0), where: str = "") -> Moment:
         keep = [t for t in x.terms if t.category is not G_]
         return Moment("optimizer", where + sfx, [
             *keep,
             custom("the stepping parameter's gradient", G_, step[0], "largest gradient of the unit x d",
                    "labkit.optim.StepInBackward"),
-            custom("its optimizer step's temporaries", T_, step[1], "one tensor's step (optim_terms.temp_bytes)",
-                   "torch.optim single-tensor step"),
+            custom("its optimizer step's temporaries", T_, step[1], "one tensor's step (optim_terms.tensor_step_bytes)",
+                   "torch.optim single-tensor step; labkit.optim's update of one tensor"),
+            custom("its step's fp32 working copy of the parameter", P_, step[2], "4 x its elements (16-bit) or 0",
+                   "labkit.optim: p.float(), counted as parameter memory"),
             custom("freed before the step: its autocast copy", P_, -freed[0], "the stepped matrix's 16-bit copy", ""),
             custom("freed before the step: its saved input", A_, -freed[1], "the stepped matmul's input", ""),
             custom("freed before the step: transient gradients", T_, -freed[2], "all but its input gradient", ""),
@@ -371,9 +380,13 @@ def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Mo
 
     out = [stepping(x, b.block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps")
            for x in blocks]
-    # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad)
+    # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad);
+    # the other parameters outside the blocks (a position embedding) step before, beside the head's part
     if b.head_held:
-        out.append(stepping(end, b.rest_step, (0, 0, b.emb_temp), "the tied embedding steps"))
+        out.append(stepping(end, b.tied_step, (0, 0, b.emb_temp), "the tied embedding steps"))
+        if b.rest_step[0]:
+            held = Moment(end.phase, end.where, [t for t in end.terms if t != b.term("emb_temp")] + [b.term("head_held")])
+            out.append(stepping(held, b.rest_step, where="the position embedding steps (the tied head's gradient held)"))
     else:
         out.append(stepping(head, b.rest_step, b.head_freed, "the head steps"))
     return out

@@ -2,7 +2,9 @@
 
 The state of one tensor is the optimizer module's own rule (labkit.optim.adam8bit, galore, galore8bit,
 lion, adafactor: each `state_bytes_for`), summed here over the model's shapes; torch.optim's SGD and
-Adam keep d-byte states per element. Checked against the ledger in tests/unit/test_estimate_optim.py.
+Adam keep d-byte states per element. The step's own memory (temporaries, and the fp32 working copy of a
+16-bit parameter, which the ledger counts as a parameter) follows the ops each step runs: `tensor_step_bytes`
+for one tensor, `step_bytes` for a whole step. Checked against the ledger in tests/unit/test_estimate_optim.py.
 n is a tensor's element count, d the bytes of the parameters' dtype, (m, n) a matrix's shape with
 k = min(m, n), K = max(m, n), r the rank.
 """
@@ -54,47 +56,125 @@ def state_bytes(spec, d: int, optimizer: str, rank: int | None = None) -> int:
 
 
 def temp_bytes(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None) -> int:
-    """The largest temporaries one optimizer step allocates (the ledger's TEMP in the optimizer phase)."""
-    largest = spec.largest_param
-    if optimizer in ("adam", "adamw"):  # sqrt(v) and sqrt(v)/c: per tensor, or for all tensors (foreach)
-        return (spec.n_params if foreach else 2 * largest) * d
-    if optimizer in ("sgd", "sgd-momentum"):
-        return 0
-    if optimizer in ("adamw8bit", "adam8bit"):  # fp32 m, v, normalised copy and int32 index of a chunk
-        big = [math.prod(s) for s in spec.param_shapes if math.prod(s) >= MIN_8BIT]
-        small = [math.prod(s) for s in spec.param_shapes if math.prod(s) < MIN_8BIT]
-        return max(16 * min(CHUNK, max(big, default=0)), 8 * max(small, default=0))
-    if optimizer == "lion":
-        return d * largest  # the sign update of one tensor
-    if optimizer == "adafactor":  # the update of the largest tensor, plus its row and column means (>= 2 dims)
-        return max((4 * math.prod(s) + adafactor.state_bytes_for(s) + 4 if len(s) >= 2 else 4 * math.prod(s))
-                   for s in spec.param_shapes)
+    """The step's temporaries at its worst moment (the ledger's TEMP in the optimizer phase): `step_bytes`."""
     if optimizer in ("galore", "galore8bit"):  # the projector's refresh: an SVD of the largest matrix
         svd = max(((4 * (m * min(m, n) + min(m, n) + min(m, n) * n) + 4 * rank * min(m, n)
                     + (4 * m * n if d != 4 else 0)) for m, n in spec.galore_shapes), default=0)
         steady = max(((8 if optimizer == "galore" else 16) * rank * max(m, n) for m, n in spec.galore_shapes), default=0)
         return max(svd, steady, 2 * d * max((math.prod(s) for s in _rest_shapes(spec)), default=0))
-    raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return step_bytes(spec, d, optimizer, foreach)[1]
+
+
+def cast_bytes(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None) -> int:
+    """The step's fp32 working copies of 16-bit parameters at the same moment (p.float(): PARAM in the
+    ledger): `step_bytes`. 0 for fp32 parameters and for GaLore (its rule is in temp_bytes)."""
+    if optimizer in ("galore", "galore8bit"):
+        return 0
+    return step_bytes(spec, d, optimizer, foreach)[0]
+
+
+def tensor_step_bytes(shape, d: int, optimizer: str) -> tuple[int, int]:
+    """(PARAM, TEMP) bytes alive at the worst op of one tensor's step, when it steps on its own (its own
+    optimizer under step-in-backward, or a loop whose locals die with each tensor: labkit.optim's methods).
+    n = prod(shape); up = 4n when the parameter is 16-bit (d = 2), 0 when it is fp32 (d = 4, mixed included:
+    x.float() of an fp32 tensor returns x itself). The ledger counts a cast of a parameter (p.float(): the
+    fp32 working copy) as PARAM, any other new storage as TEMP.
+
+    sgd, sgd-momentum: 0, 0. torch.optim._single_tensor_sgd: p.add_(grad or buf, alpha=-lr),
+        buf.mul_(momentum).add_(grad): in place.
+    adam, adamw: 0, 2dn. torch.optim._single_tensor_adam: denom = (exp_avg_sq.sqrt() / sqrt(1 - b2^t))
+        .add_(eps): sqrt(v) (dn) and its quotient (dn) alive together; lerp_, mul_, addcmul_, addcdiv_
+        and AdamW's p.mul_(1 - lr wd) work in place.
+    lion: 0, dn. labkit.optim.Lion: u = m.mul(b1).add_(g).sign_() in the parameter's dtype.
+    adamw8bit, adam8bit, n >= 4096 (labkit.optim.Adam8bit._update_8bit, one chunk of c = min(n, 2^20)
+        values at a time): up_c, 16c + up_c, with up_c = 4c for 16-bit: at bucketize (the quantizer's int32
+        code indices, 4c) of v.clone() (4c), beside the dequantized fp32 m and v (4c each), g = grad.float()
+        (4c TEMP) and p32 = p.float() (4c PARAM).
+    adamw8bit, adam8bit, n < 4096 (_update_fp32, fp32 m and v as state): up, 8n + up: m / v.sqrt().add_():
+        sqrt(v) (4n) and the quotient (4n), beside g = grad.float() and p32 = p.float().
+    adafactor (labkit.optim.Adafactor._update): up, 4n + max(4(rows + columns) + 4, 12) + up, beside
+        g = grad.float() (TEMP) and p32 = p.float() (PARAM) and the 0-dim step size lr (4): for 2+ dims the
+        update u = r * rsqrt(C) (4n) is made from r = rsqrt(R / mean(R)) (4 x rows) and rsqrt(C)
+        (4 x columns); for a vector u = v.rsqrt() (4n), and its clipping, u / (rms(u) / clip_threshold),
+        holds two more 0-dim tensors (u.norm(2) / sqrt(n), then / clip_threshold). sq = g.square() (4n)
+        is freed before u is made.
+    """
+    n = math.prod(shape)
+    up = 4 * n if d != 4 else 0  # fp32 copy of a 16-bit parameter (PARAM) or gradient (TEMP)
+    if optimizer in ("sgd", "sgd-momentum"):
+        return 0, 0
+    if optimizer in ("adam", "adamw"):
+        return 0, 2 * d * n
+    if optimizer == "lion":
+        return 0, d * n
+    if optimizer in ("adamw8bit", "adam8bit"):
+        if n < MIN_8BIT:
+            return up, 8 * n + up
+        c = min(n, CHUNK)
+        up_c = 4 * c if d != 4 else 0
+        return up_c, 16 * c + up_c
+    if optimizer == "adafactor":
+        factors = adafactor.state_bytes_for(shape) if len(shape) >= 2 else 0  # 4(rows + columns)
+        return up, 4 * n + max(factors + 4, 12) + up
+    raise ValueError(f"no per-tensor step rule for optimizer {optimizer!r}")
+
+
+def step_bytes(spec, d: int, optimizer: str, foreach: bool) -> tuple[int, int]:
+    """(PARAM, TEMP) at the worst moment of one optimizer step over all of `spec`'s parameters (one group,
+    in the model's parameter order), for every optimizer but GaLore:
+
+    adam, adamw, foreach (torch.optim._multi_tensor_adam): 0, dN: exp_avg_sq_sqrt = _foreach_sqrt(v) for
+        every tensor at once, then divided, shifted and used in place.
+    adam, adamw, single tensor: 0, max over i of d(2 n_i + n_(i-1)): the loop's `denom` of tensor i-1
+        lives until tensor i's quotient replaces it, so it sits beside tensor i's sqrt(v) and quotient.
+    the rest: the tensor whose `tensor_step_bytes` total is largest (each tensor steps inside a method
+        call of labkit.optim, or in place for SGD).
+    """
+    if optimizer not in OPTIMIZERS or optimizer.startswith("galore"):
+        known = ", ".join(o for o in OPTIMIZERS if not o.startswith("galore"))
+        raise ValueError(f"unknown optimizer {optimizer!r} for step_bytes; choose one of {known} (GaLore: temp_bytes)")
+    numels = [math.prod(s) for s in spec.param_shapes]
+    if optimizer in ("adam", "adamw"):
+        if foreach:
+            return 0, d * sum(numels)
+        return 0, max((d * (2 * n + prev) for prev, n in zip([0, *numels], numels)), default=0)
+    return max((tensor_step_bytes(s, d, optimizer) for s in spec.param_shapes), key=sum, default=(0, 0))
 
 
 def step_in_backward_units(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None) -> dict:
-    """Step-in-backward: {"block_step": (largest gradient, step temporaries) of one block's parameters,
-    "rest_step": the same for the parameters outside the blocks}. Each parameter has an optimizer of
-    its own, so a step's temporaries are those of one tensor (foreach included), made while it steps."""
+    """Step-in-backward: {"block_step": (largest gradient, step temporaries, parameter casts) of one block's
+    parameters, "rest_step": the same for the parameters outside the blocks but a tied embedding,
+    "tied_step": the same for the tied embedding (zeros when the head is untied)}. Each parameter has an
+    optimizer of its own, so a step's temporaries are those of one tensor (foreach included: dn for Adam),
+    made while it steps: the worst tensor's `tensor_step_bytes`. The tied matrix is apart because it steps
+    last, once the embedding's gradient is added to the head's; the others outside the blocks (a position
+    embedding) step while the head's part is still held."""
     layer = re.compile(r"\.(\d+)\.")
     per_layer = len(spec.galore_shapes) // max(spec.n_layer, 1)
+    found = [layer.search(n) for n in spec.param_names]
+    block = [s for s, m in zip(spec.param_shapes, found) if m is not None and m.group(1) == "0"]
+    rest = [tuple(s) for s, m in zip(spec.param_shapes, found) if m is None]
+    tied = []
+    if spec.tied and (spec.vocab, spec.hidden) in rest:  # the embedding the head shares (parameters() gives it once)
+        rest.remove((spec.vocab, spec.hidden))
+        tied = [(spec.vocab, spec.hidden)]
     out = []
-    for block in (True, False):
-        found = [layer.search(n) for n in spec.param_names]
-        shapes = [s for s, m in zip(spec.param_shapes, found) if (m is not None and m.group(1) == "0" if block else m is None)]
-        if not shapes:
-            out.append((0, 0))
+    for unit_shapes, galore in ((block, spec.galore_shapes[:per_layer]), (rest, []), (tied, [])):
+        if not unit_shapes:
+            out.append((0, 0, 0))
             continue
-        unit = replace(spec, param_shapes=shapes, param_numels=[math.prod(s) for s in shapes],
-                       galore_shapes=spec.galore_shapes[:per_layer] if block else [])
-        unit = replace(unit, n_params=unit.largest_param)  # foreach: one tensor per optimizer
-        out.append((unit.largest_param * d, temp_bytes(unit, d, optimizer, foreach, rank)))
-    return {"block_step": out[0], "rest_step": out[1]}
+        grad = max(math.prod(s) for s in unit_shapes) * d
+        if optimizer in ("galore", "galore8bit"):
+            unit = replace(spec, param_shapes=unit_shapes, param_numels=[math.prod(s) for s in unit_shapes],
+                           galore_shapes=galore)
+            unit = replace(unit, n_params=unit.largest_param)  # foreach: one tensor per optimizer
+            out.append((grad, temp_bytes(unit, d, optimizer, foreach, rank), 0))
+            continue
+        one = [(0, d * math.prod(s)) if optimizer in ("adam", "adamw") and foreach  # _foreach_sqrt of one tensor
+               else tensor_step_bytes(s, d, optimizer) for s in unit_shapes]
+        cast, temp = max(one, key=sum)
+        out.append((grad, temp, cast))
+    return {"block_step": out[0], "rest_step": out[1], "tied_step": out[2]}
 
 
 def _rest_shapes(spec) -> list[tuple]:

@@ -64,10 +64,11 @@ def optimizer_state_bytes(spec: ModelSpec, prec: Precision, optimizer: str, rank
 
 def optimizer_temp_bytes(spec: ModelSpec, prec: Precision, optimizer: str, foreach: bool,
                          rank: int | None = None) -> int:
-    """Adam's step makes sqrt(v) and sqrt(v)/c before adding eps in place: 2 temporaries the size
-    of the largest parameter one tensor at a time (torch.optim single-tensor path, CPU default),
-    or of all parameters at once in the foreach path (CUDA default). SGD works in place.
-    Others: labkit.estimate.optim_terms.temp_bytes."""
+    """Adam's step makes sqrt(v) and sqrt(v)/c before adding eps in place: 2 temporaries the size of a
+    parameter one tensor at a time, beside the previous tensor's quotient (torch.optim single-tensor path,
+    CPU default), or sqrt(v) of all parameters at once in the foreach path (CUDA default). SGD works in
+    place. labkit.optim's steps also copy a 16-bit parameter and its gradient to fp32 (the copy of the
+    parameter is PARAM: optim_terms.cast_bytes). Every rule: labkit.estimate.optim_terms.temp_bytes."""
     return optim_terms.temp_bytes(spec, prec.weight, optimizer, foreach, rank)
 
 
@@ -144,7 +145,7 @@ def _estimate(r: Recipe) -> Estimate:
     foreach = (device == "cuda") if r.foreach is None else r.foreach
     b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft)
     if optimizer_offload:  # state and the step's work live in host memory
-        b.O = b.opt_temp = 0
+        b.O = b.opt_temp = b.opt_cast = 0
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
     b.states = _state_groups(_model_state_terms(spec, prec, optimizer, b, peft))
     moments = step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward)
@@ -188,15 +189,18 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
     ts = spec if peft is None else peft_terms.trainable_spec(spec, peft)  # what trains
     head_trains, emb_trains = w.trains("lm_head"), w.trains("wte")
     head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
+    units = optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank)
+    block_largest = units["block_step"][0] // gb  # the block's largest matrix: the one a block's moment steps
     return StepBytes(
         P=param_bytes(spec, prec) if peft is None else _peft_param_bytes(spec, peft, prec.weight),
         # with frozen weights the walk counts autocast's copies (Walk._count_copies)
         C=autocast_copy_bytes(spec, prec) if peft is None else w.copy_bytes, G=grad_bytes(ts, prec),
         O=optimizer_state_bytes(ts, prec, optimizer, rank),
         opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank),
-        **optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank),
-        head_held=head_grad if spec.tied else 0,  # a tied head's gradient waits for the embedding's part
-        step_freed=(2 * ts.largest_param if prec.autocast else 0, r * spec.ffn * mm,
+        opt_cast=optim_terms.cast_bytes(ts, prec.weight, optimizer, foreach, rank),
+        **units,
+        head_held=V * h * gb if spec.tied and head_trains else 0,  # waits for the embedding's part (not the final norm)
+        step_freed=(2 * block_largest if prec.autocast else 0, r * spec.ffn * mm,
                     (0 if spec.family == "labkit-gpt" else 1) * r * spec.ffn * mm),
         head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer, kept=kept, kept_saved=kept - proj_out,

@@ -105,3 +105,74 @@ def test_adafactor_state_of_a_3d_tensor_as_transformers():
     ref.step()
     held = {k: v.numel() * 4 for k, v in ref.state[w].items() if isinstance(v, torch.Tensor) and k != "RMS"}
     assert predicted == sum(held.values()) == 4 * (8 * 3 * 5 + 8 * 3 * 7)
+
+
+# ---- the optimizer step's own memory, derived from its ops (labkit.estimate.optim_terms.tensor_step_bytes) ----
+STEPPERS = ["sgd", "sgd-momentum", "adam", "adamw", "adamw8bit", "adam8bit", "lion", "adafactor"]
+# a vector, a matrix under 8-bit Adam's 4096-element limit, a tall matrix, a 3-D tensor (Adafactor factors
+# its last two dims), and a matrix of more than one 8-bit chunk (2^20 values)
+SHAPES = [(300,), (40, 50), (3000, 5), (4, 30, 50), (1100, 1000)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("optimizer", STEPPERS)
+def test_one_tensor_step_as_the_ledger_counts_it(optimizer, dtype, shape):
+    """One parameter's step: the estimate's (PARAM, TEMP) at its worst op equals the ledger's optimizer-phase
+    peak: PARAM beyond the parameter itself (fp32 working copies p.float() of a 16-bit one) and TEMP."""
+    from labkit.memory import Ledger
+    from labkit.run import optimizer_class
+    from labkit.estimate.optim_terms import tensor_step_bytes
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(shape).to(dtype))
+    cls, kw = optimizer_class(optimizer)
+    opt = cls([p], **kw)
+    with Ledger(optimizer=opt) as led:
+        for _ in range(2):  # the first step makes the state, the second is the steady one
+            p.grad = torch.randn(shape).to(dtype)
+            opt.step()
+    measured = led.measurement().phases["optimizer"]
+    d = torch.finfo(dtype).bits // 8
+    assert tensor_step_bytes(shape, d, optimizer) == (measured[Category.PARAM] - p.numel() * d,
+                                                      measured[Category.TEMP])
+
+
+TINY = GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=16)  # every tensor under 4096 values: 8-bit Adam's fp32 path
+# wpe (512, 32) comes after wte (256, 32): torch's single-tensor Adam still holds wte's denom while wpe steps
+SMALL = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=512)
+STEP16 = [(SMALL, "bf16", "adafactor", {}), (SMALL, "fp16", "adamw8bit", {}), (TINY, "bf16", "adam8bit", {}),
+          (SMALL, "bf16", "adamw", {}), (SMALL, "fp16", "adam", dict(foreach=True)),
+          (SMALL, "bf16", "adamw8bit", dict(step_in_backward=True)),
+          (SMALL, "fp16", "adafactor", dict(step_in_backward=True))]
+
+
+@pytest.mark.parametrize("model, dtype, optimizer, kw", STEP16,
+                         ids=[f"{'tiny' if c[0] is TINY else 'small'}-{c[1]}-{c[2]}-{'-'.join(c[3])}" for c in STEP16])
+def test_optimizer_moment_of_16bit_parameters_as_the_ledger(model, dtype, optimizer, kw):
+    """16-bit parameters, small model and batch: the optimizer step sets the peak. labkit.optim's steps work
+    on fp32 copies of the parameter (PARAM in the ledger) and of its gradient (TEMP); the estimate's
+    optimizer moment has each in its category, byte for byte."""
+    e = estimate(model, 2, 4, dtype, optimizer, device="cpu", **kw)
+    m = measure_step(model, 2, 4, dtype, optimizer, steps=2, **kw)
+    assert e.peak_phase == m.peak_phase == "optimizer"
+    est, meas = e.phases["optimizer"], m.phases["optimizer"]
+    for cat in (Category.PARAM, Category.GRAD, Category.OPT):
+        assert est[cat] == meas[cat], cat
+    # the token ids are ACT, or TEMP when made after a backward that stepped (step in backward: no optimizer
+    # phase before the next forward). Not in the estimate: train_step's 0-dim tensors, the fp32 loss total
+    # and, while a step runs inside backward, the loss and its seed gradient: at most 3 x 4 bytes
+    assert abs((est[Category.TEMP] + est[Category.ACT]) - (meas[Category.TEMP] + meas[Category.ACT])) <= 3 * 4
+    assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total
+
+
+def test_step_in_backward_under_autocast_frees_the_stepping_matrix_copy():
+    """Mixed precision, step in backward: when a block's largest matrix (the MLP's output projection) steps,
+    its own 16-bit autocast copy is gone, the other matrices' copies and the tied head's fp32 gradient are
+    not. The copy freed is that matrix's (2 x 4h x h), not the model's largest tensor's (the embedding)."""
+    small = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64)
+    e = estimate(small, 1, 4, "mixed-bf16", "adamw", step_in_backward=True)
+    m = measure_step(small, 1, 4, "mixed-bf16", "adamw", steps=2, step_in_backward=True)
+    assert m.peak_phase == "optimizer"
+    assert abs(e.phases["optimizer"].total - m.phases["optimizer"].total) <= 0.01 * m.peak.total
+    assert abs(e.peak.total - m.peak.total) <= 0.01 * m.peak.total
