@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, fields
 from labkit.memory.report import Category, Moment, Term
 
 POLICIES = ("none", "full", "sqrt", "selective")
+# GaLore's optimizer moments are named by the step they describe: `Estimate.without(REFRESH)` keeps the steady ones
+REFRESH, STEADY = "projector refresh", "steady (no refresh)"
 P_, B_, G_, O_, A_, T_ = (Category.PARAM, Category.BUFFER, Category.GRAD, Category.OPT, Category.ACT, Category.TEMP)
 
 
@@ -45,6 +47,10 @@ class StepBytes:
     O: int = _f(O_, "optimizer state", "per optimizer (labkit.estimate.optim_terms)", "labkit.optim / torch.optim")
     opt_temp: int = _f(T_, "optimizer step temporaries", "per optimizer (labkit.estimate.optim_terms.temp_bytes)",
                        "torch.optim _single_tensor/_multi_tensor Adam: sqrt(v) and its quotient")
+    opt_refresh: int = _f(T_, "GaLore projector refresh: the costliest matrix's SVD (or the steady step's temporaries)",
+                          "max(4(m k + k + k n) U, S, Vh + max(4 m n fp32 copy of a 16-bit G, the new projector) "
+                          "- the old projector, steady) (optim_terms.galore_refresh_bytes)",
+                          "labkit.optim.galore make_projector: torch.linalg.svd(G.float(), full_matrices=False)")
     inputs: int = _f(A_, "token ids and targets", "2 x B x S x 8 (int64)", "the batch")
     before: int = _f(A_, "saved before the first block", "walk: position ids, embedding dropout mask",
                      "autograd's saved tensors (derivatives.yaml)")
@@ -89,6 +95,8 @@ class StepBytes:
     # gradients all but that projection's input gradient
     block_step: tuple[int, int] = (0, 0)
     rest_step: tuple[int, int] = (0, 0)
+    block_refresh: tuple[int, int] | None = None  # GaLore: the same in a projector-refresh step
+    rest_refresh: tuple[int, int] | None = None
     head_held: int = _f(T_, "the tied head's partial gradient", "V x h x d",
                         "held until the embedding's gradient is added (step in backward)")
     step_freed: tuple[int, int, int] = (0, 0, 0)
@@ -262,6 +270,10 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     moments += [*block_moments, end]
     if step_in_backward:
         moments += _steps_in_backward(b, block_moments, head, end, sfx)
+    elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
+        opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
+        moments.append(Moment("optimizer", f"the optimizer step, {STEADY}" + sfx, [*opt, b.term("opt_temp")]))
+        moments.append(Moment("optimizer", f"the optimizer step, {REFRESH}" + sfx, [*opt, b.term("opt_refresh")]))
     else:
         moments.append(Moment("optimizer", "the optimizer step" + sfx,
                               [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp")]))
@@ -363,11 +375,16 @@ def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Mo
             custom("freed before the step: transient gradients", T_, -freed[2], "all but its input gradient", ""),
         ])
 
-    out = [stepping(x, b.block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps")
-           for x in blocks]
-    # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad)
-    if b.head_held:
-        out.append(stepping(end, b.rest_step, (0, 0, b.emb_temp), "the tied embedding steps"))
-    else:
-        out.append(stepping(head, b.rest_step, b.head_freed, "the head steps"))
+    runs = [(b.block_step, b.rest_step, "")]
+    if b.block_refresh is not None:  # GaLore: each step in a steady step and in a projector-refresh step
+        runs = [(b.block_step, b.rest_step, f", {STEADY}"), (b.block_refresh, b.rest_refresh, f", {REFRESH}")]
+    out = []
+    for block_step, rest_step, kind in runs:
+        out += [stepping(x, block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps" + kind)
+                for x in blocks]
+        # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad)
+        if b.head_held:
+            out.append(stepping(end, rest_step, (0, 0, b.emb_temp), "the tied embedding steps" + kind))
+        else:
+            out.append(stepping(head, rest_step, b.head_freed, "the head steps" + kind))
     return out

@@ -28,13 +28,15 @@ def adam8bit_state(n: int) -> int:
     return adam8bit.state_bytes_for((n,))
 
 
-def galore_matrix_state(m: int, n: int, r: int, d: int, eight_bit: bool) -> int:
+def galore_matrix_state(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
     """GaLore's state of one (m, n) matrix at rank r: labkit.optim.galore.state_bytes_for, or
-    labkit.optim.galore8bit.state_bytes_for with 8-bit moments."""
-    return (galore8bit if eight_bit else galore).state_bytes_for((m, n), r, d)
+    labkit.optim.galore8bit.state_bytes_for with 8-bit moments (and the projector in proj_dtype)."""
+    if eight_bit:
+        return galore8bit.state_bytes_for((m, n), r, d, proj_dtype=proj_dtype or "param")
+    return galore.state_bytes_for((m, n), r, d)
 
 
-def state_bytes(spec, d: int, optimizer: str, rank: int | None = None) -> int:
+def state_bytes(spec, d: int, optimizer: str, rank: int | None = None, proj_dtype: str | None = None) -> int:
     """Optimizer state in bytes for every parameter of `spec` (d: bytes per parameter element)."""
     shapes = spec.param_shapes
     if optimizer in TORCH_STATES:
@@ -47,14 +49,71 @@ def state_bytes(spec, d: int, optimizer: str, rank: int | None = None) -> int:
     if optimizer == "adafactor":  # factored over the last two dims: row and column averages (fp32)
         return sum(adafactor.state_bytes_for(s) for s in shapes)
     if optimizer in ("galore", "galore8bit"):  # the attention/MLP matrices at rank r, the rest plain (8-bit) AdamW
-        rule = galore8bit if optimizer == "galore8bit" else galore
-        return (sum(rule.state_bytes_for(s, rank, d) for s in spec.galore_shapes)
-                + sum(rule.state_bytes_for(s, None, d) for s in _rest_shapes(spec)))
+        eight = optimizer == "galore8bit"
+        return (sum(galore_matrix_state(*s, rank, d, eight, proj_dtype) for s in spec.galore_shapes)
+                + sum((galore8bit if eight else galore).state_bytes_for(s, None, d) for s in _rest_shapes(spec)))
     raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
-def temp_bytes(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None) -> int:
-    """The largest temporaries one optimizer step allocates (the ledger's TEMP in the optimizer phase)."""
+# ---- GaLore's step: what labkit.optim.GaLoreAdamW / GaLoreAdamW8bit allocate, op by op -------------------
+def galore_steady_bytes(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
+    """Temporaries of one (m, n) GaLore matrix's step without a refresh, R = r x max(m, n) values:
+
+        GaLoreAdamW:     2 d R      R = P^T G, freed once the moments have it; then sqrt(v) and m / sqrt(v)
+        GaLoreAdamW8bit: P' + 16 R  R in fp32; dequantized m and v; sqrt(v) (or the int32 code indices while
+                                    m and v are quantized back) and N, all fp32 (8 R: sqrt(v) + eps and N when
+                                    R < min_8bit_size keeps m and v fp32); P' = d r k, the projector in the
+                                    parameters' dtype, when it is stored in another (fp32 under 16-bit
+                                    weights, or int8), alive from the projection to the back-projection.
+    """
+    R, k = r * max(m, n), r * min(m, n)
+    if not eight_bit:
+        return 2 * d * R
+    pdt = proj_dtype or "param"
+    cast = d * k if pdt == "int8" or (pdt == "fp32" and d != 4) else 0
+    return cast + (16 if R >= MIN_8BIT else 8) * R
+
+
+def galore_refresh_bytes(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
+    """Temporaries of one (m, n) GaLore matrix's projector refresh, k = min(m, n), net of the old projector
+    (popped before the SVD; its bytes are in the state term):
+
+        4 (m k + k + k n)       torch.linalg.svd's U, S, Vh (fp32, full_matrices=False)
+        + max(4 m n [16-bit G: the fp32 copy the SVD reads, freed when it returns],
+              the new projector while U, S, Vh live: copied out of U or Vh (its state bytes), or for an int8
+              projector the fp32 quotient P / scale (4 r k) + the codes and scales (r k + 4 r))
+        - the old projector's bytes
+    """
+    old = galore8bit.projector_bytes((m, n), r, d, proj_dtype or "param") if eight_bit else d * r * min(m, n)
+    new = old + (4 * r * min(m, n) if eight_bit and proj_dtype == "int8" else 0)
+    usv = 4 * (m * min(m, n) + min(m, n) + min(m, n) * n)
+    return usv + max(4 * m * n if d != 4 else 0, new) - old
+
+
+def rest_step_bytes(n: int, d: int, optimizer: str) -> int:
+    """Temporaries of the step of a parameter of n values that GaLore leaves to Adam: 2 d n for AdamW (sqrt(v)
+    and the quotient); 8-bit: 16 n (the fp32 m, v, N and sqrt(v) or the int32 indices, as for R) at or over
+    min_8bit_size values, else 8 n (sqrt(v) + eps and N; a 16-bit gradient's fp32 copy, 4 n, is freed first)."""
+    if optimizer == "galore":
+        return 2 * d * n
+    return 16 * n if n >= MIN_8BIT else 8 * n
+
+
+def galore_temp_bytes(spec, d: int, optimizer: str, rank: int, refresh: bool, proj_dtype: str | None = None) -> int:
+    """The largest temporaries of a GaLore step: the steady step's (the largest matrix's or plain parameter's),
+    or with `refresh` the larger of those and the SVD of the matrix that costs most (every matrix refreshes)."""
+    eight = optimizer == "galore8bit"
+    steady = max([galore_steady_bytes(m, n, rank, d, eight, proj_dtype) for m, n in spec.galore_shapes]
+                 + [rest_step_bytes(math.prod(s), d, optimizer) for s in _rest_shapes(spec)], default=0)
+    if not refresh:
+        return steady
+    return max([steady] + [galore_refresh_bytes(m, n, rank, d, eight, proj_dtype) for m, n in spec.galore_shapes])
+
+
+def temp_bytes(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None, refresh: bool = False,
+               proj_dtype: str | None = None) -> int:
+    """The largest temporaries one optimizer step allocates (the ledger's TEMP in the optimizer phase).
+    refresh: GaLore's projector-refresh step (an SVD per matrix); other optimizers ignore it."""
     largest = spec.largest_param
     if optimizer in ("adam", "adamw"):  # sqrt(v) and sqrt(v)/c: per tensor, or for all tensors (foreach)
         return (spec.n_params if foreach else 2 * largest) * d
@@ -69,32 +128,37 @@ def temp_bytes(spec, d: int, optimizer: str, foreach: bool, rank: int | None = N
     if optimizer == "adafactor":  # the update of the largest tensor, plus its row and column means (>= 2 dims)
         return max((4 * math.prod(s) + adafactor.state_bytes_for(s) + 4 if len(s) >= 2 else 4 * math.prod(s))
                    for s in spec.param_shapes)
-    if optimizer in ("galore", "galore8bit"):  # the projector's refresh: an SVD of the largest matrix
-        svd = max(((4 * (m * min(m, n) + min(m, n) + min(m, n) * n) + 4 * rank * min(m, n)
-                    + (4 * m * n if d != 4 else 0)) for m, n in spec.galore_shapes), default=0)
-        steady = max(((8 if optimizer == "galore" else 16) * rank * max(m, n) for m, n in spec.galore_shapes), default=0)
-        return max(svd, steady, 2 * d * max((math.prod(s) for s in _rest_shapes(spec)), default=0))
+    if optimizer in ("galore", "galore8bit"):
+        return galore_temp_bytes(spec, d, optimizer, rank, refresh, proj_dtype)
     raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
-def step_in_backward_units(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None) -> dict:
+def step_in_backward_units(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None,
+                           proj_dtype: str | None = None) -> dict:
     """Step-in-backward: {"block_step": (largest gradient, step temporaries) of one block's parameters,
-    "rest_step": the same for the parameters outside the blocks}. Each parameter has an optimizer of
-    its own, so a step's temporaries are those of one tensor (foreach included), made while it steps."""
+    "rest_step": the same for the parameters outside the blocks}, and for GaLore "block_refresh" and
+    "rest_refresh": the same in a projector-refresh step. Each parameter has an optimizer of its own, so a
+    step's temporaries are those of one tensor (foreach included), made while it steps."""
     layer = re.compile(r"\.(\d+)\.")
     per_layer = len(spec.galore_shapes) // max(spec.n_layer, 1)
-    out = []
-    for block in (True, False):
+    out = {}
+    galore_opt = optimizer in ("galore", "galore8bit")
+    for key, block in (("block", True), ("rest", False)):
         found = [layer.search(n) for n in spec.param_names]
         shapes = [s for s, m in zip(spec.param_shapes, found) if (m is not None and m.group(1) == "0" if block else m is None)]
         if not shapes:
-            out.append((0, 0))
+            out[f"{key}_step"] = (0, 0)
+            if galore_opt:
+                out[f"{key}_refresh"] = (0, 0)
             continue
         unit = replace(spec, param_shapes=shapes, param_numels=[math.prod(s) for s in shapes],
                        galore_shapes=spec.galore_shapes[:per_layer] if block else [])
         unit = replace(unit, n_params=unit.largest_param)  # foreach: one tensor per optimizer
-        out.append((unit.largest_param * d, temp_bytes(unit, d, optimizer, foreach, rank)))
-    return {"block_step": out[0], "rest_step": out[1]}
+        out[f"{key}_step"] = (unit.largest_param * d, temp_bytes(unit, d, optimizer, foreach, rank, False, proj_dtype))
+        if galore_opt:
+            out[f"{key}_refresh"] = (unit.largest_param * d, temp_bytes(unit, d, optimizer, foreach, rank, True,
+                                                                       proj_dtype))
+    return out
 
 
 def _rest_shapes(spec) -> list[tuple]:
@@ -115,5 +179,5 @@ def state_formula(optimizer: str, d: int) -> str:
             "adam8bit": f"2N + 8 per {BLOCK}-block",
             "lion": f"N x {d} B (one momentum)", "adafactor": "4(rows + columns) per tensor of 2+ dims, 4n per vector",
             "galore": f"{d} x r(k + 2K) per attention/MLP matrix, Adam elsewhere",
-            "galore8bit": f"{d} x r k + 8-bit moments per matrix"}.get(
+            "galore8bit": f"projector r k ({d} B, 4 B, or 1 B + 4 B per vector) + 8-bit moments per matrix"}.get(
         optimizer, f"{TORCH_STATES.get(optimizer, 0)} x N x {d} B (+ step counters)")
