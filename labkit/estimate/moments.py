@@ -48,9 +48,12 @@ class StepBytes:
     opt_temp: int = _f(T_, "optimizer step temporaries", "per optimizer (labkit.estimate.optim_terms.temp_bytes)",
                        "torch.optim _single_tensor/_multi_tensor Adam: sqrt(v) and its quotient")
     opt_refresh: int = _f(T_, "GaLore projector refresh: the costliest matrix's SVD (or the steady step's temporaries)",
-                          "max(4(m k + k + k n) U, S, Vh + max(4 m n fp32 copy of a 16-bit G, the new projector) "
-                          "- the old projector, steady) (optim_terms.galore_refresh_bytes)",
+                          "4(m k + k + k n) U, S, Vh (+ 4 m n a 16-bit G's fp32 copy, or + 4 r k an int8 projector's "
+                          "quotient), or the steady step's if larger (optim_terms.galore_step_split)",
                           "labkit.optim.galore make_projector: torch.linalg.svd(G.float(), full_matrices=False)")
+    refresh_freed: int = _f(O_, "the refreshed matrix's old projector, freed before its SVD (while the SVD's output "
+                                "and a 16-bit G's fp32 copy live)", "r k x its bytes (optim_terms.galore_refresh_split)",
+                            "labkit.optim GaLore: state.pop('projector') before make_projector")
     inputs: int = _f(A_, "token ids and targets", "2 x B x S x 8 (int64)", "the batch")
     before: int = _f(A_, "saved before the first block", "walk: position ids, embedding dropout mask",
                      "autograd's saved tensors (derivatives.yaml)")
@@ -273,7 +276,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
         opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
         moments.append(Moment("optimizer", f"the optimizer step, {STEADY}" + sfx, [*opt, b.term("opt_temp")]))
-        moments.append(Moment("optimizer", f"the optimizer step, {REFRESH}" + sfx, [*opt, b.term("opt_refresh")]))
+        moments.append(Moment("optimizer", f"the optimizer step, {REFRESH}" + sfx,
+                              [*opt, b.term("opt_refresh"), *_freed_projector(b.refresh_freed)]))
     else:
         moments.append(Moment("optimizer", "the optimizer step" + sfx,
                               [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp")]))
@@ -359,10 +363,17 @@ def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buff
     return out
 
 
+def _freed_projector(nbytes: int) -> list:
+    """GaLore's refresh: the refreshed matrix's old projector, gone from the state at the refresh's worst moment."""
+    return [custom("the refreshed matrix's old projector, freed before its SVD", O_, -nbytes,
+                   "r k x its bytes (optim_terms.galore_refresh_split)",
+                   "labkit.optim GaLore: state.pop('projector') before make_projector")] if nbytes else []
+
+
 def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str) -> list[Moment]:
     """The backward moments at which a parameter steps: each block's (its largest parameter's gradient and
     step temporaries on top), and the head's (untied head) or the last one's (the tied embedding)."""
-    def stepping(x: Moment, step: tuple[int, int], freed=(0, 0, 0), where: str = "") -> Moment:
+    def stepping(x: Moment, step: tuple, freed=(0, 0, 0), where: str = "") -> Moment:
         keep = [t for t in x.terms if t.category is not G_]
         return Moment("optimizer", where + sfx, [
             *keep,
@@ -370,6 +381,7 @@ def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Mo
                    "labkit.optim.StepInBackward"),
             custom("its optimizer step's temporaries", T_, step[1], "one tensor's step (optim_terms.temp_bytes)",
                    "torch.optim single-tensor step"),
+            *_freed_projector(-step[2] if len(step) > 2 else 0),
             custom("freed before the step: its autocast copy", P_, -freed[0], "the stepped matrix's 16-bit copy", ""),
             custom("freed before the step: its saved input", A_, -freed[1], "the stepped matmul's input", ""),
             custom("freed before the step: transient gradients", T_, -freed[2], "all but its input gradient", ""),

@@ -74,20 +74,28 @@ def galore_steady_bytes(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dt
     return cast + (16 if R >= MIN_8BIT else 8) * R
 
 
-def galore_refresh_bytes(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
-    """Temporaries of one (m, n) GaLore matrix's projector refresh, k = min(m, n), net of the old projector
-    (popped before the SVD; its bytes are in the state term):
+def galore_refresh_split(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None
+                         ) -> tuple[int, int]:
+    """(TEMP, change of OPT) at the worst moment of one (m, n) GaLore matrix's projector refresh, k = min(m, n).
+    The old projector is popped before the SVD (OPT - old); the worst moment is the larger of:
 
-        4 (m k + k + k n)       torch.linalg.svd's U, S, Vh (fp32, full_matrices=False)
-        + max(4 m n [16-bit G: the fp32 copy the SVD reads, freed when it returns],
-              the new projector while U, S, Vh live: copied out of U or Vh (its state bytes), or for an int8
-              projector the fp32 quotient P / scale (4 r k) + the codes and scales (r k + 4 r))
-        - the old projector's bytes
+        the SVD returns:       TEMP 4 (m k + k + k n)  torch.linalg.svd's U, S, Vh (fp32, full_matrices=False)
+                                    + 4 m n            a 16-bit G's fp32 copy, which the SVD reads
+                               OPT  - old
+        the new projector:     TEMP 4 (m k + k + k n)  (+ 4 r k: an int8 projector's fp32 quotient P / scale)
+                               OPT  - old + new = 0    copied out of U or Vh (or quantized) while they live
     """
-    old = galore8bit.projector_bytes((m, n), r, d, proj_dtype or "param") if eight_bit else d * r * min(m, n)
-    new = old + (4 * r * min(m, n) if eight_bit and proj_dtype == "int8" else 0)
-    usv = 4 * (m * min(m, n) + min(m, n) + min(m, n) * n)
-    return usv + max(4 * m * n if d != 4 else 0, new) - old
+    k = min(m, n)
+    old = galore8bit.projector_bytes((m, n), r, d, proj_dtype or "param") if eight_bit else d * r * k
+    usv = 4 * (m * k + k + k * n)
+    at_svd = (usv + (4 * m * n if d != 4 else 0), -old)
+    at_new = (usv + (4 * r * k if eight_bit and proj_dtype == "int8" else 0), 0)
+    return at_new if sum(at_new) >= sum(at_svd) else at_svd
+
+
+def galore_refresh_bytes(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
+    """Bytes one (m, n) GaLore matrix's projector refresh adds at its worst moment (`galore_refresh_split`'s sum)."""
+    return sum(galore_refresh_split(m, n, r, d, eight_bit, proj_dtype))
 
 
 def rest_step_bytes(n: int, d: int, optimizer: str) -> int:
@@ -99,15 +107,20 @@ def rest_step_bytes(n: int, d: int, optimizer: str) -> int:
     return 16 * n if n >= MIN_8BIT else 8 * n
 
 
-def galore_temp_bytes(spec, d: int, optimizer: str, rank: int, refresh: bool, proj_dtype: str | None = None) -> int:
-    """The largest temporaries of a GaLore step: the steady step's (the largest matrix's or plain parameter's),
-    or with `refresh` the larger of those and the SVD of the matrix that costs most (every matrix refreshes)."""
+def galore_step_split(spec, d: int, optimizer: str, rank: int, refresh: bool, proj_dtype: str | None = None
+                      ) -> tuple[int, int]:
+    """(TEMP, change of OPT) at the worst moment of a GaLore step: the steady step's (the largest matrix's or plain
+    parameter's temporaries, OPT unchanged), or with `refresh` the larger of those and the refresh of the matrix
+    that costs most (every matrix refreshes; `galore_refresh_split`)."""
     eight = optimizer == "galore8bit"
     steady = max([galore_steady_bytes(m, n, rank, d, eight, proj_dtype) for m, n in spec.galore_shapes]
                  + [rest_step_bytes(math.prod(s), d, optimizer) for s in _rest_shapes(spec)], default=0)
-    if not refresh:
-        return steady
-    return max([steady] + [galore_refresh_bytes(m, n, rank, d, eight, proj_dtype) for m, n in spec.galore_shapes])
+    best = (steady, 0)
+    for m, n in spec.galore_shapes if refresh else []:
+        split = galore_refresh_split(m, n, rank, d, eight, proj_dtype)
+        if sum(split) > sum(best):
+            best = split
+    return best
 
 
 def temp_bytes(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None, refresh: bool = False,
@@ -128,8 +141,8 @@ def temp_bytes(spec, d: int, optimizer: str, foreach: bool, rank: int | None = N
     if optimizer == "adafactor":  # the update of the largest tensor, plus its row and column means (>= 2 dims)
         return max((4 * math.prod(s) + adafactor.state_bytes_for(s) + 4 if len(s) >= 2 else 4 * math.prod(s))
                    for s in spec.param_shapes)
-    if optimizer in ("galore", "galore8bit"):
-        return galore_temp_bytes(spec, d, optimizer, rank, refresh, proj_dtype)
+    if optimizer in ("galore", "galore8bit"):  # with refresh, the OPT change is galore_step_split's second part
+        return galore_step_split(spec, d, optimizer, rank, refresh, proj_dtype)[0]
     raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
@@ -138,7 +151,8 @@ def step_in_backward_units(spec, d: int, optimizer: str, foreach: bool, rank: in
     """Step-in-backward: {"block_step": (largest gradient, step temporaries) of one block's parameters,
     "rest_step": the same for the parameters outside the blocks}, and for GaLore "block_refresh" and
     "rest_refresh": the same in a projector-refresh step. Each parameter has an optimizer of its own, so a
-    step's temporaries are those of one tensor (foreach included), made while it steps."""
+    step's temporaries are those of one tensor (foreach included), made while it steps; a refresh's third item
+    is the change of OPT then (the old projector freed)."""
     layer = re.compile(r"\.(\d+)\.")
     per_layer = len(spec.galore_shapes) // max(spec.n_layer, 1)
     out = {}
@@ -155,9 +169,9 @@ def step_in_backward_units(spec, d: int, optimizer: str, foreach: bool, rank: in
                        galore_shapes=spec.galore_shapes[:per_layer] if block else [])
         unit = replace(unit, n_params=unit.largest_param)  # foreach: one tensor per optimizer
         out[f"{key}_step"] = (unit.largest_param * d, temp_bytes(unit, d, optimizer, foreach, rank, False, proj_dtype))
-        if galore_opt:
-            out[f"{key}_refresh"] = (unit.largest_param * d, temp_bytes(unit, d, optimizer, foreach, rank, True,
-                                                                       proj_dtype))
+        if galore_opt:  # (gradient, TEMP, change of OPT: the refreshed matrix's old projector freed)
+            out[f"{key}_refresh"] = (unit.largest_param * d,
+                                     *galore_step_split(unit, d, optimizer, rank, True, proj_dtype))
     return out
 
 

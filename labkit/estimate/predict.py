@@ -199,8 +199,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         C=autocast_copy_bytes(spec, prec) if peft is None else w.copy_bytes, G=grad_bytes(ts, prec),
         O=optimizer_state_bytes(ts, prec, optimizer, rank, proj_dtype),
         opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank, False, proj_dtype),
-        opt_refresh=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank, True, proj_dtype)
-        if optimizer.startswith("galore") else 0,
+        **_refresh_fields(ts, prec.weight, optimizer, rank, proj_dtype),
         **optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank, proj_dtype),
         head_held=head_grad if spec.tied else 0,  # a tied head's gradient waits for the embedding's part
         step_freed=(2 * ts.largest_param if prec.autocast else 0, r * spec.ffn * mm,
@@ -229,6 +228,14 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         points=_block_points(w, marks, gb), forward_extra=w.forward_extra, forward_locals=w.forward_locals,
         dequant=0 if peft is None else peft_terms.dequant_scratch_bytes(peft, 2 if prec.autocast else gb),
     ), w
+
+
+def _refresh_fields(spec, d: int, optimizer: str, rank, proj_dtype) -> dict:
+    """GaLore's projector-refresh step: its temporaries and the change of the state (optim_terms.galore_step_split)."""
+    if not optimizer.startswith("galore"):
+        return {}
+    temp, opt = optim_terms.galore_step_split(spec, d, optimizer, rank, True, proj_dtype)
+    return {"opt_refresh": temp, "refresh_freed": -opt}
 
 
 def _block_points(w: Walk, marks, gb: int) -> list[tuple]:
