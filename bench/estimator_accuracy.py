@@ -7,6 +7,11 @@ prints predicted vs measured peak, the error as a percentage of the measured pea
 and the category with the largest error (also in % of the measured peak). Configurations over the
 tolerance are then shown category by category. The last line is the summary:
 `estimator: configs=N max_error=X% median_error=Y%`.
+
+GaLore's estimate holds two optimizer moments: a projector-refresh step (an SVD per matrix) and a steady
+step. A GaLore configuration is measured one of two ways: "refresh" (measure_step's galore_refresh: the
+second step refreshes, with all state made) against the whole estimate, or "steady" (the second step of a
+default run, Measurement.of_step(2)) against the estimate without its refresh moments.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from tqdm import tqdm
 
 from labkit.memory import CATEGORIES, fmt_bytes
 from labkit.estimate import estimate
+from labkit.estimate.moments import REFRESH
 from labkit.run import measure_step
 from labkit.models.gpt import GPTConfig
 
@@ -37,6 +43,7 @@ class Config:
     dtype: str
     optimizer: str
     overrides: dict = field(default_factory=dict)  # preset config overrides, e.g. n_layer=3
+    refresh: bool | None = None  # GaLore: measure a projector-refresh step (True) or a steady one (False)
 
 
 def _gpt(attention: str, dropout: float, **kw) -> GPTConfig:
@@ -138,8 +145,33 @@ def configs(quick: bool = False) -> list[Config]:
     for label, model, B, S, dtype, opts in peft_plan:
         shown = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ("hidden_size", "intermediate_size"))
         out.append(Config(f"{label} {shown}", model, B, S, dtype, "adamw", dict(opts)))
+    # GaLore and 8-bit GaLore (labkit.optim), the three families: each measured in a step that refreshes the
+    # projectors and in a steady one; small batches put the peak in the optimizer step, larger ones in backward
+    first_galore = len(out)
+    wide = _gpt("sdpa", 0.0, n_embd=256, block_size=64)
+    galore_plan = [  # (label, model, B, S, dtype, optimizer, options)
+        ("gpt", _gpt("sdpa", 0.0), 1, 16, "bf16", "galore", {"rank": 16}),
+        ("gpt", _gpt("sdpa", 0.0), 1, 16, "fp32", "galore8bit", {"rank": 16}),
+        ("gpt", _gpt("manual", 0.1), 4, 64, "mixed-bf16", "galore", {"rank": 32}),
+        ("gpt h256", wide, 1, 8, "mixed-bf16", "galore8bit", {"rank": 64, "step_in_backward": True}),
+        ("gpt h256", wide, 1, 8, "bf16", "galore8bit", {"rank": 64, "proj_dtype": "int8"}),
+        ("gpt", _gpt("sdpa", 0.0), 2, 32, "bf16", "galore", {"rank": 8, "step_in_backward": True}),
+        ("gpt2-tiny", "gpt2-tiny", 1, 8, "fp32", "galore", {"rank": 16}),
+        ("gpt2-tiny", "gpt2-tiny", 1, 8, "bf16", "galore8bit", {"rank": 16, "step_in_backward": True}),
+        ("gpt2-tiny", "gpt2-tiny", 4, 64, "mixed-bf16", "galore8bit", {"rank": 8, "proj_dtype": "fp32"}),
+        ("llama-tiny", "llama-tiny", 1, 8, "bf16", "galore", {"rank": 16}),
+        ("llama-tiny", "llama-tiny", 1, 8, "mixed-bf16", "galore8bit", {"rank": 16, "proj_dtype": "int8"}),
+        ("llama-tiny", "llama-tiny", 2, 32, "fp32", "galore", {"rank": 8, "step_in_backward": True}),
+        ("llama-tiny", "llama-tiny", 1, 8, "bf16", "galore8bit", {"rank": 32, "step_in_backward": True}),
+    ]
+    for label, model, B, S, dtype, opt, opts in galore_plan:
+        shown = " ".join(f"{k}={v}" for k, v in opts.items())
+        for refresh in (True, False):
+            out.append(Config(f"{label} {shown} {'refresh' if refresh else 'steady'}", model, B, S, dtype, opt,
+                              dict(opts), refresh))
     if quick:  # one of each kind
-        keep = (0, 6, 13, len(gpt_plan) + 2, len(gpt_plan) + 3, len(gpt_plan) + 8, first_peft + 2, first_peft + 19)
+        keep = (0, 6, 13, len(gpt_plan) + 2, len(gpt_plan) + 3, len(gpt_plan) + 8, first_peft + 2, first_peft + 19,
+                first_galore, first_galore + 1)
         out = [out[i] for i in keep]
     return out
 
@@ -187,8 +219,12 @@ def _draw(rng: random.Random) -> Config | None:
     optimizer = rng.choice(["sgd", "sgd-momentum", "adam", "adamw", "adamw8bit", "adam8bit", "lion", "adafactor",
                             "galore", "galore8bit"])
     opts: dict = dict(ov)
+    refresh = None
     if optimizer.startswith("galore"):
         opts["rank"] = rng.choice([r for r in (2, 4, 8, 16, 32) if r <= h // 2] or [2])
+        refresh = rng.random() < 0.5  # half the GaLore draws measure a projector-refresh step
+        if optimizer == "galore8bit" and rng.random() < 0.5:
+            opts["proj_dtype"] = rng.choice(["param", "fp32", "int8"])
     if rng.random() < OPTIONS_P["checkpoint"]:
         opts["checkpoint"] = rng.choice(["full", "sqrt", "selective"])
         if opts["checkpoint"] == "full" and L > 1 and rng.random() < 0.5:
@@ -213,7 +249,8 @@ def _draw(rng: random.Random) -> Config | None:
     elif peft == "lisa":
         opts["lisa_layers"] = rng.randint(1, L)
     shown = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ov)
-    return Config(f"{name} {shown}".rstrip(), model, B, S, dtype, optimizer, opts)
+    shown += {None: "", True: " refresh", False: " steady"}[refresh]
+    return Config(f"{name} {shown}".rstrip(), model, B, S, dtype, optimizer, opts, refresh)
 
 
 def random_configs(n: int, seed: int) -> list[Config]:
@@ -236,7 +273,10 @@ def random_configs(n: int, seed: int) -> list[Config]:
 
 def run_one(c: Config) -> dict:
     e = estimate(c.model, c.batch, c.seq, c.dtype, c.optimizer, device="cpu", **c.overrides)
-    m = measure_step(c.model, c.batch, c.seq, c.dtype, c.optimizer, steps=2, **c.overrides)
+    m = measure_step(c.model, c.batch, c.seq, c.dtype, c.optimizer, steps=2, galore_refresh=bool(c.refresh),
+                     **c.overrides)
+    if c.refresh is False:  # a steady step: the second one, against the estimate's steady moments
+        e, m = e.without(REFRESH), m.of_step(2)
     meas = m.peak.total
     cat_err = {cat: 100 * (e.peak[cat] - m.peak[cat]) / meas for cat in CATEGORIES}
     worst = max(cat_err, key=lambda cat: abs(cat_err[cat]))

@@ -12,6 +12,7 @@ import re
 import sys
 
 from labkit.estimate.predict import DTYPES, OPTIMIZERS
+from labkit.estimate.recipe import PROJ_DTYPES
 from labkit.estimate.peft_terms import QUANTS
 from labkit.estimate.moments import POLICIES
 from labkit.memory.report import CATEGORIES, PHASES
@@ -260,7 +261,8 @@ def estimate_dict(model_text: str, e, args) -> dict:
         "model": model_text, "n_params": int(e.n_params), "batch": args.batch, "seq": args.seq,
         "dtype": args.dtype, "optimizer": args.optimizer, "device": args.device,
         "options": {k: getattr(args, k) for k in ("checkpoint", "segments", "offload_activations", "micro_batch",
-                                                   "accumulate", "rank", "optimizer_offload", "step_in_backward",
+                                                   "accumulate", "rank", "proj_dtype", "optimizer_offload",
+                                                   "step_in_backward",
                                                    "lora_rank", "lora_targets", "quant", "lisa_layers")
                     if hasattr(args, k)},
         "peak_phase": e.peak_phase, "peak": int(e.peak.total),
@@ -317,6 +319,9 @@ def check_estimate_options(args, parser) -> int | None:
                      f"not {args.optimizer}")
     if galore and args.rank is None:
         parser.error(f"--optimizer {args.optimizer} needs --rank R (e.g. --rank 128)")
+    if args.proj_dtype is not None and args.optimizer != "galore8bit":
+        parser.error(f"--proj-dtype {args.proj_dtype} is 8-bit GaLore's projector precision: give it with "
+                     f"--optimizer galore8bit, not {args.optimizer}")
     if args.lora_rank is None:
         if args.lora_targets is not None:
             parser.error(f"--lora-targets {args.lora_targets!r} selects where LoRA adapters go: give --lora-rank too")
@@ -337,7 +342,8 @@ def cmd_estimate(args, parser) -> int:
     try:
         e = estimate(spec, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
                      checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
-                     micro_batch=micro, rank=args.rank, optimizer_offload=args.optimizer_offload,
+                     micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
+                     optimizer_offload=args.optimizer_offload,
                      step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
                      lora_targets=args.lora_targets, quant=args.quant, lisa_layers=args.lisa_layers)
     except ValueError as err:
@@ -463,6 +469,9 @@ def build_parser() -> _Parser:
     e.add_argument("--micro-batch", type=integer, default=None, help="rows per micro-batch (gradient accumulation)")
     e.add_argument("--accumulate", type=integer, default=None, help="micro-batches per step (batch / micro-batch)")
     e.add_argument("--rank", type=integer, default=None, help="GaLore's rank (--optimizer galore or galore8bit)")
+    e.add_argument("--proj-dtype", choices=PROJ_DTYPES, default=None,
+                   help="8-bit GaLore's projector: param (the weights' dtype, the default), fp32 or int8 "
+                        "(--optimizer galore8bit)")
     e.add_argument("--optimizer-offload", choices=("cpu", "disk"), default=None,
                    help="AdamW state and step in host memory or on disk (labkit.optim.OffloadAdamW)")
     e.add_argument("--step-in-backward", action="store_true", help="step each parameter as its gradient is ready")

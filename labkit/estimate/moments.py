@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, fields
 from labkit.memory.report import Category, Moment, Term
 
 POLICIES = ("none", "full", "sqrt", "selective")
+# GaLore's optimizer moments are named by the step they describe: `Estimate.without(REFRESH)` keeps the steady ones
+REFRESH, STEADY = "projector refresh", "steady (no refresh)"
 P_, B_, G_, O_, A_, T_ = (Category.PARAM, Category.BUFFER, Category.GRAD, Category.OPT, Category.ACT, Category.TEMP)
 
 
@@ -48,6 +50,13 @@ class StepBytes:
     opt_cast: int = _f(P_, "the step's fp32 working copy of a 16-bit parameter", "4 x (elements or chunk) of the "
                        "stepping tensor (labkit.estimate.optim_terms.cast_bytes)",
                        "labkit.optim: p.float(), a cast of the parameter (parameter memory in the ledger)")
+    opt_refresh: int = _f(T_, "GaLore projector refresh: the costliest matrix's SVD (or the steady step's temporaries)",
+                          "4(m k + k + k n) U, S, Vh (+ 4 m n a 16-bit G's fp32 copy, or + 4 r k an int8 projector's "
+                          "quotient), or the steady step's if larger (optim_terms.galore_step_split)",
+                          "labkit.optim.galore make_projector: torch.linalg.svd(G.float(), full_matrices=False)")
+    refresh_freed: int = _f(O_, "the refreshed matrix's old projector, freed before its SVD (while the SVD's output "
+                                "and a 16-bit G's fp32 copy live)", "r k x its bytes (optim_terms.galore_refresh_split)",
+                            "labkit.optim GaLore: state.pop('projector') before make_projector")
     inputs: int = _f(A_, "token ids and targets", "2 x B x S x 8 (int64)", "the batch")
     before: int = _f(A_, "saved before the first block", "walk: position ids, embedding dropout mask",
                      "autograd's saved tensors (derivatives.yaml)")
@@ -93,9 +102,13 @@ class StepBytes:
     # step_freed: what is gone from a block's worst moment when its largest matrix, the MLP's output
     # projection (backward's first), steps: its autocast copy and saved input, and of the MLP's transient
     # gradients all but that projection's input gradient
-    block_step: tuple[int, int, int] = (0, 0, 0)
-    rest_step: tuple[int, int, int] = (0, 0, 0)  # outside the blocks, but a tied embedding
-    tied_step: tuple[int, int, int] = (0, 0, 0)  # the tied embedding (zeros when the head is untied)
+    block_step: tuple = (0, 0, 0)
+    rest_step: tuple = (0, 0, 0)  # outside the blocks, but a tied embedding
+    tied_step: tuple = (0, 0, 0)  # the tied embedding (zeros when the head is untied)
+    # GaLore: the same in a projector-refresh step, with a 4th item, the change of OPT (the old projector freed)
+    block_refresh: tuple | None = None
+    rest_refresh: tuple | None = None
+    tied_refresh: tuple | None = None
     head_held: int = _f(T_, "the tied head's partial gradient", "V x h x d",
                         "held until the embedding's gradient is added (step in backward)")
     step_freed: tuple[int, int, int] = (0, 0, 0)
@@ -274,6 +287,11 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     moments += [*block_moments, end]
     if step_in_backward:
         moments += _steps_in_backward(b, block_moments, head, end, sfx)
+    elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
+        opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
+        moments.append(Moment("optimizer", f"the optimizer step, {STEADY}" + sfx, [*opt, b.term("opt_temp")]))
+        moments.append(Moment("optimizer", f"the optimizer step, {REFRESH}" + sfx,
+                              [*opt, b.term("opt_refresh"), *_freed_projector(b.refresh_freed)]))
     else:
         moments.append(Moment("optimizer", "the optimizer step" + sfx,
                               [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp"),
@@ -360,10 +378,17 @@ def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buff
     return out
 
 
+def _freed_projector(nbytes: int) -> list:
+    """GaLore's refresh: the refreshed matrix's old projector, gone from the state at the refresh's worst moment."""
+    return [custom("the refreshed matrix's old projector, freed before its SVD", O_, -nbytes,
+                   "r k x its bytes (optim_terms.galore_refresh_split)",
+                   "labkit.optim GaLore: state.pop('projector') before make_projector")] if nbytes else []
+
+
 def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str) -> list[Moment]:
     """The backward moments at which a parameter steps: each block's (its largest parameter's gradient and
     step temporaries on top), and the head's (untied head) or the last one's (the tied embedding)."""
-    def stepping(x: Moment, step: tuple[int, int, int], freed=(0, 0, 0), where: str = "") -> Moment:
+    def stepping(x: Moment, step: tuple, freed=(0, 0, 0), where: str = "") -> Moment:
         keep = [t for t in x.terms if t.category is not G_]
         return Moment("optimizer", where + sfx, [
             *keep,
@@ -373,20 +398,29 @@ def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Mo
                    "torch.optim single-tensor step; labkit.optim's update of one tensor"),
             custom("its step's fp32 working copy of the parameter", P_, step[2], "4 x its elements (16-bit) or 0",
                    "labkit.optim: p.float(), counted as parameter memory"),
+            *_freed_projector(-step[3] if len(step) > 3 else 0),
             custom("freed before the step: its autocast copy", P_, -freed[0], "the stepped matrix's 16-bit copy", ""),
             custom("freed before the step: its saved input", A_, -freed[1], "the stepped matmul's input", ""),
             custom("freed before the step: transient gradients", T_, -freed[2], "all but its input gradient", ""),
         ])
 
-    out = [stepping(x, b.block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps")
-           for x in blocks]
-    # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad);
-    # the other parameters outside the blocks (a position embedding) step before, beside the head's part
-    if b.head_held:
-        out.append(stepping(end, b.tied_step, (0, 0, b.emb_temp), "the tied embedding steps"))
-        if b.rest_step[0]:
-            held = Moment(end.phase, end.where, [t for t in end.terms if t != b.term("emb_temp")] + [b.term("head_held")])
-            out.append(stepping(held, b.rest_step, where="the position embedding steps (the tied head's gradient held)"))
-    else:
-        out.append(stepping(head, b.rest_step, b.head_freed, "the head steps"))
+    runs = [(b.block_step, b.rest_step, b.tied_step, "")]
+    if b.block_refresh is not None:  # GaLore: each step in a steady step and in a projector-refresh step
+        runs = [(b.block_step, b.rest_step, b.tied_step, f", {STEADY}"),
+                (b.block_refresh, b.rest_refresh, b.tied_refresh, f", {REFRESH}")]
+    out = []
+    for block_step, rest_step, tied_step, kind in runs:
+        out += [stepping(x, block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps" + kind)
+                for x in blocks]
+        # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad);
+        # the other parameters outside the blocks (a position embedding) step before, beside the head's part
+        if b.head_held:
+            out.append(stepping(end, tied_step, (0, 0, b.emb_temp), "the tied embedding steps" + kind))
+            if rest_step[0]:
+                held = Moment(end.phase, end.where,
+                              [t for t in end.terms if t != b.term("emb_temp")] + [b.term("head_held")])
+                out.append(stepping(held, rest_step,
+                                    where="the position embedding steps (the tied head's gradient held)" + kind))
+        else:
+            out.append(stepping(head, rest_step, b.head_freed, "the head steps" + kind))
     return out

@@ -30,13 +30,15 @@ def adam8bit_state(n: int) -> int:
     return adam8bit.state_bytes_for((n,))
 
 
-def galore_matrix_state(m: int, n: int, r: int, d: int, eight_bit: bool) -> int:
+def galore_matrix_state(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
     """GaLore's state of one (m, n) matrix at rank r: labkit.optim.galore.state_bytes_for, or
-    labkit.optim.galore8bit.state_bytes_for with 8-bit moments."""
-    return (galore8bit if eight_bit else galore).state_bytes_for((m, n), r, d)
+    labkit.optim.galore8bit.state_bytes_for with 8-bit moments (and the projector in proj_dtype)."""
+    if eight_bit:
+        return galore8bit.state_bytes_for((m, n), r, d, proj_dtype=proj_dtype or "param")
+    return galore.state_bytes_for((m, n), r, d)
 
 
-def state_bytes(spec, d: int, optimizer: str, rank: int | None = None) -> int:
+def state_bytes(spec, d: int, optimizer: str, rank: int | None = None, proj_dtype: str | None = None) -> int:
     """Optimizer state in bytes for every parameter of `spec` (d: bytes per parameter element)."""
     shapes = spec.param_shapes
     if optimizer in TORCH_STATES:
@@ -49,19 +51,86 @@ def state_bytes(spec, d: int, optimizer: str, rank: int | None = None) -> int:
     if optimizer == "adafactor":  # factored over the last two dims: row and column averages (fp32)
         return sum(adafactor.state_bytes_for(s) for s in shapes)
     if optimizer in ("galore", "galore8bit"):  # the attention/MLP matrices at rank r, the rest plain (8-bit) AdamW
-        rule = galore8bit if optimizer == "galore8bit" else galore
-        return (sum(rule.state_bytes_for(s, rank, d) for s in spec.galore_shapes)
-                + sum(rule.state_bytes_for(s, None, d) for s in _rest_shapes(spec)))
+        eight = optimizer == "galore8bit"
+        return (sum(galore_matrix_state(*s, rank, d, eight, proj_dtype) for s in spec.galore_shapes)
+                + sum((galore8bit if eight else galore).state_bytes_for(s, None, d) for s in _rest_shapes(spec)))
     raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
-def temp_bytes(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None) -> int:
-    """The step's temporaries at its worst moment (the ledger's TEMP in the optimizer phase): `step_bytes`."""
-    if optimizer in ("galore", "galore8bit"):  # the projector's refresh: an SVD of the largest matrix
-        svd = max(((4 * (m * min(m, n) + min(m, n) + min(m, n) * n) + 4 * rank * min(m, n)
-                    + (4 * m * n if d != 4 else 0)) for m, n in spec.galore_shapes), default=0)
-        steady = max(((8 if optimizer == "galore" else 16) * rank * max(m, n) for m, n in spec.galore_shapes), default=0)
-        return max(svd, steady, 2 * d * max((math.prod(s) for s in _rest_shapes(spec)), default=0))
+# ---- GaLore's step: what labkit.optim.GaLoreAdamW / GaLoreAdamW8bit allocate, op by op -------------------
+def galore_steady_bytes(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
+    """Temporaries of one (m, n) GaLore matrix's step without a refresh, R = r x max(m, n) values:
+
+        GaLoreAdamW:     2 d R      R = P^T G, freed once the moments have it; then sqrt(v) and m / sqrt(v)
+        GaLoreAdamW8bit: P' + 16 R  R in fp32; dequantized m and v; sqrt(v) (or the int32 code indices while
+                                    m and v are quantized back) and N, all fp32 (8 R: sqrt(v) + eps and N when
+                                    R < min_8bit_size keeps m and v fp32); P' = d r k, the projector in the
+                                    parameters' dtype, when it is stored in another (fp32 under 16-bit
+                                    weights, or int8), alive from the projection to the back-projection.
+    """
+    R, k = r * max(m, n), r * min(m, n)
+    if not eight_bit:
+        return 2 * d * R
+    pdt = proj_dtype or "param"
+    cast = d * k if pdt == "int8" or (pdt == "fp32" and d != 4) else 0
+    return cast + (16 if R >= MIN_8BIT else 8) * R
+
+
+def galore_refresh_split(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None
+                         ) -> tuple[int, int]:
+    """(TEMP, change of OPT) at the worst moment of one (m, n) GaLore matrix's projector refresh, k = min(m, n).
+    The old projector is popped before the SVD (OPT - old); the worst moment is the larger of:
+
+        the SVD returns:       TEMP 4 (m k + k + k n)  torch.linalg.svd's U, S, Vh (fp32, full_matrices=False)
+                                    + 4 m n            a 16-bit G's fp32 copy, which the SVD reads
+                               OPT  - old
+        the new projector:     TEMP 4 (m k + k + k n)  (+ 4 r k: an int8 projector's fp32 quotient P / scale)
+                               OPT  - old + new = 0    copied out of U or Vh (or quantized) while they live
+    """
+    k = min(m, n)
+    old = galore8bit.projector_bytes((m, n), r, d, proj_dtype or "param") if eight_bit else d * r * k
+    usv = 4 * (m * k + k + k * n)
+    at_svd = (usv + (4 * m * n if d != 4 else 0), -old)
+    at_new = (usv + (4 * r * k if eight_bit and proj_dtype == "int8" else 0), 0)
+    return at_new if sum(at_new) >= sum(at_svd) else at_svd
+
+
+def galore_refresh_bytes(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
+    """Bytes one (m, n) GaLore matrix's projector refresh adds at its worst moment (`galore_refresh_split`'s sum)."""
+    return sum(galore_refresh_split(m, n, r, d, eight_bit, proj_dtype))
+
+
+def rest_step_bytes(n: int, d: int, optimizer: str) -> int:
+    """Temporaries of the step of a parameter of n values that GaLore leaves to Adam: 2 d n for AdamW (sqrt(v)
+    and the quotient); 8-bit: 16 n (the fp32 m, v, N and sqrt(v) or the int32 indices, as for R) at or over
+    min_8bit_size values, else 8 n (sqrt(v) + eps and N; a 16-bit gradient's fp32 copy, 4 n, is freed first)."""
+    if optimizer == "galore":
+        return 2 * d * n
+    return 16 * n if n >= MIN_8BIT else 8 * n
+
+
+def galore_step_split(spec, d: int, optimizer: str, rank: int, refresh: bool, proj_dtype: str | None = None
+                      ) -> tuple[int, int]:
+    """(TEMP, change of OPT) at the worst moment of a GaLore step: the steady step's (the largest matrix's or plain
+    parameter's temporaries, OPT unchanged), or with `refresh` the larger of those and the refresh of the matrix
+    that costs most (every matrix refreshes; `galore_refresh_split`)."""
+    eight = optimizer == "galore8bit"
+    steady = max([galore_steady_bytes(m, n, rank, d, eight, proj_dtype) for m, n in spec.galore_shapes]
+                 + [rest_step_bytes(math.prod(s), d, optimizer) for s in _rest_shapes(spec)], default=0)
+    best = (steady, 0)
+    for m, n in spec.galore_shapes if refresh else []:
+        split = galore_refresh_split(m, n, rank, d, eight, proj_dtype)
+        if sum(split) > sum(best):
+            best = split
+    return best
+
+
+def temp_bytes(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None, refresh: bool = False,
+               proj_dtype: str | None = None) -> int:
+    """The step's temporaries at its worst moment (the ledger's TEMP in the optimizer phase): `step_bytes`, or for
+    GaLore `galore_step_split` (refresh: a projector-refresh step, an SVD per matrix; its OPT change apart)."""
+    if optimizer in ("galore", "galore8bit"):
+        return galore_step_split(spec, d, optimizer, rank, refresh, proj_dtype)[0]
     return step_bytes(spec, d, optimizer, foreach)[1]
 
 
@@ -141,14 +210,17 @@ def step_bytes(spec, d: int, optimizer: str, foreach: bool) -> tuple[int, int]:
     return max((tensor_step_bytes(s, d, optimizer) for s in spec.param_shapes), key=sum, default=(0, 0))
 
 
-def step_in_backward_units(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None) -> dict:
+def step_in_backward_units(spec, d: int, optimizer: str, foreach: bool, rank: int | None = None,
+                           proj_dtype: str | None = None) -> dict:
     """Step-in-backward: {"block_step": (largest gradient, step temporaries, parameter casts) of one block's
     parameters, "rest_step": the same for the parameters outside the blocks but a tied embedding,
-    "tied_step": the same for the tied embedding (zeros when the head is untied)}. Each parameter has an
-    optimizer of its own, so a step's temporaries are those of one tensor (foreach included: dn for Adam),
-    made while it steps: the worst tensor's `tensor_step_bytes`. The tied matrix is apart because it steps
-    last, once the embedding's gradient is added to the head's; the others outside the blocks (a position
-    embedding) step while the head's part is still held."""
+    "tied_step": the same for the tied embedding (zeros when the head is untied)}, and for GaLore
+    "block_refresh", "rest_refresh", "tied_refresh": the same in a projector-refresh step, with a fourth item,
+    the change of OPT then (the refreshed matrix's old projector freed). Each parameter has an optimizer of
+    its own, so a step's temporaries are those of one tensor (foreach included: dn for Adam), made while it
+    steps: the worst tensor's `tensor_step_bytes`. The tied matrix is apart because it steps last, once the
+    embedding's gradient is added to the head's; the others outside the blocks (a position embedding) step
+    while the head's part is still held."""
     layer = re.compile(r"\.(\d+)\.")
     per_layer = len(spec.galore_shapes) // max(spec.n_layer, 1)
     found = [layer.search(n) for n in spec.param_names]
@@ -158,23 +230,29 @@ def step_in_backward_units(spec, d: int, optimizer: str, foreach: bool, rank: in
     if spec.tied and (spec.vocab, spec.hidden) in rest:  # the embedding the head shares (parameters() gives it once)
         rest.remove((spec.vocab, spec.hidden))
         tied = [(spec.vocab, spec.hidden)]
-    out = []
-    for unit_shapes, galore in ((block, spec.galore_shapes[:per_layer]), (rest, []), (tied, [])):
+    galore_opt = optimizer in ("galore", "galore8bit")
+    out = {}
+    for key, unit_shapes, galore_shapes in (("block", block, spec.galore_shapes[:per_layer]), ("rest", rest, []),
+                                            ("tied", tied, [])):
         if not unit_shapes:
-            out.append((0, 0, 0))
+            out[f"{key}_step"] = (0, 0, 0)
+            if galore_opt:
+                out[f"{key}_refresh"] = (0, 0, 0, 0)
             continue
         grad = max(math.prod(s) for s in unit_shapes) * d
-        if optimizer in ("galore", "galore8bit"):
+        if galore_opt:
             unit = replace(spec, param_shapes=unit_shapes, param_numels=[math.prod(s) for s in unit_shapes],
-                           galore_shapes=galore)
+                           galore_shapes=galore_shapes)
             unit = replace(unit, n_params=unit.largest_param)  # foreach: one tensor per optimizer
-            out.append((grad, temp_bytes(unit, d, optimizer, foreach, rank), 0))
+            out[f"{key}_step"] = (grad, temp_bytes(unit, d, optimizer, foreach, rank, False, proj_dtype), 0)
+            temp, opt_change = galore_step_split(unit, d, optimizer, rank, True, proj_dtype)
+            out[f"{key}_refresh"] = (grad, temp, 0, opt_change)
             continue
         one = [(0, d * math.prod(s)) if optimizer in ("adam", "adamw") and foreach  # _foreach_sqrt of one tensor
                else tensor_step_bytes(s, d, optimizer) for s in unit_shapes]
         cast, temp = max(one, key=sum)
-        out.append((grad, temp, cast))
-    return {"block_step": out[0], "rest_step": out[1], "tied_step": out[2]}
+        out[f"{key}_step"] = (grad, temp, cast)
+    return out
 
 
 def _rest_shapes(spec) -> list[tuple]:
@@ -195,5 +273,5 @@ def state_formula(optimizer: str, d: int) -> str:
             "adam8bit": f"2N + 8 per {BLOCK}-block",
             "lion": f"N x {d} B (one momentum)", "adafactor": "4(rows + columns) per tensor of 2+ dims, 4n per vector",
             "galore": f"{d} x r(k + 2K) per attention/MLP matrix, Adam elsewhere",
-            "galore8bit": f"{d} x r k + 8-bit moments per matrix"}.get(
+            "galore8bit": f"projector r k ({d} B, 4 B, or 1 B + 4 B per vector) + 8-bit moments per matrix"}.get(
         optimizer, f"{TORCH_STATES.get(optimizer, 0)} x N x {d} B (+ step counters)")

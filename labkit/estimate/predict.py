@@ -54,22 +54,24 @@ def grad_bytes(spec: ModelSpec, prec: Precision) -> int:
     return spec.n_params * prec.weight
 
 
-def optimizer_state_bytes(spec: ModelSpec, prec: Precision, optimizer: str, rank: int | None = None) -> int:
+def optimizer_state_bytes(spec: ModelSpec, prec: Precision, optimizer: str, rank: int | None = None,
+                          proj_dtype: str | None = None) -> int:
     """k x N x bytes per weight + 4 bytes of step counter per tensor for Adam.
     k = 0 (SGD), 1 (momentum buffer), 2 (Adam's m and v). torch.optim keeps state in the
     parameters' dtype: 8N for fp32 Adam (12N with the master copy, as ZeRO's K = 12 counts).
     8-bit Adam, Lion, Adafactor and GaLore: see labkit.estimate.optim_terms."""
-    return optim_terms.state_bytes(spec, prec.weight, optimizer, rank)
+    return optim_terms.state_bytes(spec, prec.weight, optimizer, rank, proj_dtype)
 
 
 def optimizer_temp_bytes(spec: ModelSpec, prec: Precision, optimizer: str, foreach: bool,
-                         rank: int | None = None) -> int:
+                         rank: int | None = None, refresh: bool = False, proj_dtype: str | None = None) -> int:
     """Adam's step makes sqrt(v) and sqrt(v)/c before adding eps in place: 2 temporaries the size of a
     parameter one tensor at a time, beside the previous tensor's quotient (torch.optim single-tensor path,
     CPU default), or sqrt(v) of all parameters at once in the foreach path (CUDA default). SGD works in
     place. labkit.optim's steps also copy a 16-bit parameter and its gradient to fp32 (the copy of the
-    parameter is PARAM: optim_terms.cast_bytes). Every rule: labkit.estimate.optim_terms.temp_bytes."""
-    return optim_terms.temp_bytes(spec, prec.weight, optimizer, foreach, rank)
+    parameter is PARAM: optim_terms.cast_bytes). Every rule, GaLore's refresh step included:
+    labkit.estimate.optim_terms.temp_bytes."""
+    return optim_terms.temp_bytes(spec, prec.weight, optimizer, foreach, rank, refresh, proj_dtype)
 
 
 # ---- activations -------------------------------------------------------------------------------
@@ -104,7 +106,10 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
     "selective" (keep matmul outputs), as labkit.recompute.checkpoint_blocks applies them.
     offload_activations: saved activations live in host memory (labkit.recompute.offload_activations).
     micro_batch: rows per micro-batch, dividing `batch` (gradient accumulation).
-    rank: GaLore's rank (optimizer "galore" or "galore8bit").
+    rank: GaLore's rank (optimizer "galore" or "galore8bit"). GaLore's optimizer moments come twice: a
+    projector-refresh step (an SVD per matrix, every update_proj_gap steps) and a steady step, each named
+    in its `where` ("projector refresh" / "no projector refresh"); the peak is the larger.
+    proj_dtype: 8-bit GaLore's projector precision ("param", the default, "fp32" or "int8").
     optimizer_offload: "cpu" or "disk": AdamW's state lives off the device (labkit.optim.OffloadAdamW).
     step_in_backward: each parameter steps as soon as its gradient is ready (labkit.optim.StepInBackward,
     any optimizer; not with optimizer_offload or micro_batch).
@@ -143,7 +148,7 @@ def _estimate(r: Recipe) -> Estimate:
         raise ValueError("checkpoint and offload_activations are modelled for labkit's GPT (the blocks "
                          "labkit.recompute wraps); use a GPTConfig")
     foreach = (device == "cuda") if r.foreach is None else r.foreach
-    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft)
+    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = b.opt_cast = 0
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
@@ -154,6 +159,7 @@ def _estimate(r: Recipe) -> Estimate:
                                 tag="micro-batch 2 on")
     extras = [f"checkpoint={checkpoint}"] * (checkpoint != "none") + ["offload"] * offload_activations
     extras += [f"micro_batch={micro}"] * (micro < batch) + [f"rank={rank}"] * optimizer.startswith("galore")
+    extras += [f"proj_dtype={r.proj_dtype}"] * (r.proj_dtype is not None)
     extras += [f"optimizer_offload={optimizer_offload}"] * bool(optimizer_offload)
     extras += ["step_in_backward"] * step_in_backward
     if peft is not None:
@@ -173,7 +179,8 @@ def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, ch
         raise ValueError(f"{what} is not modelled with checkpoint or offload_activations yet; drop one of them")
 
 
-def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, peft=None) -> tuple[StepBytes, Walk]:
+def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, peft=None,
+               proj_dtype=None) -> tuple[StepBytes, Walk]:
     """Every byte count the phases need, from the model states and the forward walk of a micro-batch.
     peft: LoRA/QLoRA/LISA (labkit.estimate.peft_terms): only the trainable parameters get gradients and
     optimizer state; the frozen base stays in parameters (or in int8/NF4 buffers)."""
@@ -189,15 +196,16 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
     ts = spec if peft is None else peft_terms.trainable_spec(spec, peft)  # what trains
     head_trains, emb_trains = w.trains("lm_head"), w.trains("wte")
     head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
-    units = optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank)
+    units = optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank, proj_dtype)
     block_largest = units["block_step"][0] // gb  # the block's largest matrix: the one a block's moment steps
     return StepBytes(
         P=param_bytes(spec, prec) if peft is None else _peft_param_bytes(spec, peft, prec.weight),
         # with frozen weights the walk counts autocast's copies (Walk._count_copies)
         C=autocast_copy_bytes(spec, prec) if peft is None else w.copy_bytes, G=grad_bytes(ts, prec),
-        O=optimizer_state_bytes(ts, prec, optimizer, rank),
-        opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank),
+        O=optimizer_state_bytes(ts, prec, optimizer, rank, proj_dtype),
+        opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank, False, proj_dtype),
         opt_cast=optim_terms.cast_bytes(ts, prec.weight, optimizer, foreach, rank),
+        **_refresh_fields(ts, prec.weight, optimizer, rank, proj_dtype),
         **units,
         head_held=V * h * gb if spec.tied and head_trains else 0,  # waits for the embedding's part (not the final norm)
         step_freed=(2 * block_largest if prec.autocast else 0, r * spec.ffn * mm,
@@ -230,6 +238,14 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         points=_block_points(w, marks, gb), forward_extra=w.forward_extra, forward_locals=w.forward_locals,
         dequant=0 if peft is None else peft_terms.dequant_scratch_bytes(peft, 2 if prec.autocast else gb),
     ), w
+
+
+def _refresh_fields(spec, d: int, optimizer: str, rank, proj_dtype) -> dict:
+    """GaLore's projector-refresh step: its temporaries and the change of the state (optim_terms.galore_step_split)."""
+    if not optimizer.startswith("galore"):
+        return {}
+    temp, opt = optim_terms.galore_step_split(spec, d, optimizer, rank, True, proj_dtype)
+    return {"opt_refresh": temp, "refresh_freed": -opt}
 
 
 def _block_points(w: Walk, marks, gb: int) -> list[tuple]:

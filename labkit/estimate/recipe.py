@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
+from labkit.optim.galore8bit import PROJ_DTYPES  # 8-bit GaLore's projector precisions (its module owns them)
+
 DTYPES = ("fp32", "fp16", "bf16", "mixed-fp16", "mixed-bf16")
 TORCH_OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 OPTIMIZERS = (*TORCH_OPTIMIZERS, "adamw8bit", "adam8bit", "lion", "adafactor", "galore", "galore8bit")
@@ -42,6 +44,7 @@ class Recipe:
     offload_activations: bool = False  # saved activations live in host memory
     micro_batch: int | None = None  # rows per micro-batch, dividing batch (None: the whole batch)
     rank: int | None = None  # GaLore's rank (optimizer "galore" or "galore8bit")
+    proj_dtype: str | None = None  # 8-bit GaLore's projector: "param" (None: the parameters' dtype), "fp32", "int8"
     optimizer_offload: str | None = None  # None, "cpu" or "disk" (labkit.optim.OffloadAdamW)
     step_in_backward: bool = False  # each parameter steps when its gradient is ready
     lora_rank: int | None = None  # LoRA adapters of this rank on lora_targets, the base frozen
@@ -73,6 +76,12 @@ class Recipe:
         elif self.rank is not None:
             raise ValueError(f"rank is GaLore's projection rank: give optimizer='galore' or 'galore8bit', "
                              f"not {self.optimizer!r}")
+        if self.proj_dtype is not None:
+            if self.optimizer != "galore8bit":
+                raise ValueError(f"proj_dtype is 8-bit GaLore's projector precision: give optimizer='galore8bit', "
+                                 f"not {self.optimizer!r}")
+            if self.proj_dtype not in PROJ_DTYPES:
+                raise ValueError(f"proj_dtype must be one of {', '.join(PROJ_DTYPES)}, got {self.proj_dtype!r}")
         if self.optimizer_offload not in (None, "cpu", "disk"):
             raise ValueError(f"optimizer_offload must be None, 'cpu' or 'disk', got {self.optimizer_offload!r}")
         if self.optimizer_offload and self.optimizer != "adamw":

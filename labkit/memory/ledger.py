@@ -60,6 +60,7 @@ class Ledger(TorchDispatchMode):
         self._marks: list[tuple[int, str, int]] = []  # (event index, phase, step)
         self._live_bytes = 0
         self._phase, self._step, self._in_optimizer = "forward", 1, False
+        self._stepped = False  # an optimizer stepped since the last forward began (inside backward, too)
         self._params: dict[int, torch.nn.Parameter] = {}
         self._handles: list = []
         self._allocator: dict[str, int] | None = None
@@ -192,14 +193,20 @@ class Ledger(TorchDispatchMode):
 
     def _post_step(self, opt, args, kwargs) -> None:
         self._in_optimizer = False
+        self._stepped = True
         for t in state_tensors(opt):
             self.track(t, Category.OPT)
 
     def _set_phase(self, phase: str) -> None:
         if phase == self._phase:
             return
-        if phase == "forward" and self._phase == "optimizer":
-            self._step += 1  # micro-batches (forward after backward) belong to the same step
+        if phase == "forward" and (self._phase == "optimizer" or self._stepped):
+            # a new step: after the optimizer's, or after a backward that stepped parameters (step in backward);
+            # micro-batches (forward after a backward that stepped nothing) belong to the same step
+            self._step += 1
+            self._stepped = False
+        elif phase == "forward":
+            self._stepped = False
         elif phase == "backward" and self._phase == "forward":
             # Whatever the forward pass made and is still alive now is saved for backward.
             for sid in self._live.values():

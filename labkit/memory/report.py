@@ -125,6 +125,16 @@ class Estimate:
         """The largest moment (the first of equals, in step order); None for an estimate built from phases."""
         return max(self.moments, key=lambda m: m.total) if self.moments else None
 
+    def without(self, text: str) -> "Estimate":
+        """The same estimate without the moments whose `where` contains `text`: e.g. GaLore's steady step,
+        `e.without("projector refresh")` (labkit.estimate.moments.REFRESH). The terms table is kept."""
+        if not self.moments:
+            raise ValueError("this estimate was built from phases, not moments: nothing to leave out")
+        kept = [m for m in self.moments if text not in m.where]
+        if not kept:
+            raise ValueError(f"every moment's where contains {text!r}: nothing would be left")
+        return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept)
+
     def explain(self, phase: str | None = None) -> str:
         """Where every byte of the peak (or of `phase`'s largest moment) comes from: term, formula, source."""
         if not self.moments:
@@ -172,6 +182,28 @@ class Measurement:
     @property
     def peak(self) -> Breakdown:
         return self.phases[self.peak_phase]
+
+    def of_step(self, step: int) -> "Measurement":
+        """The same measurement with each phase's peak taken over one step only (steps count from 1, as the
+        ledger's phase markers do): e.g. the last of several steps, after a first one that made the
+        optimizer state (and, for GaLore, its projectors)."""
+        total, marks = self.timeline.total, self.timeline.phase_starts
+        if not any(s == step for _, _, s in marks):
+            raise ValueError(f"step {step} was not measured; steps: {sorted({s for _, _, s in marks})}")
+        peaks: dict[str, tuple[int, int]] = {}  # phase -> (bytes, event index after which they were live)
+        for i, (ev, phase, s) in enumerate(marks):
+            end = marks[i + 1][0] if i + 1 < len(marks) else len(total)
+            if s != step:
+                continue
+            if ev and (phase not in peaks or total[ev - 1] > peaks[phase][0]):  # its first moment
+                peaks[phase] = (total[ev - 1], ev - 1)
+            for j in range(ev, end):
+                if phase not in peaks or total[j] > peaks[phase][0]:
+                    peaks[phase] = (total[j], j)
+        phases = {p: Breakdown({c: self.timeline.bytes[c][j] for c in CATEGORIES})
+                  for p in PHASES + tuple(sorted(set(peaks) - set(PHASES))) if p in peaks for j in [peaks[p][1]]}
+        return Measurement(f"{self.label} (step {step})", phases, self.timeline, self.baseline, self.allocator,
+                           self.final)
 
     @property
     def saved(self) -> int:

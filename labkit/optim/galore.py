@@ -82,16 +82,17 @@ def projection_side(shape, proj_type: str = "std") -> str:
     return proj_type
 
 
-def make_projector(grad: torch.Tensor, rank: int, side: str) -> torch.Tensor:
-    """The top-`rank` singular vectors of grad on `side`, in grad's dtype, as a tensor of their own.
+def make_projector(grad: torch.Tensor, rank: int, side: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The top-`rank` singular vectors of grad on `side`, in `dtype` (default grad's), as a tensor of their own.
 
     The SVD runs in fp32 (for 16-bit weights on an fp32 copy of G: 4*m*n more bytes while it runs).
     The slice of U or Vh is copied: a view would keep all of U (m x k) or Vh (k x n) alive, as the
     reference does for fp32 weights (its projector then holds min(m, n)**2 values, not r*min(m, n)).
+    torch.linalg.svd's LAPACK (cuSOLVER) workspace lives inside the call: no tensor of it outlives the op.
     """
-    U, _, Vh = torch.linalg.svd(grad.float(), full_matrices=False)  # bytes: 4*(m*k + k + k*n), k=min(m,n)
+    U, S, Vh = torch.linalg.svd(grad.float(), full_matrices=False)  # bytes: 4*(m*k + k + k*n), k=min(m,n)
     P = U[:, :rank] if side == "left" else Vh[:rank]
-    return P.to(grad.dtype, memory_format=torch.contiguous_format, copy=True)  # (m, r) or (r, n): one copy
+    return P.to(dtype or grad.dtype, memory_format=torch.contiguous_format, copy=True)  # (m, r) or (r, n): one copy
 
 
 def project(grad: torch.Tensor, P: torch.Tensor, side: str) -> torch.Tensor:

@@ -32,20 +32,39 @@ from .adam8bit import BLOCKSIZE, MIN_8BIT_SIZE  # the 8-bit rule's block and sma
 from .base import KeepStateDtypes, check_betas, check_int, check_number, params_with_grads, run_closure
 from .galore import add_back_projected, check_galore_adam_group, make_projector, project, projection_side
 
+# The projector's precision: "param" keeps it in the parameters' dtype, as galore-torch does (its
+# GaLoreProjector casts the SVD's fp32 vectors back to the gradient's dtype: BF16 in the paper's runs);
+# "fp32" keeps the SVD's own precision; "int8" stores one int8 code per value and one fp32 absmax scale
+# per singular vector (r scales), dequantized to the parameters' dtype for each step's two products.
+PROJ_DTYPES = ("param", "fp32", "int8")
+
+
+def check_proj_dtype(proj_dtype) -> str:
+    if proj_dtype not in PROJ_DTYPES:
+        raise ValueError(f"proj_dtype must be one of {', '.join(PROJ_DTYPES)}, got {proj_dtype!r}")
+    return proj_dtype
+
+
+def projector_bytes(shape, rank: int, dtype_bytes: int = 4, proj_dtype: str = "param") -> int:
+    """Bytes of one (m, n) matrix's projector (rank x min(m, n) values): dtype_bytes each ("param"), 4 each
+    ("fp32"), or 1 each + 4 per singular vector ("int8": codes and the r absmax scales)."""
+    k = rank * min(shape)
+    return {"param": dtype_bytes * k, "fp32": 4 * k, "int8": k + 4 * rank}[check_proj_dtype(proj_dtype)]
+
 
 def state_bytes_for(shape, rank: int | None, dtype_bytes: int = 4, blocksize: int = BLOCKSIZE,
-                    min_8bit_size: int = MIN_8BIT_SIZE) -> int:
-    """State bytes of one tensor under 8-bit GaLore: for an (m, n) GaLore matrix the projector,
-    dtype_bytes * rank * min(m, n), plus Adam's m and v of the projected gradient (rank * max(m, n)
-    values) under the 8-bit rule; without a rank (a parameter left to plain 8-bit AdamW) the 8-bit
-    rule on all its values. The 8-bit rule is labkit.optim.adam8bit.state_bytes_for: 2k + 8*ceil(k/256)
-    for k values, 8k below 4096.
+                    min_8bit_size: int = MIN_8BIT_SIZE, proj_dtype: str = "param") -> int:
+    """State bytes of one tensor under 8-bit GaLore: for an (m, n) GaLore matrix the projector
+    (`projector_bytes`: dtype_bytes * rank * min(m, n) in the parameters' dtype, the default), plus Adam's
+    m and v of the projected gradient (rank * max(m, n) values) under the 8-bit rule; without a rank (a
+    parameter left to plain 8-bit AdamW) the 8-bit rule on all its values. The 8-bit rule is
+    labkit.optim.adam8bit.state_bytes_for: 2k + 8*ceil(k/blocksize) for k values, 8k below min_8bit_size.
     Source: Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection"
     (GaLoreAdamW8bit); Dettmers et al. 2022 for the 8-bit moments."""
     if rank is None:
         proj, k = 0, math.prod(shape)
     else:
-        proj, k = dtype_bytes * rank * min(shape), rank * max(shape)
+        proj, k = projector_bytes(shape, rank, dtype_bytes, proj_dtype), rank * max(shape)
     return proj + adam8bit.state_bytes_for((k,), blocksize, min_8bit_size)
 
 
@@ -56,20 +75,27 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
     others get plain 8-bit AdamW. Weight decay follows the reference: for projected matrices after
     the update (p += -lr*wd*p), for the others before it (p *= 1 - lr*wd), as bitsandbytes does.
 
-    State per parameter: "step" (Python int), "projector" (GaLore matrices) and either uint8
+    proj_dtype: the projector's precision (PROJ_DTYPES): "param" (default, as galore-torch: the
+    parameters' dtype), "fp32", or "int8" (a code per value and an fp32 scale per singular vector).
+
+    State per parameter: "step" (Python int), for GaLore matrices "projector" (or int8
+    "projector_codes", one singular vector per row, and fp32 "projector_scale"), and either uint8
     "exp_avg_codes", "exp_avg_sq_codes" (R's shape) with fp32 "exp_avg_absmax", "exp_avg_sq_absmax"
     (one per block), or fp32 "exp_avg", "exp_avg_sq" for states under min_8bit_size values.
-    Step temporaries per GaLore matrix: at most 16 bytes per value of R (R; then dequantized m and v,
-    N, and sqrt(v) or the int32 code indices), never an (m, n) tensor; every update_proj_gap steps
-    the SVD adds U, S, Vh (k*(m + n + 1) fp32, k = min(m, n)).
+    Step temporaries per GaLore matrix: the projector in the parameters' dtype when it is stored in
+    another (r*k values), and at most 16 bytes per value of R (R; then dequantized m and v, N, and
+    sqrt(v) or the int32 code indices), never an (m, n) tensor; every update_proj_gap steps the SVD adds
+    U, S, Vh (k*(m + n + 1) fp32, k = min(m, n)).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, blocksize: int = BLOCKSIZE, min_8bit_size: int = MIN_8BIT_SIZE):
+                 weight_decay: float = 1e-2, *, blocksize: int = BLOCKSIZE, min_8bit_size: int = MIN_8BIT_SIZE,
+                 proj_dtype: str = "param"):
         defaults = dict(lr=check_number("lr", lr), betas=check_betas(betas), eps=check_number("eps", eps),
                         weight_decay=check_number("weight_decay", weight_decay),
                         blocksize=check_int("blocksize", blocksize),
-                        min_8bit_size=check_int("min_8bit_size", min_8bit_size, low=0))
+                        min_8bit_size=check_int("min_8bit_size", min_8bit_size, low=0),
+                        proj_dtype=check_proj_dtype(proj_dtype))
         super().__init__(params, defaults)
         for p in {p.device: p for g in self.param_groups for p in g["params"]}.values():
             code_map(True, p.device), code_map(False, p.device)  # made now, not inside a measured step
@@ -77,6 +103,7 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         check_galore_adam_group(self.param_groups[-1])
+        check_proj_dtype(self.param_groups[-1]["proj_dtype"])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -92,9 +119,9 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
         if "rank" in group:
             side = projection_side(p.shape, group["proj_type"])
             if state["step"] % group["update_proj_gap"] == 0:
-                state.pop("projector", None)
-                state["projector"] = make_projector(p.grad, group["rank"], side)
-            grad = project(p.grad, state["projector"], side).float()  # (r, n) or (m, r)
+                self._refresh_projector(state, p.grad, group["rank"], side, group["proj_dtype"])
+            P = self._projector(state, p.grad.dtype, side)  # in the gradient's dtype (a copy unless stored so)
+            grad = project(p.grad, P, side).float()  # (r, n) or (m, r)
         else:
             grad = p.grad.float()
         if "exp_avg" not in state and "exp_avg_codes" not in state:
@@ -120,10 +147,37 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
                 p.mul_(1.0 - lr * wd)
             p.add_(update, alpha=step_size)
             return
-        add_back_projected(p, update, state["projector"], side, step_size * group["scale"])  # no (m, n) temporary
-        del update
+        add_back_projected(p, update, P, side, step_size * group["scale"])  # no (m, n) temporary
+        del update, P
         if wd > 0.0:
             p.add_(p, alpha=-lr * wd)
+
+    @staticmethod
+    def _refresh_projector(state: dict, grad: torch.Tensor, rank: int, side: str, proj_dtype: str) -> None:
+        """A new projector from grad's SVD, in `proj_dtype`; the old one is freed before the SVD runs."""
+        for key in ("projector", "projector_codes", "projector_scale"):
+            state.pop(key, None)
+        if proj_dtype != "int8":
+            state["projector"] = make_projector(grad, rank, side, torch.float32 if proj_dtype == "fp32" else None)
+            return
+        U, S, Vh = torch.linalg.svd(grad.float(), full_matrices=False)  # bytes: 4*(m*k + k + k*n), k=min(m,n)
+        P = U[:, :rank].t() if side == "left" else Vh[:rank]  # (r, k) view: one singular vector per row
+        scale = P.abs().amax(dim=1).div_(127)  # absmax per vector (bytes: 4 per value while abs lives)
+        state["projector_scale"] = scale
+        # bytes: the fp32 quotient (4 per value) and the codes (1 per value); |P| <= 1, so no scale is 0
+        # unless a whole vector is (then its codes are 0 too)
+        state["projector_codes"] = P.div(scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).round_().to(
+            torch.int8)
+
+    @staticmethod
+    def _projector(state: dict, dtype: torch.dtype, side: str) -> torch.Tensor:
+        """The projector in `dtype`, (m, r) on the left and (r, n) on the right: the stored tensor when it is
+        in `dtype` already, else a cast (fp32 projector, 16-bit weights) or a dequantized copy (int8)."""
+        if "projector" in state:
+            return state["projector"].to(dtype)
+        codes, scale = state["projector_codes"], state["projector_scale"]
+        P = codes.to(dtype).mul_(scale.to(dtype)[:, None])  # (r, k); bytes: r*k in dtype (+ r for the scales)
+        return P.t() if side == "left" else P
 
     def _init_moments(self, state: dict, low: torch.Tensor, group: dict) -> None:
         if low.numel() < group["min_8bit_size"]:

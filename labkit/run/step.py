@@ -90,9 +90,12 @@ def optimizer_class(optimizer: str, lr: float = 1e-3, foreach=None) -> tuple[typ
 
 def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float = 1e-3, foreach=None,
                    rank: int | None = None, optimizer_offload: str | None = None, step_in_backward: bool = False,
-                   offload_folder: str | None = None):
-    """An optimizer by name (see `optimizer_class`; GaLore with rank r on attention and MLP matrices), or
-    OffloadAdamW (optimizer_offload "cpu"/"disk"), or any of them wrapped in StepInBackward."""
+                   offload_folder: str | None = None, update_proj_gap: int | None = None,
+                   proj_dtype: str | None = None):
+    """An optimizer by name (see `optimizer_class`; GaLore with rank r on attention and MLP matrices, a new
+    projector every `update_proj_gap` steps, default labkit.optim.galore.GALORE_DEFAULTS' 200; 8-bit GaLore's
+    projector in `proj_dtype`, default the parameters' dtype), or OffloadAdamW (optimizer_offload "cpu"/"disk"),
+    or any of them wrapped in StepInBackward."""
     from labkit import optim as lo
 
     cls, kw = optimizer_class(optimizer, lr, foreach)
@@ -102,7 +105,19 @@ def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float =
         if step_in_backward:
             raise ValueError(STEP_AND_OFFLOAD)
         return lo.OffloadAdamW(model.parameters(), lr=lr, offload=optimizer_offload, folder=offload_folder)
-    params = lo.galore_param_groups(model, rank) if optimizer.startswith("galore") else list(model.parameters())
+    if proj_dtype is not None:
+        if optimizer != "galore8bit":
+            raise ValueError(f"proj_dtype is 8-bit GaLore's projector precision: give optimizer='galore8bit', "
+                             f"not {optimizer!r}")
+        kw = dict(kw, proj_dtype=proj_dtype)
+    if update_proj_gap is not None and not optimizer.startswith("galore"):
+        raise ValueError(f"update_proj_gap is GaLore's steps between projector refreshes: give optimizer='galore' "
+                         f"or 'galore8bit', not {optimizer!r}")
+    if optimizer.startswith("galore"):
+        gap = {} if update_proj_gap is None else {"update_proj_gap": update_proj_gap}
+        params = lo.galore_param_groups(model, rank, **gap)
+    else:
+        params = list(model.parameters())
     return lo.StepInBackward(params, cls, **kw) if step_in_backward else cls(params, **kw)
 
 
@@ -141,7 +156,7 @@ def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = 
 def measure_step(model, batch: int | None = None, seq: int | None = None, dtype: str = "fp32",
                  optimizer: str = "adamw", *, steps: int = 2, budget: int | None = None, device=None,
                  lr: float = 1e-3, data: torch.Tensor | None = None, seed: int = 0, progress: bool | None = None,
-                 **options) -> Measurement:
+                 galore_refresh: bool = False, **options) -> Measurement:
     """Build the model, apply the recipe, run `steps` training steps under a Ledger and return what it measured.
 
     Give a `labkit.estimate.Recipe`, or a model with batch, seq and the Recipe's fields as keywords (any other
@@ -151,13 +166,21 @@ def measure_step(model, batch: int | None = None, seq: int | None = None, dtype:
     device: where to run (default the CPU); a Recipe's device must agree with it.
     data: a 1-D tensor of token ids to sample batches from (default: random tokens).
     progress: a tqdm bar over the steps (default: when there are 10 or more).
+    galore_refresh: GaLore only: the last step refreshes the projector (an SVD per matrix) with every state
+    already made, the step the estimate's "projector refresh" moments describe (update_proj_gap is set to
+    steps - 1, or 1 for a single step). By default the gap is 200 and only the first step refreshes, while
+    its state is still being made: the later steps are the estimate's steady moments (compare
+    `measure_step(...).of_step(steps)` with `estimate(...).without("projector refresh")`).
     The recipe: checkpoint, segments: labkit.recompute.checkpoint_blocks; offload_activations, micro_batch:
     as in `train_step`; rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload: a
     temporary folder in data_dir()); lora_rank, lora_targets, quant, lisa_layers: see `apply_peft` (LISA
-    switches layers every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires).
+    switches layers every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires);
+    proj_dtype: 8-bit GaLore's projector precision (labkit.optim.GaLoreAdamW8bit).
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if not isinstance(galore_refresh, bool):
+        raise ValueError(f"galore_refresh must be True or False, got {galore_refresh!r}")
     kind = torch.device(device or "cpu").type
     if isinstance(model, Recipe):
         if batch is not None or seq is not None or options or (dtype, optimizer) != ("fp32", "adamw"):
@@ -172,11 +195,15 @@ def measure_step(model, batch: int | None = None, seq: int | None = None, dtype:
     model, batch, seq, dtype, optimizer = r.model, r.batch, r.seq, r.dtype, r.optimizer
     checkpoint, segments, offload_activations, micro_batch = r.checkpoint, r.segments, r.offload_activations, r.micro_batch
     rank, optimizer_offload, step_in_backward, foreach = r.rank, r.optimizer_offload, r.step_in_backward, r.foreach
+    proj_dtype = r.proj_dtype
     lora_rank, lora_targets, quant, lisa_layers = r.lora_rank, r.lora_targets, r.quant, r.lisa_layers
     overrides = r.config
     device = device or kind
     torch.manual_seed(seed)
     device = torch.device(device or "cpu")
+    if galore_refresh and not optimizer.startswith("galore"):
+        raise ValueError(f"galore_refresh makes GaLore's last step refresh its projector: give optimizer='galore' "
+                         f"or 'galore8bit', not {optimizer!r}")
     m = build_model(model, dtype, device, **overrides)
     peft = apply_peft(m, dtype, lora_rank, lora_targets, quant, lisa_layers)
     if peft is not None:
@@ -184,7 +211,9 @@ def measure_step(model, batch: int | None = None, seq: int | None = None, dtype:
     disk = optimizer_offload == "disk"
     folder = tempfile.TemporaryDirectory(prefix="labkit-measure-", dir=data_dir()) if disk else contextlib.nullcontext()
     with folder as path:
-        opt = make_optimizer(m, optimizer, lr, foreach, rank, optimizer_offload, step_in_backward, path)
+        gap = max(steps - 1, 1) if galore_refresh else None  # steps are counted from 0: step steps-1 refreshes
+        opt = make_optimizer(m, optimizer, lr, foreach, rank, optimizer_offload, step_in_backward, path, gap,
+                             proj_dtype)
         before = None
         if lisa_layers:
             from labkit.peft import LISA

@@ -94,6 +94,10 @@ BAD = [
     (E + ["--optimizer", "galore"], ["--optimizer galore", "--rank"]),
     (E + ["--optimizer", "galore8bit", "--rank", "0"], ["--rank", "0"]),
     (E + ["--optimizer", "galore", "--rank", "65"], ["--rank 65", "GaLore"]),
+    (E + ["--proj-dtype", "int8"], ["--proj-dtype int8", "--optimizer galore8bit"]),
+    (E + ["--optimizer", "galore", "--rank", "4", "--proj-dtype", "fp32"], ["--proj-dtype fp32", "galore8bit"]),
+    (E + ["--optimizer", "galore8bit", "--rank", "4", "--proj-dtype", "int4"], ["--proj-dtype", "int4"]),
+    (E + ["--optimizer", "galore8bit", "--proj-dtype", "int8"], ["--optimizer galore8bit", "--rank"]),
     (E + ["--lora-rank", "0"], ["--lora-rank", "0"]),
     (E + ["--lora-rank", "65"], ["--lora-rank 65", "(64)"]),
     (["estimate", "--model", "llama-tiny", "--seq", "8", "--lora-rank", "33"], ["--lora-rank 33", "(32)"]),
@@ -259,6 +263,8 @@ GOOD = [
      "--checkpoint", "full", "--segments", "2", "--accumulate", "2"],
     ["estimate", "--model", "llama-tiny", "--seq", "8", "--lora-rank", "32"],  # a rank equal to the smaller side
     E + ["--optimizer", "galore", "--rank", "64"],
+    E + ["--optimizer", "galore8bit", "--rank", "8", "--proj-dtype", "int8", "--step-in-backward"],
+    E + ["--optimizer", "galore8bit", "--rank", "8", "--proj-dtype", "param", "--json"],
     E + ["--quant", "none", "--checkpoint", "none"],  # explicit defaults
     E + ["--batch", "4", "--micro-batch", "4", "--step-in-backward"],
     E + ["--batch", "1000000"],

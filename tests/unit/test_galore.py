@@ -357,3 +357,93 @@ def test_8bit_state_bytes_under_ledger_and_resume():
         for m, o in ((a, oa), (b, ob)):
             train_step(m, o, x[:, :-1], x[:, 1:])
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# ---- 8-bit GaLore's projector precision -------------------------------------------------------------------
+PROJ_CASES = [(dt, pd) for dt in (torch.float32, torch.bfloat16) for pd in gl8.PROJ_DTYPES]
+
+
+@pytest.mark.parametrize("dtype, proj_dtype", PROJ_CASES, ids=[f"{d}-{p}".replace("torch.", "") for d, p in PROJ_CASES])
+def test_8bit_state_bytes_equal_the_ledger_for_each_projector_precision(dtype, proj_dtype):
+    """OPT under the Ledger, after three steps (a refresh at the third), equals state_bytes_for with proj_dtype,
+    byte for byte: GaLore matrices of >= and < 4096 projected values, and the plain 8-bit parameters."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=2, vocab_size=64, block_size=32)).to(dtype)
+    rest, gal = galore_param_groups(m, rank=16, update_proj_gap=2)
+    opt = GaLoreAdamW8bit([rest, gal], lr=1e-2, proj_dtype=proj_dtype)
+    d = torch.finfo(dtype).bits // 8
+    expected = sum(gl8.state_bytes_for(p.shape, 16, d, proj_dtype=proj_dtype) for p in gal["params"]) \
+        + sum(gl8.state_bytes_for(p.shape, None, d) for p in rest["params"])
+    with Ledger(m, opt) as led:
+        for x in _batches(3):
+            train_step(m, opt, x[:, :-1], x[:, 1:], "bf16" if dtype == torch.bfloat16 else "fp32")
+        live = led.live()
+    assert live[Category.OPT] == expected == state_bytes(opt)
+    st = opt.state[m.blocks[0].mlp.c_fc.weight]  # (256, 64): right side, P is (16, 64)
+    if proj_dtype == "int8":
+        assert "projector" not in st and st["projector_codes"].dtype == torch.int8
+        assert st["projector_codes"].shape == (16, 64) and st["projector_scale"].shape == (16,)
+        assert gl8.projector_bytes((256, 64), 16, d, "int8") == 16 * 64 + 4 * 16
+    else:
+        want = torch.float32 if proj_dtype == "fp32" else dtype
+        assert st["projector"].dtype == want and st["projector"].shape == (16, 64)
+        assert gl8.projector_bytes((256, 64), 16, d, proj_dtype) == 16 * 64 * want.itemsize
+
+
+@pytest.mark.parametrize("side_shape", [(64, 256), (256, 64)], ids=["left", "right"])
+def test_int8_projector_is_the_top_singular_vectors_within_half_a_step(side_shape):
+    """The int8 projector dequantizes to the fp32 projector's values within half a quantization step
+    (scale / 2 per singular vector, scale = its largest |value| / 127), plus one rounding of the product."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(side_shape))
+    w.grad = torch.randn(side_shape)
+    exact = GaLoreAdamW8bit([{"params": [w], "rank": 8}], proj_dtype="fp32")
+    exact.step()
+    w2 = torch.nn.Parameter(w.detach().clone())
+    w2.grad = w.grad.clone()
+    q = GaLoreAdamW8bit([{"params": [w2], "rank": 8}], proj_dtype="int8")
+    q.step()  # the same gradient: the same SVD
+    side = gl.projection_side(side_shape)
+    P = exact.state[w]["projector"]  # (m, r) left, (r, n) right
+    back = GaLoreAdamW8bit._projector(q.state[w2], torch.float32, side)
+    vectors = P if side == "right" else P.t()  # one singular vector per row
+    scale = vectors.abs().amax(dim=1, keepdim=True) / 127
+    err = (back - P).abs() if side == "right" else (back - P).abs().t()
+    assert torch.all(err <= scale / 2 + 2 * EPS * vectors.abs().amax(dim=1, keepdim=True))
+    assert err.max() > 0  # it is quantized
+
+
+def test_int8_projector_state_resumes():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=1, n_embd=64, n_head=2, vocab_size=64, block_size=32)
+    a = GPT(cfg).to(torch.bfloat16)
+    b = copy.deepcopy(a)
+    oa = GaLoreAdamW8bit(galore_param_groups(a, rank=16, update_proj_gap=2), lr=1e-2, proj_dtype="int8")
+    batches = _batches(5)
+    for x in batches[:3]:
+        train_step(a, oa, x[:, :-1], x[:, 1:], "bf16")
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": oa.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    b.load_state_dict(saved["model"])
+    ob = GaLoreAdamW8bit(galore_param_groups(b, rank=16, update_proj_gap=2), lr=1e-2, proj_dtype="int8")
+    ob.load_state_dict(saved["opt"])
+    st = ob.state[b.blocks[0].mlp.c_fc.weight]
+    assert st["projector_scale"].dtype == torch.float32 and st["projector_codes"].dtype == torch.int8
+    for x in batches[3:]:  # step 4 refreshes the projector
+        for m, o in ((a, oa), (b, ob)):
+            train_step(m, o, x[:, :-1], x[:, 1:], "bf16")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("bad", ["int4", "bf16", None, 8])
+def test_bad_proj_dtype_raises_one_line(bad):
+    w = torch.nn.Parameter(torch.zeros(32, 48))
+    with pytest.raises(ValueError, match="^proj_dtype must be one of param, fp32, int8") as e:
+        GaLoreAdamW8bit([{"params": [w], "rank": 4}], proj_dtype=bad)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="^proj_dtype"):
+        GaLoreAdamW8bit([{"params": [w], "rank": 4, "proj_dtype": bad}])
+    with pytest.raises(ValueError, match="^proj_dtype"):
+        gl8.state_bytes_for((32, 48), 4, proj_dtype=bad)

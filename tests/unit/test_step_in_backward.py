@@ -132,3 +132,22 @@ def test_estimate_of_a_projector_refresh_step_in_backward(kind):
     assert e.peak_phase == meas.peak_phase == "optimizer"
     assert abs(e.peak.total - meas.peak.total) <= 0.01 * meas.peak.total
     assert e.phases["optimizer"][Category.GRAD] == meas.phases["optimizer"][Category.GRAD]  # the c_fc gradient
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_ledger_counts_steps_when_parameters_step_in_backward(in_backward):
+    """A step ends when its optimizer stepped: after opt.step(), or after a backward whose hooks stepped the
+    parameters. Each step's phase peaks (Measurement.of_step) make up the whole measurement's."""
+    torch.manual_seed(0)
+    m = GPT(CFG)
+    opt = StepInBackward(m.parameters(), torch.optim.AdamW) if in_backward else torch.optim.AdamW(m.parameters())
+    with Ledger(m, opt) as led:
+        _train(m, opt, _batches(3))
+    meas = led.measurement()
+    assert {s for _, _, s in meas.timeline.phase_starts} == {1, 2, 3}
+    steps = [meas.of_step(s) for s in (1, 2, 3)]
+    for phase, peak in meas.phases.items():
+        assert peak.total == max(s.phases[phase].total for s in steps if phase in s.phases)
+    assert steps[0].phases["forward"][Category.OPT] == 0 < steps[1].phases["forward"][Category.OPT]  # state made in step 1
+    with pytest.raises(ValueError, match="^step 4 was not measured"):
+        meas.of_step(4)
