@@ -52,7 +52,6 @@ class StepBytes:
                     "Korthikanti et al. 2022 (arXiv 2205.05198); derivatives.yaml")
     kept: int = _f(A_, "matmul outputs kept by selective checkpointing (one block)", "walk: outputs of matmul-like ops",
                    "torch.utils.checkpoint selective policy (MUST_SAVE for mm/bmm/sdpa)")
-    kept_saved: int = _f(A_, "the part of the kept outputs autograd saves anyway", "walk", "")
     after: int = _f(A_, "saved after the last block", "walk: final norm input and statistics, head input, log-softmax",
                     "derivatives.yaml")
     lsm: int = _f(A_, "log-softmax of the logits", "r x V x 4 (loss in fp32) or x m",
@@ -73,12 +72,6 @@ class StepBytes:
     seg_input: int = _f(A_, "a checkpointed segment's input", "r x h x d", "torch.utils.checkpoint saves the inputs")
     emb_temp: int = _f(T_, "dense embedding gradient (and the tied sum)", "2 x V x h x d",
                        "embedding_dense_backward; AccumulateGrad adds the head's part")
-    fwd_block: int = _f(T_, "live inside one block's forward",
-                        "residual in and mid 2 r h d + norm output r h (4 | d) (+ its 16-bit copy r h m) + MLP in and "
-                        "out 2 r f m", "the block's forward ops, not yet freed")
-    offload_back: int = _f(T_, "a block's worst backward op with offload",
-                           "max(3 r f m: the MLP input copied back + two gradients of its size, 3 x probs / L + 2 r h m)",
-                           "labkit.recompute.offload_activations: unpacked on use")
     buffers: int = _f(B_, "int8/NF4 frozen base weights", "per weight (labkit.estimate.peft_terms)", "Dettmers et al. 2023")
     dequant: int = _f(T_, "dequantization scratch of one weight", "6 B (NF4) or 6-8 B (int8) x the largest weight",
                       "labkit.quant.dequantize_nf4 / dequantize_int8")
@@ -94,6 +87,14 @@ class StepBytes:
     step_freed: tuple[int, int, int] = (0, 0, 0)
     head_freed: tuple[int, int, int] = (0, 0, 0)  # the same for an untied head: its copy, saved input, all but dX
     states: dict = field(default_factory=dict)  # "P", "C", "G", "O", "buffers" -> the model-state terms making it up
+    # checkpointed / offloaded steps: each block's replays (labkit.estimate.tape.BlockReplay), the frozen
+    # weights' autocast copies (saved for dx, not cached) inside the blocks and of the head, and the model's
+    # forward locals that are also saved (position ids, rotary tables)
+    replays: list = field(default_factory=list)
+    c_frozen_blocks: int = 0
+    c_frozen_head: int = 0
+    locals_saved: int = 0
+    final_out: tuple = (0, 0)  # transformers' last_hidden_state through the loss: (bytes, bytes no op saves)
     # worst moments inside a block's ops (materialised attention, labkit.estimate.attention), block 0's:
     # (phase, what, saved by the block before the op, the op's saved tensors alive then, its temporaries,
     #  bytes of the block's gradients made by then in backward, matmul outputs of the block up to the op)
@@ -165,10 +166,12 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                  tag: str = "") -> list[Moment]:
     """Every candidate moment of one step. grads_exist: a later micro-batch (all gradients already made;
     `tag` names it). step_in_backward: each gradient is stepped and freed when made, so backward holds about
-    one at a time; the optimizer's moments are then those inside backward where a parameter steps."""
+    one at a time; the optimizer's moments are then those inside backward where a parameter steps.
+    A checkpointed or offloaded step takes its blocks' moments from the replays of their ops
+    (labkit.estimate.tape, `_replayed_forward` and `_replayed_backward`)."""
     sizes = segments_of(n_layer, policy, segments)
-    held = held_per_unit(b, policy, offload, sizes)
     n_units = len(sizes)
+    replayed = (policy != "none" or offload) and len(b.replays) == n_layer
     states = [*b.state("P"), *b.state("O")]
     base_states = list(states)
     if grads_exist:
@@ -177,21 +180,23 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                                                              name="saved after the last block (but the log-softmax)")]
     buffers = b.state("buffers")
     sfx = f" ({tag})" if tag else ""
+    held_all = _held(b, policy, offload, sizes, n_units) if replayed else _held_terms(b, policy, offload, sizes, n_units)
+    fwd_copies = _forward_copies(b, policy, offload) if replayed else b.state("C")
 
     # ---- forward: the loss (all held activations), the last block's dequantization, inside a block
-    fwd = [Moment("forward", "the loss" + sfx, [*states, *b.state("C"), *buffers, b.term("inputs"), *outside,
-                                                 *_held_terms(b, policy, offload, sizes, n_units), b.term("lsm"),
-                                                 b.term("logits")])]
+    final = b.final_out[0] if offload else b.final_out[1]
+    held_final = [custom("the final norm's output, held as last_hidden_state", T_, final, "r x h x d",
+                         "transformers' CausalLM forward keeps the base model's output until it returns")] if final else []
+    fwd = [Moment("forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
+                                                 *held_all, *held_final, b.term("lsm"), b.term("logits")])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
         fwd.append(Moment("forward", "last block, dequantizing its largest weight" + sfx,
-                          [*states, *b.state("C"), *buffers, b.term("inputs"), *outside[:1],
-                           *_held_terms(b, policy, offload, sizes, n_units), b.term("dequant")]))
-    if policy != "none" or offload:  # little is held: the peak may sit inside a block's forward
-        fwd.append(Moment("forward", "inside the last block's forward" + sfx,
-                          [*states, *b.state("C"), *buffers, b.term("inputs"), *outside[:1],
-                           *_held_terms(b, policy, offload, sizes, n_units - 1), b.term("fwd_block")]))
-
-    fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx)
+                          [*states, *fwd_copies, *buffers, b.term("inputs"), *outside[:1], *held_all,
+                           b.term("dequant")]))
+    if replayed:
+        fwd += _replayed_forward(b, policy, offload, sizes, states, buffers, sfx)
+    else:
+        fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx)
 
     # autocast's weight copies after the forward: all kept (none), the head's only (the blocks' copies
     # are not saved by a checkpointed region; its recompute casts again), or none (offloaded)
@@ -202,7 +207,6 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         copies = [b.term("head_copy")] if b.C else []
     else:
         copies = [*b.state("C")]
-    held_all = _held_terms(b, policy, offload, sizes, n_units)
     loss_grads = [custom("the loss's gradients (dlogits, d log-softmax)", T_, 2 * b.lsm, "2 x r x V x (4 | m)",
                          "nll_loss_backward, log_softmax_backward_data")]
     if offload:
@@ -215,46 +219,12 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     head = Moment("backward", "the head's backward" + sfx,
                   [*states, *copies, *buffers, b.term("inputs"), *outside, *held_all, *head_grad, b.term("head_temp")])
     moments = [*fwd, start, head]
-    block_moments = []
-    done = 0  # blocks whose backward is finished
-    for j in reversed(range(n_units)):  # units, last first
-        m = sizes[j]
-        where = (f"block {j} backward" if m == 1 and policy != "full" and policy != "sqrt"
-                 else f"segment {j} backward (blocks {sum(sizes[:j])}-{sum(sizes[:j + 1]) - 1})")
-        terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")])]
-        terms += _held_terms(b, policy, offload, sizes, j)
-        if policy == "none" and not offload:
-            terms.append(b.term("layer", m, f"saved by the block(s) in backward"))
-        elif offload:  # copied back one by one as backward needs them, freed after their last use
-            terms.append(b.term("offload_back"))
-        else:  # recomputed: all of the unit's activations but what it held (its input, kept outputs)
-            terms += _held_terms(b, policy, offload, [m], 1)
-            remade = m * b.layer - b.seg_input - (b.kept_saved if policy == "selective" else 0)
-            terms.append(custom("recomputed activations of the unit", T_, remade,
-                                f"{m} x A_block - segment input" + (" - kept outputs" if policy == "selective" else ""),
-                                "torch.utils.checkpoint re-runs the forward"))
-        if not grads_exist and not step_in_backward:
-            terms.append(b.term("head_grad"))
-            if done:
-                terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
-        if offload:
-            pass  # no autocast copies left on the device
-        elif recompute:  # the head's copy is freed; the recomputed unit casts its weights again
-            if b.C:
-                terms.append(b.term("layer_copy", m, "autocast copies of the recomputed unit"))
-        elif b.C:  # each finished block's copies are freed
-            terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
-                                name=f"autocast copies of the {n_layer - done} blocks not finished"))
-        terms.append(b.term("tau_grad"))
-        terms.append(b.term("stream"))
-        if not offload:  # offload_back includes its own transient; a quantized base dequantizes each weight again
-            terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
-        if step_in_backward and b.head_held:
-            terms.append(b.term("head_held"))
-        block_moments.append(Moment("backward", where + sfx, terms))
-        moments += _backward_points(b, policy, offload, sizes, j, done, states, buffers, grads_exist,
-                                    step_in_backward, recompute, n_layer, where, sfx)
-        done += m
+    if replayed:
+        block_moments = _replayed_backward(b, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
+                                           sfx)
+    else:
+        block_moments = _plain_backward(b, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
+                                        recompute, n_layer, sfx, moments)
     rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_, b.rest_step[0],
                    "largest such gradient x d", "labkit.optim.StepInBackward")] if step_in_backward else b.state("G")
     end = Moment("backward", "the embedding's backward" + sfx,
@@ -268,14 +238,224 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     return moments
 
 
-def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
-    """Inside the last block's forward, at each recorded op's worst moment (labkit.estimate.attention)."""
+def _plain_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads_exist, step_in_backward, recompute,
+                    n_layer, sfx, moments) -> list[Moment]:
+    """Each unit's backward from the walk's per-block bytes (no checkpointing, no offload); the op-level
+    points are appended to `moments`."""
+    n_units = len(sizes)
+    block_moments = []
+    done = 0  # blocks whose backward is finished
+    for j in reversed(range(n_units)):  # units, last first
+        m = sizes[j]
+        where = (f"block {j} backward" if m == 1 and policy != "full" and policy != "sqrt"
+                 else f"segment {j} backward (blocks {sum(sizes[:j])}-{sum(sizes[:j + 1]) - 1})")
+        terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")])]
+        terms += _held_terms(b, policy, offload, sizes, j)
+        terms.append(b.term("layer", m, f"saved by the block(s) in backward"))
+        if not grads_exist and not step_in_backward:
+            terms.append(b.term("head_grad"))
+            if done:
+                terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
+        if b.C:  # each finished block's copies are freed
+            terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
+                                name=f"autocast copies of the {n_layer - done} blocks not finished"))
+        terms.append(b.term("tau_grad"))
+        terms.append(b.term("stream"))
+        terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
+        if step_in_backward and b.head_held:
+            terms.append(b.term("head_held"))
+        block_moments.append(Moment("backward", where + sfx, terms))
+        moments += _backward_points(b, policy, offload, sizes, j, done, states, buffers, grads_exist,
+                                    step_in_backward, recompute, n_layer, where, sfx)
+        done += m
+    return block_moments
+
+
+# ---- checkpointed and offloaded steps: the blocks' replayed ops (labkit.estimate.tape) -------------------
+_REPLAY_SOURCE = "labkit.estimate.tape: the block's ops replayed (families.py records them from the model's code)"
+
+
+def _units(sizes: list[int]) -> list[tuple[int, int]]:
+    """[first, end) block indices of each unit."""
+    out, s = [], 0
+    for m in sizes:
+        out.append((s, s + m))
+        s += m
+    return out
+
+
+def _held(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
+    """What the first `units` checkpointed units hold until their backward: each one's input (the
+    checkpoint keeps it) and, under selective checkpointing, the matmul outputs its blocks cached."""
+    if offload or units == 0:
+        return []
+    spans = _units(sizes)[:units]
+    inputs = sum(b.replays[s].input_bytes for s, _ in spans)
+    out = [custom(f"inputs of {units} checkpointed {'block' if policy == 'selective' else 'segment'}(s)", A_, inputs,
+                  "r x h x d each", "labkit.recompute.checkpoint keeps a region's inputs")]
+    if policy == "selective":
+        kept = sum(b.replays[i].kept_bytes for s, e in spans for i in range(s, e))
+        out.append(custom(f"matmul outputs kept in {units} block(s)", A_, kept,
+                          "replay: outputs of mm/addmm/bmm/sdpa in the block",
+                          "labkit.recompute.selective (torch SAC policy MUST_SAVE)"))
+    return out
+
+
+def _forward_copies(b: StepBytes, policy: str, offload: bool) -> list[Term]:
+    """Autocast's weight copies during a checkpointed or offloaded forward: the cache holds every trained
+    weight's until the forward ends; a frozen weight's copy is saved only by a matmul outside the blocks
+    (the head), and not at all under offload."""
+    if not b.C:
+        return []
+    frozen = b.c_frozen_blocks + (b.c_frozen_head if offload else 0)
+    return [custom("autocast 16-bit weight copies (the cache: trained weights" +
+                   ("" if offload else "; the frozen head's saved copy") + ")", P_, b.C - frozen,
+                   "2 x trained matmul parameters" + ("" if offload else " (+ 2 x V x h frozen head)"),
+                   "torch.autocast caches a cast of a leaf that requires grad until the forward ends")]
+
+
+def _locals(b: StepBytes, offload: bool) -> list[Term]:
+    """Tensors the model's forward holds while its blocks run (embeddings, position ids, rotary tables, the
+    4-D mask): under offload even those also saved (they leave only when the forward returns)."""
     out = []
-    n_units, L = len(sizes), sum(sizes)
+    if b.forward_extra:
+        out.append(custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
+                          "made once per forward by the model's masking utilities"))
+    if b.forward_locals:
+        out.append(b.term("forward_locals"))
+    if offload and b.locals_saved:
+        out.append(custom("position ids / rotary tables held by the model's forward", T_, b.locals_saved,
+                          "S x 8 or 2 x S x head_dim x d", "the model's forward locals (saved, offloaded, still held)"))
+    return out
+
+
+def _replayed_forward(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
+    """Inside the last block's forward: the earlier units' held inputs, the last unit's input when the block
+    is not its first, and the block's worst moment with nothing saved (or its matmul outputs cached)."""
+    n_units = len(sizes)
+    s, e = _units(sizes)[-1]
+    last = b.replays[e - 1]
+    worst = last.kept if policy == "selective" else last.free
+    copies = _forward_copies(b, policy, offload)
+    if copies:  # the head's copy is made after the blocks, the last block's as its ops run
+        copies = [custom("autocast 16-bit weight copies cached so far (the blocks before, this block's up to "
+                         "the op)", P_, copies[0].bytes - (0 if offload and b.c_frozen_head else b.head_copy)
+                         - last.cached_bytes + worst.cached, copies[0].formula, copies[0].source)]
+    terms = [*states, *copies, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
+             *_locals(b, offload), *_held(b, policy, offload, sizes, n_units - 1)]
+    if e - 1 > s and not offload:
+        terms.append(custom("the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
+                            "labkit.recompute.checkpoint keeps a region's inputs"))
+    terms.append(custom(f"block {e - 1} forward, {worst.op}: live in the block (its input included)", T_, worst.live,
+                        "replay: the block's tensors alive then (saved tensors " +
+                        ("offloaded)" if offload else "dropped by the checkpoint)"), _REPLAY_SOURCE))
+    return [Moment("forward", f"inside block {e - 1}'s forward ({worst.op})" + sfx, terms)]
+
+
+def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
+                       sfx) -> list[Moment]:
+    """Each unit's backward: for a checkpointed unit, its recompute (every block's saved tensors made again,
+    autocast weight copies included) and then each block's backward ops; for offload, each block's ops with
+    their saved tensors copied back. The head's weight copy went with the head's backward."""
+    out = []
+    spans = _units(sizes)
+    done_grads = 0  # gradients of the blocks whose backward is finished
+
+    def grads_terms(extra: int) -> list[Term]:
+        if grads_exist or step_in_backward:
+            return []
+        t = [b.term("head_grad")]
+        if done_grads + extra:
+            t.append(custom("gradients of the finished blocks", G_, done_grads + extra,
+                            "replay: each block's parameter gradients", "AccumulateGrad"))
+        return t
+
+    for j in reversed(range(len(spans))):
+        s, e = spans[j]
+        unit = f"block {s}" if e - s == 1 else f"segment {j} (blocks {s}-{e - 1})"
+        base = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
+                *_held(b, policy, offload, sizes, j)]
+        if offload:
+            for k in reversed(range(s, e)):
+                r = b.replays[k]
+                w = r.offload_later if grads_exist else r.offload
+                terms = [*base, *grads_terms(0), _bwd_term(w, k, offload=True)]
+                if w.grads and not grads_exist:
+                    terms.append(_wgrad_term(w, k))
+                out.append(Moment("backward", f"block {k} backward, {w.op}" + sfx, terms))
+                done_grads += r.wgrad_bytes
+            continue
+        unit_held = [custom(f"the input of {unit}", A_, b.replays[s].input_bytes, "r x h x d",
+                            "labkit.recompute.checkpoint keeps a region's inputs")]
+        # the recompute: the unit's forward again, everything saved; the gradient of its output waits
+        sel = policy == "selective"
+
+        def saved_by(k: int) -> int:
+            return b.replays[k].saved_sel if sel else b.replays[k].saved_bytes
+
+        earlier = sum(saved_by(k) + b.replays[k + 1].input_saved for k in range(s, e - 1))
+        last = b.replays[e - 1]
+        rec = last.recompute_sel if sel else last.recompute
+        rec_live = rec.live - (last.input_bytes if e - 1 == s else 0)
+        cached = [custom(f"matmul outputs kept in {unit}", A_, sum(b.replays[i].kept_bytes for i in range(s, e - 1)),
+                         "replay: outputs of mm/addmm/bmm/sdpa", "labkit.recompute.selective")] if sel and e - s > 1 else []
+        terms = [*base, *unit_held, *cached, *grads_terms(0),
+                 custom("gradients made before the recompute (the unit's output's and those of the ops that "
+                        "save nothing)", T_, last.offload.trigger, "replay: the backward up to the first node "
+                        "that reads a saved tensor", _REPLAY_SOURCE)]
+        if earlier:
+            terms.append(custom("saved by the unit's earlier blocks (recomputed)", A_, earlier,
+                                "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
+        terms.append(custom(f"block {e - 1} recompute, {rec.op}: live in the block", T_, rec_live,
+                            "replay: the block's forward with every saved tensor kept", _REPLAY_SOURCE))
+        out.append(Moment("backward", f"{unit} recompute" + sfx, terms))
+        # each block's backward, the unit's last first; the earlier blocks' recomputed tensors wait
+        unit_grads = 0
+        for k in reversed(range(s, e)):
+            r = b.replays[k]
+            w = ((r.selective_later if grads_exist else r.selective) if policy == "selective"
+                 else (r.recomputed_later if grads_exist else r.recomputed))
+            wait = sum(saved_by(i) for i in range(s, k)) + sum(b.replays[i].input_saved for i in range(s + 1, k + 1))
+            terms = [*base, *unit_held, *grads_terms(unit_grads)]
+            if sel:  # once recomputed, a block keeps only the cached outputs autograd saves
+                terms.append(custom(f"matmul outputs kept in block {k} that autograd saves", A_,
+                                    b.replays[k].kept_saved, "replay: cached outputs among the saved tensors",
+                                    "labkit.recompute.selective hands each cached output to the recompute once"))
+            if wait:
+                terms.append(custom("saved by the unit's earlier blocks (recomputed), waiting", A_, wait,
+                                    "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
+            terms.append(_bwd_term(w, k, offload=False))
+            if w.grads and not grads_exist:
+                terms.append(_wgrad_term(w, k))
+            out.append(Moment("backward", f"block {k} backward, {w.op}" + sfx, terms))
+            unit_grads += r.wgrad_bytes
+        done_grads += unit_grads
+    return out
+
+
+def _bwd_term(w, k: int, offload: bool) -> Term:
+    return custom(f"block {k} backward, {w.op}: " + ("copied-back saved tensors, gradients and temporaries"
+                                                     if offload else "recomputed saved tensors still needed, "
+                                                                     "gradients and temporaries"),
+                  T_, w.live, "replay: the output's gradient, each node's " +
+                  ("saved tensors copied back (labkit.recompute.offload_activations unpacks on use)" if offload
+                   else "saved tensors until their last reader") + ", its gradients and temporaries", _REPLAY_SOURCE)
+
+
+def _wgrad_term(w, k: int) -> Term:
+    return custom(f"block {k}'s parameter gradients made so far", G_, w.grads, "replay: AccumulateGrad in reverse",
+                  "autograd makes a weight's gradient at its op's backward")
+
+
+def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
+    """Inside the last block's forward (nothing checkpointed or offloaded), at the block's end and at each
+    recorded op's worst moment (labkit.estimate.attention)."""
+    out = []
+    L = sum(sizes)
     extra = [custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
                     "made once per forward by the model's masking utilities")] if b.forward_extra else []
     extra += [b.term("forward_locals")] if b.forward_locals else []
-    if policy == "none" and not offload and (extra or b.points):  # the blocks' end: all saved, nothing freed yet
+    if extra or b.points:  # the blocks' end: all saved, nothing freed yet
         out.append(Moment("forward", f"the end of block {L - 1}" + sfx, [
             *states, *b.state("C"), *buffers, b.term("inputs"), b.term("before"),
             *_held_terms(b, policy, offload, sizes, L), *extra,
@@ -283,57 +463,33 @@ def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) 
     for phase, what, before, saved, temp, _, kept in b.points:
         if phase != "forward":
             continue
-        terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra]
-        if offload:  # saved tensors leave the device; the op's temporaries stay
-            terms.append(custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
-                                "the op sequence of this attention path"))
-        elif policy == "none":
-            terms += [b.term("before"), *_held_terms(b, policy, offload, sizes, L - 1),
-                      custom(f"saved by block {L - 1} before it", A_, before, "walk, block prefix", "derivatives.yaml"),
-                      custom(f"{what} saved so far", A_, saved, "replayed ops (labkit.estimate.attention)",
-                             "the op sequence of this attention path"),
-                      custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
-                             "the op sequence of this attention path")]
-        else:  # inside a checkpointed region nothing is saved: the same tensors live as temporaries
-            terms += [b.term("before"), *_held_terms(b, policy, offload, sizes, n_units - 1),
-                      b.term("seg_input", name="the last unit's input"),
-                      custom(f"{what} (no grad: tensors freed when unused)", T_, saved + temp,
-                             "replayed ops (labkit.estimate.attention)", "the op sequence of this attention path")]
-            if policy == "selective":  # the block's matmul outputs so far stay cached for its backward
-                terms.append(custom("matmul outputs kept so far in the block (selective)", A_, kept,
-                                    "walk: outputs of mm/bmm/sdpa up to the op", "torch SAC policy MUST_SAVE"))
+        terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra,
+                 b.term("before"), *_held_terms(b, policy, offload, sizes, L - 1),
+                 custom(f"saved by block {L - 1} before it", A_, before, "walk, block prefix", "derivatives.yaml"),
+                 custom(f"{what} saved so far", A_, saved, "replayed ops (labkit.estimate.attention)",
+                        "the op sequence of this attention path"),
+                 custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
+                        "the op sequence of this attention path")]
         out.append(Moment("forward", f"block {L - 1} forward, {what}" + sfx, terms))
     return out
 
 
 def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buffers, grads_exist, step_in_backward,
                      recompute, n_layer, where, sfx) -> list[Moment]:
-    """Inside unit j's backward, at each recorded op's worst moment: what the unit's earlier ops saved is still
-    alive (recomputed, for a checkpointed unit), what came after it is freed, the op's temporaries on top."""
-    if offload:
-        return []
-    out, m = [], sizes[j]
+    """Inside unit j's backward (nothing checkpointed or offloaded), at each recorded op's worst moment: what
+    the block's earlier ops saved is still alive, what came after it is freed, the op's temporaries on top."""
+    out = []
     for phase, what, before, saved, temp, grads_made, _ in b.points:
         if phase != "backward":
             continue
         terms = [*states, *buffers, b.term("inputs"), b.term("before"), *_held_terms(b, policy, offload, sizes, j)]
-        if recompute:
-            terms += _held_terms(b, policy, offload, [m], 1)
-            terms.append(custom("recomputed activations of the unit, up to the op", T_,
-                                (m - 1) * b.layer + before + saved - b.seg_input
-                                - (b.kept_saved if policy == "selective" else 0),
-                                "(blocks in the unit - 1) x A_block + the block's prefix - segment input",
-                                "torch.utils.checkpoint re-runs the forward"))
-            if b.C:
-                terms.append(b.term("layer_copy", m, "autocast copies of the recomputed unit"))
-        else:
-            terms += [custom(f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",
-                             "derivatives.yaml"),
-                      custom(f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.estimate.attention)",
-                             "the op sequence of this attention path")]
-            if b.C:
-                terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
-                                    name=f"autocast copies of the {n_layer - done} blocks not finished"))
+        terms += [custom(f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",
+                         "derivatives.yaml"),
+                  custom(f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.estimate.attention)",
+                         "the op sequence of this attention path")]
+        if b.C:
+            terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
+                                name=f"autocast copies of the {n_layer - done} blocks not finished"))
         terms.append(custom(f"{what}: temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
                             "the op sequence of this attention path"))
         terms.append(b.term("stream"))
