@@ -25,7 +25,7 @@ def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bo
 def _views(w: Walk, base: T, parts: int, n: int, names: str) -> list[T]:
     """Views of `base` (no storage): q, k, v split off one projection's output. When base requires grad
     the split's backward concatenates their gradients into one of base's size."""
-    views = [T(n, base.itemsize, f"{nm}", base=base, rg=base.rg) for nm in names.split(",")[:parts]]
+    views = [T(n, base.itemsize, f"{nm}", base=base, rg=base.rg, heads_moved=True) for nm in names.split(",")[:parts]]
     if base.rg:
         w.node("split", views, (), [("grad", base)])
     return views
@@ -34,7 +34,7 @@ def _views(w: Walk, base: T, parts: int, n: int, names: str) -> list[T]:
 def _heads_view(w: Walk, base: T, name: str) -> T:
     """base.view(B, S, heads, d).transpose(1, 2): a view; its gradient comes back transposed, so reshaping
     it to base's shape copies it."""
-    v = T(base.numel, base.itemsize, name, base=base, rg=base.rg)
+    v = T(base.numel, base.itemsize, name, base=base, rg=base.rg, heads_moved=True)
     if base.rg:
         w.node(f"{name} view", [v], (), [("grad", base)])
     return v
@@ -48,12 +48,19 @@ def _copy(w: Walk, x: T, name: str, saved_by_next: bool = False) -> T:
     return y
 
 
-def _operand(w: Walk, t: T, name: str, strided: bool) -> T:
-    """A matmul operand as the bmm reads it: under autocast a 16-bit copy of an fp32 tensor (contiguous),
-    else a contiguous copy of a strided view, else t itself."""
-    if w.autocast and t.itemsize != w.low_bytes:
-        return w.cast(t, w.low_bytes, f"{name} (16-bit copy)")
-    return _copy(w, t, name) if strided else t
+def _operand(w: Walk, t: T, name: str, B: int, heads: int, autocast: bool = True) -> tuple[T, list[T]]:
+    """A (B, heads, S, d) matmul operand as the bmm reads it, and the copies made for it: under autocast a
+    16-bit copy of an fp32 tensor (same strides); then, laid out (B, S, heads, d), matmul's reshape to
+    (B * heads, S, d) copies it unless B or heads is 1 (then the reshape is a view). autocast=False: inside
+    an op autocast already wrapped (SDPA's math fallback)."""
+    made = []
+    if autocast and w.autocast and t.itemsize != w.low_bytes:
+        t = w.cast(t, w.low_bytes, f"{name} (16-bit copy)")
+        made.append(t)
+    if t.heads_moved and B > 1 and heads > 1:
+        t = _copy(w, t, name)
+        made.append(t)
+    return t, made
 
 
 def _bmm(w: Walk, a: T, b: T, numel: int, name: str, keep: bool = True) -> T:
@@ -71,7 +78,7 @@ def _bmm(w: Walk, a: T, b: T, numel: int, name: str, keep: bool = True) -> T:
 def _pointwise(w: Walk, x: T, name: str, itemsize: int | None = None, saved=(), grad_copies: int = 1) -> T:
     """A pointwise op making a new tensor (scale, mask add, masked_fill, cast): its backward makes one
     gradient of x's size."""
-    y = w.made(T(x.numel, itemsize or x.itemsize, name, rg=x.rg))
+    y = w.made(T(x.numel, itemsize or x.itemsize, name, rg=x.rg, heads_moved=x.heads_moved))
     if x.rg:
         w.node(name, [y], saved, [("grad", x)])
     return y
@@ -143,9 +150,10 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
     w.drop(tril)
     qs = _pointwise(w, q32, "q * sqrt(scale)")
     kts = _pointwise(w, k32, "k^T * sqrt(scale)")
-    qc, kc = _copy(w, qs, "q contiguous"), _copy(w, kts, "k^T contiguous")
+    (qc, qm), (kc, km) = (_operand(w, qs, "q contiguous", B, heads, False),
+                          _operand(w, kts, "k^T contiguous", B, heads, False))
     scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
-    w.drop(qc, kc, kts)
+    w.drop(*qm, *km, kts)
     biased = w.made(T(scores.numel, b, "scores + bias", rg=scores.rg))
     if scores.rg:
         w.node("+ bias", [biased], (), [("pass", scores)])
@@ -158,16 +166,16 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
     if dropped is not probs:
         w.drop(probs)
     weights = w.cast(dropped, ins[0].itemsize, "attention weights (returned)") if ins[0].itemsize != b else None
-    vc = _copy(w, v32, "v contiguous")
+    vc, vm = _operand(w, v32, "v contiguous", B, heads, False)
     o = _bmm(w, dropped, vc, n, "probs @ v")
-    w.drop(vc)
+    w.drop(*vm)
     out_t = w.cast(o, ins[0].itemsize, "attention out") if ins[0].itemsize != b else o
     if out_t is not o:
         w.drop(o)
     w.drop(qs, bias, dropped, *(t for t, s in zip(up, ins) if t is not s), *(t for t, s in zip(ins, (q, k, v)) if t is not s))
     if weights is not None:
         w.drop(weights)
-    y = _contiguous_out(w, out_t, "attention out (contiguous)")
+    y = _contiguous_out(w, out_t, "attention out (contiguous)", heads, S)
     y.rg = rg
     assert y.itemsize == w.mm_bytes, (y.name, y.itemsize)
     return y
@@ -185,9 +193,11 @@ def _dropout_tape(w: Walk, x: T, p: float, name: str) -> T:
     return y
 
 
-def _contiguous_out(w: Walk, o: T, name: str) -> T:
-    """attention_output.transpose(1, 2).contiguous(): a copy; its backward copies the gradient back into
-    the bmm's layout."""
+def _contiguous_out(w: Walk, o: T, name: str, heads: int, S: int) -> T:
+    """attention_output.transpose(1, 2).contiguous(): a copy (unless heads or S is 1: then already in that
+    order); its backward copies the gradient back into the bmm's layout."""
+    if heads == 1 or S == 1:
+        return o
     y = w.made(T(o.numel, o.itemsize, name, rg=o.rg))
     if o.rg:
         w.node(name, [y], (), [("grad", o)])
@@ -222,9 +232,9 @@ def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: flo
 
 def _manual_tape(w, q, k, v, B, heads, S, n, p, sm, saved, rg) -> T:
     """labkit GPT's manual attention on the tape (the op list of labkit.estimate.attention's "manual")."""
-    qc, kc = _operand(w, q, "q contiguous", True), _operand(w, k, "k^T contiguous", True)
+    (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, k, "k^T contiguous", B, heads)
     scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
-    w.drop(qc, kc)
+    w.drop(*qm, *km)
     scaled = _pointwise(w, scores, "scaled scores")
     w.drop(scores)
     ones = w.made(T(S * S, 1, "ones"))
@@ -241,12 +251,12 @@ def _manual_tape(w, q, k, v, B, heads, S, n, p, sm, saved, rg) -> T:
         w.drop(probs)
     w.drop(masked)
     att = w.cast(dropped, w.mm_bytes, "attention probs (16-bit copy)") if dropped.itemsize != w.mm_bytes else dropped
-    vc = _operand(w, v, "v contiguous", True)
+    vc, vm = _operand(w, v, "v contiguous", B, heads)
     o = _bmm(w, att, vc, n, "probs @ v")
-    w.drop(vc)
+    w.drop(*vm)
     if att is not dropped:
         w.drop(att)
-    y = _contiguous_out(w, o, "attention out (contiguous)")
+    y = _contiguous_out(w, o, "attention out (contiguous)", heads, S)
     w.drop(dropped, tril)
     y.rg = rg
     assert y.itemsize == w.mm_bytes, (y.name, y.itemsize)
@@ -297,11 +307,9 @@ def _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, rg) -> T:
         return y
 
     kr, vr = repeat(k, "k repeated"), repeat(v, "v repeated")
-    strided = q.base is not None and rep == 1 and k.base is not None and q.base is k.base  # GPT-2: c_attn's views
-    qc = _operand(w, q, "q contiguous", strided)
-    kc = _operand(w, kr, "k^T contiguous", strided)
+    (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, kr, "k^T contiguous", B, heads)
     scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
-    w.drop(*(a for a, b in ((qc, q), (kc, kr)) if a is not b))
+    w.drop(*qm, *km)
     scaled = _pointwise(w, scores, "scaled scores")
     w.drop(scores)
     masked = _pointwise(w, scaled, "scores + mask", itemsize=max(scaled.itemsize, w.x_bytes))  # the float mask
@@ -317,16 +325,17 @@ def _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, rg) -> T:
     dropped = _dropout_tape(w, att, p, "attention dropout")
     if dropped is not att:
         w.drop(att)
-    vc = _operand(w, vr, "v contiguous", strided)
+    vc, vm = _operand(w, vr, "v contiguous", B, heads)
     o = _bmm(w, dropped, vc, n, "probs @ v")
-    if vc is not vr:
-        w.drop(vc)
-    w.drop(dropped)
+    w.drop(*vm)
+    # eager returns (output, weights): the block's `hidden_states, _ = self.attn(...)` holds the weights
+    # in `_` until it returns
+    w.block_end.append(dropped)
     if kr is not k:
         w.drop(kr)
     if vr is not v:
         w.drop(vr)
-    y = _contiguous_out(w, o, "attention out (contiguous)")
+    y = _contiguous_out(w, o, "attention out (contiguous)", heads, S)
     y.rg = rg
     assert y.itemsize == mm, (y.name, y.itemsize)
     return y
@@ -391,7 +400,8 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
             w.drop(o)
         w.drop(b)
         x3 = w.add(x2, od, f"residual.{i}")
-        w.drop(od, x2, x)
+        w.drop(od, x2, x, *w.block_end)
+        w.block_end.clear()
         x = x3
     layer_marks.append(w.mark())
     w.tape.end(x)
@@ -437,10 +447,13 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
         if ff is not o2:
             w.drop(o2)
         x3 = w.add(x2, ff, f"residual.{i}")
-        w.drop(b, x2, od, ff, x)
+        w.drop(b, x2, od, ff, x, *w.block_end)
+        w.block_end.clear()
         x = x3
     layer_marks.append(w.mark())
     w.tape.end(x)
+    # GPT2Block gets the position ids (saved when the position table trains) and, eager, the 4-D mask
+    w.block_kwargs = (S * 8 + w.forward_extra, S * 8 if w.trains("transformer.wpe") else 0)
     final = w.layer_norm(x, r, "ln_f", "transformer.ln_f")
     logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.hold_final(final)
@@ -455,13 +468,15 @@ def _rotary(w: Walk, q: T, cs: int, name: str) -> T:
     first = T(q.numel // 2, q.itemsize, f"{name} first half", base=q, rg=q.rg)
     cos = T(cs, w.x_bytes, "rotary cos")
     sin = T(cs, w.x_bytes, "rotary sin")
-    qc = w.made(T(q.numel, q.itemsize, f"{name} * cos", rg=q.rg))
-    neg = w.made(T(q.numel // 2, q.itemsize, f"-{name} second half", rg=q.rg))
+    wide = max(q.itemsize, w.x_bytes)  # cos and sin are in the model's dtype: a 16-bit q times them is fp32
+    hm = q.heads_moved  # pointwise ops keep q's layout; cat makes a fresh (B, heads, S, d) tensor
+    qc = w.made(T(q.numel, wide, f"{name} * cos", rg=q.rg, heads_moved=hm))
+    neg = w.made(T(q.numel // 2, q.itemsize, f"-{name} second half", rg=q.rg, heads_moved=hm))
     rot = w.made(T(q.numel, q.itemsize, f"rotate_half({name})", rg=q.rg))
     w.drop(neg)
-    qs = w.made(T(q.numel, q.itemsize, f"rotate_half({name}) * sin", rg=q.rg))
+    qs = w.made(T(q.numel, wide, f"rotate_half({name}) * sin", rg=q.rg))
     w.drop(rot)
-    y = w.made(T(q.numel, q.itemsize, f"{name} rotated", rg=q.rg))
+    y = w.made(T(q.numel, wide, f"{name} rotated", rg=q.rg, heads_moved=hm))
     w.drop(qc, qs)
     if q.rg:
         w.node(f"{name} * cos", [qc], [cos], [("grad", q)])  # in the order the code makes them:
@@ -485,8 +500,12 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
     w.save(w.new(r, 8, "shifted labels"))
     w.save(w.new(2 * S * hd, w.x_bytes, "rotary cos and sin"))
     x = w.made(w.new(r * h, w.x_bytes, "token embeddings", w.trains("model.embed_tokens")))
-    w.forward_locals = r * h * w.x_bytes + S * 8  # LlamaModel.forward keeps inputs_embeds and the position ids
-    w.locals_saved = 2 * S * hd * w.x_bytes  # and cos, sin (saved by the rotary products)
+    # LlamaModel.forward keeps inputs_embeds (block 0's input), the position ids and cos, sin (saved by the
+    # rotary products) until it returns; block 0's RMSNorm saves the embeddings themselves when they are fp32
+    emb_saved = x.rg and x.itemsize == 4
+    w.forward_locals = S * 8 + (0 if emb_saved else r * h * w.x_bytes)
+    w.locals_saved = 2 * S * hd * w.x_bytes + (r * h * w.x_bytes if emb_saved else 0)
+    w.block0_local = 0 if emb_saved else r * h * w.x_bytes
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
         w.tape.block(i, x)
@@ -519,10 +538,13 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
         d = w.linear(y2, r, h, f"down_proj.{i}", m + "mlp.down_proj")
         w.drop(y2, b)
         x3 = w.add(x2, d, f"residual.{i}")
-        w.drop(d, x2, x)
+        w.drop(d, x2, x, *w.block_end)
+        w.block_end.clear()
         x = x3
     layer_marks.append(w.mark())
     w.tape.end(x)
+    # LlamaDecoderLayer gets the position ids, cos and sin (saved) and, eager, the 4-D mask
+    w.block_kwargs = (S * 8 + 2 * S * hd * w.x_bytes + w.forward_extra, 2 * S * hd * w.x_bytes)
     final = w.rms_norm_python(x, r, "norm", "model.norm")
     logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.hold_final(final)

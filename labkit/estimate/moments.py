@@ -95,6 +95,8 @@ class StepBytes:
     c_frozen_head: int = 0
     locals_saved: int = 0
     final_out: tuple = (0, 0)  # transformers' last_hidden_state through the loss: (bytes, bytes no op saves)
+    block0_local: int = 0  # the part of forward_locals that is block 0's input (held as a checkpointed input)
+    block_kwargs: tuple = (0, 0)  # (bytes of the tensors every block gets besides its input, the part in `before`)
     # worst moments inside a block's ops (materialised attention, labkit.estimate.attention), block 0's:
     # (phase, what, saved by the block before the op, the op's saved tensors alive then, its temporaries,
     #  bytes of the block's gradients made by then in backward, matmul outputs of the block up to the op)
@@ -212,12 +214,14 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     if offload:
         loss_grads.append(custom("log-softmax copied back for the loss's backward", T_, b.lsm, "r x V x (4 | m)",
                                  "labkit.recompute.offload_activations: unpacked on use"))
+    kwargs = _kwargs(b, policy, offload)
     start = Moment("backward", "start: the loss's backward" + sfx,
-                   [*states, *copies, *buffers, b.term("inputs"), *outside, *held_all,
+                   [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all,
                     *([] if offload else [b.term("lsm")]), *loss_grads])
     head_grad = [] if grads_exist else [b.term("head_grad")]
     head = Moment("backward", "the head's backward" + sfx,
-                  [*states, *copies, *buffers, b.term("inputs"), *outside, *held_all, *head_grad, b.term("head_temp")])
+                  [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all, *head_grad,
+                   b.term("head_temp")])
     moments = [*fwd, start, head]
     if replayed:
         block_moments = _replayed_backward(b, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
@@ -286,8 +290,9 @@ def _units(sizes: list[int]) -> list[tuple[int, int]]:
 
 def _held(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
     """What the first `units` checkpointed units hold until their backward: each one's input (the
-    checkpoint keeps it) and, under selective checkpointing, the matmul outputs its blocks cached."""
-    if offload or units == 0:
+    checkpoint keeps it) and, under selective checkpointing, the matmul outputs its blocks cached. Activation
+    offload does not touch them (a region's inputs are not saved tensors; inside a region its own hooks win)."""
+    if policy == "none" or units == 0:
         return []
     spans = _units(sizes)[:units]
     inputs = sum(b.replays[s].input_bytes for s, _ in spans)
@@ -299,6 +304,18 @@ def _held(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int
                           "replay: outputs of mm/addmm/bmm/sdpa in the block",
                           "labkit.recompute.selective (torch SAC policy MUST_SAVE)"))
     return out
+
+
+def _kwargs(b: StepBytes, policy: str, offload: bool) -> list[Term]:
+    """What every block gets besides its input (position ids, rotary cos and sin, the 4-D mask): each
+    checkpointed region keeps its arguments until its recompute, so they outlive the forward (the part
+    already counted as saved before the first block is not repeated; under offload that part left)."""
+    if policy == "none":
+        return []
+    n = b.block_kwargs[0] - (0 if offload else b.block_kwargs[1])
+    return [custom("the blocks' other arguments, kept by the checkpointed regions", T_, n,
+                   "S x 8 position ids (+ 2 x S x head_dim x d cos, sin) (+ B x S x S x d mask)",
+                   "labkit.recompute.checkpoint keeps a region's arguments until its recompute")] if n else []
 
 
 def _forward_copies(b: StepBytes, policy: str, offload: bool) -> list[Term]:
@@ -314,15 +331,16 @@ def _forward_copies(b: StepBytes, policy: str, offload: bool) -> list[Term]:
                    "torch.autocast caches a cast of a leaf that requires grad until the forward ends")]
 
 
-def _locals(b: StepBytes, offload: bool) -> list[Term]:
+def _locals(b: StepBytes, offload: bool, checkpointed: bool) -> list[Term]:
     """Tensors the model's forward holds while its blocks run (embeddings, position ids, rotary tables, the
     4-D mask): under offload even those also saved (they leave only when the forward returns)."""
     out = []
     if b.forward_extra:
         out.append(custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
                           "made once per forward by the model's masking utilities"))
-    if b.forward_locals:
-        out.append(b.term("forward_locals"))
+    local = b.forward_locals - (b.block0_local if checkpointed else 0)  # a checkpoint holds block 0's input already
+    if local:
+        out.append(b.term("forward_locals", nbytes=local))
     if offload and b.locals_saved:
         out.append(custom("position ids / rotary tables held by the model's forward", T_, b.locals_saved,
                           "S x 8 or 2 x S x head_dim x d", "the model's forward locals (saved, offloaded, still held)"))
@@ -342,13 +360,13 @@ def _replayed_forward(b: StepBytes, policy, offload, sizes, states, buffers, sfx
                          "the op)", P_, copies[0].bytes - (0 if offload and b.c_frozen_head else b.head_copy)
                          - last.cached_bytes + worst.cached, copies[0].formula, copies[0].source)]
     terms = [*states, *copies, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
-             *_locals(b, offload), *_held(b, policy, offload, sizes, n_units - 1)]
-    if e - 1 > s and not offload:
+             *_locals(b, offload, policy != "none"), *_held(b, policy, offload, sizes, n_units - 1)]
+    if e - 1 > s and policy != "none":
         terms.append(custom("the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
                             "labkit.recompute.checkpoint keeps a region's inputs"))
     terms.append(custom(f"block {e - 1} forward, {worst.op}: live in the block (its input included)", T_, worst.live,
                         "replay: the block's tensors alive then (saved tensors " +
-                        ("offloaded)" if offload else "dropped by the checkpoint)"), _REPLAY_SOURCE))
+                        ("offloaded)" if policy == "none" else "dropped by the checkpoint)"), _REPLAY_SOURCE))
     return [Moment("forward", f"inside block {e - 1}'s forward ({worst.op})" + sfx, terms)]
 
 
@@ -375,7 +393,8 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
         unit = f"block {s}" if e - s == 1 else f"segment {j} (blocks {s}-{e - 1})"
         base = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
                 *_held(b, policy, offload, sizes, j)]
-        if offload:
+        kwargs = _kwargs(b, policy, offload)  # until the first unit's recompute, the last to run
+        if policy == "none":  # offloaded blocks (with checkpointing, a region's own hooks win: recomputed)
             for k in reversed(range(s, e)):
                 r = b.replays[k]
                 w = r.offload_later if grads_exist else r.offload
@@ -396,10 +415,11 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
         earlier = sum(saved_by(k) + b.replays[k + 1].input_saved for k in range(s, e - 1))
         last = b.replays[e - 1]
         rec = last.recompute_sel if sel else last.recompute
-        rec_live = rec.live - (last.input_bytes if e - 1 == s else 0)
+        # its input: the unit's own (held) or the block before's output (counted in `earlier` when saved)
+        rec_live = rec.live - (last.input_bytes if e - 1 == s else last.input_saved)
         cached = [custom(f"matmul outputs kept in {unit}", A_, sum(b.replays[i].kept_bytes for i in range(s, e - 1)),
                          "replay: outputs of mm/addmm/bmm/sdpa", "labkit.recompute.selective")] if sel and e - s > 1 else []
-        terms = [*base, *unit_held, *cached, *grads_terms(0),
+        terms = [*base, *kwargs, *unit_held, *cached, *grads_terms(0),
                  custom("gradients made before the recompute (the unit's output's and those of the ops that "
                         "save nothing)", T_, last.offload.trigger, "replay: the backward up to the first node "
                         "that reads a saved tensor", _REPLAY_SOURCE)]
@@ -413,14 +433,14 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
         unit_grads = 0
         for k in reversed(range(s, e)):
             r = b.replays[k]
-            w = ((r.selective_later if grads_exist else r.selective) if policy == "selective"
-                 else (r.recomputed_later if grads_exist else r.recomputed))
+            # once recomputed, a block holds its saved tensors (selective: the cached outputs autograd saves
+            # among them; the others went with the recompute), each until its last reader
+            w = r.recomputed_later if grads_exist else r.recomputed
             wait = sum(saved_by(i) for i in range(s, k)) + sum(b.replays[i].input_saved for i in range(s + 1, k + 1))
-            terms = [*base, *unit_held, *grads_terms(unit_grads)]
-            if sel:  # once recomputed, a block keeps only the cached outputs autograd saves
-                terms.append(custom(f"matmul outputs kept in block {k} that autograd saves", A_,
-                                    b.replays[k].kept_saved, "replay: cached outputs among the saved tensors",
-                                    "labkit.recompute.selective hands each cached output to the recompute once"))
+            # the recompute over, the region lets its input go; it stays only if the first block saved it
+            kept_in = [custom(f"the input of {unit}, saved by its first block", A_, b.replays[s].input_saved,
+                              "r x h x d", "the recompute's saved tensors")] if b.replays[s].input_saved else []
+            terms = [*base, *(kwargs if j else []), *kept_in, *grads_terms(unit_grads)]
             if wait:
                 terms.append(custom("saved by the unit's earlier blocks (recomputed), waiting", A_, wait,
                                     "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))

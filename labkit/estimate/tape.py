@@ -305,14 +305,11 @@ class BlockReplay:
     saved_bytes: int
     recompute_sel: Worst  # selective: the cached matmul outputs are handed back, not made again
     saved_sel: int  # what that recompute leaves (the cached outputs autograd saves included)
-    kept_saved: int  # the cached outputs autograd saves too (they stay until their reader's backward)
     input_saved: int
     offload: Worst
     offload_later: Worst
     recomputed: Worst
     recomputed_later: Worst
-    selective: Worst
-    selective_later: Worst
     wgrad_bytes: int  # all of the block's parameter gradients
     cached_bytes: int  # all of the block's autocast weight copies (cached while the forward runs)
 
@@ -356,19 +353,14 @@ def _replay(events, x, out) -> BlockReplay:
     recompute, saved_bytes = forward(events, x, "saved")
     recompute_sel, saved_sel = forward(events, x, "saved", pre=kept_roots)
     saved_roots = {id(_root(t)) for ev in events if ev[0] == "node" for t in ev[1].saved}
-    kept_saved = sum({id(_root(ev[1])): _root(ev[1]).nbytes for ev in events
-                      if ev[0] == "keep" and id(_root(ev[1])) in saved_roots}.values())
     stream = out.nbytes
     return BlockReplay(
         input_bytes=_root(x).nbytes, stream=stream, free=free, kept=kept, kept_bytes=kept_bytes,
         recompute=recompute, saved_bytes=saved_bytes, recompute_sel=recompute_sel, saved_sel=saved_sel,
-        kept_saved=kept_saved,
         input_saved=_root(x).nbytes if id(_root(x)) in saved_roots else 0,
         offload=backward(events, x, out, stream, "offload")[0],
         offload_later=backward(events, x, out, stream, "offload", keep_wgrads=False)[0],
         recomputed=backward(events, x, out, stream, "saved")[0],
         recomputed_later=backward(events, x, out, stream, "saved", keep_wgrads=False)[0],
-        selective=backward(events, x, out, stream, "saved", exclude=kept_roots)[0],
-        selective_later=backward(events, x, out, stream, "saved", keep_wgrads=False, exclude=kept_roots)[0],
         wgrad_bytes=sum(st[1] for ev in events if ev[0] == "node" for st in ev[1].steps if st[0] == "wgrad"),
         cached_bytes=sum(_root(ev[1]).nbytes for ev in events if ev[0] == "new" and ev[2]))

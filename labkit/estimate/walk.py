@@ -27,6 +27,8 @@ class T:
     name: str = ""
     base: "T | None" = None
     rg: bool = True  # requires grad: autograd records (and saves for) the ops that read it
+    heads_moved: bool = False  # a (B, heads, S, d) tensor laid out as (B, S, heads, d): a projection's output
+    # viewed per head, and what pointwise ops make from it (they keep the layout)
 
     @property
     def nbytes(self) -> int:
@@ -67,10 +69,14 @@ class Walk:
     forward_extra: int = 0  # alive through the whole forward, never saved (transformers' 4-D float mask)
     forward_locals: int = 0  # tensors a model's forward function holds in locals until it returns (embeddings)
     locals_saved: int = 0  # such locals that are also saved for backward (position ids, rotary tables)
+    block0_local: int = 0  # the part of forward_locals that is block 0's input (Llama's inputs_embeds)
+    block_kwargs: tuple = (0, 0)  # tensors passed to every block besides its input (position ids, rotary cos and
+    # sin, the 4-D mask): (their bytes, the part also saved before the first block); a checkpoint holds them
     final_out: tuple = (0, 0)  # transformers: the final norm's output, held by the model's output object while
     # the head and the loss run: (its bytes, the part no op saves)
     saved_total: int = 0  # bytes of `saved`, summed as tensors are saved (read once per layer by `mark`)
     tape: Tape = field(default_factory=Tape)  # allocations, lifetimes and backward nodes, for the replays
+    block_end: list = field(default_factory=list)  # tensors a block's locals hold until it returns
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:
@@ -126,6 +132,7 @@ class Walk:
         if x.itemsize == itemsize:
             return x
         y = self.made(self.new(x.numel, itemsize, name or f"{x.name} ({8 * itemsize}-bit copy)", x.rg))
+        y.heads_moved = x.heads_moved  # .to() keeps the strides
         if x.rg:
             self.node("to_copy", [y], (), [("grad", x)])
         return y
@@ -347,6 +354,8 @@ class Walk:
         hn = normed if x.itemsize == 4 else self.new(x.numel, 4, f"{name} normalised (fp32)", x.rg)
         self.made(hn)
         self.drop(rs)
+        if x32 is not x:
+            self.drop(x32)  # `hidden_states` is rebound to the product
         if x.rg:
             self.node(f"{name} pow", [sq], [x32], [("tmp", "x^1", x32.nbytes), ("tmp", "2x", x32.nbytes),
                                                    ("grad", x32), ("free", "x^1"), ("free", "2x")])
