@@ -143,13 +143,15 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
     ins = [w.cast(t, w.low_bytes, f"{t.name} (16-bit copy)") if w.autocast else t for t in (q, k, v)]
     up = [w.cast(t, b, f"{t.name} (upcast)") for t in ins]
     q32, k32, v32 = up
+    qs = _pointwise(w, q32, "q * sqrt(scale)")
     ones = w.made(T(S * S, 1, "ones"))
     tril = w.made(T(S * S, 1, "tril"))
     w.drop(ones)
     bias = w.made(T(S * S, b, "causal bias"))
     w.drop(tril)
-    qs = _pointwise(w, q32, "q * sqrt(scale)")
-    kts = _pointwise(w, k32, "k^T * sqrt(scale)")
+    reps = [_repeat(w, t, n // t.numel, f"{t.name} repeated") for t in (k32, v32)] if k32.numel < n else []
+    kr, vr = reps or (k32, v32)
+    kts = _pointwise(w, kr, "k^T * sqrt(scale)")
     (qc, qm), (kc, km) = (_operand(w, qs, "q contiguous", B, heads, False),
                           _operand(w, kts, "k^T contiguous", B, heads, False))
     scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
@@ -166,9 +168,9 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
     if dropped is not probs:
         w.drop(probs)
     weights = w.cast(dropped, ins[0].itemsize, "attention weights (returned)") if ins[0].itemsize != b else None
-    vc, vm = _operand(w, v32, "v contiguous", B, heads, False)
+    vc, vm = _operand(w, vr, "v contiguous", B, heads, False)
     o = _bmm(w, dropped, vc, n, "probs @ v")
-    w.drop(*vm)
+    w.drop(*vm, *reps)
     out_t = w.cast(o, ins[0].itemsize, "attention out") if ins[0].itemsize != b else o
     if out_t is not o:
         w.drop(o)
@@ -178,6 +180,15 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
     y = _contiguous_out(w, out_t, "attention out (contiguous)", heads, S)
     y.rg = rg
     assert y.itemsize == w.mm_bytes, (y.name, y.itemsize)
+    return y
+
+
+def _repeat(w: Walk, t: T, rep: int, name: str) -> T:
+    """Grouped-query attention's k/v repeated to every head (repeat_kv, repeat_interleave: expand + reshape =
+    a contiguous copy); backward sums the copies into a gradient of t's size."""
+    y = w.made(T(t.numel * rep, t.itemsize, name, rg=t.rg))
+    if t.rg:
+        w.node(name, [y], (), [("grad", t)])
     return y
 
 
@@ -298,15 +309,7 @@ def _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, rg) -> T:
     """transformers' eager attention on the tape."""
     mm = w.mm_bytes
 
-    def repeat(t: T, name: str) -> T:  # repeat_kv: expand + reshape = a copy; backward sums the copies
-        if rep == 1:
-            return t
-        y = w.made(T(t.numel * rep, t.itemsize, name, rg=t.rg))
-        if t.rg:
-            w.node(name, [y], (), [("grad", t)])
-        return y
-
-    kr, vr = repeat(k, "k repeated"), repeat(v, "v repeated")
+    kr, vr = (_repeat(w, k, rep, "k repeated"), _repeat(w, v, rep, "v repeated")) if rep > 1 else (k, v)
     (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, kr, "k^T contiguous", B, heads)
     scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
     w.drop(*qm, *km)

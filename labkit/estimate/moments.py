@@ -331,14 +331,15 @@ def _forward_copies(b: StepBytes, policy: str, offload: bool) -> list[Term]:
                    "torch.autocast caches a cast of a leaf that requires grad until the forward ends")]
 
 
-def _locals(b: StepBytes, offload: bool, checkpointed: bool) -> list[Term]:
+def _locals(b: StepBytes, offload: bool, checkpointed: bool, in_block0: bool = False) -> list[Term]:
     """Tensors the model's forward holds while its blocks run (embeddings, position ids, rotary tables, the
     4-D mask): under offload even those also saved (they leave only when the forward returns)."""
     out = []
     if b.forward_extra:
         out.append(custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
                           "made once per forward by the model's masking utilities"))
-    local = b.forward_locals - (b.block0_local if checkpointed else 0)  # a checkpoint holds block 0's input already
+    # block 0's input is counted already when a checkpoint holds it, or as the input of the block running
+    local = b.forward_locals - (b.block0_local if checkpointed or in_block0 else 0)
     if local:
         out.append(b.term("forward_locals", nbytes=local))
     if offload and b.locals_saved:
@@ -360,7 +361,7 @@ def _replayed_forward(b: StepBytes, policy, offload, sizes, states, buffers, sfx
                          "the op)", P_, copies[0].bytes - (0 if offload and b.c_frozen_head else b.head_copy)
                          - last.cached_bytes + worst.cached, copies[0].formula, copies[0].source)]
     terms = [*states, *copies, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
-             *_locals(b, offload, policy != "none"), *_held(b, policy, offload, sizes, n_units - 1)]
+             *_locals(b, offload, policy != "none", e == 1), *_held(b, policy, offload, sizes, n_units - 1)]
     if e - 1 > s and policy != "none":
         terms.append(custom("the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
                             "labkit.recompute.checkpoint keeps a region's inputs"))

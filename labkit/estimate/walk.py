@@ -137,20 +137,27 @@ class Walk:
             self.node("to_copy", [y], (), [("grad", x)])
         return y
 
-    def _weight_grad(self, elements: int) -> list[tuple]:
-        """Backward steps making one weight's gradient: under autocast a 16-bit one first, cast to the
-        parameter's dtype by the weight cast's backward (then the 16-bit one goes)."""
+    def _weight_copy(self, elements: int, trains: bool, name: str) -> tuple[T | None, list[tuple]]:
+        """Under autocast, a weight's 16-bit copy (cached until the forward ends when the weight trains, else a
+        temporary) and the steps its matmul's backward takes for the weight: without autocast the gradient
+        goes straight to .grad; under autocast the matmul makes a 16-bit one, and the copy's own node (it runs
+        once the matmul's has returned) casts it to the parameter's dtype."""
         if not self.autocast:
-            return [("wgrad", elements * self.x_bytes)]
-        return [("tmp", "16-bit weight gradient", elements * self.low_bytes), ("wgrad", elements * self.x_bytes),
-                ("free", "16-bit weight gradient")]
+            return None, ([("wgrad", elements * self.x_bytes)] if trains else [])
+        w16 = self.made(self.new(elements, self.low_bytes, name, trains), cached=trains)
+        if not trains:
+            return w16, []
+        self.node(f"{name}: cast back", [w16], (), [("wgrad", elements * self.x_bytes)])
+        return w16, [("grad", w16)]
 
     def _matmul(self, x: T, module: str, trains: bool, rows: int, d_out: int, name: str, saved_x: T | None,
                 out_itemsize: int | None = None) -> T:
-        """One nn.Linear / Conv1D call on the tape: autocast's input and weight copies (a trained weight's is
+        """One nn.Linear / Conv1D call on the tape: autocast's weight and input copies (a trained weight's is
         cached until the forward ends), the output, and the node: dW (and db) when it trains, dx when x
-        requires grad. `saved_x`: the tensor the walk saved for dW (x or its 16-bit copy)."""
+        requires grad. `saved_x`: the tensor the walk saved for dW (x or its 16-bit copy). Autocast's casts
+        are made weight first (their nodes run after the matmul's: the input's, then the weight's)."""
         d_in, _, bias = self.linears.get(module, (x.numel // max(rows, 1), d_out, 0))
+        w16, wsteps = self._weight_copy(d_in * d_out, trains, f"{module} weight (16-bit copy)")
         xc = x
         if self.autocast and x.itemsize != self.low_bytes:
             xc = saved_x if saved_x is not None and saved_x is not x else self.new(x.numel, self.low_bytes,
@@ -158,19 +165,11 @@ class Walk:
             self.made(xc)
             if x.rg:
                 self.node("autocast input cast", [xc], (), [("grad", x)])
-        w16 = None
-        if self.autocast:
-            w16 = self.made(self.new(d_in * d_out, self.low_bytes, f"{module} weight (16-bit copy)"), cached=trains)
-            if trains and bias:  # the bias's copy is cached too (addmm does not save it)
-                self.made(self.new(bias, self.low_bytes, f"{module} bias (16-bit copy)"), cached=True)
+        _, bsteps = self._weight_copy(bias, trains, f"{module} bias (16-bit copy)") if bias and trains else (None, [])
         y = self.made(self.new(rows * d_out, out_itemsize or self.mm_bytes, name, x.rg or trains))
         self.tape.keep(y)
         if x.rg or trains:
-            steps = []
-            if trains:
-                steps += self._weight_grad(d_in * d_out) + (self._weight_grad(bias) if bias else [])
-            if x.rg:
-                steps.append(("grad", xc))
+            steps = [*wsteps, *bsteps] + ([("grad", xc)] if x.rg else [])
             saved = ([xc] if trains else []) + ([w16] if w16 is not None and x.rg else [])
             self.node(f"{module or name} matmul", [y], saved, steps)
         if xc is not x:
@@ -214,25 +213,22 @@ class Walk:
         16-bit: the saved `saved_in`), times the scaling, added to the base's output."""
         d_in = self.linears[module][0]
         h = self.cast(x, self.x_bytes, f"{name} adapter input (adapter dtype)")
+        a16, asteps = self._weight_copy(r * d_in, True, f"{module}.lora_A (16-bit copy)")
         a_in = h
         if self.autocast:
             a_in = self.made(saved_in)
             if h.rg:
                 self.node("autocast input cast", [a_in], (), [("grad", h)])
-        a16 = b16 = None
-        if self.autocast:
-            a16 = self.made(self.new(r * d_in, self.low_bytes, f"{module}.lora_A (16-bit copy)"), cached=True)
-            b16 = self.made(self.new(d_out * r, self.low_bytes, f"{module}.lora_B (16-bit copy)"), cached=True)
         self.made(a_out)
         self.tape.keep(a_out)
         self.node(f"{module}.lora_A matmul", [a_out], [a_in] + ([a16] if h.rg and a16 else []),
-                  self._weight_grad(r * d_in) + ([("grad", a_in)] if h.rg else []))
+                  asteps + ([("grad", a_in)] if h.rg else []))
         if a_in is not h:
             self.drop(a_in)
+        b16, bsteps = self._weight_copy(d_out * r, True, f"{module}.lora_B (16-bit copy)")
         b = self.made(self.new(rows * d_out, self.mm_bytes, f"{name} lora_B out"))
         self.tape.keep(b)
-        self.node(f"{module}.lora_B matmul", [b], [a_out] + ([b16] if b16 else []),
-                  self._weight_grad(d_out * r) + [("grad", a_out)])
+        self.node(f"{module}.lora_B matmul", [b], [a_out] + ([b16] if b16 else []), bsteps + [("grad", a_out)])
         self.drop(a_out)
         delta = self.made(self.new(b.numel, b.itemsize, f"{name} lora delta"))
         self.node("lora scaling", [delta], (), [("grad", b)])
