@@ -112,13 +112,10 @@ BAD = [
     (E + ["--lisa-layers", "1", "--lora-rank", "4"], ["--lisa-layers", "--lora-rank"]),
     (E + ["--lora-rank", "4", "--optimizer", "galore", "--rank", "2"], ["--lora-rank", "GaLore"]),
     (E + ["--lora-rank", "4", "--step-in-backward"], ["--lora-rank", "--step-in-backward"]),
-    (G + ["--lora-rank", "4", "--checkpoint", "full"], ["--lora-rank", "--checkpoint"]),
     (E + ["--optimizer", "sgd", "--optimizer-offload", "cpu"], ["--optimizer-offload", "sgd"]),
     (E + ["--optimizer-offload", "tape"], ["--optimizer-offload", "tape"]),
     (E + ["--step-in-backward", "--optimizer-offload", "cpu"], ["--step-in-backward", "--optimizer-offload"]),
     (E + ["--batch", "4", "--accumulate", "2", "--step-in-backward"], ["--step-in-backward", "micro-batches"]),
-    (E + ["--checkpoint", "full"], ["--checkpoint", "gpt:KEY=VAL"]),
-    (["estimate", "--model", "llama-tiny", "--seq", "8", "--offload-activations"], ["--offload-activations"]),
     (E + ["--checkpoint", "sometimes"], ["--checkpoint", "sometimes"]),
     (E + ["--dtype", "fp8"], ["--dtype", "fp8"]),
     (E + ["--dtype", ""], ["--dtype"]),
@@ -260,6 +257,10 @@ GOOD = [
     ["estimate", "--model", "llama-tiny", "--seq", "8", "--lora-rank", "32"],  # a rank equal to the smaller side
     E + ["--optimizer", "galore", "--rank", "64"],
     E + ["--quant", "none", "--checkpoint", "none"],  # explicit defaults
+    E + ["--checkpoint", "full"],  # checkpointing and offload cover transformers' models and adapters too
+    ["estimate", "--model", "llama-tiny", "--seq", "8", "--offload-activations"],
+    G + ["--lora-rank", "4", "--checkpoint", "selective"],
+    ["estimate", "--model", "llama-tiny", "--seq", "8", "--lora-rank", "4", "--quant", "nf4", "--checkpoint", "full"],
     E + ["--batch", "4", "--micro-batch", "4", "--step-in-backward"],
     E + ["--batch", "1000000"],
     ["estimate", "--model", "{cfg}/g_ok.json", "--seq", "8"],
