@@ -20,6 +20,7 @@ formula and source (`StepBytes.term`): a moment is a list of those terms, so its
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 from labkit.memory.report import Category, Moment, Term
@@ -279,6 +280,11 @@ def _plain_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads
 _REPLAY_SOURCE = "labkit.estimate.tape: the block's ops replayed (families.py records them from the model's code)"
 
 
+def _at(op: str, k: int) -> str:
+    """An op's name with block k's index (blocks with the same ops are replayed once, under the first's names)."""
+    return re.sub(r"(?<=[A-Za-z_])\.\d+\b", f".{k}", op)
+
+
 def _units(sizes: list[int]) -> list[tuple[int, int]]:
     """[first, end) block indices of each unit."""
     out, s = [], 0
@@ -365,10 +371,10 @@ def _replayed_forward(b: StepBytes, policy, offload, sizes, states, buffers, sfx
     if e - 1 > s and policy != "none":
         terms.append(custom("the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
                             "labkit.recompute.checkpoint keeps a region's inputs"))
-    terms.append(custom(f"block {e - 1} forward, {worst.op}: live in the block (its input included)", T_, worst.live,
+    terms.append(custom(f"block {e - 1} forward, {_at(worst.op, e - 1)}: live in the block (its input included)", T_, worst.live,
                         "replay: the block's tensors alive then (saved tensors " +
                         ("offloaded)" if policy == "none" else "dropped by the checkpoint)"), _REPLAY_SOURCE))
-    return [Moment("forward", f"inside block {e - 1}'s forward ({worst.op})" + sfx, terms)]
+    return [Moment("forward", f"inside block {e - 1}'s forward ({_at(worst.op, e - 1)})" + sfx, terms)]
 
 
 def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
@@ -402,7 +408,7 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
                 terms = [*base, *grads_terms(0), _bwd_term(w, k, offload=True)]
                 if w.grads and not grads_exist:
                     terms.append(_wgrad_term(w, k))
-                out.append(Moment("backward", f"block {k} backward, {w.op}" + sfx, terms))
+                out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
                 done_grads += r.wgrad_bytes
             continue
         unit_held = [custom(f"the input of {unit}", A_, b.replays[s].input_bytes, "r x h x d",
@@ -427,7 +433,7 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
         if earlier:
             terms.append(custom("saved by the unit's earlier blocks (recomputed)", A_, earlier,
                                 "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
-        terms.append(custom(f"block {e - 1} recompute, {rec.op}: live in the block", T_, rec_live,
+        terms.append(custom(f"block {e - 1} recompute, {_at(rec.op, e - 1)}: live in the block", T_, rec_live,
                             "replay: the block's forward with every saved tensor kept", _REPLAY_SOURCE))
         out.append(Moment("backward", f"{unit} recompute" + sfx, terms))
         # each block's backward, the unit's last first; the earlier blocks' recomputed tensors wait
@@ -448,14 +454,14 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
             terms.append(_bwd_term(w, k, offload=False))
             if w.grads and not grads_exist:
                 terms.append(_wgrad_term(w, k))
-            out.append(Moment("backward", f"block {k} backward, {w.op}" + sfx, terms))
+            out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
             unit_grads += r.wgrad_bytes
         done_grads += unit_grads
     return out
 
 
 def _bwd_term(w, k: int, offload: bool) -> Term:
-    return custom(f"block {k} backward, {w.op}: " + ("copied-back saved tensors, gradients and temporaries"
+    return custom(f"block {k} backward, {_at(w.op, k)}: " + ("copied-back saved tensors, gradients and temporaries"
                                                      if offload else "recomputed saved tensors still needed, "
                                                                      "gradients and temporaries"),
                   T_, w.live, "replay: the output's gradient, each node's " +
