@@ -387,7 +387,9 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
     done_grads = 0  # gradients of the blocks whose backward is finished
 
     def grads_terms(extra: int) -> list[Term]:
-        if grads_exist or step_in_backward:
+        if grads_exist:  # a tied head's gradient waits for the embedding's part before it is summed in
+            return [b.term("head_held")] if b.head_held and not step_in_backward else []
+        if step_in_backward:
             return []
         t = [b.term("head_grad")]
         if done_grads + extra:

@@ -269,8 +269,11 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
             elif kind == "wgrad":
                 state["wg"] += step[1]
                 peak(f"{n.op}: a parameter's gradient")
-                if not keep_wgrads:
+                if not keep_wgrads:  # summed into the existing .grad once the node has returned
                     state["wg"] -= step[1]
+                    key = ("wgrad", n, len(tmps))
+                    live[key] = (f"{n.op}: a parameter's gradient (summed into .grad after)", step[1])
+                    tmps.append(key)
         for key in tmps + copies:
             live.pop(key, None)
         for k in [k for k, r in roots.items() if last_use.get(k) == i]:  # the node's saved tensors are released
