@@ -193,8 +193,11 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     fwd = [Moment("forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
                                                  *held_all, *held_final, b.term("lsm"), b.term("logits")])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
+        head = 0 if replayed and offload and b.c_frozen_head else b.head_copy  # (an offloaded frozen one: gone)
+        before_head = [custom(t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,
+                              t.source) for t in fwd_copies[:1]] if fwd_copies and head else fwd_copies
         fwd.append(Moment("forward", "last block, dequantizing its largest weight" + sfx,
-                          [*states, *fwd_copies, *buffers, b.term("inputs"), *outside[:1], *held_all,
+                          [*states, *before_head, *buffers, b.term("inputs"), *outside[:1], *held_all,
                            b.term("dequant")]))
     if replayed:
         fwd += _replayed_forward(b, policy, offload, sizes, states, buffers, sfx)
