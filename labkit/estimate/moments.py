@@ -58,8 +58,6 @@ class StepBytes:
                      "autograd's saved tensors (derivatives.yaml)")
     layer: int = _f(A_, "saved by one block", "walk of one block ~ sbh(34 + 5as/h) for Megatron's layer",
                     "Korthikanti et al. 2022 (arXiv 2205.05198); derivatives.yaml")
-    kept: int = _f(A_, "matmul outputs kept by selective checkpointing (one block)", "walk: outputs of matmul-like ops",
-                   "torch.utils.checkpoint selective policy (MUST_SAVE for mm/bmm/sdpa)")
     after: int = _f(A_, "saved after the last block", "walk: final norm input and statistics, head input, log-softmax",
                     "derivatives.yaml")
     lsm: int = _f(A_, "log-softmax of the logits", "r x V x 4 (loss in fp32) or x m",
@@ -77,7 +75,6 @@ class StepBytes:
     layer_grad: int = _f(G_, "gradients of one block", "block parameters x d", "")
     layer_copy: int = _f(P_, "autocast copies of one block's weights", "2 x block matmul parameters", "torch.autocast")
     head_copy: int = _f(P_, "autocast copy of the output matrix", "2 x V x h", "torch.autocast")
-    seg_input: int = _f(A_, "a checkpointed segment's input", "r x h x d", "torch.utils.checkpoint saves the inputs")
     emb_temp: int = _f(T_, "dense embedding gradient (and the tied sum)", "2 x V x h x d",
                        "embedding_dense_backward; AccumulateGrad adds the head's part")
     buffers: int = _f(B_, "int8/NF4 frozen base weights", "per weight (labkit.estimate.peft_terms)", "Dettmers et al. 2023")
@@ -147,28 +144,13 @@ def segments_of(n: int, policy: str, segments: int | None) -> list[int]:
     return [(i + 1) * n // k - i * n // k for i in range(k)]
 
 
-def held_per_unit(b: StepBytes, policy: str, offload: bool, sizes: list[int]) -> list[int]:
-    """Bytes each unit (a segment, or a block) holds on the device from the forward to its backward."""
-    if offload:
-        return [0] * len(sizes)
-    if policy == "none":
-        return [b.layer] * len(sizes)
-    if policy == "selective":
-        return [b.seg_input + b.kept] * len(sizes)
-    return [b.seg_input] * len(sizes)
-
-
 def _held_terms(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
-    """The activations the first `units` units hold until their backward."""
-    if offload or units == 0:
+    """The activations the first `units` blocks hold until their backward (nothing checkpointed or offloaded;
+    a checkpointed or offloaded step uses `_held`)."""
+    if units == 0:
         return []
     blocks = sum(sizes[:units])
-    if policy == "none":
-        return [b.term("layer", blocks, f"saved by {blocks} block(s)")]
-    if policy == "selective":
-        return [b.term("seg_input", units, f"inputs of {units} checkpointed block(s)"),
-                b.term("kept", units, f"matmul outputs kept in {units} block(s)")]
-    return [b.term("seg_input", units, f"inputs of {units} checkpointed segment(s)")]
+    return [b.term("layer", blocks, f"saved by {blocks} block(s)")]
 
 
 def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int | None = None,

@@ -183,7 +183,6 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
     upcast = r * V * 4 if lsm // (r * V) != mm else 0  # the fp32 copy the loss makes
     L = max(spec.n_layer, 1)
     layer = (marks[-1][0] - marks[0][0]) // L
-    kept = (marks[-1][1] - marks[0][1]) // L
     ts = spec if peft is None else peft_terms.trainable_spec(spec, peft)  # what trains
     head_trains, emb_trains = w.trains("lm_head"), w.trains("wte")
     head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
@@ -198,7 +197,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         step_freed=(2 * ts.largest_param if prec.autocast else 0, r * spec.ffn * mm,
                     (0 if spec.family == "labkit-gpt" else 1) * r * spec.ffn * mm),
         head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
-        inputs=input_bytes(B, S), before=marks[0][0], layer=layer, kept=kept,
+        inputs=input_bytes(B, S), before=marks[0][0], layer=layer,
         after=w.saved_bytes - marks[-1][0], lsm=lsm, logits=r * V * mm + upcast,
         head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0),
         head_grad=head_grad, stream=r * h * gb,
@@ -212,7 +211,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         layer_grad=ts.layer_params * gb,
         layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
         else max(w.copy_bytes - 2 * V * h, 0) // L,
-        head_copy=2 * V * h if prec.autocast else 0, seg_input=r * h * gb,
+        head_copy=2 * V * h if prec.autocast else 0,
         emb_temp=2 * V * h * gb if spec.tied and emb_trains else 0,  # tied: the dense embedding gradient and the sum
         replays=replay_blocks(w.tape) if replay else [],
         c_frozen_blocks=sum(v for k, v in w.copy_frozen.items() if _BLOCK.search("." + k + ".")),
