@@ -216,9 +216,10 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                   [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all, *head_grad,
                    b.term("head_temp")])
     moments = [*fwd, start, head]
+    block_steps = None
     if replayed:
-        block_moments = _replayed_backward(b, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
-                                           sfx)
+        block_moments, block_steps = _replayed_backward(b, policy, offload, sizes, states, buffers, grads_exist,
+                                                        step_in_backward, sfx)
     else:
         block_moments = _plain_backward(b, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
                                         recompute, n_layer, sfx, moments)
@@ -228,7 +229,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                  [*base_states, *buffers, b.term("inputs"), *rest, b.term("stream"), b.term("emb_temp")])
     moments += [*block_moments, end]
     if step_in_backward:
-        moments += _steps_in_backward(b, block_moments, head, end, sfx)
+        moments += _steps_in_backward(b, [] if replayed else block_moments, head, end, sfx)
+        moments += block_steps or []
     else:
         moments.append(Moment("optimizer", "the optimizer step" + sfx,
                               [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp")]))
@@ -374,15 +376,13 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
     """Each unit's backward: for a checkpointed unit, its recompute (every block's saved tensors made again,
     autocast weight copies included) and then each block's backward ops; for offload, each block's ops with
     their saved tensors copied back. The head's weight copy went with the head's backward."""
-    out = []
+    out, steps = [], []  # the blocks' moments; under step in backward, the moments their parameters step
     spans = _units(sizes)
     done_grads = 0  # gradients of the blocks whose backward is finished
 
     def grads_terms(extra: int) -> list[Term]:
-        if grads_exist:  # a tied head's gradient waits for the embedding's part before it is summed in
-            return [b.term("head_held")] if b.head_held and not step_in_backward else []
-        if step_in_backward:
-            return []
+        if grads_exist or step_in_backward:  # a tied head's gradient waits for the embedding's part
+            return [b.term("head_held")] if b.head_held else []
         t = [b.term("head_grad")]
         if done_grads + extra:
             t.append(custom("gradients of the finished blocks", G_, done_grads + extra,
@@ -398,11 +398,13 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
         if policy == "none":  # offloaded blocks (with checkpointing, a region's own hooks win: recomputed)
             for k in reversed(range(s, e)):
                 r = b.replays[k]
-                w = r.offload_later if grads_exist else r.offload
+                w = r.offload_later if grads_exist or step_in_backward else r.offload
                 terms = [*base, *grads_terms(0), _bwd_term(w, k, offload=True)]
                 if w.grads and not grads_exist:
                     terms.append(_wgrad_term(w, k))
                 out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
+                if step_in_backward:
+                    steps.append(_step_moment(b, terms[:-1], w.step, k, sfx))
                 done_grads += r.wgrad_bytes
             continue
         unit_held = [custom(f"the input of {unit}", A_, b.replays[s].input_bytes, "r x h x d",
@@ -436,7 +438,7 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
             r = b.replays[k]
             # once recomputed, a block holds its saved tensors (selective: the cached outputs autograd saves
             # among them; the others went with the recompute), each until its last reader
-            w = r.recomputed_later if grads_exist else r.recomputed
+            w = r.recomputed_later if grads_exist or step_in_backward else r.recomputed
             wait = sum(saved_by(i) for i in range(s, k)) + sum(b.replays[i].input_saved for i in range(s + 1, k + 1))
             # the recompute over, the region lets its input go; it stays only if the first block saved it
             kept_in = [custom(f"the input of {unit}, saved by its first block", A_, b.replays[s].input_saved,
@@ -445,13 +447,29 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
             if wait:
                 terms.append(custom("saved by the unit's earlier blocks (recomputed), waiting", A_, wait,
                                     "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
+            if step_in_backward:
+                steps.append(_step_moment(b, list(terms), w.step, k, sfx))
             terms.append(_bwd_term(w, k, offload=False))
             if w.grads and not grads_exist:
                 terms.append(_wgrad_term(w, k))
             out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
             unit_grads += r.wgrad_bytes
         done_grads += unit_grads
-    return out
+    return out, steps
+
+
+def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str) -> Moment:
+    """Block k's backward when one of its parameters steps (labkit.optim.StepInBackward: as soon as its node
+    has returned): what is alive then, that gradient, and a step's temporaries (the block's largest tensor's)."""
+    live, grad, op = (w.live, w.grads, w.op) if w is not None else (0, 0, "")
+    return Moment("optimizer", f"block {k} backward, {_at(op, k)}" + sfx, [
+        *terms,
+        custom(f"block {k} backward when a parameter's gradient is ready: live", T_, live,
+               "replay: the backward up to that node", _REPLAY_SOURCE),
+        custom("the stepping parameter's gradient", G_, grad, "replay: the parameter's gradient",
+               "labkit.optim.StepInBackward"),
+        custom("its optimizer step's temporaries", T_, b.block_step[1], "the block's largest tensor's step "
+               "(optim_terms.temp_bytes)", "torch.optim single-tensor step")])
 
 
 def _bwd_term(w, k: int, offload: bool) -> Term:

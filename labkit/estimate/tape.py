@@ -118,6 +118,8 @@ class Worst:
     cached: int = 0  # forward: bytes of autocast weight copies the block has cached by then
     trigger: int = 0  # backward: gradients alive when the first node reading saved tensors runs (a
     # checkpointed block's recompute starts there; the nodes before it save nothing)
+    step: object = None  # backward: the worst moment a parameter's gradient is ready (its node returned):
+    # a Worst whose `grads` is that gradient (labkit.optim.StepInBackward steps it there)
 
     @property
     def total(self) -> int:
@@ -231,6 +233,7 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
 
     peak("block output gradient")
     state["trigger"] = None
+    state["step"] = None
     for i, n in enumerate(reversed(nodes)):
         if not any(id(o) in grads for o in n.outs):
             continue  # no gradient reaches it: autograd never runs it
@@ -247,6 +250,7 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
                     copies.append(key)
                     peak(f"{n.op}: {r.name} copied back")
         tmps = []
+        ready = []  # parameter gradients this node makes (ready once it returns)
         made_here = []  # (input, gradient): added to the inputs' buffers once the node has returned
         for step in n.steps:
             kind = step[0]
@@ -267,6 +271,7 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
             elif kind == "free":
                 live.pop(("tmp", n, step[1]), None)
             elif kind == "wgrad":
+                ready.append(step[1])
                 state["wg"] += step[1]
                 peak(f"{n.op}: a parameter's gradient")
                 if not keep_wgrads:  # summed into the existing .grad once the node has returned
@@ -282,9 +287,14 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
             release(g)
         for t, g in made_here:
             give(t, g, n.op)
+        for nb in ready:  # the moment a step in backward would run (the gradient not counted in `wg`)
+            t = total() - (state["wg"] if keep_wgrads else 0)
+            if state["step"] is None or t + nb > state["step"].total:
+                state["step"] = Worst(f"{n.op}: its parameter steps", t, nb)
     g_in = grads.get(id(x))
     worst = state["worst"]
     worst.trigger = state["trigger"] if state["trigger"] is not None else stream
+    worst.step = state["step"]
     return worst, (g_in.nbytes if g_in else 0)
 
 

@@ -78,7 +78,9 @@ HF_CASES += [(name, dtype, dict(checkpoint="full", **peft)) for name in LAYERS
              for dtype, peft in (("mixed-bf16", dict(lora_rank=4)), ("mixed-bf16", dict(lora_rank=4, quant="nf4")),
                                  ("fp32", dict(lisa_layers=2)))]
 HF_CASES += [("gpt2-tiny", "mixed-bf16", dict(checkpoint="full", offload_activations=True, attn_implementation="eager")),
-             ("llama-tiny", "fp32", dict(offload_activations=True, lora_rank=4, attention_dropout=0.1))]
+             ("llama-tiny", "fp32", dict(offload_activations=True, lora_rank=4, attention_dropout=0.1)),
+             ("llama-tiny", "mixed-bf16", dict(checkpoint="sqrt", step_in_backward=True)),
+             ("gpt2-tiny", "fp32", dict(checkpoint="full", micro_batch=1))]
 
 
 @pytest.mark.parametrize("case", HF_CASES, ids=lambda c: f"{c[0]}-{c[1]}-" + "-".join(f"{k}={v}" for k, v in c[2].items()))
