@@ -542,6 +542,9 @@ def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buff
     return out
 
 
+_RELEASED = "autograd releases a node's saved tensors when it returns; the step runs after (AccumulateGrad's hook)"
+
+
 def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str) -> list[Moment]:
     """The backward moments at which a parameter steps: each block's (its largest parameter's gradient and
     step temporaries on top), and the head's (untied head) or the last one's (the tied embedding)."""
@@ -553,9 +556,11 @@ def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Mo
                    "labkit.optim.StepInBackward"),
             custom("its optimizer step's temporaries", T_, step[1], "one tensor's step (optim_terms.temp_bytes)",
                    "torch.optim single-tensor step"),
-            custom("freed before the step: its autocast copy", P_, -freed[0], "the stepped matrix's 16-bit copy", ""),
-            custom("freed before the step: its saved input", A_, -freed[1], "the stepped matmul's input", ""),
-            custom("freed before the step: transient gradients", T_, -freed[2], "all but its input gradient", ""),
+            custom("freed before the step: its autocast copy", P_, -freed[0], "the stepped matrix's 16-bit copy",
+                   _RELEASED),
+            custom("freed before the step: its saved input", A_, -freed[1], "the stepped matmul's input", _RELEASED),
+            custom("freed before the step: transient gradients", T_, -freed[2], "all but its input gradient",
+                   _RELEASED),
         ])
 
     out = [stepping(x, b.block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps")
