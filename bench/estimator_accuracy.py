@@ -169,6 +169,22 @@ def configs(quick: bool = False) -> list[Config]:
         for refresh in (True, False):
             out.append(Config(f"{label} {shown} {'refresh' if refresh else 'steady'}", model, B, S, dtype, opt,
                               dict(opts), refresh))
+    # activation policies on the transformers presets and with adapters (the blocks' ops replayed)
+    hf_policies = [  # (preset, B, S, dtype, options)
+        ("gpt2-tiny", 2, 128, "fp32", {"n_layer": 4, "checkpoint": "full"}),
+        ("gpt2-tiny", 2, 128, "mixed-bf16", {"n_layer": 4, "checkpoint": "selective"}),
+        ("gpt2-tiny", 2, 128, "bf16", {"n_layer": 4, "offload_activations": True, "attn_implementation": "eager"}),
+        ("llama-tiny", 2, 128, "mixed-bf16", {"num_hidden_layers": 4, "checkpoint": "sqrt"}),
+        ("llama-tiny", 2, 128, "fp32", {"num_hidden_layers": 4, "checkpoint": "full", "segments": 2,
+                                        "offload_activations": True}),
+        ("llama-tiny", 4, 64, "mixed-bf16", {"num_hidden_layers": 4, "micro_batch": 2, "checkpoint": "full",
+                                             "lora_rank": 8, "quant": "nf4"}),
+        ("gpt2-tiny", 2, 128, "mixed-bf16", {"n_layer": 4, "offload_activations": True, "lora_rank": 8}),
+        ("llama-tiny", 2, 128, "fp32", {"num_hidden_layers": 4, "checkpoint": "selective", "lisa_layers": 2}),
+    ]
+    for name, B, S, dtype, opts in hf_policies:
+        shown = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ("n_layer", "num_hidden_layers"))
+        out.append(Config(f"{name} L4 {shown}", name, B, S, dtype, "adamw", dict(opts)))
     if quick:  # one of each kind
         keep = (0, 6, 13, len(gpt_plan) + 2, len(gpt_plan) + 3, len(gpt_plan) + 8, first_peft + 2, first_peft + 19,
                 first_galore, first_galore + 1)

@@ -238,7 +238,7 @@ _OPTION_NAMES = [(rf"(?<![\w-]){k}(?!\w)", v) for k, v in {
     "micro_batch": "--micro-batch", "optimizer_offload": "--optimizer-offload", "checkpoint": "--checkpoint",
     "step_in_backward": "--step-in-backward", "offload_activations": "--offload-activations",
     "lora_rank": "--lora-rank", "lora_targets": "--lora-targets", "lisa_layers": "--lisa-layers"}.items()]
-_OPTION_NAMES += [(r"^(batch|seq|rank|segments) ", r"--\1 "), (r"use a GPTConfig", "use --model gpt:KEY=VAL,...")]
+_OPTION_NAMES += [(r"^(batch|seq|rank|segments) ", r"--\1 ")]
 
 
 def _cli_words(message: str) -> str:
@@ -463,7 +463,8 @@ def build_parser() -> _Parser:
                         f"{MAX_LAYERS} layers, sizes up to 2**24")
     common(e, "cpu", "mixed-bf16")
     e.add_argument("--checkpoint", choices=POLICIES, default="none",
-                   help="activation checkpointing of labkit's GPT blocks (labkit.recompute)")
+                   help="activation checkpointing of the blocks (labkit GPT, transformers GPT-2 and Llama; "
+                        "labkit.recompute)")
     e.add_argument("--segments", type=integer, default=None, help="segments for --checkpoint full (default: every block)")
     e.add_argument("--offload-activations", action="store_true", help="keep saved activations in host memory")
     e.add_argument("--micro-batch", type=integer, default=None, help="rows per micro-batch (gradient accumulation)")

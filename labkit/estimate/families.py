@@ -22,24 +22,109 @@ def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bo
     return attention == "sdpa" and (device == "cuda" or attn_dropout == 0)
 
 
+def _views(w: Walk, base: T, parts: int, n: int, names: str) -> list[T]:
+    """Views of `base` (no storage): q, k, v split off one projection's output. When base requires grad
+    the split's backward concatenates their gradients into one of base's size."""
+    views = [T(n, base.itemsize, f"{nm}", base=base, rg=base.rg, heads_moved=True) for nm in names.split(",")[:parts]]
+    if base.rg:
+        w.node("split", views, (), [("grad", base)])
+    return views
+
+
+def _heads_view(w: Walk, base: T, name: str) -> T:
+    """base.view(B, S, heads, d).transpose(1, 2): a view; its gradient comes back transposed, so reshaping
+    it to base's shape copies it."""
+    v = T(base.numel, base.itemsize, name, base=base, rg=base.rg, heads_moved=True)
+    if base.rg:
+        w.node(f"{name} view", [v], (), [("grad", base)])
+    return v
+
+
+def _copy(w: Walk, x: T, name: str, saved_by_next: bool = False) -> T:
+    """x.contiguous() / matmul's reshape of a strided input: a copy; its gradient passes through."""
+    y = w.made(T(x.numel, x.itemsize, name, rg=x.rg))
+    if x.rg:
+        w.node(f"{name} (copy)", [y], (), [("pass", x)])
+    return y
+
+
+def _operand(w: Walk, t: T, name: str, B: int, heads: int, autocast: bool = True) -> tuple[T, list[T]]:
+    """A (B, heads, S, d) matmul operand as the bmm reads it, and the copies made for it: under autocast a
+    16-bit copy of an fp32 tensor (same strides); then, laid out (B, S, heads, d), matmul's reshape to
+    (B * heads, S, d) copies it unless B or heads is 1 (then the reshape is a view). autocast=False: inside
+    an op autocast already wrapped (SDPA's math fallback)."""
+    made = []
+    if autocast and w.autocast and t.itemsize != w.low_bytes:
+        t = w.cast(t, w.low_bytes, f"{name} (16-bit copy)")
+        made.append(t)
+    if t.heads_moved and B > 1 and heads > 1:
+        t = _copy(w, t, name)
+        made.append(t)
+    return t, made
+
+
+def _bmm(w: Walk, a: T, b: T, numel: int, name: str, keep: bool = True) -> T:
+    """A batched matmul: saves both operands (each is needed for the other's gradient)."""
+    rg = a.rg or b.rg
+    y = w.made(T(numel, max(a.itemsize, b.itemsize), name, rg=rg))
+    if keep:
+        w.tape.keep(y)
+    if rg:
+        w.node(name, [y], [t for t, other in ((a, b), (b, a)) if other.rg],
+               [("grad", t) for t in (b, a) if t.rg])
+    return y
+
+
+def _pointwise(w: Walk, x: T, name: str, itemsize: int | None = None, saved=(), grad_copies: int = 1) -> T:
+    """A pointwise op making a new tensor (scale, mask add, masked_fill, cast): its backward makes one
+    gradient of x's size."""
+    y = w.made(T(x.numel, itemsize or x.itemsize, name, rg=x.rg, heads_moved=x.heads_moved))
+    if x.rg:
+        w.node(name, [y], saved, [("grad", x)])
+    return y
+
+
 def sdpa_fused(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, out_numel: int, p: float = 0.0) -> T:
     """Flash/efficient attention saves q, k, v, its output and a logsumexp (fp32) per query row.
-    With dropout it is a random op, which selective checkpointing never keeps."""
+    With dropout it is a random op, which selective checkpointing never keeps.
+    Tape: under autocast an fp32 q/k/v is copied to 16-bit first; the logsumexp goes when the call returns;
+    backward makes dq, dk, dv."""
     rg = q.rg or k.rg or v.rg
     out = w.new(out_numel, w.mm_bytes, "attention out", rg)
     lse = w.new(B * heads * S, 4, "logsumexp")
+    copies = {id(t): w.as_matmul_input(t) for t in (q, k, v)}
     if rg:  # under autocast an fp32 q/k/v (a quantized base's output) is saved as its 16-bit copy
-        copies = {id(t): w.as_matmul_input(t) for t in (q, k, v)}
         w.save(*copies.values(), out, lse)
     if p == 0:
         w.keep(out), w.keep(lse)
+    # the tape
+    ins = []
+    for t in (q, k, v):
+        c = copies[id(t)]
+        if c is not t:
+            c.rg = t.rg
+            w.made(c)
+            if t.rg:
+                w.node("autocast input cast", [c], (), [("grad", t)])
+        ins.append(c)
+    w.made(out), w.made(lse)
+    if p == 0:
+        w.tape.keep(out), w.tape.keep(lse)
+    if rg:
+        w.node("scaled_dot_product_attention", [out], [*ins, out, lse], [("grad", t) for t in ins if t.rg])
+    w.drop(lse, *[c for c, t in zip(ins, (q, k, v)) if c is not t])
     return out
 
 
-def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = True) -> T:
+def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = True, q: T | None = None,
+              k: T | None = None, v: T | None = None) -> T:
     """SDPA's math fallback (CPU with dropout): scaled q and k, contiguous v, probabilities,
     dropout mask and dropped probabilities are kept; on CPU it upcasts 16-bit inputs to fp32.
-    rg: whether q, k or v requires grad (else nothing is saved)."""
+    rg: whether q, k or v requires grad (else nothing is saved).
+    Tape (aten's _scaled_dot_product_attention_math): upcast copies, the causal bias (ones, tril, where),
+    q * sqrt(scale) (held to the end), k^T * sqrt(scale), contiguous copies of both for the bmm, + bias,
+    _safe_softmax, dropout (the probabilities rebound to the dropped ones), v's copy, bmm, and the output
+    (and the returned weights) cast back to the inputs' dtype."""
     b = 4 if w.device == "cpu" else w.mm_bytes
     if rg:
         w.point("attention (SDPA math)", materialised("math", _shape(w, B, heads, S, n, b, b), p))
@@ -49,29 +134,144 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
         for part in ("q scaled", "k^T scaled", "v contiguous"):
             w.save(w.new(n, b, part))
         probs = w.new(B * heads * S * S, b, "attention probs")
-        w.save(probs, w.dropout(probs, p, "attention dropout"))
-    return w.new(n, w.mm_bytes, "attention out (contiguous)", rg)  # saved by the output projection
+        with w.tape.off():
+            w.save(probs, w.dropout(probs, p, "attention dropout"))
+    out = w.new(n, w.mm_bytes, "attention out (contiguous)", rg)  # saved by the output projection
+    if q is None:
+        return out
+    # the tape
+    ins = [w.cast(t, w.low_bytes, f"{t.name} (16-bit copy)") if w.autocast else t for t in (q, k, v)]
+    up = [w.cast(t, b, f"{t.name} (upcast)") for t in ins]
+    q32, k32, v32 = up
+    qs = _pointwise(w, q32, "q * sqrt(scale)")
+    ones = w.made(T(S * S, 1, "ones"))
+    tril = w.made(T(S * S, 1, "tril"))
+    w.drop(ones)
+    bias = w.made(T(S * S, b, "causal bias"))
+    w.drop(tril)
+    reps = [_repeat(w, t, n // t.numel, f"{t.name} repeated") for t in (k32, v32)] if k32.numel < n else []
+    kr, vr = reps or (k32, v32)
+    kts = _pointwise(w, kr, "k^T * sqrt(scale)")
+    (qc, qm), (kc, km) = (_operand(w, qs, "q contiguous", B, heads, False),
+                          _operand(w, kts, "k^T contiguous", B, heads, False))
+    scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
+    w.drop(*qm, *km, kts)
+    biased = w.made(T(scores.numel, b, "scores + bias", rg=scores.rg))
+    if scores.rg:
+        w.node("+ bias", [biased], (), [("pass", scores)])
+    w.drop(scores)
+    probs = w.made(T(scores.numel, b, "attention probs", rg=rg))
+    if rg:
+        w.node("softmax", [probs], [probs], [("grad", biased)])
+    w.drop(biased)
+    dropped = _dropout_tape(w, probs, p, "attention dropout")
+    if dropped is not probs:
+        w.drop(probs)
+    weights = w.cast(dropped, ins[0].itemsize, "attention weights (returned)") if ins[0].itemsize != b else None
+    vc, vm = _operand(w, vr, "v contiguous", B, heads, False)
+    o = _bmm(w, dropped, vc, n, "probs @ v")
+    w.drop(*vm, *reps)
+    out_t = w.cast(o, ins[0].itemsize, "attention out") if ins[0].itemsize != b else o
+    if out_t is not o:
+        w.drop(o)
+    w.drop(qs, bias, dropped, *(t for t, s in zip(up, ins) if t is not s), *(t for t, s in zip(ins, (q, k, v)) if t is not s))
+    if weights is not None:
+        w.drop(weights)
+    y = _contiguous_out(w, out_t, "attention out (contiguous)", heads, S)
+    y.rg = rg
+    assert y.itemsize == w.mm_bytes, (y.name, y.itemsize)
+    return y
+
+
+def _repeat(w: Walk, t: T, rep: int, name: str) -> T:
+    """Grouped-query attention's k/v repeated to every head (repeat_kv, repeat_interleave: expand + reshape =
+    a contiguous copy); backward sums the copies into a gradient of t's size."""
+    y = w.made(T(t.numel * rep, t.itemsize, name, rg=t.rg))
+    if t.rg:
+        w.node(name, [y], (), [("grad", t)])
+    return y
+
+
+def _dropout_tape(w: Walk, x: T, p: float, name: str) -> T:
+    """Dropout on the tape only (the walk's own `dropout` saves): mask and output, the mask saved."""
+    if p <= 0:
+        return x
+    mask = w.made(T(x.numel, 1 if w.device == "cuda" else x.itemsize, f"{name} mask"))
+    y = w.made(T(x.numel, x.itemsize, name, rg=x.rg))
+    if x.rg:
+        w.node(name, [y], [mask], [("grad", x)])
+    w.drop(mask)
+    return y
+
+
+def _contiguous_out(w: Walk, o: T, name: str, heads: int, S: int) -> T:
+    """attention_output.transpose(1, 2).contiguous(): a copy (unless heads or S is 1: then already in that
+    order); its backward copies the gradient back into the bmm's layout."""
+    if heads == 1 or S == 1:
+        return o
+    y = w.made(T(o.numel, o.itemsize, name, rg=o.rg))
+    if o.rg:
+        w.node(name, [y], (), [("grad", o)])
+    w.drop(o)
+    return y
 
 
 def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: float) -> T:
     """labkit GPT's textbook attention: q, k^T, v are made contiguous for the matmuls; the scores'
     softmax, the causal mask and, with dropout, mask and dropped copy stay. Autocast runs softmax
-    in fp32 on CUDA (then probs @ v takes a 16-bit copy) but in 16-bit on CPU."""
+    in fp32 on CUDA (then probs @ v takes a 16-bit copy) but in 16-bit on CPU.
+    Tape: q, k, v are views of qkv (their gradients concatenated back); the mask (tril) lives to the end."""
+    q, k, v = _views(w, qkv, 3, n, "q,k,v")
     if not qkv.rg:  # nothing is recorded
         w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores")), w.keep(w.new(n, w.mm_bytes, "probs @ v"))
-        return w.new(n, w.mm_bytes, "attention out (contiguous)", False)
+        return _manual_tape(w, q, k, v, B, heads, S, n, p, w.mm_bytes, [], False)
     sm = 4 if w.autocast and w.device == "cuda" else w.mm_bytes
-    for part in ("q contiguous", "k^T contiguous", "v contiguous"):
-        w.save(w.new(n, w.mm_bytes, part))
+    saved = [w.new(n, w.mm_bytes, part) for part in ("q contiguous", "k^T contiguous", "v contiguous")]
+    w.save(*saved)
     w.point("attention (manual)", materialised("manual", _shape(w, B, heads, S, n, w.mm_bytes, sm), p))
-    w.save(w.new(S * S, 1, "causal mask"))
+    mask = w.new(S * S, 1, "causal mask")
+    w.save(mask)
     w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores"))  # q @ k^T (bmm)
     probs = w.new(B * heads * S * S, 4 if w.autocast and w.device == "cuda" else w.mm_bytes, "attention probs")
     w.save(probs)
-    dropped = w.dropout(probs, p, "attention dropout")
+    with w.tape.off():
+        dropped = w.dropout(probs, p, "attention dropout")
     w.save(w.as_matmul_input(dropped))  # probs @ v takes a 16-bit copy under autocast
     w.keep(w.new(n, w.mm_bytes, "probs @ v"))  # bmm
-    return w.new(n, w.mm_bytes, "attention out (contiguous)")  # transpose(1, 2).contiguous()
+    return _manual_tape(w, q, k, v, B, heads, S, n, p, sm, saved + [mask], True)
+
+
+def _manual_tape(w, q, k, v, B, heads, S, n, p, sm, saved, rg) -> T:
+    """labkit GPT's manual attention on the tape (the op list of labkit.estimate.attention's "manual")."""
+    (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, k, "k^T contiguous", B, heads)
+    scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
+    w.drop(*qm, *km)
+    scaled = _pointwise(w, scores, "scaled scores")
+    w.drop(scores)
+    ones = w.made(T(S * S, 1, "ones"))
+    tril = w.made(T(S * S, 1, "causal mask"))
+    w.drop(ones)
+    notm = w.made(T(S * S, 1, "~mask"))
+    masked = _pointwise(w, scaled, "masked scores", saved=[notm])
+    w.drop(notm, scaled)
+    probs = w.made(T(masked.numel, sm, "attention probs", rg=rg))
+    if rg:
+        w.node("softmax", [probs], [probs], [("grad", masked)])
+    dropped = _dropout_tape(w, probs, p, "attention dropout")
+    if dropped is not probs:
+        w.drop(probs)
+    w.drop(masked)
+    att = w.cast(dropped, w.mm_bytes, "attention probs (16-bit copy)") if dropped.itemsize != w.mm_bytes else dropped
+    vc, vm = _operand(w, v, "v contiguous", B, heads)
+    o = _bmm(w, att, vc, n, "probs @ v")
+    w.drop(*vm)
+    if att is not dropped:
+        w.drop(att)
+    y = _contiguous_out(w, o, "attention out (contiguous)", heads, S)
+    w.drop(dropped, tril)
+    y.rg = rg
+    assert y.itemsize == w.mm_bytes, (y.name, y.itemsize)
+    return y
 
 
 def attention_eager(w: Walk, q: T, k: T, v: T, B: int, heads: int, kv_heads: int, S: int, n: int, p: float,
@@ -79,14 +279,16 @@ def attention_eager(w: Walk, q: T, k: T, v: T, B: int, heads: int, kv_heads: int
     """transformers' eager attention (GPT-2, Llama): matmul(q, k^T) * scale + the model's float mask, softmax
     (Llama: in fp32, then cast to q's dtype), dropout, matmul with v. The matmuls save q and k (with grouped
     query attention, k and v repeated to every head: repeat_kv copies them), softmax its output, the second
-    matmul the (dropped) probabilities and v."""
+    matmul the (dropped) probabilities and v.
+    Tape: matmul copies a strided operand (GPT-2's q, k^T and v are views of c_attn's output) before its
+    bmm; under autocast an fp32 operand is copied to 16-bit."""
     rg = q.rg or k.rg or v.rg
     mm, rep = w.mm_bytes, heads // kv_heads
     sm = 4 if fp32_softmax else max(mm, w.x_bytes)  # 16-bit scores + the model's fp32 mask promote to fp32
     w.forward_extra = max(w.forward_extra, B * S * S * w.x_bytes)  # the (B, 1, S, S) mask, for the whole forward
     if not rg:
         w.keep(w.new(B * heads * S * S, mm, "attention scores")), w.keep(w.new(n, mm, "probs @ v"))
-        return w.new(n, mm, "attention out (contiguous)", False)
+        return _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, False)
     kr = w.new(n, mm, "k repeated") if rep > 1 else k
     vr = w.new(n, mm, "v repeated") if rep > 1 else v
     w.save(w.as_matmul_input(q), w.as_matmul_input(kr))
@@ -96,10 +298,50 @@ def attention_eager(w: Walk, q: T, k: T, v: T, B: int, heads: int, kv_heads: int
     w.save(probs)
     if sm != mm:
         probs = w.new(B * heads * S * S, mm, "attention probs (cast)")
-    dropped = w.dropout(probs, p, "attention dropout")
+    with w.tape.off():
+        dropped = w.dropout(probs, p, "attention dropout")
     w.save(dropped, w.as_matmul_input(vr))
     w.keep(w.new(n, mm, "probs @ v"))  # bmm
-    return w.new(n, mm, "attention out (contiguous)")
+    return _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, True)
+
+
+def _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, rg) -> T:
+    """transformers' eager attention on the tape."""
+    mm = w.mm_bytes
+
+    kr, vr = (_repeat(w, k, rep, "k repeated"), _repeat(w, v, rep, "v repeated")) if rep > 1 else (k, v)
+    (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, kr, "k^T contiguous", B, heads)
+    scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
+    w.drop(*qm, *km)
+    scaled = _pointwise(w, scores, "scaled scores")
+    w.drop(scores)
+    masked = _pointwise(w, scaled, "scores + mask", itemsize=max(scaled.itemsize, w.x_bytes))  # the float mask
+    w.drop(scaled)
+    probs = w.made(T(masked.numel, sm, "attention probs", rg=rg))
+    if rg:
+        w.node("softmax", [probs], [probs], [("grad", masked)])
+    w.drop(masked)
+    att = probs
+    if sm != mm:
+        att = w.cast(probs, mm, "attention probs (cast)")
+        w.drop(probs)
+    dropped = _dropout_tape(w, att, p, "attention dropout")
+    if dropped is not att:
+        w.drop(att)
+    vc, vm = _operand(w, vr, "v contiguous", B, heads)
+    o = _bmm(w, dropped, vc, n, "probs @ v")
+    w.drop(*vm)
+    # eager returns (output, weights): the block's `hidden_states, _ = self.attn(...)` holds the weights
+    # in `_` until it returns
+    w.block_end.append(dropped)
+    if kr is not k:
+        w.drop(kr)
+    if vr is not v:
+        w.drop(vr)
+    y = _contiguous_out(w, o, "attention out (contiguous)", heads, S)
+    y.rg = rg
+    assert y.itemsize == mm, (y.name, y.itemsize)
+    return y
 
 
 def _embeddings(w: Walk, spec, S: int, n: int, tokens: str, positions: str) -> T:
@@ -107,99 +349,208 @@ def _embeddings(w: Walk, spec, S: int, n: int, tokens: str, positions: str) -> T
     position table's gradient only when it trains."""
     if w.trains(positions):
         w.save(w.new(S, 8, "position ids"))
-    tok = w.new(n, w.x_bytes, "token embeddings", w.trains(tokens))
-    x = w.add(tok, w.new(S * spec.hidden, w.x_bytes, "position embeddings", w.trains(positions)), "embeddings")
-    return w.dropout(x, spec.dropout, "embedding dropout")
+    tok = w.made(w.new(n, w.x_bytes, "token embeddings", w.trains(tokens)))
+    pos = w.made(w.new(S * spec.hidden, w.x_bytes, "position embeddings", w.trains(positions)))
+    x = w.add(tok, pos, "embeddings")
+    y = w.dropout(x, spec.dropout, "embedding dropout")
+    return y
+
+
+def _attention(w: Walk, spec, q: T, k: T, v: T, B: int, S: int, n: int, kv_heads: int, fp32_softmax: bool) -> T:
+    """The model's attention path on q, k, v: fused SDPA, SDPA's math fallback, labkit's manual or eager."""
+    if fused_attention_used(w.device, spec.attention, spec.attn_dropout):
+        return sdpa_fused(w, q, k, v, B, spec.n_head, S, n, spec.attn_dropout)
+    if spec.attention == "sdpa":
+        return sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout, q.rg or k.rg or v.rg, q, k, v)
+    return attention_eager(w, q, k, v, B, spec.n_head, kv_heads, S, n, spec.attn_dropout, fp32_softmax)
 
 
 def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
-    """labkit.models.gpt.GPT: learned positions, pre-LN blocks, exact GELU, tied head."""
+    """labkit.models.gpt.GPT: learned positions, pre-LN blocks, exact GELU, tied head.
+    Python lifetimes (the tape): a block's input is held by the loop until the block returns; ln_1's output
+    until attention returns; c_attn's output (q, k, v) and attention's output until attention returns."""
     r, h = B * S, spec.hidden
     n = r * h
     x = _embeddings(w, spec, S, n, "wte", "wpe")
-    fused = fused_attention_used(w.device, spec.attention, spec.attn_dropout)
+    # pos = torch.arange(T) is held until the forward returns (and saved when the position table trains)
+    w.forward_locals, w.locals_saved = (0, S * 8) if w.trains("wpe") else (S * 8, 0)
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
+        w.tape.block(i, x)
         m = f"blocks.{i}."
         a = w.layer_norm(x, r, f"ln_1.{i}", m + "ln_1")
         qkv = w.linear(a, r, 3 * h, f"qkv.{i}", m + "attn.c_attn")
-        if fused:
-            y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n, spec.attn_dropout)
-        elif spec.attention == "sdpa":
-            y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout, qkv.rg)
-        else:
+        if spec.attention == "manual":
             y = attention_manual(w, qkv, B, spec.n_head, S, n, spec.attn_dropout)
-        o = w.dropout(w.linear(y, r, h, f"attn proj.{i}", m + "attn.c_proj"), spec.dropout, f"resid dropout.{i}")
-        x = w.add(x, o, f"residual.{i}")
-        f = w.linear(w.layer_norm(x, r, f"ln_2.{i}", m + "ln_2"), r, spec.ffn, f"fc.{i}", m + "mlp.c_fc")
-        o = w.linear(w.gelu(f, f"gelu.{i}"), r, h, f"mlp proj.{i}", m + "mlp.c_proj")
-        x = w.add(x, w.dropout(o, spec.dropout, f"resid dropout.{i}"), f"residual.{i}")
+        else:
+            q, k, v = _views(w, qkv, 3, n, "q,k,v")
+            y = _attention(w, spec, q, k, v, B, S, n, spec.n_head, False)
+        o = w.linear(y, r, h, f"attn proj.{i}", m + "attn.c_proj")
+        od = w.dropout(o, spec.dropout, f"resid dropout.{i}")
+        if od is not o:
+            w.drop(o)
+        w.drop(qkv, y, a)
+        x2 = w.add(x, od, f"residual.{i}")
+        w.drop(od)
+        b = w.layer_norm(x2, r, f"ln_2.{i}", m + "ln_2")
+        f = w.linear(b, r, spec.ffn, f"fc.{i}", m + "mlp.c_fc")
+        g = w.gelu(f, f"gelu.{i}")
+        w.drop(f)
+        o = w.linear(g, r, h, f"mlp proj.{i}", m + "mlp.c_proj")
+        w.drop(g)
+        od = w.dropout(o, spec.dropout, f"resid dropout.{i}")
+        if od is not o:
+            w.drop(o)
+        w.drop(b)
+        x3 = w.add(x2, od, f"residual.{i}")
+        w.drop(od, x2, x, *w.block_end)
+        w.block_end.clear()
+        x = x3
     layer_marks.append(w.mark())
+    w.tape.end(x)
     logits = w.linear(w.layer_norm(x, r, "ln_f", "ln_f"), r, spec.vocab, "logits", "lm_head")
     w.cross_entropy(logits, r, spec.vocab, upcast=False)
 
 
 def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
-    """transformers' GPT2LMHeadModel: Conv1D projections, NewGELU in Python ops, fp32 loss."""
+    """transformers' GPT2LMHeadModel: Conv1D projections, NewGELU in Python ops, fp32 loss.
+    Python lifetimes (the tape): GPT2Block keeps its input (the caller's), the attention's output and the
+    residual in locals until it returns; ln_1's output goes when `hidden_states` is rebound after attention,
+    ln_2's after the MLP."""
     r, h = B * S, spec.hidden
     n = r * h
     w.save(w.new(r, 8, "shifted labels"))
     x = _embeddings(w, spec, S, n, "transformer.wte", "transformer.wpe")
-    w.forward_locals = n * w.x_bytes + S * h * w.x_bytes  # GPT2Model.forward keeps inputs_embeds and position_embeds
-    fused = fused_attention_used(w.device, spec.attention, spec.attn_dropout)
+    # GPT2Model.forward keeps inputs_embeds, position_embeds and the position ids until it returns
+    w.forward_locals = n * w.x_bytes + S * h * w.x_bytes + (0 if w.trains("transformer.wpe") else S * 8)
+    w.locals_saved = S * 8 if w.trains("transformer.wpe") else 0
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
+        w.tape.block(i, x)
         m = f"transformer.h.{i}."
-        qkv = w.linear(w.layer_norm(x, r, f"ln_1.{i}", m + "ln_1"), r, 3 * h, f"c_attn.{i}", m + "attn.c_attn")
-        if fused:
-            y = sdpa_fused(w, qkv, qkv, qkv, B, spec.n_head, S, n, spec.attn_dropout)
-        elif spec.attention == "sdpa":
-            y = sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout, qkv.rg)
-        else:
-            q, k, v = (T(n, qkv.itemsize, f"{part}.{i}", base=qkv, rg=qkv.rg) for part in "qkv")  # views of c_attn's output
-            y = attention_eager(w, q, k, v, B, spec.n_head, spec.n_head, S, n, spec.attn_dropout, False)
-        o = w.dropout(w.linear(y, r, h, f"c_proj.{i}", m + "attn.c_proj"), spec.dropout, f"resid dropout.{i}")
-        x = w.add(x, o, f"residual.{i}")
-        f = w.linear(w.layer_norm(x, r, f"ln_2.{i}", m + "ln_2"), r, spec.ffn, f"c_fc.{i}", m + "mlp.c_fc")
-        o = w.linear(w.gelu_tanh_python(f, f"gelu_new.{i}"), r, h, f"mlp c_proj.{i}", m + "mlp.c_proj")
-        x = w.add(x, w.dropout(o, spec.dropout, f"resid dropout.{i}"), f"residual.{i}")
+        a = w.layer_norm(x, r, f"ln_1.{i}", m + "ln_1")
+        qkv = w.linear(a, r, 3 * h, f"c_attn.{i}", m + "attn.c_attn")
+        q, k, v = _views(w, qkv, 3, n, f"q.{i},k.{i},v.{i}")  # views of c_attn's output
+        y = _attention(w, spec, q, k, v, B, S, n, spec.n_head, False)
+        o = w.linear(y, r, h, f"c_proj.{i}", m + "attn.c_proj")
+        w.drop(y)
+        od = w.dropout(o, spec.dropout, f"resid dropout.{i}")
+        if od is not o:
+            w.drop(o)
+        w.drop(qkv)
+        x2 = w.add(x, od, f"residual.{i}")
+        w.drop(a)
+        b = w.layer_norm(x2, r, f"ln_2.{i}", m + "ln_2")
+        f = w.linear(b, r, spec.ffn, f"c_fc.{i}", m + "mlp.c_fc")
+        g = w.gelu_tanh_python(f, f"gelu_new.{i}")
+        w.drop(f)
+        o2 = w.linear(g, r, h, f"mlp c_proj.{i}", m + "mlp.c_proj")
+        w.drop(g)
+        ff = w.dropout(o2, spec.dropout, f"resid dropout.{i}")
+        if ff is not o2:
+            w.drop(o2)
+        x3 = w.add(x2, ff, f"residual.{i}")
+        w.drop(b, x2, od, ff, x, *w.block_end)
+        w.block_end.clear()
+        x = x3
     layer_marks.append(w.mark())
-    logits = w.linear(w.layer_norm(x, r, "ln_f", "transformer.ln_f"), r, spec.vocab, "logits", "lm_head")
+    w.tape.end(x)
+    # GPT2Block gets the position ids (saved when the position table trains) and, eager, the 4-D mask
+    w.block_kwargs = (S * 8 + w.forward_extra, S * 8 if w.trains("transformer.wpe") else 0)
+    final = w.layer_norm(x, r, "ln_f", "transformer.ln_f")
+    logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
+    w.hold_final(final)
     w.cross_entropy(logits, r, spec.vocab, upcast=True)
 
 
+def _rotary(w: Walk, q: T, cs: int, name: str) -> T:
+    """q * cos + rotate_half(q) * sin (transformers' apply_rotary_pos_emb); cos and sin (cs bytes each) are
+    the model's, saved by the two products. rotate_half: -x2 (half), cat(-x2, x1); the slices' backward
+    makes full-size gradients."""
+    half = T(q.numel // 2, q.itemsize, f"{name} second half", base=q, rg=q.rg)
+    first = T(q.numel // 2, q.itemsize, f"{name} first half", base=q, rg=q.rg)
+    cos = T(cs, w.x_bytes, "rotary cos")
+    sin = T(cs, w.x_bytes, "rotary sin")
+    wide = max(q.itemsize, w.x_bytes)  # cos and sin are in the model's dtype: a 16-bit q times them is fp32
+    hm = q.heads_moved  # pointwise ops keep q's layout; cat makes a fresh (B, heads, S, d) tensor
+    qc = w.made(T(q.numel, wide, f"{name} * cos", rg=q.rg, heads_moved=hm))
+    neg = w.made(T(q.numel // 2, q.itemsize, f"-{name} second half", rg=q.rg, heads_moved=hm))
+    rot = w.made(T(q.numel, q.itemsize, f"rotate_half({name})", rg=q.rg))
+    w.drop(neg)
+    qs = w.made(T(q.numel, wide, f"rotate_half({name}) * sin", rg=q.rg))
+    w.drop(rot)
+    y = w.made(T(q.numel, wide, f"{name} rotated", rg=q.rg, heads_moved=hm))
+    w.drop(qc, qs)
+    if q.rg:
+        w.node(f"{name} * cos", [qc], [cos], [("grad", q)])  # in the order the code makes them:
+        w.node(f"{name} first half (slice)", [first], (), [("grad", q)])  # x1, x2 = slices (views)
+        w.node(f"{name} second half (slice)", [half], (), [("grad", q)])
+        w.node(f"-{name} half", [neg], (), [("grad", half)])
+        w.node("cat", [rot], (), [("pass", neg), ("pass", first)])
+        w.node(f"rotate_half({name}) * sin", [qs], [sin], [("grad", rot)])
+        w.node(f"{name} rotated", [y], (), [("pass", qc), ("pass", qs)])
+    return y
+
+
 def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
-    """transformers' LlamaForCausalLM: RMSNorm in Python ops, rotary q/k, SwiGLU MLP, GQA."""
+    """transformers' LlamaForCausalLM: RMSNorm in Python ops, rotary q/k, SwiGLU MLP, GQA.
+    Python lifetimes (the tape): the q and k projections go once rotated; the attention's locals (rotated
+    q, k, v and the output) when it returns, and ln's output then too (`hidden_states` is rebound); the
+    MLP's gate goes after silu, silu's output and up after the product."""
     r, h = B * S, spec.hidden
     hd = spec.head_dim or h // spec.n_head
     qd, kv = spec.n_head * hd, spec.n_kv_head * hd  # q and attention output widths (hidden unless head_dim says)
     w.save(w.new(r, 8, "shifted labels"))
     w.save(w.new(2 * S * hd, w.x_bytes, "rotary cos and sin"))
-    x = w.new(r * h, w.x_bytes, "token embeddings", w.trains("model.embed_tokens"))
-    w.forward_locals = r * h * w.x_bytes  # LlamaModel.forward keeps inputs_embeds until it returns
+    x = w.made(w.new(r * h, w.x_bytes, "token embeddings", w.trains("model.embed_tokens")))
+    # LlamaModel.forward keeps inputs_embeds (block 0's input), the position ids and cos, sin (saved by the
+    # rotary products) until it returns; block 0's RMSNorm saves the embeddings themselves when they are fp32
+    emb_saved = x.rg and x.itemsize == 4
+    w.forward_locals = S * 8 + (0 if emb_saved else r * h * w.x_bytes)
+    w.locals_saved = 2 * S * hd * w.x_bytes + (r * h * w.x_bytes if emb_saved else 0)
+    w.block0_local = 0 if emb_saved else r * h * w.x_bytes
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
+        w.tape.block(i, x)
         m = f"model.layers.{i}."
         a = w.rms_norm_python(x, r, f"input_layernorm.{i}", m + "input_layernorm")
         q = w.linear(a, r, qd, f"q_proj.{i}", m + "self_attn.q_proj")
         k = w.linear(a, r, kv, f"k_proj.{i}", m + "self_attn.k_proj")
         v = w.linear(a, r, kv, f"v_proj.{i}", m + "self_attn.v_proj")
-        q = w.new(q.numel, q.itemsize, f"q rotated.{i}", q.rg)
-        k = w.new(r * kv, q.itemsize, f"k rotated.{i}", k.rg)
-        if fused_attention_used(w.device, spec.attention, spec.attn_dropout):
-            y = sdpa_fused(w, q, k, v, B, spec.n_head, S, r * qd, spec.attn_dropout)
-        elif spec.attention == "sdpa":
-            y = sdpa_math(w, B, spec.n_head, S, r * qd, spec.attn_dropout, q.rg or k.rg or v.rg)
-        else:
-            y = attention_eager(w, q, k, v, B, spec.n_head, spec.n_kv_head, S, r * qd, spec.attn_dropout, True)
-        x = w.add(x, w.linear(y, r, h, f"o_proj.{i}", m + "self_attn.o_proj"), f"residual.{i}")
-        a = w.rms_norm_python(x, r, f"post_attention_layernorm.{i}", m + "post_attention_layernorm")
-        gate = w.linear(a, r, spec.ffn, f"gate_proj.{i}", m + "mlp.gate_proj")
-        up = w.linear(a, r, spec.ffn, f"up_proj.{i}", m + "mlp.up_proj")
-        y = w.silu_glu(gate, up, f"swiglu.{i}")
-        x = w.add(x, w.linear(y, r, h, f"down_proj.{i}", m + "mlp.down_proj"), f"residual.{i}")
+        qv, kvw, vv = (_heads_view(w, t, f"{t.name} heads") for t in (q, k, v))
+        qr = _rotary(w, qv, S * hd, f"q.{i}")
+        kr = _rotary(w, kvw, S * hd, f"k.{i}")
+        w.drop(q, k)
+        # the walk's own record of the rotated q and k (what the attention saves)
+        q2 = w.new(q.numel, q.itemsize, f"q rotated.{i}", q.rg)
+        k2 = w.new(r * kv, q.itemsize, f"k rotated.{i}", k.rg)
+        for t, u in ((q2, qr), (k2, kr)):
+            t.base = u  # the same storage
+        y = _attention(w, spec, qr, kr, vv, B, S, r * qd, spec.n_kv_head, True)
+        o = w.linear(y, r, h, f"o_proj.{i}", m + "self_attn.o_proj")
+        w.drop(y, qr, kr, v, a)
+        x2 = w.add(x, o, f"residual.{i}")
+        w.drop(o)
+        b = w.rms_norm_python(x2, r, f"post_attention_layernorm.{i}", m + "post_attention_layernorm")
+        gate = w.linear(b, r, spec.ffn, f"gate_proj.{i}", m + "mlp.gate_proj")
+        s = w.silu(gate, f"swiglu.{i}")
+        w.drop(gate)
+        up = w.linear(b, r, spec.ffn, f"up_proj.{i}", m + "mlp.up_proj")
+        y2 = w.glu_mul(s, up, f"swiglu.{i}")
+        w.drop(s, up)
+        d = w.linear(y2, r, h, f"down_proj.{i}", m + "mlp.down_proj")
+        w.drop(y2, b)
+        x3 = w.add(x2, d, f"residual.{i}")
+        w.drop(d, x2, x, *w.block_end)
+        w.block_end.clear()
+        x = x3
     layer_marks.append(w.mark())
-    logits = w.linear(w.rms_norm_python(x, r, "norm", "model.norm"), r, spec.vocab, "logits", "lm_head")
+    w.tape.end(x)
+    # LlamaDecoderLayer gets the position ids, cos and sin (saved) and, eager, the 4-D mask
+    w.block_kwargs = (S * 8 + 2 * S * hd * w.x_bytes + w.forward_extra, 2 * S * hd * w.x_bytes)
+    final = w.rms_norm_python(x, r, "norm", "model.norm")
+    logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
+    w.hold_final(final)
     w.cross_entropy(logits, r, spec.vocab, upcast=True)
 
 

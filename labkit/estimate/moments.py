@@ -14,12 +14,20 @@ What each block holds until its backward depends on the activation policy:
 Micro-batching runs this with the micro-batch's activations; from the second micro-batch on, every
 gradient already exists, so the full gradient bytes sit under every moment.
 
+A checkpointed or offloaded step's block moments come from replaying each block's ops
+(labkit.estimate.tape: the family walks record every allocation, when the code lets it go, and each
+autograd node's backward), for every family and for frozen or adapted weights: the forward inside the
+last block with nothing saved (or selective's cached outputs), each unit's recompute (every saved tensor
+and autocast weight copy made again), each block's backward (recomputed tensors freed after their last
+reader; under offload each node's saved tensors copied back and freed when it returns).
+
 Every number a moment uses is a field of `StepBytes`, and every field carries its name, category,
 formula and source (`StepBytes.term`): a moment is a list of those terms, so its bytes are their sum.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 from labkit.memory.report import Category, Moment, Term
@@ -62,9 +70,6 @@ class StepBytes:
                      "autograd's saved tensors (derivatives.yaml)")
     layer: int = _f(A_, "saved by one block", "walk of one block ~ sbh(34 + 5as/h) for Megatron's layer",
                     "Korthikanti et al. 2022 (arXiv 2205.05198); derivatives.yaml")
-    kept: int = _f(A_, "matmul outputs kept by selective checkpointing (one block)", "walk: outputs of matmul-like ops",
-                   "torch.utils.checkpoint selective policy (MUST_SAVE for mm/bmm/sdpa)")
-    kept_saved: int = _f(A_, "the part of the kept outputs autograd saves anyway", "walk", "")
     after: int = _f(A_, "saved after the last block", "walk: final norm input and statistics, head input, log-softmax",
                     "derivatives.yaml")
     lsm: int = _f(A_, "log-softmax of the logits", "r x V x 4 (loss in fp32) or x m",
@@ -82,15 +87,8 @@ class StepBytes:
     layer_grad: int = _f(G_, "gradients of one block", "block parameters x d", "")
     layer_copy: int = _f(P_, "autocast copies of one block's weights", "2 x block matmul parameters", "torch.autocast")
     head_copy: int = _f(P_, "autocast copy of the output matrix", "2 x V x h", "torch.autocast")
-    seg_input: int = _f(A_, "a checkpointed segment's input", "r x h x d", "torch.utils.checkpoint saves the inputs")
     emb_temp: int = _f(T_, "dense embedding gradient (and the tied sum)", "2 x V x h x d",
                        "embedding_dense_backward; AccumulateGrad adds the head's part")
-    fwd_block: int = _f(T_, "live inside one block's forward",
-                        "residual in and mid 2 r h d + norm output r h (4 | d) (+ its 16-bit copy r h m) + MLP in and "
-                        "out 2 r f m", "the block's forward ops, not yet freed")
-    offload_back: int = _f(T_, "a block's worst backward op with offload",
-                           "max(3 r f m: the MLP input copied back + two gradients of its size, 3 x probs / L + 2 r h m)",
-                           "labkit.recompute.offload_activations: unpacked on use")
     emb_dense: int = _f(T_, "dense embedding-table gradients before accumulation",
                         "(V h + positions x h) x d", "embedding_dense_backward, then AccumulateGrad's in-place add")
     buffers: int = _f(B_, "int8/NF4 frozen base weights", "per weight (labkit.estimate.peft_terms)", "Dettmers et al. 2023")
@@ -114,6 +112,16 @@ class StepBytes:
     step_freed: tuple[int, int, int] = (0, 0, 0)
     head_freed: tuple[int, int, int] = (0, 0, 0)  # the same for an untied head: its copy, saved input, all but dX
     states: dict = field(default_factory=dict)  # "P", "C", "G", "O", "buffers" -> the model-state terms making it up
+    # checkpointed / offloaded steps: each block's replays (labkit.estimate.tape.BlockReplay), the frozen
+    # weights' autocast copies (saved for dx, not cached) inside the blocks and of the head, and the model's
+    # forward locals that are also saved (position ids, rotary tables)
+    replays: list = field(default_factory=list)
+    c_frozen_blocks: int = 0
+    c_frozen_head: int = 0
+    locals_saved: int = 0
+    final_out: tuple = (0, 0)  # transformers' last_hidden_state through the loss: (bytes, bytes no op saves)
+    block0_local: int = 0  # the part of forward_locals that is block 0's input (held as a checkpointed input)
+    block_kwargs: tuple = (0, 0)  # (bytes of the tensors every block gets besides its input, the part in `before`)
     # worst moments inside a block's ops (materialised attention, labkit.estimate.attention), block 0's:
     # (phase, what, saved by the block before the op, the op's saved tensors alive then, its temporaries,
     #  bytes of the block's gradients made by then in backward, matmul outputs of the block up to the op)
@@ -156,30 +164,13 @@ def segments_of(n: int, policy: str, segments: int | None) -> list[int]:
     return [(i + 1) * n // k - i * n // k for i in range(k)]
 
 
-def held_per_unit(b: StepBytes, policy: str, offload: bool, sizes: list[int]) -> list[int]:
-    """Bytes each unit (a segment, or a block) holds on the device from the forward to its backward. Offload moves
-    what autograd saves to the host, but a checkpointed unit's input (and selective's kept outputs) are held by
-    torch.utils.checkpoint itself, whose own saved-tensor hooks sit inside the offload hooks: they stay."""
-    if offload and policy == "none":
-        return [0] * len(sizes)
-    if policy == "none":
-        return [b.layer] * len(sizes)
-    if policy == "selective":
-        return [b.seg_input + b.kept] * len(sizes)
-    return [b.seg_input] * len(sizes)
-
-
 def _held_terms(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
-    """The activations the first `units` units hold until their backward (see `held_per_unit`)."""
-    if (offload and policy == "none") or units == 0:
+    """The activations the first `units` blocks hold until their backward (nothing checkpointed or offloaded;
+    a checkpointed or offloaded step uses `_held`)."""
+    if units == 0:
         return []
     blocks = sum(sizes[:units])
-    if policy == "none":
-        return [b.term("layer", blocks, f"saved by {blocks} block(s)")]
-    if policy == "selective":
-        return [b.term("seg_input", units, f"inputs of {units} checkpointed block(s)"),
-                b.term("kept", units, f"matmul outputs kept in {units} block(s)")]
-    return [b.term("seg_input", units, f"inputs of {units} checkpointed segment(s)")]
+    return [b.term("layer", blocks, f"saved by {blocks} block(s)")]
 
 
 def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int | None = None,
@@ -187,10 +178,12 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                  tag: str = "") -> list[Moment]:
     """Every candidate moment of one step. grads_exist: a later micro-batch (all gradients already made;
     `tag` names it). step_in_backward: each gradient is stepped and freed when made, so backward holds about
-    one at a time; the optimizer's moments are then those inside backward where a parameter steps."""
+    one at a time; the optimizer's moments are then those inside backward where a parameter steps.
+    A checkpointed or offloaded step takes its blocks' moments from the replays of their ops
+    (labkit.estimate.tape, `_replayed_forward` and `_replayed_backward`)."""
     sizes = segments_of(n_layer, policy, segments)
-    held = held_per_unit(b, policy, offload, sizes)
     n_units = len(sizes)
+    replayed = (policy != "none" or offload) and len(b.replays) == n_layer
     states = [*b.state("P"), *b.state("O")]
     base_states = list(states)
     if grads_exist:
@@ -199,21 +192,26 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                                                              name="saved after the last block (but the log-softmax)")]
     buffers = b.state("buffers")
     sfx = f" ({tag})" if tag else ""
+    held_all = _held(b, policy, offload, sizes, n_units) if replayed else _held_terms(b, policy, offload, sizes, n_units)
+    fwd_copies = _forward_copies(b, policy, offload) if replayed else b.state("C")
 
     # ---- forward: the loss (all held activations), the last block's dequantization, inside a block
-    fwd = [Moment("forward", "the loss" + sfx, [*states, *b.state("C"), *buffers, b.term("inputs"), *outside,
-                                                 *_held_terms(b, policy, offload, sizes, n_units), b.term("lsm"),
-                                                 b.term("logits")])]
+    final = b.final_out[0] if offload else b.final_out[1]
+    held_final = [custom("the final norm's output, held as last_hidden_state", T_, final, "r x h x d",
+                         "transformers' CausalLM forward keeps the base model's output until it returns")] if final else []
+    fwd = [Moment("forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
+                                                 *held_all, *held_final, b.term("lsm"), b.term("logits")])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
+        head = 0 if replayed and offload and b.c_frozen_head else b.head_copy  # (an offloaded frozen one: gone)
+        before_head = [custom(t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,
+                              t.source) for t in fwd_copies[:1]] if fwd_copies and head else fwd_copies
         fwd.append(Moment("forward", "last block, dequantizing its largest weight" + sfx,
-                          [*states, *b.state("C"), *buffers, b.term("inputs"), *outside[:1],
-                           *_held_terms(b, policy, offload, sizes, n_units), b.term("dequant")]))
-    if policy != "none" or offload:  # little is held: the peak may sit inside a block's forward
-        fwd.append(Moment("forward", "inside the last block's forward" + sfx,
-                          [*states, *b.state("C"), *buffers, b.term("inputs"), *outside[:1],
-                           *_held_terms(b, policy, offload, sizes, n_units - 1), b.term("fwd_block")]))
-
-    fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx)
+                          [*states, *before_head, *buffers, b.term("inputs"), *outside[:1], *held_all,
+                           b.term("dequant")]))
+    if replayed:
+        fwd += _replayed_forward(b, policy, offload, sizes, states, buffers, sfx)
+    else:
+        fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx)
 
     # autocast's weight copies after the forward: all kept (none), the head's only (the blocks' copies
     # are not saved by a checkpointed region; its recompute casts again), or none (offloaded)
@@ -224,60 +222,27 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         copies = [b.term("head_copy")] if b.C else []
     else:
         copies = [*b.state("C")]
-    held_all = _held_terms(b, policy, offload, sizes, n_units)
     loss_grads = [custom("the loss's gradients (dlogits, d log-softmax)", T_, 2 * b.lsm, "2 x r x V x (4 | m)",
                          "nll_loss_backward, log_softmax_backward_data")]
     if offload:
         loss_grads.append(custom("log-softmax copied back for the loss's backward", T_, b.lsm, "r x V x (4 | m)",
                                  "labkit.recompute.offload_activations: unpacked on use"))
+    kwargs = _kwargs(b, policy, offload)
     start = Moment("backward", "start: the loss's backward" + sfx,
-                   [*states, *copies, *buffers, b.term("inputs"), *outside, *held_all,
+                   [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all,
                     *([] if offload else [b.term("lsm")]), *loss_grads])
     head_grad = [] if grads_exist else [b.term("head_grad")]
     head = Moment("backward", "the head's backward" + sfx,
-                  [*states, *copies, *buffers, b.term("inputs"), *outside, *held_all, *head_grad, b.term("head_temp")])
+                  [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all, *head_grad,
+                   b.term("head_temp")])
     moments = [*fwd, start, head]
-    block_moments = []
-    done = 0  # blocks whose backward is finished
-    for j in reversed(range(n_units)):  # units, last first
-        m = sizes[j]
-        where = (f"block {j} backward" if m == 1 and policy != "full" and policy != "sqrt"
-                 else f"segment {j} backward (blocks {sum(sizes[:j])}-{sum(sizes[:j + 1]) - 1})")
-        terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")])]
-        terms += _held_terms(b, policy, offload, sizes, j)
-        if policy == "none" and not offload:
-            terms.append(b.term("layer", m, f"saved by the block(s) in backward"))
-        elif offload and policy == "none":  # copied back one by one as backward needs them, freed after use
-            terms.append(b.term("offload_back"))
-        else:  # recomputed: all of the unit's activations but what it held (its input, kept outputs)
-            terms += _held_terms(b, policy, offload, [m], 1)
-            remade = m * b.layer - b.seg_input - (b.kept_saved if policy == "selective" else 0)
-            terms.append(custom("recomputed activations of the unit", T_, remade,
-                                f"{m} x A_block - segment input" + (" - kept outputs" if policy == "selective" else ""),
-                                "torch.utils.checkpoint re-runs the forward"))
-        if not grads_exist and not step_in_backward:
-            terms.append(b.term("head_grad"))
-            if done:
-                terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
-        if policy != "none":  # the head's copy is freed; the recomputed unit casts its weights again
-            if b.C:
-                terms.append(b.term("layer_copy", m, "autocast copies of the recomputed unit"))
-        elif offload:
-            pass  # no autocast copies left on the device
-        elif b.C:  # each finished block's copies are freed
-            terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
-                                name=f"autocast copies of the {n_layer - done} blocks not finished"))
-        terms.append(b.term("tau_grad"))
-        terms.append(b.term("stream"))
-        if not (offload and policy == "none"):  # offload_back includes its own transient; a quantized base
-            # dequantizes each weight again
-            terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
-        if step_in_backward and b.head_held:
-            terms.append(b.term("head_held"))
-        block_moments.append(Moment("backward", where + sfx, terms))
-        moments += _backward_points(b, policy, offload, sizes, j, done, states, buffers, grads_exist,
-                                    step_in_backward, recompute, n_layer, where, sfx)
-        done += m
+    block_steps = None
+    if replayed:
+        block_moments, block_steps = _replayed_backward(b, policy, offload, sizes, states, buffers, grads_exist,
+                                                        step_in_backward, sfx)
+    else:
+        block_moments = _plain_backward(b, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
+                                        recompute, n_layer, sfx, moments)
     rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_,
                    max(b.rest_step[0], b.tied_step[0]),
                    "largest such gradient x d", "labkit.optim.StepInBackward")] if step_in_backward else b.state("G")
@@ -286,7 +251,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                   b.term("emb_dense") if grads_exist else b.term("emb_temp")])
     moments += [*block_moments, end]
     if step_in_backward:
-        moments += _steps_in_backward(b, block_moments, head, end, sfx)
+        moments += _steps_in_backward(b, [] if replayed else block_moments, head, end, sfx)
+        moments += block_steps or []
     elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
         opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
         moments.append(Moment("optimizer", f"the optimizer step, {STEADY}" + sfx, [*opt, b.term("opt_temp")]))
@@ -299,14 +265,266 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     return moments
 
 
-def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
-    """Inside the last block's forward, at each recorded op's worst moment (labkit.estimate.attention)."""
+def _plain_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads_exist, step_in_backward, recompute,
+                    n_layer, sfx, moments) -> list[Moment]:
+    """Each unit's backward from the walk's per-block bytes (no checkpointing, no offload); the op-level
+    points are appended to `moments`."""
+    n_units = len(sizes)
+    block_moments = []
+    done = 0  # blocks whose backward is finished
+    for j in reversed(range(n_units)):  # units, last first
+        m = sizes[j]
+        where = (f"block {j} backward" if m == 1 and policy != "full" and policy != "sqrt"
+                 else f"segment {j} backward (blocks {sum(sizes[:j])}-{sum(sizes[:j + 1]) - 1})")
+        terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")])]
+        terms += _held_terms(b, policy, offload, sizes, j)
+        terms.append(b.term("layer", m, f"saved by the block(s) in backward"))
+        if not grads_exist and not step_in_backward:
+            terms.append(b.term("head_grad"))
+            if done:
+                terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
+        if b.C:  # each finished block's copies are freed
+            terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
+                                name=f"autocast copies of the {n_layer - done} blocks not finished"))
+        terms.append(b.term("tau_grad"))
+        terms.append(b.term("stream"))
+        terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
+        if step_in_backward and b.head_held:
+            terms.append(b.term("head_held"))
+        block_moments.append(Moment("backward", where + sfx, terms))
+        moments += _backward_points(b, policy, offload, sizes, j, done, states, buffers, grads_exist,
+                                    step_in_backward, recompute, n_layer, where, sfx)
+        done += m
+    return block_moments
+
+
+# ---- checkpointed and offloaded steps: the blocks' replayed ops (labkit.estimate.tape) -------------------
+_REPLAY_SOURCE = "labkit.estimate.tape: the block's ops replayed (families.py records them from the model's code)"
+
+
+def _at(op: str, k: int) -> str:
+    """An op's name with block k's index (blocks with the same ops are replayed once, under the first's names)."""
+    return re.sub(r"(?<=[A-Za-z_])\.\d+\b", f".{k}", op)
+
+
+def _units(sizes: list[int]) -> list[tuple[int, int]]:
+    """[first, end) block indices of each unit."""
+    out, s = [], 0
+    for m in sizes:
+        out.append((s, s + m))
+        s += m
+    return out
+
+
+def _held(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
+    """What the first `units` checkpointed units hold until their backward: each one's input (the
+    checkpoint keeps it) and, under selective checkpointing, the matmul outputs its blocks cached. Activation
+    offload does not touch them (a region's inputs are not saved tensors; inside a region its own hooks win)."""
+    if policy == "none" or units == 0:
+        return []
+    spans = _units(sizes)[:units]
+    inputs = sum(b.replays[s].input_bytes for s, _ in spans)
+    out = [custom(f"inputs of {units} checkpointed {'block' if policy == 'selective' else 'segment'}(s)", A_, inputs,
+                  "r x h x d each", "labkit.recompute.checkpoint keeps a region's inputs")]
+    if policy == "selective":
+        kept = sum(b.replays[i].kept_bytes for s, e in spans for i in range(s, e))
+        out.append(custom(f"matmul outputs kept in {units} block(s)", A_, kept,
+                          "replay: outputs of mm/addmm/bmm/sdpa in the block",
+                          "labkit.recompute.selective (torch SAC policy MUST_SAVE)"))
+    return out
+
+
+def _kwargs(b: StepBytes, policy: str, offload: bool) -> list[Term]:
+    """What every block gets besides its input (position ids, rotary cos and sin, the 4-D mask): each
+    checkpointed region keeps its arguments until its recompute, so they outlive the forward (the part
+    already counted as saved before the first block is not repeated; under offload that part left)."""
+    if policy == "none":
+        return []
+    n = b.block_kwargs[0] - (0 if offload else b.block_kwargs[1])
+    return [custom("the blocks' other arguments, kept by the checkpointed regions", T_, n,
+                   "S x 8 position ids (+ 2 x S x head_dim x d cos, sin) (+ B x S x S x d mask)",
+                   "labkit.recompute.checkpoint keeps a region's arguments until its recompute")] if n else []
+
+
+def _forward_copies(b: StepBytes, policy: str, offload: bool) -> list[Term]:
+    """Autocast's weight copies during a checkpointed or offloaded forward: the cache holds every trained
+    weight's until the forward ends; a frozen weight's copy is saved only by a matmul outside the blocks
+    (the head), and not at all under offload."""
+    if not b.C:
+        return []
+    frozen = b.c_frozen_blocks + (b.c_frozen_head if offload else 0)
+    return [custom("autocast 16-bit weight copies (the cache: trained weights" +
+                   ("" if offload else "; the frozen head's saved copy") + ")", P_, b.C - frozen,
+                   "2 x trained matmul parameters" + ("" if offload else " (+ 2 x V x h frozen head)"),
+                   "torch.autocast caches a cast of a leaf that requires grad until the forward ends")]
+
+
+def _locals(b: StepBytes, offload: bool, checkpointed: bool, in_block0: bool = False) -> list[Term]:
+    """Tensors the model's forward holds while its blocks run (embeddings, position ids, rotary tables, the
+    4-D mask): under offload even those also saved (they leave only when the forward returns)."""
     out = []
-    n_units, L = len(sizes), sum(sizes)
+    if b.forward_extra:
+        out.append(custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
+                          "made once per forward by the model's masking utilities"))
+    # block 0's input is counted already when a checkpoint holds it, or as the input of the block running
+    local = b.forward_locals - (b.block0_local if checkpointed or in_block0 else 0)
+    if local:
+        out.append(b.term("forward_locals", nbytes=local))
+    if offload and b.locals_saved:
+        out.append(custom("position ids / rotary tables held by the model's forward", T_, b.locals_saved,
+                          "S x 8 or 2 x S x head_dim x d", "the model's forward locals (saved, offloaded, still held)"))
+    return out
+
+
+def _replayed_forward(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
+    """Inside the last block's forward: the earlier units' held inputs, the last unit's input when the block
+    is not its first, and the block's worst moment with nothing saved (or its matmul outputs cached)."""
+    n_units = len(sizes)
+    s, e = _units(sizes)[-1]
+    last = b.replays[e - 1]
+    worst = last.kept if policy == "selective" else last.free
+    copies = _forward_copies(b, policy, offload)
+    if copies:  # the head's copy is made after the blocks, the last block's as its ops run
+        copies = [custom("autocast 16-bit weight copies cached so far (the blocks before, this block's up to "
+                         "the op)", P_, copies[0].bytes - (0 if offload and b.c_frozen_head else b.head_copy)
+                         - last.cached_bytes + worst.cached, copies[0].formula, copies[0].source)]
+    terms = [*states, *copies, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
+             *_locals(b, offload, policy != "none", e == 1), *_held(b, policy, offload, sizes, n_units - 1)]
+    if e - 1 > s and policy != "none":
+        terms.append(custom("the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
+                            "labkit.recompute.checkpoint keeps a region's inputs"))
+    terms.append(custom(f"block {e - 1} forward, {_at(worst.op, e - 1)}: live in the block (its input included)", T_, worst.live,
+                        "replay: the block's tensors alive then (saved tensors " +
+                        ("offloaded)" if policy == "none" else "dropped by the checkpoint)"), _REPLAY_SOURCE))
+    return [Moment("forward", f"inside block {e - 1}'s forward ({_at(worst.op, e - 1)})" + sfx, terms)]
+
+
+def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
+                       sfx) -> list[Moment]:
+    """Each unit's backward: for a checkpointed unit, its recompute (every block's saved tensors made again,
+    autocast weight copies included) and then each block's backward ops; for offload, each block's ops with
+    their saved tensors copied back. The head's weight copy went with the head's backward."""
+    out, steps = [], []  # the blocks' moments; under step in backward, the moments their parameters step
+    spans = _units(sizes)
+    done_grads = 0  # gradients of the blocks whose backward is finished
+
+    def grads_terms(extra: int) -> list[Term]:
+        if grads_exist or step_in_backward:  # a tied head's gradient waits for the embedding's part
+            return [b.term("head_held")] if b.head_held else []
+        t = [b.term("head_grad")]
+        if done_grads + extra:
+            t.append(custom("gradients of the finished blocks", G_, done_grads + extra,
+                            "replay: each block's parameter gradients", "AccumulateGrad"))
+        return t
+
+    for j in reversed(range(len(spans))):
+        s, e = spans[j]
+        unit = f"block {s}" if e - s == 1 else f"segment {j} (blocks {s}-{e - 1})"
+        base = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
+                *_held(b, policy, offload, sizes, j)]
+        kwargs = _kwargs(b, policy, offload)  # until the first unit's recompute, the last to run
+        if policy == "none":  # offloaded blocks (with checkpointing, a region's own hooks win: recomputed)
+            for k in reversed(range(s, e)):
+                r = b.replays[k]
+                w = r.offload_later if grads_exist or step_in_backward else r.offload
+                terms = [*base, *grads_terms(0), _bwd_term(w, k, offload=True)]
+                if w.grads and not grads_exist:
+                    terms.append(_wgrad_term(w, k))
+                out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
+                if step_in_backward:
+                    steps.append(_step_moment(b, terms[:-1], w.step, k, sfx))
+                done_grads += r.wgrad_bytes
+            continue
+        unit_held = [custom(f"the input of {unit}", A_, b.replays[s].input_bytes, "r x h x d",
+                            "labkit.recompute.checkpoint keeps a region's inputs")]
+        # the recompute: the unit's forward again, everything saved; the gradient of its output waits
+        sel = policy == "selective"
+
+        def saved_by(k: int) -> int:
+            return b.replays[k].saved_sel if sel else b.replays[k].saved_bytes
+
+        earlier = sum(saved_by(k) + b.replays[k + 1].input_saved for k in range(s, e - 1))
+        last = b.replays[e - 1]
+        rec = last.recompute_sel if sel else last.recompute
+        # its input: the unit's own (held) or the block before's output (counted in `earlier` when saved)
+        rec_live = rec.live - (last.input_bytes if e - 1 == s else last.input_saved)
+        cached = [custom(f"matmul outputs kept in {unit}", A_, sum(b.replays[i].kept_bytes for i in range(s, e - 1)),
+                         "replay: outputs of mm/addmm/bmm/sdpa", "labkit.recompute.selective")] if sel and e - s > 1 else []
+        terms = [*base, *kwargs, *unit_held, *cached, *grads_terms(0),
+                 custom("gradients made before the recompute (the unit's output's and those of the ops that "
+                        "save nothing)", T_, last.offload.trigger, "replay: the backward up to the first node "
+                        "that reads a saved tensor", _REPLAY_SOURCE)]
+        if earlier:
+            terms.append(custom("saved by the unit's earlier blocks (recomputed)", A_, earlier,
+                                "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
+        terms.append(custom(f"block {e - 1} recompute, {_at(rec.op, e - 1)}: live in the block", T_, rec_live,
+                            "replay: the block's forward with every saved tensor kept", _REPLAY_SOURCE))
+        out.append(Moment("backward", f"{unit} recompute" + sfx, terms))
+        # each block's backward, the unit's last first; the earlier blocks' recomputed tensors wait
+        unit_grads = 0
+        for k in reversed(range(s, e)):
+            r = b.replays[k]
+            # once recomputed, a block holds its saved tensors (selective: the cached outputs autograd saves
+            # among them; the others went with the recompute), each until its last reader
+            w = r.recomputed_later if grads_exist or step_in_backward else r.recomputed
+            wait = sum(saved_by(i) for i in range(s, k)) + sum(b.replays[i].input_saved for i in range(s + 1, k + 1))
+            # the recompute over, the region lets its input go; it stays only if the first block saved it
+            kept_in = [custom(f"the input of {unit}, saved by its first block", A_, b.replays[s].input_saved,
+                              "r x h x d", "the recompute's saved tensors")] if b.replays[s].input_saved else []
+            terms = [*base, *(kwargs if j else []), *kept_in, *grads_terms(unit_grads)]
+            if wait:
+                terms.append(custom("saved by the unit's earlier blocks (recomputed), waiting", A_, wait,
+                                    "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
+            if step_in_backward:
+                steps.append(_step_moment(b, list(terms), w.step, k, sfx))
+            terms.append(_bwd_term(w, k, offload=False))
+            if w.grads and not grads_exist:
+                terms.append(_wgrad_term(w, k))
+            out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
+            unit_grads += r.wgrad_bytes
+        done_grads += unit_grads
+    return out, steps
+
+
+def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str) -> Moment:
+    """Block k's backward when one of its parameters steps (labkit.optim.StepInBackward: as soon as its node
+    has returned): what is alive then, that gradient, and a step's temporaries (the block's largest tensor's)."""
+    live, grad, op = (w.live, w.grads, w.op) if w is not None else (0, 0, "")
+    return Moment("optimizer", f"block {k} backward, {_at(op, k)}" + sfx, [
+        *terms,
+        custom(f"block {k} backward when a parameter's gradient is ready: live", T_, live,
+               "replay: the backward up to that node", _REPLAY_SOURCE),
+        custom("the stepping parameter's gradient", G_, grad, "replay: the parameter's gradient",
+               "labkit.optim.StepInBackward"),
+        custom("its optimizer step's temporaries", T_, b.block_step[1], "the block's largest tensor's step "
+               "(optim_terms.tensor_step_bytes)", "torch.optim single-tensor step; labkit.optim's update of one tensor"),
+        custom("its step's fp32 working copy of the parameter", P_, b.block_step[2], "4 x its elements (16-bit) or 0",
+               "labkit.optim: p.float(), counted as parameter memory")])
+
+
+def _bwd_term(w, k: int, offload: bool) -> Term:
+    return custom(f"block {k} backward, {_at(w.op, k)}: " + ("copied-back saved tensors, gradients and temporaries"
+                                                     if offload else "recomputed saved tensors still needed, "
+                                                                     "gradients and temporaries"),
+                  T_, w.live, "replay: the output's gradient, each node's " +
+                  ("saved tensors copied back (labkit.recompute.offload_activations unpacks on use)" if offload
+                   else "saved tensors until their last reader") + ", its gradients and temporaries", _REPLAY_SOURCE)
+
+
+def _wgrad_term(w, k: int) -> Term:
+    return custom(f"block {k}'s parameter gradients made so far", G_, w.grads, "replay: AccumulateGrad in reverse",
+                  "autograd makes a weight's gradient at its op's backward")
+
+
+def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
+    """Inside the last block's forward (nothing checkpointed or offloaded), at the block's end and at each
+    recorded op's worst moment (labkit.estimate.attention)."""
+    out = []
+    L = sum(sizes)
     extra = [custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
                     "made once per forward by the model's masking utilities")] if b.forward_extra else []
     extra += [b.term("forward_locals")] if b.forward_locals else []
-    if policy == "none" and not offload and (extra or b.points):  # the blocks' end: all saved, nothing freed yet
+    if extra or b.points:  # the blocks' end: all saved, nothing freed yet
         out.append(Moment("forward", f"the end of block {L - 1}" + sfx, [
             *states, *b.state("C"), *buffers, b.term("inputs"), b.term("before"),
             *_held_terms(b, policy, offload, sizes, L), *extra,
@@ -314,57 +532,33 @@ def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) 
     for phase, what, before, saved, temp, _, kept in b.points:
         if phase != "forward":
             continue
-        terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra]
-        if offload:  # saved tensors leave the device; the op's temporaries stay
-            terms.append(custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
-                                "the op sequence of this attention path"))
-        elif policy == "none":
-            terms += [b.term("before"), *_held_terms(b, policy, offload, sizes, L - 1),
-                      custom(f"saved by block {L - 1} before it", A_, before, "walk, block prefix", "derivatives.yaml"),
-                      custom(f"{what} saved so far", A_, saved, "replayed ops (labkit.estimate.attention)",
-                             "the op sequence of this attention path"),
-                      custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
-                             "the op sequence of this attention path")]
-        else:  # inside a checkpointed region nothing is saved: the same tensors live as temporaries
-            terms += [b.term("before"), *_held_terms(b, policy, offload, sizes, n_units - 1),
-                      b.term("seg_input", name="the last unit's input"),
-                      custom(f"{what} (no grad: tensors freed when unused)", T_, saved + temp,
-                             "replayed ops (labkit.estimate.attention)", "the op sequence of this attention path")]
-            if policy == "selective":  # the block's matmul outputs so far stay cached for its backward
-                terms.append(custom("matmul outputs kept so far in the block (selective)", A_, kept,
-                                    "walk: outputs of mm/bmm/sdpa up to the op", "torch SAC policy MUST_SAVE"))
+        terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra,
+                 b.term("before"), *_held_terms(b, policy, offload, sizes, L - 1),
+                 custom(f"saved by block {L - 1} before it", A_, before, "walk, block prefix", "derivatives.yaml"),
+                 custom(f"{what} saved so far", A_, saved, "replayed ops (labkit.estimate.attention)",
+                        "the op sequence of this attention path"),
+                 custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
+                        "the op sequence of this attention path")]
         out.append(Moment("forward", f"block {L - 1} forward, {what}" + sfx, terms))
     return out
 
 
 def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buffers, grads_exist, step_in_backward,
                      recompute, n_layer, where, sfx) -> list[Moment]:
-    """Inside unit j's backward, at each recorded op's worst moment: what the unit's earlier ops saved is still
-    alive (recomputed, for a checkpointed unit), what came after it is freed, the op's temporaries on top."""
-    if offload:
-        return []
-    out, m = [], sizes[j]
+    """Inside unit j's backward (nothing checkpointed or offloaded), at each recorded op's worst moment: what
+    the block's earlier ops saved is still alive, what came after it is freed, the op's temporaries on top."""
+    out = []
     for phase, what, before, saved, temp, grads_made, _ in b.points:
         if phase != "backward":
             continue
         terms = [*states, *buffers, b.term("inputs"), b.term("before"), *_held_terms(b, policy, offload, sizes, j)]
-        if recompute:
-            terms += _held_terms(b, policy, offload, [m], 1)
-            terms.append(custom("recomputed activations of the unit, up to the op", T_,
-                                (m - 1) * b.layer + before + saved - b.seg_input
-                                - (b.kept_saved if policy == "selective" else 0),
-                                "(blocks in the unit - 1) x A_block + the block's prefix - segment input",
-                                "torch.utils.checkpoint re-runs the forward"))
-            if b.C:
-                terms.append(b.term("layer_copy", m, "autocast copies of the recomputed unit"))
-        else:
-            terms += [custom(f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",
-                             "derivatives.yaml"),
-                      custom(f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.estimate.attention)",
-                             "the op sequence of this attention path")]
-            if b.C:
-                terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
-                                    name=f"autocast copies of the {n_layer - done} blocks not finished"))
+        terms += [custom(f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",
+                         "derivatives.yaml"),
+                  custom(f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.estimate.attention)",
+                         "the op sequence of this attention path")]
+        if b.C:
+            terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
+                                name=f"autocast copies of the {n_layer - done} blocks not finished"))
         terms.append(custom(f"{what}: temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
                             "the op sequence of this attention path"))
         terms.append(b.term("stream"))
@@ -385,6 +579,9 @@ def _freed_projector(nbytes: int) -> list:
                    "labkit.optim GaLore: state.pop('projector') before make_projector")] if nbytes else []
 
 
+_RELEASED = "autograd releases a node's saved tensors when it returns; the step runs after (AccumulateGrad's hook)"
+
+
 def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str) -> list[Moment]:
     """The backward moments at which a parameter steps: each block's (its largest parameter's gradient and
     step temporaries on top), and the head's (untied head) or the last one's (the tied embedding)."""
@@ -399,9 +596,11 @@ def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Mo
             custom("its step's fp32 working copy of the parameter", P_, step[2], "4 x its elements (16-bit) or 0",
                    "labkit.optim: p.float(), counted as parameter memory"),
             *_freed_projector(-step[3] if len(step) > 3 else 0),
-            custom("freed before the step: its autocast copy", P_, -freed[0], "the stepped matrix's 16-bit copy", ""),
-            custom("freed before the step: its saved input", A_, -freed[1], "the stepped matmul's input", ""),
-            custom("freed before the step: transient gradients", T_, -freed[2], "all but its input gradient", ""),
+            custom("freed before the step: its autocast copy", P_, -freed[0], "the stepped matrix's 16-bit copy",
+                   _RELEASED),
+            custom("freed before the step: its saved input", A_, -freed[1], "the stepped matmul's input", _RELEASED),
+            custom("freed before the step: transient gradients", T_, -freed[2], "all but its input gradient",
+                   _RELEASED),
         ])
 
     runs = [(b.block_step, b.rest_step, b.tied_step, "")]

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from labkit.peft.lisa import first_layers
 from labkit.peft.lora import adapter_numel
 from labkit.quant.int8 import INT8_DEQUANT_BYTES_PER_WEIGHT, int8_bytes_for
 from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE, NF4_BLOCKSIZE, NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes_for
@@ -35,6 +36,7 @@ class Peft:
     targets: tuple[tuple, ...]  # adapted Linears: (module name, d_in, d_out, bias elements)
     quant: str  # the frozen base under the adapters: "none", "int8" or "nf4"
     lisa_layers: int | None  # LISA's gamma (None: no LISA)
+    n_layers: int = 0  # the model's layers (LISA draws its active ones among them)
 
     @property
     def method(self) -> str:
@@ -91,7 +93,7 @@ def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none"
                              f"got {lisa_layers!r}")
         if lora_rank is not None or quant != "none":
             raise ValueError("lisa_layers trains whole layers: give it without lora_rank and quant")
-        return Peft(None, (), "none", lisa_layers)
+        return Peft(None, (), "none", lisa_layers, spec.n_layer)
     if lora_rank is None:
         if quant != "none":
             raise ValueError(f"quant={quant!r} freezes the base under LoRA adapters: give lora_rank too (e.g. 16)")
@@ -112,8 +114,10 @@ def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none"
 
 # ---- what trains -----------------------------------------------------------------------------------
 def lisa_active(peft: Peft) -> frozenset:
-    """The layers the estimate trains: the first gamma (all layers are the same size)."""
-    return frozenset(range(peft.lisa_layers))
+    """The layers the estimate trains: those labkit.peft.LISA trains first with seed 0, as
+    labkit.run.measure_step runs it. Every draw has the same model states (the layers are the same size);
+    which layers train moves where in backward their gradients appear."""
+    return frozenset(first_layers(peft.n_layers, peft.lisa_layers, seed=0))
 
 
 def trainable_spec(spec, peft: Peft):
@@ -199,4 +203,4 @@ def setup_walk(w, peft: Peft | None) -> None:
     if peft.lisa_layers:
         w.active = lisa_active(peft)
     else:
-        w.frozen, w.lora, w.quantized = True, peft.adapters, peft.quant != "none"
+        w.frozen, w.lora, w.quantized, w.quant = True, peft.adapters, peft.quant != "none", peft.quant

@@ -6,6 +6,7 @@ never their sum. Every term is a small function whose docstring gives its formul
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -15,7 +16,10 @@ from .moments import StepBytes, step_moments
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
 from labkit.memory.report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
+from .tape import replay_blocks
 from .walk import Walk
+
+_BLOCK = re.compile(r"\.\d+\.")  # a module inside the block list (its index in the name)
 
 
 
@@ -138,17 +142,15 @@ def _estimate(r: Recipe) -> Estimate:
     spec = spec_from(model, **overrides)
     peft = peft_terms.peft_of(spec, lora_rank, lora_targets, quant, lisa_layers)
     if peft is not None:
-        _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, checkpoint, offload_activations)
+        _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward)
     if optimizer.startswith("galore") and spec.galore_shapes and rank > min(min(s) for s in spec.galore_shapes):
         raise ValueError(f"rank {rank} exceeds the smaller side of a GaLore matrix "
                          f"({min(min(s) for s in spec.galore_shapes)})")
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
-    if (checkpoint != "none" or offload_activations) and spec.family != "labkit-gpt":
-        raise ValueError("checkpoint and offload_activations are modelled for labkit's GPT (the blocks "
-                         "labkit.recompute wraps); use a GPTConfig")
     foreach = (device == "cuda") if r.foreach is None else r.foreach
-    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype)
+    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype,
+                      replay=checkpoint != "none" or offload_activations)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = b.opt_cast = 0
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
@@ -169,30 +171,26 @@ def _estimate(r: Recipe) -> Estimate:
     return Estimate(label, spec.n_params, terms=terms, moments=moments)
 
 
-def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, checkpoint, offload_activations):
+def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):
     what = "lisa_layers" if peft.lisa_layers else "lora_rank"
     if optimizer.startswith("galore"):
         raise ValueError(f"{what} and GaLore are two ways to shrink the optimizer state: choose one")
     if optimizer_offload or step_in_backward:
         raise ValueError(f"{what} is not modelled with optimizer_offload or step_in_backward; drop one of them")
-    if checkpoint != "none" or offload_activations:
-        raise ValueError(f"{what} is not modelled with checkpoint or offload_activations yet; drop one of them")
 
 
 def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, peft=None,
-               proj_dtype=None) -> tuple[StepBytes, Walk]:
+               proj_dtype=None, replay: bool = False) -> tuple[StepBytes, Walk]:
     """Every byte count the phases need, from the model states and the forward walk of a micro-batch.
     peft: LoRA/QLoRA/LISA (labkit.estimate.peft_terms): only the trainable parameters get gradients and
-    optimizer state; the frozen base stays in parameters (or in int8/NF4 buffers)."""
+    optimizer state; the frozen base stays in parameters (or in int8/NF4 buffers).
+    replay: replay each block's ops (labkit.estimate.tape) for a checkpointed or offloaded step."""
     w, marks = walk_activations(spec, prec, micro, S, device, peft)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     lsm = next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
-    probs = sum(t.nbytes for t in w.saved.values() if t.name == "attention probs")
     upcast = r * V * 4 if lsm // (r * V) != mm else 0  # the fp32 copy the loss makes
     L = max(spec.n_layer, 1)
     layer = (marks[-1][0] - marks[0][0]) // L
-    kept = (marks[-1][1] - marks[0][1]) // L
-    proj_out = 2 * r * h * mm  # the two output projections' results: kept, never saved by autograd
     ts = spec if peft is None else peft_terms.trainable_spec(spec, peft)  # what trains
     head_trains, emb_trains = w.trains("lm_head"), w.trains("wte")
     head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
@@ -211,7 +209,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         step_freed=(2 * block_largest if prec.autocast else 0, r * spec.ffn * mm,
                     (0 if spec.family == "labkit-gpt" else 1) * r * spec.ffn * mm),
         head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
-        inputs=input_bytes(B, S), before=marks[0][0], layer=layer, kept=kept, kept_saved=kept - proj_out,
+        inputs=input_bytes(B, S), before=marks[0][0], layer=layer,
         after=w.saved_bytes - marks[-1][0], lsm=lsm, logits=r * V * mm + upcast,
         head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0),
         head_grad=head_grad, stream=r * h * gb,
@@ -225,15 +223,17 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         layer_grad=ts.layer_params * gb,
         layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
         else max(w.copy_bytes - 2 * V * h, 0) // L,
-        head_copy=2 * V * h if prec.autocast else 0, seg_input=r * h * gb,
+        head_copy=2 * V * h if prec.autocast else 0,
         emb_temp=2 * V * h * gb if spec.tied and emb_trains else 0,  # tied: the dense embedding gradient and the sum
         # with gradients already there (micro-batch 2 on), each embedding table's dense gradient is a temporary
         # until AccumulateGrad adds it in place: the token table (tied or not) and the learned positions
         emb_dense=((V * h if emb_trains else 0)
                    + (spec.max_positions * h if spec.family != "llama" and emb_trains else 0)) * gb,
-        fwd_block=2 * r * h * gb + r * h * (4 if prec.autocast else gb) + (r * h * mm if prec.autocast else 0)
-        + 2 * r * spec.ffn * mm,
-        offload_back=max(3 * r * spec.ffn * mm, 3 * probs // L + 2 * r * h * mm),
+        replays=replay_blocks(w.tape) if replay else [],
+        c_frozen_blocks=sum(v for k, v in w.copy_frozen.items() if _BLOCK.search("." + k + ".")),
+        c_frozen_head=sum(v for k, v in w.copy_frozen.items() if not _BLOCK.search("." + k + ".")),
+        locals_saved=w.locals_saved, final_out=w.final_out, block0_local=w.block0_local,
+        block_kwargs=w.block_kwargs,
         buffers=0 if peft is None else peft_terms.base_buffer_bytes(spec, peft),
         points=_block_points(w, marks, gb), forward_extra=w.forward_extra, forward_locals=w.forward_locals,
         dequant=0 if peft is None else peft_terms.dequant_scratch_bytes(peft, 2 if prec.autocast else gb),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .tape import Tape
+
 
 @dataclass(eq=False)
 class T:
@@ -25,6 +27,8 @@ class T:
     name: str = ""
     base: "T | None" = None
     rg: bool = True  # requires grad: autograd records (and saves for) the ops that read it
+    heads_moved: bool = False  # a (B, heads, S, d) tensor laid out as (B, S, heads, d): a projection's output
+    # viewed per head, and what pointwise ops make from it (they keep the layout)
 
     @property
     def nbytes(self) -> int:
@@ -54,15 +58,25 @@ class Walk:
     lora: dict[str, int] = field(default_factory=dict)  # adapted Linear module name -> LoRA rank
     active: frozenset | None = None  # LISA: indices of the layers that train (None: all)
     quantized: bool = False  # the adapted Linears' bases are int8/NF4 (dequantized on the fly, save nothing)
+    quant: str = "none"  # which: "int8" or "nf4"
     linears: dict[str, tuple] = field(default_factory=dict)  # module name -> (d_in, d_out, bias elements)
     copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
+    copy_frozen: dict = field(default_factory=dict)  # module -> bytes of a frozen weight's copy (saved, not cached)
     trained: int = 0  # elements of the trained parameters the walk has passed (their gradients come in reverse)
     # worst moments inside ops (labkit.estimate.attention): (phase, what, saved bytes before the op,
     # the op's own saved bytes alive then, its temporaries then, `trained` before the op, kept bytes then)
     points: list[tuple] = field(default_factory=list)
     forward_extra: int = 0  # alive through the whole forward, never saved (transformers' 4-D float mask)
     forward_locals: int = 0  # tensors a model's forward function holds in locals until it returns (embeddings)
+    locals_saved: int = 0  # such locals that are also saved for backward (position ids, rotary tables)
+    block0_local: int = 0  # the part of forward_locals that is block 0's input (Llama's inputs_embeds)
+    block_kwargs: tuple = (0, 0)  # tensors passed to every block besides its input (position ids, rotary cos and
+    # sin, the 4-D mask): (their bytes, the part also saved before the first block); a checkpoint holds them
+    final_out: tuple = (0, 0)  # transformers: the final norm's output, held by the model's output object while
+    # the head and the loss run: (its bytes, the part no op saves)
     saved_total: int = 0  # bytes of `saved`, summed as tensors are saved (read once per layer by `mark`)
+    tape: Tape = field(default_factory=Tape)  # allocations, lifetimes and backward nodes, for the replays
+    block_end: list = field(default_factory=list)  # tensors a block's locals hold until it returns
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:
@@ -100,6 +114,133 @@ class Walk:
             return self.new(x.numel, self.low_bytes, f"{x.name} (16-bit copy)")
         return x
 
+    # ---- the tape: allocations, Python lifetimes and backward nodes (labkit.estimate.tape) ---------
+    def made(self, t: T, cached: bool = False) -> T:
+        """t is a fresh storage made by an op (recorded for the replays)."""
+        return self.tape.new(t, cached)
+
+    def drop(self, *ts: T) -> None:
+        """The code lets these tensors go (freed unless saved, or held by another reference)."""
+        self.tape.drop(*ts)
+
+    def node(self, op: str, outs, saved=(), steps=()) -> None:
+        """An autograd node (recorded when anything it reads requires grad)."""
+        self.tape.node(op, outs, saved, steps)
+
+    def cast(self, x: T, itemsize: int, name: str = "") -> T:
+        """x.to(dtype): a copy when the dtype changes; its backward casts the gradient back (x's bytes)."""
+        if x.itemsize == itemsize:
+            return x
+        y = self.made(self.new(x.numel, itemsize, name or f"{x.name} ({8 * itemsize}-bit copy)", x.rg))
+        y.heads_moved = x.heads_moved  # .to() keeps the strides
+        if x.rg:
+            self.node("to_copy", [y], (), [("grad", x)])
+        return y
+
+    def _weight_copy(self, elements: int, trains: bool, name: str) -> tuple[T | None, list[tuple]]:
+        """Under autocast, a weight's 16-bit copy (cached until the forward ends when the weight trains, else a
+        temporary) and the steps its matmul's backward takes for the weight: without autocast the gradient
+        goes straight to .grad; under autocast the matmul makes a 16-bit one, and the copy's own node (it runs
+        once the matmul's has returned) casts it to the parameter's dtype."""
+        if not self.autocast:
+            return None, ([("wgrad", elements * self.x_bytes)] if trains else [])
+        w16 = self.made(self.new(elements, self.low_bytes, name, trains), cached=trains)
+        if not trains:
+            return w16, []
+        self.node(f"{name}: cast back", [w16], (), [("wgrad", elements * self.x_bytes)])
+        return w16, [("grad", w16)]
+
+    def _matmul(self, x: T, module: str, trains: bool, rows: int, d_out: int, name: str, saved_x: T | None,
+                out_itemsize: int | None = None) -> T:
+        """One nn.Linear / Conv1D call on the tape: autocast's weight and input copies (a trained weight's is
+        cached until the forward ends), the output, and the node: dW (and db) when it trains, dx when x
+        requires grad. `saved_x`: the tensor the walk saved for dW (x or its 16-bit copy). Autocast's casts
+        are made weight first (their nodes run after the matmul's: the input's, then the weight's)."""
+        d_in, _, bias = self.linears.get(module, (x.numel // max(rows, 1), d_out, 0))
+        w16, wsteps = self._weight_copy(d_in * d_out, trains, f"{module} weight (16-bit copy)")
+        xc = x
+        if self.autocast and x.itemsize != self.low_bytes:
+            xc = saved_x if saved_x is not None and saved_x is not x else self.new(x.numel, self.low_bytes,
+                                                                                     f"{x.name} (16-bit copy)")
+            self.made(xc)
+            if x.rg:
+                self.node("autocast input cast", [xc], (), [("grad", x)])
+        _, bsteps = self._weight_copy(bias, trains, f"{module} bias (16-bit copy)") if bias and trains else (None, [])
+        y = self.made(self.new(rows * d_out, out_itemsize or self.mm_bytes, name, x.rg or trains))
+        self.tape.keep(y)
+        if x.rg or trains:
+            steps = [*wsteps, *bsteps] + ([("grad", xc)] if x.rg else [])
+            saved = ([xc] if trains else []) + ([w16] if w16 is not None and x.rg else [])
+            self.node(f"{module or name} matmul", [y], saved, steps)
+        if xc is not x:
+            self.drop(xc)
+        if w16 is not None and not trains:
+            self.drop(w16)
+        return y
+
+    def _dequant_matmul(self, x: T, module: str, rows: int, d_out: int, name: str) -> T:
+        """labkit.quant.dequant_linear on the tape: x.to(compute dtype), the weight dequantized (scratch of
+        NF4/INT8_DEQUANT_BYTES_PER_WEIGHT per weight, the result included) and freed after the matmul; the
+        node saves nothing and dequantizes again for dx; the output is cast back to x's dtype."""
+        from labkit.quant.int8 import INT8_DEQUANT_BYTES_PER_WEIGHT
+        from labkit.quant.nf4 import NF4_DEQUANT_BYTES_PER_WEIGHT
+
+        d_in = self.linears[module][0]
+        cb = self.low_bytes if self.autocast else self.x_bytes  # the compute dtype (labkit.run.apply_peft)
+        per = NF4_DEQUANT_BYTES_PER_WEIGHT if self.quant == "nf4" else INT8_DEQUANT_BYTES_PER_WEIGHT[cb]
+        n = d_in * d_out
+        xq = self.cast(x, cb, f"{x.name} (compute-dtype copy)")
+        scratch = self.made(self.new((per - cb) * n, 1, f"{module} dequantization scratch"))
+        w = self.made(self.new(n, cb, f"{module} dequantized weight"))
+        self.drop(scratch)
+        out = self.made(self.new(rows * d_out, cb, name, x.rg))
+        self.tape.keep(out)
+        self.drop(w)
+        if x.rg:
+            self.node(f"{module} dequant matmul", [out], (), [
+                ("tmp", "dequantization scratch", (per - cb) * n), ("tmp", "dequantized weight", cb * n),
+                ("free", "dequantization scratch"), ("grad", xq), ("free", "dequantized weight")])
+        if xq is not x:
+            self.drop(xq)
+        y = self.cast(out, x.itemsize, f"{name} (back to the input's dtype)")
+        if y is not out:
+            self.drop(out)
+        return y
+
+    def _lora_path(self, x: T, module: str, r: int, rows: int, d_out: int, name: str, saved_in: T, a_out: T,
+                   base: T) -> T:
+        """LoRALinear's side path on the tape: h = x.to(adapter dtype), A then B (autocast copies h to
+        16-bit: the saved `saved_in`), times the scaling, added to the base's output."""
+        d_in = self.linears[module][0]
+        h = self.cast(x, self.x_bytes, f"{name} adapter input (adapter dtype)")
+        a16, asteps = self._weight_copy(r * d_in, True, f"{module}.lora_A (16-bit copy)")
+        a_in = h
+        if self.autocast:
+            a_in = self.made(saved_in)
+            if h.rg:
+                self.node("autocast input cast", [a_in], (), [("grad", h)])
+        self.made(a_out)
+        self.tape.keep(a_out)
+        self.node(f"{module}.lora_A matmul", [a_out], [a_in] + ([a16] if h.rg and a16 else []),
+                  asteps + ([("grad", a_in)] if h.rg else []))
+        if a_in is not h:
+            self.drop(a_in)
+        b16, bsteps = self._weight_copy(d_out * r, True, f"{module}.lora_B (16-bit copy)")
+        b = self.made(self.new(rows * d_out, self.mm_bytes, f"{name} lora_B out"))
+        self.tape.keep(b)
+        self.node(f"{module}.lora_B matmul", [b], [a_out] + ([b16] if b16 else []), bsteps + [("grad", a_out)])
+        self.drop(a_out)
+        delta = self.made(self.new(b.numel, b.itemsize, f"{name} lora delta"))
+        self.node("lora scaling", [delta], (), [("grad", b)])
+        self.drop(b)
+        y = self.made(self.new(base.numel, max(base.itemsize, delta.itemsize), name))
+        steps = [("pass", t) if t.itemsize == y.itemsize else ("grad", t) for t in (base, delta) if t.rg or t is delta]
+        self.node("lora sum", [y], (), steps)
+        self.drop(delta, base)
+        if h is not x:
+            self.drop(h)
+        return y
+
     # ---- primitives --------------------------------------------------------------------------
     def linear(self, x: T, rows: int, out_features: int, name: str, module: str = "") -> T:
         """y = x W^T + b saves x (to form dW = dy^T x); W is a parameter, already counted.
@@ -107,18 +248,30 @@ class Walk:
         A frozen W saves nothing (dx = dy W needs W only). A LoRA adapter (rank r) on the module
         saves A's input (x, or a fresh 16-bit copy under autocast) and the (rows, r) output of A."""
         trains, r = self.trains(module), self.lora.get(module, 0)
+        saved_x = None
         if trains:
-            self.save(self.as_matmul_input(x))
+            saved_x = self.as_matmul_input(x)
+            self.save(saved_x)
         d_in, d_out, bias = self.linears.get(module, (0, 0, 0))
         self.trained += (d_in * d_out + bias if trains else 0) + r * (d_in + d_out)
+        adapter_in = a_out = None
         if r:
-            self.save(self.new(x.numel, self.low_bytes, f"{name} adapter input") if self.autocast else x,
-                      self.new(rows * r, self.mm_bytes, f"{name} lora_A out"))
+            adapter_in = self.new(x.numel, self.low_bytes, f"{name} adapter input") if self.autocast else x
+            a_out = self.new(rows * r, self.mm_bytes, f"{name} lora_A out", True)
+            self.save(adapter_in, a_out)
         if self.autocast and module in self.linears:
             self._count_copies(module, trains, x.rg, r)
         # a quantized base returns x's dtype (fp32 after an autocast LayerNorm), and base + adapter keeps it
         itemsize = x.itemsize if r and self.quantized else self.mm_bytes
-        return self.keep(self.new(rows * out_features, itemsize, name, rg=x.rg or trains or r > 0))
+        # the tape
+        if r and self.quantized:
+            base = self._dequant_matmul(x, module, rows, out_features, f"{name} base")
+        else:
+            base = self._matmul(x, module, trains, rows, out_features, name if not r else f"{name} base", saved_x)
+        y = self._lora_path(x, module, r, rows, out_features, name, adapter_in, a_out, base) if r else base
+        y.rg = x.rg or trains or r > 0
+        assert y.itemsize == itemsize, (name, y.itemsize, itemsize)
+        return self.keep(self.new(rows * out_features, itemsize, name, rg=y.rg), y)
 
     def _count_copies(self, module: str, trains: bool, x_rg: bool, r: int) -> None:
         """Autocast's 16-bit copies that outlive the op: a trained weight and bias are cached until
@@ -129,12 +282,14 @@ class Walk:
             self.copy_bytes += self.low_bytes * (d_in * d_out + bias)
         elif x_rg and not (r and self.quantized):
             self.copy_bytes += self.low_bytes * d_in * d_out
+            self.copy_frozen[module] = self.low_bytes * d_in * d_out
         self.copy_bytes += self.low_bytes * r * (d_in + d_out)
 
-    def keep(self, t: T) -> T:
-        """Note a matmul-like op's output (selective checkpointing may keep it instead of recomputing)."""
+    def keep(self, t: T, result: T | None = None) -> T:
+        """Note a matmul-like op's output (selective checkpointing may keep it instead of recomputing);
+        returns `result` (the tape's tensor) when given, else t."""
         self.kept_bytes += t.nbytes
-        return t
+        return t if result is None else result
 
     def mark(self) -> tuple[int, int, int]:
         """(saved, kept bytes, trained elements) so far: the walk's position, for per-layer differences."""
@@ -148,65 +303,180 @@ class Walk:
 
     def layer_norm(self, x: T, rows: int, name: str, module: str = "") -> T:
         """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the
-        input's dtype on CPU (one backward formula for input and weight: saved if either needs it)."""
-        rg = x.rg or self.trains(module)
+        input's dtype on CPU (one backward formula for input and weight: saved if either needs it).
+        Tape: the output and the statistics (the module returns the output only); native_layer_norm_backward
+        makes dx and, when they train, the weight's and bias's gradients."""
+        trains = self.trains(module)
+        rg = x.rg or trains
+        stats = self.new(2 * rows, 4 if self.device == "cuda" else x.itemsize, f"{name} stats")
         if rg:
-            self.save(x, self.new(2 * rows, 4 if self.device == "cuda" else x.itemsize, f"{name} stats"))
-        return self.new(x.numel, 4 if self.autocast else x.itemsize, f"{name} out", rg)
+            self.save(x, stats)
+        out = self.made(self.new(x.numel, 4 if self.autocast else x.itemsize, f"{name} out", rg))
+        self.made(stats)
+        if rg:
+            h = x.numel // max(rows, 1)
+            self.node(f"{name} layer_norm", [out], [x, stats],
+                      ([("grad", x)] if x.rg else []) + ([("wgrad", h * self.x_bytes)] * 2 if trains else []))
+        self.drop(stats)
+        return out
 
     def rms_norm_python(self, x: T, rows: int, name: str, module: str = "") -> T:
         """transformers' LlamaRMSNorm: h = x.float(); h = h * rsqrt(mean(h^2)+eps); weight * h.to(dtype).
 
         Saves the fp32 input (a copy if x is 16-bit), rsqrt's output (one fp32 per row) and the
         normalised tensor in x's dtype (the weight's gradient needs it: not saved for a frozen weight).
+        Tape: pow, mean, add, rsqrt, mul, the cast back and the weight's mul, each with its backward.
         """
         trains = self.trains(module)
+        x32 = x if x.itemsize == 4 else self.new(x.numel, 4, f"{name} fp32 copy", x.rg)
+        rs = self.new(rows, 4, f"{name} rsqrt", x.rg)
         if x.rg:
-            x32 = x if x.itemsize == 4 else self.new(x.numel, 4, f"{name} fp32 copy")
-            self.save(x32, self.new(rows, 4, f"{name} rsqrt"))
+            self.save(x32, rs)
+        normed = self.new(x.numel, x.itemsize, f"{name} normed", x.rg)
         if trains:
-            self.save(self.new(x.numel, x.itemsize, f"{name} normed"))
-        return self.new(x.numel, x.itemsize, f"{name} out", x.rg or trains)
+            self.save(normed)
+        out = self.new(x.numel, x.itemsize, f"{name} out", x.rg or trains)
+        # the tape
+        if x32 is not x:
+            self.made(x32)
+            if x.rg:
+                self.node("to fp32", [x32], (), [("grad", x)])
+        sq = self.made(self.new(x.numel, 4, f"{name} pow", x.rg))
+        var = self.made(self.new(rows, 4, f"{name} mean", x.rg))
+        self.drop(sq)
+        ve = self.made(self.new(rows, 4, f"{name} + eps", x.rg))
+        self.made(rs)
+        self.drop(ve)
+        hn = normed if x.itemsize == 4 else self.new(x.numel, 4, f"{name} normalised (fp32)", x.rg)
+        self.made(hn)
+        self.drop(rs)
+        if x32 is not x:
+            self.drop(x32)  # `hidden_states` is rebound to the product
+        if x.rg:
+            self.node(f"{name} pow", [sq], [x32], [("tmp", "x^1", x32.nbytes), ("tmp", "2x", x32.nbytes),
+                                                   ("grad", x32), ("free", "x^1"), ("free", "2x")])
+            self.node(f"{name} mean", [var], (), [("grad", sq)])  # the gradient expanded and divided: a new tensor
+            self.node(f"{name} + eps", [ve], (), [("pass", var)])
+            self.node(f"{name} rsqrt", [rs], [rs], [("tmp", "rsqrt^3", 2 * rs.nbytes), ("grad", ve),
+                                                    ("free", "rsqrt^3")])
+            self.node(f"{name} x * rsqrt", [hn], [x32, rs], [("tmp", "grad * x", x32.nbytes), ("grad", x32),
+                                                             ("grad", rs), ("free", "grad * x")])
+        if hn is not normed:
+            self.made(normed)
+            if x.rg:
+                self.node("to input dtype", [normed], (), [("grad", hn)])
+            self.drop(hn)
+        self.made(out)
+        if x.rg or trains:
+            self.node(f"{name} weight *", [out], [normed] if trains else [],
+                      ([("grad", normed)] if x.rg else [])
+                      + ([("tmp", "grad * normed", normed.nbytes), ("wgrad", (x.numel // max(rows, 1)) * self.x_bytes),
+                          ("free", "grad * normed")] if trains else []))
+        self.drop(normed, var)
+        return out
 
     def gelu(self, x: T, name: str) -> T:
         """Exact (erf) GELU in one kernel: saves its input only."""
         if x.rg:
             self.save(x)
-        return self.new(x.numel, x.itemsize, name, x.rg)
+        y = self.made(self.new(x.numel, x.itemsize, name, x.rg))
+        if x.rg:
+            self.node(name, [y], [x], [("grad", x)])
+        return y
 
     def gelu_tanh_python(self, x: T, name: str) -> T:
         """0.5*x*(1+tanh(c*(x+0.044715*x^3))) as separate ops (transformers' NewGELU).
 
         pow saves x; tanh saves its output; the final product saves both factors 0.5*x and 1+tanh:
         three new tensors of x's size besides x itself (the fused kernel would keep only x).
+        Tape: Python evaluates 0.5*x first and holds it while the tanh term is built.
         """
+        parts = {p: self.new(x.numel, x.itemsize, f"{name} {p}", x.rg) for p in ("0.5x", "tanh", "1+tanh")}
         if x.rg:
             self.save(x)
-            for part in ("tanh", "0.5x", "1+tanh"):
-                self.save(self.new(x.numel, x.itemsize, f"{name} {part}"))
-        return self.new(x.numel, x.itemsize, name, x.rg)
+            for t in parts.values():
+                self.save(t)
+        new = lambda what: self.made(self.new(x.numel, x.itemsize, f"{name} {what}", x.rg))  # noqa: E731
+        half = self.made(parts["0.5x"])
+        cube = new("x^3")
+        small = new("0.044715 x^3")
+        self.drop(cube)
+        inner = new("x + 0.044715 x^3")
+        self.drop(small)
+        scaled = new("c (x + 0.044715 x^3)")
+        self.drop(inner)
+        th = self.made(parts["tanh"])
+        self.drop(scaled)
+        one = self.made(parts["1+tanh"])
+        self.drop(th)
+        y = new("out")
+        self.drop(half, one)
+        if x.rg:
+            self.node("0.5 x", [half], (), [("grad", x)])
+            self.node("x^3", [cube], [x], [("tmp", "x^2", x.nbytes), ("tmp", "3 x^2", x.nbytes), ("grad", x),
+                                           ("free", "3 x^2"), ("free", "x^2")])
+            self.node("0.044715 x^3", [small], (), [("grad", cube)])
+            self.node("x + ...", [inner], (), [("pass", x), ("pass", small)])
+            self.node("c (...)", [scaled], (), [("grad", inner)])
+            self.node("tanh", [th], [th], [("grad", scaled)])
+            self.node("1 + tanh", [one], (), [("pass", th)])
+            self.node("0.5x (1 + tanh)", [y], [half, one], [("grad", one), ("grad", half)])
+        return y
+
+    def silu(self, gate: T, name: str) -> T:
+        """silu(gate) saves gate (the first half of Llama's SwiGLU)."""
+        if gate.rg:
+            self.save(gate)
+        s = self.made(self.new(gate.numel, gate.itemsize, f"{name} silu", gate.rg))
+        if gate.rg:
+            self.node(f"{name} silu", [s], [gate], [("grad", gate)])
+        return s
+
+    def glu_mul(self, s: T, up: T, name: str) -> T:
+        """silu(gate) * up saves up (for silu's gradient) and silu's output (for up's)."""
+        if s.rg:
+            self.save(up)
+        if up.rg:
+            self.save(s)
+        y = self.made(self.new(s.numel, max(s.itemsize, up.itemsize), name, s.rg or up.rg))
+        if s.rg or up.rg:
+            self.node(f"{name} silu * up", [y], [t for t, other in ((up, s), (s, up)) if other.rg],
+                      [("grad", t) for t in (up, s) if t.rg])
+        return y
 
     def silu_glu(self, gate: T, up: T, name: str) -> T:
         """silu(gate) * up: silu saves gate; the product saves silu's output (for up's gradient)
         and up (for silu's)."""
-        s = self.new(gate.numel, gate.itemsize, f"{name} silu", gate.rg)
-        if gate.rg:
-            self.save(gate, up)
-        if up.rg:
-            self.save(s)
-        return self.new(gate.numel, gate.itemsize, name, gate.rg or up.rg)
+        return self.glu_mul(self.silu(gate, name), up, name)
 
     def dropout(self, x: T, p: float, name: str) -> T:
-        """Training dropout saves its mask: 1 byte (bool) on CUDA; on CPU a mask in x's dtype."""
+        """Training dropout saves its mask: 1 byte (bool) on CUDA; on CPU a mask in x's dtype.
+        Tape: the mask is made beside the output and goes when the module returns (unless saved)."""
         if p <= 0:
             return x
+        mask = self.new(x.numel, 1 if self.device == "cuda" else x.itemsize, f"{name} mask")
         if x.rg:
-            self.save(self.new(x.numel, 1 if self.device == "cuda" else x.itemsize, f"{name} mask"))
-        return self.new(x.numel, x.itemsize, name, x.rg)
+            self.save(mask)
+        self.made(mask)
+        y = self.made(self.new(x.numel, x.itemsize, name, x.rg))
+        if x.rg:
+            self.node(name, [y], [mask], [("grad", x)])
+        self.drop(mask)
+        return y
 
     def add(self, a: T, b: T, name: str) -> T:
-        """Residual add: saves nothing; the result takes the wider dtype."""
-        return self.new(max(a.numel, b.numel), max(a.itemsize, b.itemsize), name, a.rg or b.rg)
+        """Residual add: saves nothing; the result takes the wider dtype. Backward hands the gradient to
+        each input as it is, or a copy for an input of another dtype or a broadcast (smaller) shape."""
+        y = self.made(self.new(max(a.numel, b.numel), max(a.itemsize, b.itemsize), name, a.rg or b.rg))
+        if y.rg:
+            self.node(name, [y], (), [("pass", t) if (t.itemsize, t.numel) == (y.itemsize, y.numel) else ("grad", t)
+                                      for t in (a, b) if t.rg])
+        return y
+
+    def hold_final(self, out: T) -> None:
+        """transformers returns the final norm's output as `last_hidden_state`: the output object holds it
+        until the CausalLM's forward returns (through the head and the loss)."""
+        self.final_out = (out.nbytes, 0 if id(out.root()) in self.saved else out.nbytes)
 
     def cross_entropy(self, logits: T, rows: int, vocab: int, upcast: bool) -> T:
         """log_softmax saves its output (rows x vocab) and nll_loss the target; fp32 if upcast.

@@ -68,6 +68,9 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama2-7b": lambda: _llama(32, 4096, 32, 32, 11008),  # 6,738,415,616
     "llama2-13b": lambda: _llama(40, 5120, 40, 40, 13824),  # 13,015,864,320
     "llama2-70b": lambda: _llama(80, 8192, 64, 8, 28672),  # 68,976,648,192
+    # LLaMA 1 (Touvron et al. 2023, arXiv 2302.13971): no GQA, 2048 positions; the 65B model QLoRA fine-tunes
+    # on one 48 GB GPU (Dettmers et al. 2023, arXiv 2305.14314)
+    "llama-65b": lambda: _llama(80, 8192, 64, 64, 22016, max_position_embeddings=2048),  # 65,285,660,672
 }
 
 

@@ -41,6 +41,16 @@ def find_layers(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
                      f"the model's ModuleLists: {', '.join(lists) or 'none found'}")
 
 
+def sample_layers(rng: random.Random, n_layers: int, gamma: int) -> list[int]:
+    """gamma of n_layers drawn uniformly without replacement (sorted): one switch's choice."""
+    return sorted(rng.sample(range(n_layers), gamma))
+
+
+def first_layers(n_layers: int, gamma: int, seed: int = 0) -> list[int]:
+    """The layers a LISA made with this seed trains first (its first switch)."""
+    return sample_layers(random.Random(seed), n_layers, gamma)
+
+
 def _check_schedule(gamma, interval, n_layers: int) -> None:
     if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= n_layers:
         raise ValueError(f"LISA gamma (layers active at a time) must be an integer from 1 to the model's {n_layers} "
@@ -83,7 +93,7 @@ class LISANaive:
     def switch(self) -> list[int]:
         """Freeze all layers, unfreeze gamma sampled ones (sorted indices)."""
         before = set(self.active)
-        self.active = sorted(self.rng.sample(range(len(self.layers)), self.gamma))
+        self.active = sample_layers(self.rng, len(self.layers), self.gamma)
         for i in before - set(self.active):
             self.layers[i].requires_grad_(False)
             self._release(self.layers[i])

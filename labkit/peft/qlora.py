@@ -59,8 +59,8 @@ def apply_qlora(model: nn.Module, targets: str | Sequence[str] = "all-linear", r
 
     compute_dtype: the dtype the base weight is dequantized into and multiplied in (bf16 in QLoRA).
     keep_dequantized: the teaching base, which lets autograd keep each dequantized weight for backward.
-    checkpoint: None, or a policy of `labkit.recompute.checkpoint_blocks` ("full", "sqrt", ...) for a
-        model with `.blocks` (labkit's GPT); the handle is left at `model.qlora_checkpoint`.
+    checkpoint: None, or a policy of `labkit.recompute.checkpoint_blocks` ("full", "sqrt", ...) for labkit's
+        GPT or a transformers GPT-2 / Llama; the handle is left at `model.qlora_checkpoint`.
     Biases, norms and embeddings stay in their dtype (frozen, unless named in train_also).
     """
     _check_rank(r, alpha)

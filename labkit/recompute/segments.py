@@ -1,4 +1,8 @@
-"""Checkpoint a GPT's blocks in k segments (none, every block, sqrt(n), or selective), reversibly.
+"""Checkpoint a model's blocks in k segments (none, every block, sqrt(n), or selective), reversibly.
+
+The blocks are labkit GPT's `model.blocks`, transformers GPT-2's `model.transformer.h` or Llama's
+`model.model.layers` (`find_blocks`), also with LoRA/QLoRA/LISA applied (they replace Linears inside the
+blocks, never the block list).
 
 With k segments of an n-block model, each checkpointed segment keeps only its input until backward
 (k x B x T x C x bytes) and, while it is recomputed, holds one segment's activations again
@@ -44,12 +48,27 @@ def best_segments(n_blocks: int, block_bytes: int, input_bytes: int) -> int:
     return min(range(1, n_blocks + 1), key=lambda k: k * input_bytes + math.ceil(n_blocks / k) * block_bytes)
 
 
+BLOCK_PATHS = ("blocks", "transformer.h", "model.layers")  # labkit GPT, transformers GPT-2, Llama
+
+
+def find_blocks(model) -> torch.nn.ModuleList:
+    """The model's list of transformer blocks: the first of BLOCK_PATHS that is a non-empty ModuleList."""
+    for path in BLOCK_PATHS:
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, torch.nn.ModuleList) and len(obj) > 0:
+            return obj
+    raise ValueError(f"model: expected a non-empty ModuleList of blocks at one of {', '.join(BLOCK_PATHS)} "
+                     f"(labkit GPT, transformers GPT-2 or Llama); {type(model).__name__} has none")
+
+
 def _passthrough(x, *args, **kwargs):
     return x  # a block whose work its segment's first block does
 
 
 class checkpoint_blocks:
-    """Checkpoint `model.blocks` until `.remove()`; usable as `with checkpoint_blocks(model, "sqrt"): ...`.
+    """Checkpoint the model's blocks (`find_blocks`) until `.remove()`; usable as `with checkpoint_blocks(model, "sqrt"): ...`.
 
     policy: "none" (no change), "full" (k segments, default k = n: every block), "sqrt" (k = round(sqrt(n))),
         "selective" (k segments, default n, keeping the outputs of `selective`'s ops).
@@ -57,13 +76,15 @@ class checkpoint_blocks:
     style: "hooks" (non-reentrant, default) or "reentrant" (not with "selective").
     keep_last: leave the last segment unchecked, as torch.utils.checkpoint.checkpoint_sequential does
         (its activations are needed first in backward; this saves one segment's recompute).
+
+    A block is called as block(x, *args, **kwargs) (transformers passes the attention mask, position
+    embeddings...); a segment passes the same extra arguments to each of its blocks, and the checkpoint
+    keeps references to them (they live in the model's forward anyway). The reentrant style binds keyword
+    arguments into the recomputed function, so none of them may require grad.
     """
 
     def __init__(self, model, policy: str = "full", segments: int | None = None, *, selective="matmuls",
                  style: str = "hooks", keep_last: bool = False):
-        blocks = getattr(model, "blocks", None)
-        if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
-            raise ValueError("model: expected a model with a non-empty `.blocks` ModuleList (labkit's GPT)")
         if policy not in POLICIES:
             raise ValueError(f"policy: unknown checkpoint policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if style not in STYLES:
@@ -72,11 +93,15 @@ class checkpoint_blocks:
             raise ValueError("style: selective checkpointing needs the non-reentrant style ('hooks')")
         if policy in ("none", "sqrt") and segments is not None:
             raise ValueError(f"segments: policy {policy!r} sets the segment count itself; use policy='full', segments=k")
+        blocks = find_blocks(model)
+        if any(getattr(b, "gradient_checkpointing", False) for b in blocks):  # transformers' GradientCheckpointingLayer
+            raise ValueError("model: transformers' own gradient checkpointing is on; call "
+                             "model.gradient_checkpointing_disable() first (checkpointing twice recomputes twice)")
         if any("forward" in b.__dict__ for b in blocks):
             raise ValueError("model: its blocks are already checkpointed; remove() the other handle first")
         n = len(blocks)
         k = sqrt_segments(n) if policy == "sqrt" else n if segments is None else segments
-        self.model, self.policy, self.style = model, policy, style
+        self.model, self.blocks, self.policy, self.style = model, blocks, policy, style
         self.bounds = [] if policy == "none" else segment_bounds(n, k)
         self.selective = SelectivePolicy.of(selective) if policy == "selective" else None
         for s, e in self.bounds[:-1] if keep_last else self.bounds:
@@ -86,18 +111,21 @@ class checkpoint_blocks:
                 b.forward = _passthrough
 
     @staticmethod
-    def _run_segment(forwards, x):
+    def _run_segment(forwards, x, *args, **kwargs):
         for f in forwards:
-            x = f(x)  # (B, T, C) -> (B, T, C)
+            x = f(x, *args, **kwargs)  # (B, T, C) -> (B, T, C); the extra arguments are the same for each block
         return x
 
-    def _run_checkpointed(self, forwards, x):
+    def _run_checkpointed(self, forwards, x, *args, **kwargs):
         run = partial(self._run_segment, forwards)
         if self.style == "reentrant":
-            return checkpoint_reentrant(run, x)
+            if any(isinstance(v, torch.Tensor) and v.requires_grad for v in kwargs.values()):
+                raise ValueError("style: a keyword argument of the blocks requires grad, which the reentrant "
+                                 "style cannot pass on; use style='hooks'")
+            return checkpoint_reentrant(partial(run, **kwargs), x, *args)
         if self.selective is not None:
-            return checkpoint(run, x, context_fn=partial(selective_contexts, self.selective))
-        return checkpoint(run, x)
+            return checkpoint(run, x, *args, context_fn=partial(selective_contexts, self.selective), **kwargs)
+        return checkpoint(run, x, *args, **kwargs)
 
     @property
     def segments(self) -> int:
@@ -105,7 +133,7 @@ class checkpoint_blocks:
 
     def remove(self) -> None:
         """Give the blocks back their own forward."""
-        for b in self.model.blocks:
+        for b in self.blocks:
             b.__dict__.pop("forward", None)
         self.bounds = []
 

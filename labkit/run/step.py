@@ -207,7 +207,7 @@ def measure_step(model, batch: int | None = None, seq: int | None = None, dtype:
     m = build_model(model, dtype, device, **overrides)
     peft = apply_peft(m, dtype, lora_rank, lora_targets, quant, lisa_layers)
     if peft is not None:
-        _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward, checkpoint, offload_activations)
+        _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward)
     disk = optimizer_offload == "disk"
     folder = tempfile.TemporaryDirectory(prefix="labkit-measure-", dir=data_dir()) if disk else contextlib.nullcontext()
     with folder as path:

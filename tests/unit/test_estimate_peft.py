@@ -120,7 +120,6 @@ def test_methods_save_what_they_should():
     (dict(lisa_layers=0), "lisa_layers must be an integer from 1 to the model's 2 layers"),
     (dict(lisa_layers=3), "lisa_layers"), (dict(lisa_layers=1, lora_rank=4), "without lora_rank"),
     (dict(lora_rank=8, optimizer="galore", rank=4), "choose one"),
-    (dict(lora_rank=8, checkpoint="full"), "checkpoint"),
 ])
 def test_bad_peft_options(kw, match):
     with pytest.raises(ValueError, match=match):

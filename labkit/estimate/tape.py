@@ -1,0 +1,379 @@
+"""One block's ops as byte events, replayed the ways a checkpointed or offloaded step runs them.
+
+Besides what autograd saves, the family walks (labkit.estimate.families) record on a `Tape` every tensor
+a block allocates, when its Python reference goes, and for each autograd node what its backward reads
+(its saved tensors) and allocates (gradients, temporaries), in the order of the model's code. Each
+replay walks those events with its own rule for what stays alive:
+
+- forward, nothing saved (a checkpointed region, or activation offload: saved tensors leave the device):
+  a tensor lives until its last Python reference goes;
+- forward, selective checkpointing: the cached matmul outputs stay too;
+- forward with everything saved (the recompute of a checkpointed block);
+- backward with offload: each node copies its saved tensors back to the device (one copy per storage),
+  makes its gradients, and the copies go when it returns;
+- backward of a recomputed block: every saved tensor is alive again, and goes after the last node
+  that reads it.
+
+Backward runs the nodes in reverse creation order, as autograd's ready queue does (highest sequence
+number first). A node's gradient for an input goes to that input's buffer; a second contribution is
+summed out of place (a new tensor; both parts freed), which is what the ledger shows for the residual
+stream. A gradient passed through unchanged (a residual add, a view) shares its storage.
+
+Sources: tools/autograd/derivatives.yaml (what each op saves and computes), torch/csrc/autograd/engine.cpp
+and input_buffer.cpp (order and accumulation), labkit.recompute.checkpoint and .offload (what a
+checkpointed region and the offload hooks keep).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Node:
+    """One autograd node: `outs` are the tensors whose gradients it reads, `saved` what it unpacks, and
+    `steps` its backward, in order: ("grad", t) a gradient for input t (t's bytes), ("pass", t) the
+    incoming gradient handed to t unchanged, ("tmp", name, nbytes) / ("free", name) a temporary,
+    ("wgrad", nbytes) a parameter's gradient (accumulated into .grad)."""
+
+    op: str
+    outs: tuple
+    saved: tuple
+    steps: tuple
+
+
+@dataclass
+class Tape:
+    """Events of the walk: ("new", t, cached), ("drop", t), ("node", Node), ("keep", t), ("block", i, x)."""
+
+    events: list = field(default_factory=list)
+    paused: bool = False  # the walk's own bookkeeping (not ops of the model): nothing recorded
+
+    def _add(self, ev) -> None:
+        if not self.paused:
+            self.events.append(ev)
+
+    @contextlib.contextmanager
+    def off(self):
+        """Record nothing inside (the walk counting saved bytes by its own rules)."""
+        was, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = was
+
+    def new(self, t, cached: bool = False):
+        """A fresh storage (cached: an autocast weight copy, alive until the forward ends)."""
+        self._add(("new", t, cached))
+        return t
+
+    def drop(self, *ts) -> None:
+        """The Python references to these tensors go (their storage is freed unless held)."""
+        for t in ts:
+            if t is not None:
+                self._add(("drop", t))
+
+    def node(self, op: str, outs, saved=(), steps=()) -> None:
+        self._add(("node", Node(op, tuple(outs), tuple(s for s in saved if s is not None), tuple(steps))))
+
+    def keep(self, t) -> None:
+        """Selective checkpointing caches this output (a matmul's) until backward."""
+        self._add(("keep", t))
+
+    def block(self, i: int, x) -> None:
+        """Block i starts; x is its input (held by the caller until the block returns)."""
+        self._add(("block", i, x))
+
+    def blocks(self) -> list[tuple]:
+        """(events of block i, its input) for each block, in order."""
+        starts = [(k, ev[2]) for k, ev in enumerate(self.events) if ev[0] == "block"]
+        ends = [k for k, _ in starts[1:]] + [self._end(starts)]
+        return [(self.events[k + 1:e], x) for (k, x), e in zip(starts, ends)]
+
+    def _end(self, starts) -> int:
+        for k, ev in enumerate(self.events):
+            if ev[0] == "end":
+                return k
+        return len(self.events)
+
+    def end(self, out) -> None:
+        """The last block's output (what the head reads)."""
+        self._add(("end", out))
+
+
+def _root(t):
+    return t.root()
+
+
+@dataclass
+class Worst:
+    """A replay's worst moment: the op, the bytes live then (activations, temporaries, gradients of
+    activations), and the bytes of parameter gradients made so far in the block."""
+
+    op: str = ""
+    live: int = 0
+    grads: int = 0
+    names: tuple = ()  # what is alive then (for debugging and explanations)
+    cached: int = 0  # forward: bytes of autocast weight copies the block has cached by then
+    trigger: int = 0  # backward: gradients alive when the first node reading saved tensors runs (a
+    # checkpointed block's recompute starts there; the nodes before it save nothing)
+    step: object = None  # backward: the worst moment a parameter's gradient is ready (its node returned):
+    # a Worst whose `grads` is that gradient (labkit.optim.StepInBackward steps it there)
+
+    @property
+    def total(self) -> int:
+        return self.live + self.grads
+
+
+def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, int]:
+    """Replay a block's forward. mode: "free" (nothing saved), "kept" (selective: matmul outputs cached),
+    "saved" (everything autograd saves stays: a recompute, whose autocast weight copies are made again).
+    pre: roots alive from the start and not made again (selective's cached outputs, handed back to the
+    recompute; they go when the code drops them, unless saved).
+    Returns the worst moment (the block input counted) and the bytes still held at the end for backward
+    (the input and output not counted)."""
+    x0 = id(_root(x))
+    live: dict[int, int] = {x0: _root(x).nbytes}
+    names = {x0: _root(x).name}
+    for ev in events:
+        if ev[0] == "new" and id(_root(ev[1])) in pre:
+            live[id(_root(ev[1]))] = _root(ev[1]).nbytes
+            names[id(_root(ev[1]))] = _root(ev[1]).name
+    held: set[int] = set()
+    if mode == "saved":  # a saved tensor stays from its making (its node may be recorded a little later)
+        held = {id(_root(t)) for ev in events if ev[0] == "node" for t in ev[1].saved}
+    cur = sum(live.values())
+    worst = Worst("block input", cur)
+    cache = 0
+    for ev in events:
+        kind = ev[0]
+        if kind == "new":
+            _, t, cached = ev
+            if cached and mode != "saved":
+                cache += _root(t).nbytes
+                continue  # autocast's weight cache: counted with the model states
+            r = _root(t)
+            if id(r) in live:
+                continue
+            live[id(r)] = r.nbytes
+            names[id(r)] = r.name
+            cur += r.nbytes
+            if cur > worst.live:
+                worst = Worst(t.name, cur, 0, tuple(f"{names[k]}={b}" for k, b in live.items()), cache)
+        elif kind == "drop":
+            r = _root(ev[1])
+            if id(r) in live and id(r) not in held:
+                cur -= live.pop(id(r))
+        elif kind == "keep" and mode == "kept":
+            held.add(id(_root(ev[1])))
+    left = sum(b for k, b in live.items() if k in held and k != x0)
+    return worst, left
+
+
+@dataclass(eq=False)
+class _Grad:
+    nbytes: int
+    name: str
+    refs: int = 1
+
+
+def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
+             exclude: frozenset = frozenset()) -> tuple[Worst, int]:
+    """Replay a block's backward from its output's gradient (`stream` bytes) to its input's.
+
+    mode "offload": each node copies back the storages it saved and frees them when it returns. mode
+    "saved": the tensors the block saved (made inside it, autocast weight copies included; the roots in
+    `exclude` are counted elsewhere) are alive at the start and go after their last reader.
+    keep_wgrads: parameter gradients stay (first micro-batch) or are summed into .grad and freed.
+    Returns the worst moment and the bytes of the input's gradient at the end."""
+    nodes = [ev[1] for ev in events if ev[0] == "node"]
+    made = {id(_root(ev[1])) for ev in events if ev[0] == "new"}
+    last_use: dict[int, int] = {}  # saved root -> index (in reverse order) of its last reader
+    roots: dict[int, object] = {}
+    for i, n in enumerate(reversed(nodes)):
+        for t in n.saved:
+            last_use[id(_root(t))] = i
+            roots[id(_root(t))] = _root(t)
+    live: dict[object, tuple[str, int]] = {}  # key -> (what, bytes): everything this replay counts
+    if mode == "saved":
+        for k, r in roots.items():
+            if k in made and k not in exclude:
+                live[k] = (f"saved {r.name}", r.nbytes)
+    first = _Grad(stream, f"gradient of {out.name}")
+    grads: dict[int, _Grad] = {id(out): first}
+    live[first] = (first.name, stream)
+    state = {"wg": 0, "worst": None}
+
+    def total() -> int:
+        return sum(b for _, b in live.values()) + state["wg"]
+
+    def peak(what: str):
+        t = total()
+        if state["worst"] is None or t > state["worst"].total:
+            state["worst"] = Worst(what, t - state["wg"], state["wg"], tuple(f"{n}={b}" for n, b in live.values()))
+
+    def release(g: _Grad):
+        g.refs -= 1
+        if g.refs == 0:
+            live.pop(g, None)
+
+    def give(t, g: _Grad, what: str):
+        """Put gradient g into t's buffer (a second one is summed into a new tensor)."""
+        old = grads.get(id(t))
+        if old is None:
+            grads[id(t)] = g
+            return
+        s = _Grad(t.nbytes, f"gradient of {t.name} (summed)")
+        live[s] = (s.name, s.nbytes)
+        peak(what + ": gradient sum")
+        release(old)
+        release(g)
+        grads[id(t)] = s
+
+    peak("block output gradient")
+    state["trigger"] = None
+    state["step"] = None
+    for i, n in enumerate(reversed(nodes)):
+        if not any(id(o) in grads for o in n.outs):
+            continue  # no gradient reaches it: autograd never runs it
+        if n.saved and state["trigger"] is None:  # a checkpointed block is recomputed here
+            state["trigger"] = sum(b for k, (_, b) in live.items() if k not in roots)
+        incoming = [grads.pop(id(o)) for o in n.outs if id(o) in grads]
+        copies = []
+        if mode == "offload":
+            for t in n.saved:
+                r = _root(t)
+                key = ("copy", id(r))
+                if key not in live:
+                    live[key] = (f"{r.name} copied back", r.nbytes)
+                    copies.append(key)
+                    peak(f"{n.op}: {r.name} copied back")
+        tmps = []
+        ready = []  # parameter gradients this node makes (ready once it returns)
+        made_here = []  # (input, gradient): added to the inputs' buffers once the node has returned
+        for step in n.steps:
+            kind = step[0]
+            if kind == "grad":
+                t = step[1]
+                g = _Grad(step[2] if len(step) > 2 else t.nbytes, f"gradient of {t.name}")
+                live[g] = (g.name, g.nbytes)
+                peak(f"{n.op}: gradient of {t.name}")
+                made_here.append((t, g))
+            elif kind == "pass":
+                incoming[0].refs += 1
+                made_here.append((step[1], incoming[0]))
+            elif kind == "tmp":
+                key = ("tmp", n, step[1])
+                live[key] = (f"{n.op}: {step[1]}", step[2])
+                tmps.append(key)
+                peak(f"{n.op}: {step[1]}")
+            elif kind == "free":
+                live.pop(("tmp", n, step[1]), None)
+            elif kind == "wgrad":
+                ready.append(step[1])
+                state["wg"] += step[1]
+                peak(f"{n.op}: a parameter's gradient")
+                if not keep_wgrads:  # summed into the existing .grad once the node has returned
+                    state["wg"] -= step[1]
+                    key = ("wgrad", n, len(tmps))
+                    live[key] = (f"{n.op}: a parameter's gradient (summed into .grad after)", step[1])
+                    tmps.append(key)
+        for key in tmps + copies:
+            live.pop(key, None)
+        for k in [k for k, r in roots.items() if last_use.get(k) == i]:  # the node's saved tensors are released
+            live.pop(k, None)
+        for g in incoming:
+            release(g)
+        for t, g in made_here:
+            give(t, g, n.op)
+        for nb in ready:  # the moment a step in backward would run (the gradient not counted in `wg`)
+            t = total() - (state["wg"] if keep_wgrads else 0)
+            if state["step"] is None or t + nb > state["step"].total:
+                state["step"] = Worst(f"{n.op}: its parameter steps", t, nb)
+    g_in = grads.get(id(x))
+    worst = state["worst"]
+    worst.trigger = state["trigger"] if state["trigger"] is not None else stream
+    worst.step = state["step"]
+    return worst, (g_in.nbytes if g_in else 0)
+
+
+@dataclass
+class BlockReplay:
+    """One block's replays (labkit.estimate.moments reads them for checkpointed and offloaded steps).
+
+    free / kept: the forward's worst moment with nothing saved / with the matmul outputs cached (the block
+    input counted); kept_bytes: what selective checkpointing holds after the block. recompute: the worst
+    moment of its forward run again with everything saved (cached matmul outputs not made again), and
+    saved_bytes what that leaves for backward; input_saved: the input's bytes when the block saves it.
+    offload / recomputed: the backward's worst moment (the output's gradient counted; `grads` the block's
+    parameter gradients made by then), first micro-batch and later ones (gradients summed into .grad)."""
+
+    input_bytes: int
+    stream: int
+    free: Worst
+    kept: Worst
+    kept_bytes: int
+    recompute: Worst
+    saved_bytes: int
+    recompute_sel: Worst  # selective: the cached matmul outputs are handed back, not made again
+    saved_sel: int  # what that recompute leaves (the cached outputs autograd saves included)
+    input_saved: int
+    offload: Worst
+    offload_later: Worst
+    recomputed: Worst
+    recomputed_later: Worst
+    wgrad_bytes: int  # all of the block's parameter gradients
+    cached_bytes: int  # all of the block's autocast weight copies (cached while the forward runs)
+
+
+def _signature(events) -> tuple:
+    """Blocks with the same op sequence (sizes, what requires grad) replay the same."""
+    out = []
+    for ev in events:
+        t = ev[1] if ev[0] != "node" else None
+        if ev[0] == "node":
+            n = ev[1]
+            out.append(("node", tuple(o.nbytes for o in n.outs), tuple(s.nbytes for s in n.saved),
+                        tuple((st[0], st[-1] if isinstance(st[-1], int) else getattr(st[-1], "nbytes", 0))
+                              for st in n.steps)))
+        elif ev[0] == "block":
+            continue
+        else:
+            out.append((ev[0], t.nbytes, t.rg))
+    return tuple(out)
+
+
+def replay_blocks(tape: Tape) -> list[BlockReplay]:
+    """Every replay of every block (blocks with the same ops replayed once)."""
+    blocks = tape.blocks()
+    ends = [ev[1] for ev in tape.events if ev[0] == "end"]
+    outs = [x for _, x in blocks[1:]] + ends[:1]
+    cache: dict[tuple, BlockReplay] = {}
+    result = []
+    for (events, x), out in zip(blocks, outs):
+        key = (_signature(events), x.nbytes, out.nbytes, x.rg)
+        if key not in cache:
+            cache[key] = _replay(events, x, out)
+        result.append(cache[key])
+    return result
+
+
+def _replay(events, x, out) -> BlockReplay:
+    kept_roots = frozenset(id(_root(ev[1])) for ev in events if ev[0] == "keep")
+    free, _ = forward(events, x, "free")
+    kept, kept_bytes = forward(events, x, "kept")
+    recompute, saved_bytes = forward(events, x, "saved")
+    recompute_sel, saved_sel = forward(events, x, "saved", pre=kept_roots)
+    saved_roots = {id(_root(t)) for ev in events if ev[0] == "node" for t in ev[1].saved}
+    stream = out.nbytes
+    return BlockReplay(
+        input_bytes=_root(x).nbytes, stream=stream, free=free, kept=kept, kept_bytes=kept_bytes,
+        recompute=recompute, saved_bytes=saved_bytes, recompute_sel=recompute_sel, saved_sel=saved_sel,
+        input_saved=_root(x).nbytes if id(_root(x)) in saved_roots else 0,
+        offload=backward(events, x, out, stream, "offload")[0],
+        offload_later=backward(events, x, out, stream, "offload", keep_wgrads=False)[0],
+        recomputed=backward(events, x, out, stream, "saved")[0],
+        recomputed_later=backward(events, x, out, stream, "saved", keep_wgrads=False)[0],
+        wgrad_bytes=sum(st[1] for ev in events if ev[0] == "node" for st in ev[1].steps if st[0] == "wgrad"),
+        cached_bytes=sum(_root(ev[1]).nbytes for ev in events if ev[0] == "new" and ev[2]))
