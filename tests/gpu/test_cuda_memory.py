@@ -64,6 +64,6 @@ def test_peft_estimate_within_5_percent_of_max_memory_allocated(model, dtype, op
 def test_checkpoint_and_offload_estimate_on_cuda(model, options):
     """The blocks' replayed ops (labkit.estimate.tape) on CUDA's kernels: flash attention, bool dropout masks."""
     torch.cuda.empty_cache()
-    e = estimate(model, 8, 512, "mixed-bf16", "adamw", device="cuda", **options)
-    m = measure_step(model, 8, 512, "mixed-bf16", "adamw", device="cuda", **options)
+    e = estimate(model, 8, 128, "mixed-bf16", "adamw", device="cuda", **options)  # llama-tiny: 128 positions
+    m = measure_step(model, 8, 128, "mixed-bf16", "adamw", device="cuda", **options)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.peak.total, m.peak.total)
