@@ -55,3 +55,15 @@ def test_peft_estimate_within_5_percent_of_max_memory_allocated(model, dtype, op
     allocated = m.allocator["max_allocated"]
     assert abs(e.peak.total - allocated) <= 0.05 * allocated, (e.peak.total, allocated, m.peak.total)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total
+
+
+@pytest.mark.parametrize("options", [dict(checkpoint="full"), dict(checkpoint="selective"), dict(checkpoint="sqrt"),
+                                     dict(offload_activations=True), dict(checkpoint="full", lora_rank=16, quant="nf4")],
+                         ids=["full", "selective", "sqrt", "offload", "qlora-full"])
+@pytest.mark.parametrize("model", ["gpt2", "llama-tiny"])
+def test_checkpoint_and_offload_estimate_on_cuda(model, options):
+    """The blocks' replayed ops (labkit.estimate.tape) on CUDA's kernels: flash attention, bool dropout masks."""
+    torch.cuda.empty_cache()
+    e = estimate(model, 8, 128, "mixed-bf16", "adamw", device="cuda", **options)  # llama-tiny: 128 positions
+    m = measure_step(model, 8, 128, "mixed-bf16", "adamw", device="cuda", **options)
+    assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.peak.total, m.peak.total)
