@@ -133,6 +133,9 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
 
 
 def _estimate(r: Recipe) -> Estimate:
+    if r.distributed:
+        raise ValueError(f"the single-device estimate was asked for a layout over {r.world_size} devices "
+                         f"(dp={r.dp} tp={r.tp} pp={r.pp}); per-rank estimates are not available yet")
     model, batch, seq, dtype, optimizer, device = r.model, r.batch, r.seq, r.dtype, r.optimizer, r.device
     checkpoint, segments, offload_activations, micro = r.checkpoint, r.segments, r.offload_activations, r.micro
     rank, optimizer_offload, step_in_backward = r.rank, r.optimizer_offload, r.step_in_backward

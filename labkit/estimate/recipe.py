@@ -18,6 +18,8 @@ TORCH_OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 OPTIMIZERS = (*TORCH_OPTIMIZERS, "adamw8bit", "adam8bit", "lion", "adafactor", "galore", "galore8bit")
 POLICIES = ("none", "full", "sqrt", "selective")
 QUANTS = ("none", "int8", "nf4")
+SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (pp > 1)
+ZERO_STAGES = (0, 1, 2, 3)
 STEP_AND_OFFLOAD = "step_in_backward and optimizer_offload: OffloadAdamW steps all parameters at once; choose one"
 
 
@@ -51,6 +53,14 @@ class Recipe:
     lora_targets: str | tuple = "all-linear"  # "all-linear" or module names ("q_proj,v_proj" or a tuple)
     quant: str = "none"  # the frozen base under LoRA: "none", "int8" or "nf4" (QLoRA)
     lisa_layers: int | None = None  # LISA: this many layers train at a time
+    # Layout over several devices (lessons 09-10); every size above is per optimizer step for the whole job.
+    dp: int = 1  # data-parallel ranks: `batch` is the global batch, each rank takes batch / dp rows
+    zero: int = 0  # ZeRO stage over the dp ranks: 1 shards optimizer states, 2 also gradients, 3 also parameters
+    zero_offload: bool = False  # ZeRO-Offload: the (sharded) optimizer state and its step live in host memory
+    tp: int = 1  # tensor-parallel ranks (Megatron: attention heads and the MLP split t ways)
+    pp: int = 1  # pipeline stages (consecutive blocks); micro_batch sets the pipeline's micro-batches
+    schedule: str = "1f1b"  # pipeline schedule when pp > 1: "gpipe" or "1f1b"
+    sequence_parallel: bool = False  # with tp > 1: norms and dropouts sharded along the sequence
     overrides: tuple = field(default=())  # (key, value) pairs set on a preset's config, e.g. (("n_layer", 2),)
 
     def __post_init__(self) -> None:
@@ -67,10 +77,24 @@ class Recipe:
         _positive_int("segments", self.segments, optional=True)
         if self.segments is not None and self.checkpoint != "full":
             raise ValueError("segments sets how many segments checkpoint='full' makes: give checkpoint='full' too")
-        micro = self.batch if self.micro_batch is None else self.micro_batch
-        if isinstance(micro, bool) or not isinstance(micro, int) or micro <= 0 or self.batch % micro:
-            raise ValueError(f"micro_batch must be a positive integer dividing batch ({self.batch}), "
-                             f"got {self.micro_batch!r}")
+        for name in ("dp", "tp", "pp"):
+            _positive_int(name, getattr(self, name))
+        if self.batch % self.dp:
+            raise ValueError(f"batch ({self.batch}) is the global batch: it must divide evenly over dp={self.dp} ranks")
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+            raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        if self.zero_offload and self.zero == 0:
+            raise ValueError("zero_offload offloads ZeRO's sharded optimizer state: give zero=1, 2 or 3 too")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel shards along the sequence what tensor parallelism keeps "
+                             "replicated: give tp > 1 too")
+        rows = self.batch // self.dp
+        micro = rows if self.micro_batch is None else self.micro_batch
+        if isinstance(micro, bool) or not isinstance(micro, int) or micro <= 0 or rows % micro:
+            per = f"each rank's batch ({rows} = {self.batch} / dp {self.dp})" if self.dp > 1 else f"batch ({rows})"
+            raise ValueError(f"micro_batch must be a positive integer dividing {per}, got {self.micro_batch!r}")
         if self.optimizer.startswith("galore"):
             _positive_int(f"rank (for {self.optimizer})", self.rank)
         elif self.rank is not None:
@@ -92,7 +116,7 @@ class Recipe:
             raise ValueError(STEP_AND_OFFLOAD)
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
-        for name in ("offload_activations", "step_in_backward"):
+        for name in ("offload_activations", "step_in_backward", "zero_offload", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.overrides, tuple) or any(not (isinstance(kv, tuple) and len(kv) == 2)
@@ -114,8 +138,23 @@ class Recipe:
 
     @property
     def micro(self) -> int:
-        """Rows per micro-batch."""
-        return self.batch if self.micro_batch is None else self.micro_batch
+        """Rows per micro-batch (on one data-parallel rank)."""
+        return self.batch // self.dp if self.micro_batch is None else self.micro_batch
+
+    @property
+    def rank_batch(self) -> int:
+        """Rows per optimizer step on one data-parallel rank (batch / dp)."""
+        return self.batch // self.dp
+
+    @property
+    def world_size(self) -> int:
+        """Devices the layout uses: dp x tp x pp."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def distributed(self) -> bool:
+        """True when the step runs on more than one device."""
+        return self.world_size > 1
 
     @property
     def config(self) -> dict:

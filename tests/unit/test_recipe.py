@@ -11,6 +11,17 @@ from labkit.run import measure_step
 G = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
 
 BAD = [
+    (dict(dp=0), "dp must be a positive integer"),
+    (dict(tp=1.5), "tp must be a positive integer"),
+    (dict(pp=-2), "pp must be a positive integer"),
+    (dict(batch=3, dp=2), r"global batch: it must divide evenly over dp=2"),
+    (dict(batch=4, dp=2, micro_batch=4), r"dividing each rank's batch \(2 = 4 / dp 2\)"),
+    (dict(dp=2, batch=4, zero=4), "zero must be a ZeRO stage 0, 1, 2 or 3"),
+    (dict(zero=True), "zero must be a ZeRO stage"),
+    (dict(zero_offload=True), "give zero=1, 2 or 3 too"),
+    (dict(pp=2, schedule="interleaved"), "schedule must be one of gpipe, 1f1b"),
+    (dict(sequence_parallel=True), "give tp > 1 too"),
+    (dict(tp=2, sequence_parallel="yes"), "sequence_parallel must be True or False"),
     (dict(batch=0), "batch must be a positive integer"),
     (dict(batch=True), "batch must be a positive integer"),
     (dict(seq=2.0), "seq must be a positive integer"),
@@ -66,3 +77,9 @@ def test_estimate_and_measure_take_a_recipe_or_the_same_keywords():
         measure_step(r, checkpoint="none")
     with pytest.raises(ValueError, match="recipe is for 'cuda'"):
         measure_step(r.replace(device="cuda"), device="cpu")
+
+
+def test_a_layout_over_several_devices():
+    r = Recipe.of(G, 8, 16, dp=2, tp=2, pp=2, micro_batch=2)
+    assert (r.world_size, r.rank_batch, r.micro, r.distributed) == (8, 4, 2, True)
+    assert not Recipe.of(G, 8, 16).distributed and Recipe.of(G, 8, 16, dp=4).micro == 2
