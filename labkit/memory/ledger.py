@@ -17,6 +17,7 @@ import torch.optim.optimizer as _optim_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .memviz import Allocation, Trace
 from .replay import replay
 from .state import state_tensors
 from .report import Breakdown, Category, Measurement
@@ -345,8 +346,11 @@ class Ledger(TorchDispatchMode):
 
     def measurement(self) -> Measurement:
         """Replay the events with final tags: the timeline, each phase's peak breakdown and what is live at the end."""
-        return replay(self._events, [r.tag for r in self._recs], self._marks, self._baseline_sids, self.label,
-                      self._allocator)
+        m = replay(self._events, [r.tag for r in self._recs], self._marks, self._baseline_sids, self.label,
+                   self._allocator)
+        m.trace = Trace(list(self._events), [Allocation(r.tag, r.op, r.shape, str(r.dtype).replace("torch.", ""),
+                                                        r.phase, r.step) for r in self._recs])
+        return m
 
 
 def _freed(ledger_ref, key: int, sid: int) -> None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type only; memviz imports this module
+    from .memviz import Trace
 
 
 class Category(str, enum.Enum):
@@ -174,6 +178,7 @@ class Measurement:
     baseline: Breakdown  # live bytes when tracking started
     allocator: dict[str, int] | None = None  # CUDA only: allocated, reserved, max_allocated, ...
     final: Breakdown | None = None  # live bytes when the ledger stopped (e.g. all optimizer state after the last step)
+    trace: "Trace | None" = None  # the ledger's raw events, for `to_memory_viz` (labkit.memory.memviz)
 
     @property
     def peak_phase(self) -> str:
@@ -203,7 +208,14 @@ class Measurement:
         phases = {p: Breakdown({c: self.timeline.bytes[c][j] for c in CATEGORIES})
                   for p in PHASES + tuple(sorted(set(peaks) - set(PHASES))) if p in peaks for j in [peaks[p][1]]}
         return Measurement(f"{self.label} (step {step})", phases, self.timeline, self.baseline, self.allocator,
-                           self.final)
+                           self.final, self.trace)
+
+    def to_memory_viz(self, path, device: int = 0):
+        """Write the timeline as a snapshot PyTorch's memory viewer opens (https://pytorch.org/memory_viz):
+        one block per storage, coloured by category, named by the op that made it. Returns the path."""
+        if self.trace is None:
+            raise ValueError("this measurement has no event trace (only a Ledger's measurement() carries one)")
+        return self.trace.dump(path, device)
 
     @property
     def saved(self) -> int:
