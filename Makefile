@@ -2,6 +2,7 @@
 #   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/ (as root too: containers, cloud VMs)
 #   make colab URL=https://github.com/ORG/labkit   set the repository URL in every notebook's Colab install cell
 #   make test   same environment; unit + widget tests and every notebook under nbval (smoke mode)
+#   make test-browser every lesson run in JupyterLab in a real browser (Chromium + Playwright); screenshots of each panel
 #   make test-parity  the `parity` tests again on PyTorch's portable CPU kernels (ATEN_CPU_CAPABILITY=default)
 
 PYTHON ?= python3
@@ -28,7 +29,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab test test-parity test-gpu bench clean
+.PHONY: env lab colab test test-parity test-browser test-gpu bench clean
 
 env: $(STAMP)
 
@@ -68,12 +69,27 @@ colab:
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 test: env
-	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --nbval-lax -p no:cacheprovider -rs
+	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --ignore=tests/browser --nbval-lax -p no:cacheprovider -rs
 
 # The tests marked `parity` (numbers compared with a reference library or a torch kernel) once more, on
 # ATen's portable kernels, as a CPU without AVX2/AVX-512 runs them: their tolerances must not depend on the CPU.
 test-parity: env
-	ATEN_CPU_CAPABILITY=default LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests -m parity -p no:cacheprovider -rs
+	ATEN_CPU_CAPABILITY=default LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests -m parity --ignore=tests/browser -p no:cacheprovider -rs
+
+# Chromium from the system (Debian: apt-get install chromium; as root this target installs it, with retries);
+# Playwright from pip. Then every lesson runs in JupyterLab in headless Chromium (tests/browser).
+test-browser: env
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || [ -n "$(CHROMIUM)" ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo ">> installing Debian's chromium"; \
+	    for i in 1 2 3; do DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null && break; \
+	      echo ">> apt-get failed, retrying after an update"; apt-get update -q >/dev/null || true; sleep 5; done; \
+	  fi; \
+	  command -v chromium >/dev/null 2>&1 || { echo "make test-browser: needs Chromium (apt-get install chromium, or CHROMIUM=/path/to/chrome)" >&2; exit 2; }; }
+	@$(PY) -c "import playwright" 2>/dev/null || \
+	  for i in 1 2 3; do $(PIP) install --quiet -e ".[browser]" && break; echo ">> pip failed, retrying"; sleep 5; done
+	@$(PY) -c "import playwright.sync_api" || { echo "make test-browser: playwright did not install" >&2; exit 2; }
+	LABKIT_SMOKE=1 $(PY) -m pytest tests/browser -m browser -p no:cacheprovider -rs -v
 
 test-gpu: env
 	@if [ -d tests/gpu ]; then \

@@ -1,0 +1,198 @@
+"""Every lesson in JupyterLab, in a real browser (Chromium driven by Playwright), as a learner runs it.
+
+`make test-browser` runs this file: it starts JupyterLab on a copy of notebooks/ in smoke mode, opens each
+lesson, runs all its cells, and asserts what a learner would see: no error output, no "Error displaying
+widget", every panel rendered; changing a panel's control redraws its prediction; its measure button
+shows a measurement. Screenshots of each panel go to tests/browser/screenshots/ (ignored by git).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="make test-browser installs playwright")
+
+ROOT = Path(__file__).resolve().parents[2]
+LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SHOTS = Path(__file__).parent / "screenshots"
+RUN_TIMEOUT_S = 900  # one lesson, all cells, in smoke mode (the slowest takes about a minute and a half)
+
+pytestmark = pytest.mark.browser
+
+
+def _chromium() -> str:
+    path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not path:
+        pytest.fail("no Chromium found: install Debian's `chromium` (make test-browser does) or set CHROMIUM=/path")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a copy of notebooks/ (running lessons writes files), smoke mode, no token."""
+    root = tmp_path_factory.mktemp("lab") / "notebooks"
+    shutil.copytree(ROOT / "notebooks", root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "memory_viz"))
+    port = _free_port()
+    env = dict(os.environ, LABKIT_SMOKE="1", PYTHONPATH=str(ROOT))
+    env.pop("MPLBACKEND", None)  # the kernel draws inline, as a learner's does
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ServerApp.token=",
+           "--ServerApp.password=", "--LabApp.expose_app_in_browser=True", f"--ServerApp.root_dir={root}",
+           "--ServerApp.disable_check_xsrf=True", f"--LabApp.workspaces_dir={root.parent / 'workspaces'}"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")  # Jupyter refuses root without it (containers, CI)
+    log = open(tmp_path_factory.mktemp("log") / "lab.log", "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            if server.poll() is not None:
+                pytest.fail(f"jupyter lab exited with {server.returncode}; see {log.name}")
+            try:
+                urllib.request.urlopen(f"{url}/api/status", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"jupyter lab did not answer within 120 s; see {log.name}")
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=_chromium(), headless=True,
+                                        args=["--no-sandbox"])  # root cannot use Chromium's sandbox
+            yield browser, url
+            browser.close()
+    finally:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+# JavaScript run in the page; `window.jupyterapp` exists because of expose_app_in_browser.
+KERNEL_IDLE = """() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
+  return !!k && k.status === 'idle'; }"""
+CELLS = """() => window.jupyterapp.shell.currentWidget.content.widgets
+  .filter(c => c.model.type === 'code')
+  .map(c => ({n: c.model.executionCount,
+              outputs: Array.from({length: c.model.outputs.length}, (_, i) => c.model.outputs.get(i).toJSON())}))"""
+DONE = """() => { const w = window.jupyterapp.shell.currentWidget;
+  const cells = w.content.widgets.filter(c => c.model.type === 'code');
+  const outs = c => Array.from({length: c.model.outputs.length}, (_, i) => c.model.outputs.get(i).type);
+  if (cells.some(c => outs(c).includes('error'))) return true;
+  return cells.every(c => c.model.executionCount !== null) && w.sessionContext.session.kernel.status === 'idle'; }"""
+
+
+def _errors(cells: list[dict]) -> list[str]:
+    return [f"cell [{c['n']}]: {o.get('ename')}: {o.get('evalue')}" for c in cells for o in c["outputs"]
+            if o["output_type"] == "error"]
+
+
+def _panels(page):
+    """Top-level widget boxes that hold a measure button: the lesson's panels."""
+    boxes = page.locator(".jp-OutputArea-output > .widget-vbox")
+    return [boxes.nth(i) for i in range(boxes.count())
+            if boxes.nth(i).locator(".widget-button", has_text="Measure").count()]
+
+
+def _state(panel) -> tuple:
+    """What a learner sees of a panel's prediction: its images and its words."""
+    imgs = panel.locator("img")
+    return tuple(imgs.nth(i).get_attribute("src") for i in range(imgs.count())), panel.inner_text()
+
+
+def _change_a_control(page, panel) -> str:
+    """Pick another value in the panel's first drop-down that redraws the prediction; return its label."""
+    selects = panel.locator("select")
+    assert selects.count(), "a panel without a drop-down"
+    before = _state(panel)
+    select = selects.first
+    current = select.input_value()
+    options = [o for o in select.locator("option").all_inner_texts()]
+    for label in options:
+        value = select.locator("option", has_text=label).first.get_attribute("value")
+        if value == current:
+            continue
+        select.select_option(value=value)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if _state(panel) != before:
+                return label
+            page.wait_for_timeout(250)
+    raise AssertionError(f"no choice of {options} redrew the panel")
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson_runs_and_its_panels_respond(lab, lesson):
+    browser, url = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        stem = lesson.removesuffix(".ipynb")
+        page.goto(f"{url}/lab/workspaces/{stem}/tree/{lesson}?reset")  # a fresh workspace: this lesson alone
+        page.wait_for_function(f"""() => {{ const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+          return !!w && !!w.context && w.context.path === {lesson!r}; }}""", timeout=120_000, polling=500)
+        page.wait_for_function(KERNEL_IDLE, timeout=180_000, polling=500)
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        page.wait_for_function(DONE, timeout=RUN_TIMEOUT_S * 1000, polling=1000)
+        cells = page.evaluate(CELLS)
+        assert not _errors(cells), _errors(cells)
+        assert all(c["n"] is not None for c in cells), "some cells did not run"
+        page.wait_for_timeout(1000)  # let the last widget views render
+        assert page.get_by_text("Error displaying widget").count() == 0
+        views = sum(1 for c in cells for o in c["outputs"]
+                    if "application/vnd.jupyter.widget-view+json" in o.get("data", {}))
+        assert page.locator(".jp-OutputArea-output .jupyter-widgets").count() >= views  # each view rendered
+        SHOTS.mkdir(exist_ok=True)
+        for i, panel in enumerate(_panels(page)):
+            panel.scroll_into_view_if_needed()
+            panel.screenshot(path=str(SHOTS / f"{stem}_panel{i}_before.png"))
+            changed = _change_a_control(page, panel)
+            panel.screenshot(path=str(SHOTS / f"{stem}_panel{i}_after_{changed[:20].replace(' ', '_')}.png"))
+            button = panel.locator(".widget-button", has_text="Measure").first
+            if button.is_disabled():  # e.g. too big to measure here: the panel must say so
+                assert "measure" in panel.inner_text().lower()
+                continue
+            imgs_before, text_before = panel.locator("img").count(), panel.inner_text()
+            button.click()
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                text = panel.inner_text()
+                said = text[len(text_before):] if text.startswith(text_before) else text
+                if panel.locator("img").count() > imgs_before or (
+                        text != text_before and any(w in said for w in ("fit", "out of memory", "failed", "Error"))
+                        and not button.is_disabled()):
+                    break
+                page.wait_for_timeout(500)
+            else:
+                raise AssertionError(f"{lesson} panel {i}: the measure button showed nothing within 300 s")
+            assert not any(w in panel.inner_text() for w in ("failed", "Error", "Traceback")), panel.inner_text()
+            panel.screenshot(path=str(SHOTS / f"{stem}_panel{i}_measured.png"))
+    finally:
+        page.close()
+        _shut_down_kernels(url)
+
+
+def _shut_down_kernels(url: str) -> None:
+    """One lesson's kernel at a time: shut down every kernel the server runs (its REST API)."""
+    import json
+
+    with urllib.request.urlopen(f"{url}/api/kernels", timeout=10) as r:
+        kernels = json.load(r)
+    for k in kernels:
+        req = urllib.request.Request(f"{url}/api/kernels/{k['id']}", method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
