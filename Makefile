@@ -1,7 +1,8 @@
 # labkit: one environment for the lab, the tests and the benchmarks.
 #   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/ (as root too: containers, cloud VMs)
 #   make colab URL=https://github.com/ORG/labkit   set the repository URL in every notebook's Colab install cell
-#   make test   same environment; unit + widget tests and every notebook under nbval (smoke mode)
+#   make check  every test: make test, then make test-parity, then make test-browser (what CI runs)
+#   make test   same environment; unit + widget + distributed tests and every notebook under nbval (smoke mode)
 #   make test-browser every lesson run in JupyterLab in a real browser (Chromium + Playwright); screenshots of each panel
 #   make test-parity  the `parity` tests again on PyTorch's portable CPU kernels (ATEN_CPU_CAPABILITY=default)
 
@@ -29,7 +30,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab test test-parity test-browser test-gpu bench clean
+.PHONY: env lab colab check test test-parity test-browser test-gpu bench clean
 
 env: $(STAMP)
 
@@ -66,6 +67,8 @@ colab:
 	  echo "make colab: give the repository's URL, e.g. make colab URL=https://github.com/ORG/labkit" >&2; exit 2; \
 	fi
 	$(PYTHON) -m labkit.colab "$(URL)" notebooks
+
+check: test test-parity test-browser
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 test: env
