@@ -117,24 +117,45 @@ def _state(panel) -> tuple:
 
 
 def _change_a_control(page, panel) -> str:
-    """Pick another value in the panel's first drop-down that redraws the prediction; return its label."""
-    selects = panel.locator("select")
-    assert selects.count(), "a panel without a drop-down"
+    """Change one control of the panel (a drop-down's value, else a checkbox, else a toggle button) so that
+    the prediction redraws; return what was changed."""
     before = _state(panel)
-    select = selects.first
-    current = select.input_value()
-    options = [o for o in select.locator("option").all_inner_texts()]
-    for label in options:
-        value = select.locator("option", has_text=label).first.get_attribute("value")
-        if value == current:
-            continue
-        select.select_option(value=value)
+
+    def redrew() -> bool:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if _state(panel) != before:
-                return label
+                return True
             page.wait_for_timeout(250)
-    raise AssertionError(f"no choice of {options} redrew the panel")
+        return False
+
+    tried = []
+    selects = panel.locator("select")
+    if selects.count():
+        select = selects.first
+        current = select.input_value()
+        for option in select.locator("option").all():
+            value = option.get_attribute("value")
+            if value == current:
+                continue
+            select.select_option(value=value)
+            tried.append(option.inner_text())
+            if redrew():
+                return tried[-1]
+    boxes = panel.locator("input[type=checkbox]")
+    if boxes.count():
+        boxes.first.click()
+        tried.append("checkbox")
+        if redrew():
+            return "checkbox"
+    toggles = panel.locator(".widget-toggle-button:not(.mod-active)")
+    if toggles.count():
+        label = toggles.first.inner_text()
+        toggles.first.click()
+        tried.append(label)
+        if redrew():
+            return label
+    raise AssertionError(f"no control change redrew the panel (tried {tried or 'nothing: no control found'})")
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
