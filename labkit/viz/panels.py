@@ -50,7 +50,7 @@ def say(text: str, color: str) -> str:
     """One style for every verdict and message (fits, does not fit, an error): bold, coloured, wrapping
     between words like prose (not a monospace line cut mid-word)."""
     return (f"<div style='color:{color}; font-weight:600; white-space:normal; word-break:normal; "
-            f"overflow-wrap:anywhere; line-height:1.4'>{html.escape(text)}</div>")
+            f"overflow-wrap:break-word; line-height:1.4'>{html.escape(text)}</div>")
 
 
 class RecipePanel:
