@@ -16,10 +16,15 @@ from .plots import (
 )
 
 
+_PANELS = {"MemoryPanel": "panels", "RecipePanel": "panels", "CheckpointPanel": "lesson_panels",
+           "AccumulationPanel": "lesson_panels", "OptimizerPanel": "lesson_panels", "RankPanel": "lesson_panels",
+           "PEFTPanel": "lesson_panels", "QuantPanel": "lesson_panels"}
+
+
 def __getattr__(name: str):
     # panels import ipywidgets and the models' presets (transformers): load them only when asked
-    if name == "MemoryPanel":
-        from .panels import MemoryPanel
+    if name in _PANELS:
+        import importlib
 
-        return MemoryPanel
+        return getattr(importlib.import_module(f".{_PANELS[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

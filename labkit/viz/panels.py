@@ -1,4 +1,8 @@
-"""The memory panel: sliders redraw the predicted memory at once; a button measures one real step."""
+"""Widget panels: controls redraw the predicted memory at once; a button measures real steps under a budget.
+
+`RecipePanel` is the shape every panel shares (controls -> Recipe keywords -> one `estimate` call -> bars;
+the button -> one `run_within_budget(measure_step)` call -> predicted vs measured and the timeline);
+`MemoryPanel` (lesson 01) is the first of them, the lessons' own panels are in .lesson_panels."""
 
 from __future__ import annotations
 
@@ -38,7 +42,164 @@ def _defaults() -> dict:
     return out
 
 
-class MemoryPanel:
+STYLE = {"description_width": "90px"}  # room for every control's name
+BUDGET_RANGE = (-20, 11)  # the budget slider's range, powers of two of a GiB: 1 KiB to 2 TiB
+
+
+def say(text: str, color: str) -> str:
+    """One style for every verdict and message (fits, does not fit, an error): bold, coloured, wrapping
+    between words like prose (not a monospace line cut mid-word)."""
+    return (f"<div style='color:{color}; font-weight:600; white-space:normal; word-break:normal; "
+            f"overflow-wrap:break-word; line-height:1.4'>{html.escape(text)}</div>")
+
+
+class RecipePanel:
+    """Controls that choose a recipe, a budget, the predicted bars, and a button that measures real steps.
+
+    A subclass makes its controls, passes them to `__init__`, and says what they mean in `recipe()`:
+    the keywords of `labkit.estimate.Recipe` (model, batch, seq, dtype and the technique's knobs;
+    `fixed` holds the ones no control changes). `describe(est)` may add one clause about the estimate.
+    Every control change clears the last measurement and calls `estimate` once; the button calls
+    `run_within_budget(measure_step)` once. Tests read `last_estimate`, `last_result`, `last_figure`
+    and `last_error`.
+    """
+
+    def __init__(self, controls, budget: int, *, fixed: dict | None = None, kind: str = "cpu", device=None,
+                 data=None, steps: int = 2, measure_limit: int | None = None):
+        if budget is None or budget <= 0:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+        self.fixed = dict(fixed or {})
+        self.kind = kind  # the kernels the estimate models: "cpu" or "cuda"
+        self.device = kind if device is None else device  # where the button runs the steps
+        self.data, self.steps, self.measure_limit = data, steps, measure_limit
+        lo, hi = BUDGET_RANGE
+        self.budget = widgets.FloatLogSlider(value=budget / GiB, base=2, min=lo, max=hi, step=0.125, description="budget",
+                                             readout=False, continuous_update=False, style=STYLE)  # value in GiB
+        self.budget_readout = widgets.Label()  # the budget in the unit that reads best: "3.13 MiB", "24.00 GiB"
+        self.prediction = widgets.Image(format="png")  # the predicted bars, redrawn on every change
+        self.verdict = widgets.HTML()  # the prediction in words: fits / does not fit, and what measuring offers
+        self.button = widgets.Button(description=f"Measure {steps} step" + ("s" if steps > 1 else ""),
+                                     button_style="primary", icon="play", layout=widgets.Layout(width="auto"),
+                                     tooltip=f"run {steps} real training steps under the budget")
+        self.message = widgets.HTML()  # the measurement's outcome in words
+        self.output = widgets.Output()  # the measurement's figures
+        self.last_estimate = self.last_result = self.last_figure = self.last_error = None
+        self.controls = (*controls, self.budget)
+        for w in self.controls:
+            w.observe(self._on_change, names="value")
+        self.button.on_click(self._on_measure)
+        self.widget = widgets.VBox([
+            widgets.HBox([widgets.VBox([*controls, widgets.HBox([self.budget, self.budget_readout])]), self.prediction]),
+            self.verdict, self.button, self.message, self.output,
+        ])
+        self._on_change()
+
+    # ---- what a subclass says -----------------------------------------------------------------
+    def recipe(self) -> dict:
+        """The Recipe keywords the controls choose (besides `fixed`); may enable or disable controls."""
+        return {}
+
+    def describe(self, est) -> str:
+        """One clause about the estimate for the verdict line, e.g. 'optimizer state 1.20 MiB'."""
+        return ""
+
+    # ---- reading the controls ---------------------------------------------------------------
+    def _keywords(self) -> dict:
+        return {**self.fixed, **self.recipe()}
+
+    def _budget_bytes(self) -> int:
+        return int(self.budget.value * GiB)
+
+    # ---- callbacks: read the controls, make one library call, draw ---------------------------
+    def _on_change(self, _change=None) -> None:
+        self._clear_measurement()  # it was made with other controls: it no longer describes them
+        self.budget_readout.value = fmt_bytes(self._budget_bytes())
+        try:
+            est = estimate(**self._keywords(), device=self.kind)
+        except ValueError as e:  # a combination the estimator refuses, e.g. a sequence longer than the model's positions
+            self.last_estimate = None
+            self._draw_prediction_error(str(e))
+            return
+        self.last_estimate = est
+        self._draw_prediction(est, self._budget_bytes())
+
+    def _on_measure(self, _button=None) -> None:
+        if self.button.disabled:
+            return
+        kw, budget = self._keywords(), self._budget_bytes()
+        if self.data is not None:
+            kw["data"] = self.data
+        self._clear_measurement()
+        self.button.disabled = True
+        self.message.value = say(f"measuring {self.steps} training steps (from the second on, the optimizer "
+                                 f"state is there too)...", "#555555")
+        try:
+            result = run_within_budget(
+                lambda: measure_step(**kw, steps=self.steps, budget=budget, device=self.device), budget)
+        except Exception as e:  # a widget callback's traceback never reaches the notebook: say it here
+            self.last_error = e
+            self.message.value = say(f"the measurement failed: {type(e).__name__}: {e}", DOES_NOT_FIT)
+            return
+        finally:
+            self.button.disabled = False
+        self.last_result = result
+        self._draw_result(result, budget)
+
+    def _clear_measurement(self) -> None:
+        self.last_result = self.last_figure = self.last_error = None
+        self.message.value = ""
+        if _in_ipython():
+            self.output.clear_output()
+
+    # ---- drawing ----------------------------------------------------------------------------
+    def _draw_prediction(self, est, budget: int) -> None:
+        self.prediction.value = to_png(prediction_bar(est, budget), dpi=80, tight=False)
+        fits = est.peak.total <= budget
+        words = (f"predicted peak {fmt_bytes(est.peak.total)} ({est.peak_phase}): "
+                 + ("fits" if fits else "does not fit") + f" in {fmt_bytes(budget)}")
+        extra = self.describe(est)
+        if extra:
+            words += f"; {extra}"
+        can_measure = self.measure_limit is None or est.peak.total <= self.measure_limit
+        self.button.disabled = not can_measure
+        self.button.tooltip = (f"run {self.steps} real training steps under the budget" if can_measure
+                               else "too big to run on this machine")
+        if can_measure:
+            words += " — measure it to check" + ("" if fits else " (expect an out-of-memory)")
+        else:
+            words += (f" — too big to measure here (this machine runs steps up to "
+                      f"{fmt_bytes(self.measure_limit)}); make it smaller to measure")
+        self.verdict.value = say(words, FITS if fits else DOES_NOT_FIT)
+
+    def _draw_prediction_error(self, text: str) -> None:
+        fig = Figure(figsize=(7, 4))  # the predicted bars' size, so the picture keeps its shape
+        fig.text(0.5, 0.5, "no prediction:\n" + text, ha="center", va="center", wrap=True, color=DOES_NOT_FIT,
+                 fontsize=11)
+        self.prediction.value = to_png(fig, dpi=80, tight=False)
+        self.verdict.value = say(f"no prediction: {text}", DOES_NOT_FIT)
+        self.button.disabled = True
+
+    def _draw_result(self, result, budget: int) -> None:
+        self.message.value = say(result.message, FITS if result.fits else DOES_NOT_FIT)
+        self.last_figure = None
+        if result.measurement is None:
+            return
+        fig = Figure(figsize=(10, 8.4))
+        top, bottom = fig.subfigures(2, 1)
+        compare_bar(self.last_estimate, result.measurement, ax=top.subplots())
+        top.subplots_adjust(left=0.09, right=0.40, bottom=0.16, top=0.86)
+        timeline(result.measurement, ax=bottom.subplots(), budget=budget)
+        bottom.subplots_adjust(left=0.09, right=0.8, bottom=0.14, top=0.82)
+        self.last_figure = fig
+        if _in_ipython():  # outside a kernel there is nowhere to show it; tests read last_figure
+            with self.output:
+                display(Image(data=to_png(fig, dpi=80), format="png"))
+
+    def _ipython_display_(self) -> None:
+        display(self.widget)
+
+
+class MemoryPanel(RecipePanel):
     """Predict one training step's memory for any preset; measure it for real when this machine can.
 
     Every control change redraws the prediction (one call: `labkit.estimate`). The button
@@ -52,128 +213,27 @@ class MemoryPanel:
                  dtype: str | None = None, optimizer: str = "adamw", budget_gib: float | None = None,
                  measure_limit: int | None = None, steps: int = 2, rank: int = 16):
         d = _defaults()
-        self.device, self.steps = d["device"], steps
-        self.measure_limit = int(measure_limit or d["limit"])
-        style = {"description_width": "80px"}
         model = model or d["model"]
         positions = spec_from(model).max_positions or d["seq"]  # the default seq must suit the model
-        self.model = widgets.Dropdown(options=list(PRESETS), value=model, description="model", style=style)
-        self.batch = widgets.IntSlider(value=batch or d["batch"], min=1, max=64, description="batch", style=style,
+        self.model = widgets.Dropdown(options=list(PRESETS), value=model, description="model", style=STYLE)
+        self.batch = widgets.IntSlider(value=batch or d["batch"], min=1, max=64, description="batch", style=STYLE,
                                         continuous_update=False)  # redraw on release, not per pixel
-        self.seq = widgets.IntSlider(value=seq or min(d["seq"], positions), min=16, max=4096, step=16, description="seq", style=style,
-                                      continuous_update=False)
-        self.dtype = widgets.Dropdown(options=list(DTYPES), value=dtype or d["dtype"], description="dtype", style=style)
-        self.optimizer = widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=style)
+        self.seq = widgets.IntSlider(value=seq or min(d["seq"], positions), min=16, max=4096, step=16, description="seq",
+                                      style=STYLE, continuous_update=False)
+        self.dtype = widgets.Dropdown(options=list(DTYPES), value=dtype or d["dtype"], description="dtype", style=STYLE)
+        self.optimizer = widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=STYLE)
         self.rank = widgets.SelectionSlider(options=sorted({*RANKS, int(rank)}), value=int(rank), description="rank",
-                                            style=style, continuous_update=False,
+                                            style=STYLE, continuous_update=False,
                                             tooltip="GaLore's rank: the optimizer state lives in a rank-r projection")
-        self.budget = widgets.FloatLogSlider(value=budget_gib or d["budget_gib"], base=2, min=-10, max=11, step=0.25,
-                                             description="budget GiB", readout_format=".3g", style=style,
-                                             continuous_update=False)
-        self.prediction = widgets.Image(format="png")  # the predicted bars, redrawn on every change
-        self.verdict = widgets.HTML()  # fits / does not fit, and whether measuring is offered
-        self.button = widgets.Button(description="Measure one step", button_style="primary", icon="play")
-        self.message = widgets.HTML()  # the measurement's outcome in words
-        self.output = widgets.Output()  # the measurement's figures
-        self.last_estimate = self.last_result = self.last_figure = self.last_error = None
-        controls = (self.model, self.batch, self.seq, self.dtype, self.optimizer, self.rank, self.budget)
-        for w in controls:
-            w.observe(self._on_change, names="value")
-        self.button.on_click(self._on_measure)
-        self.widget = widgets.VBox([
-            widgets.HBox([widgets.VBox(list(controls)), self.prediction]),
-            self.verdict, self.button, self.message, self.output,
-        ])
-        self._on_change()
+        super().__init__([self.model, self.batch, self.seq, self.dtype, self.optimizer, self.rank],
+                         int((budget_gib or d["budget_gib"]) * GiB), kind=d["device"], steps=steps,
+                         measure_limit=int(measure_limit or d["limit"]))
 
-    # ---- reading the controls ---------------------------------------------------------------
-    def _args(self) -> dict:
+    def recipe(self) -> dict:
+        galore = self.optimizer.value.startswith("galore")
+        self.rank.disabled = not galore  # other optimizers have no rank
         args = dict(model=self.model.value, batch=int(self.batch.value), seq=int(self.seq.value),
                     dtype=self.dtype.value, optimizer=self.optimizer.value)
-        if self._galore():
+        if galore:
             args["rank"] = int(self.rank.value)
         return args
-
-    def _galore(self) -> bool:
-        return self.optimizer.value.startswith("galore")
-
-    def _budget_bytes(self) -> int:
-        return int(self.budget.value * GiB)
-
-    # ---- callbacks: read the controls, make one library call, draw ---------------------------
-    def _on_change(self, _change=None) -> None:
-        self.rank.disabled = not self._galore()  # other optimizers have no rank
-        try:
-            est = estimate(**self._args(), device=self.device)
-        except ValueError as e:  # e.g. a sequence longer than the model's positions
-            self.last_estimate = None
-            self._draw_prediction_error(str(e))
-            return
-        self.last_estimate = est
-        self._draw_prediction(est, self._budget_bytes())
-
-    def _on_measure(self, _button=None) -> None:
-        if self.button.disabled:
-            return
-        args, budget = self._args(), self._budget_bytes()
-        self.button.disabled, self.message.value = True, f"measuring {self.steps} training steps (from the second on, optimizer state is there too)..."
-        try:
-            result = run_within_budget(
-                lambda: measure_step(**args, steps=self.steps, budget=budget, device=self.device), budget)
-        except Exception as e:  # a widget callback's traceback never reaches the notebook: say it here
-            self.last_result, self.last_error = None, e
-            self.message.value = _html(f"the measurement failed: {type(e).__name__}: {e}", DOES_NOT_FIT)
-            return
-        finally:
-            self.button.disabled = False
-        self.last_result, self.last_error = result, None
-        self._draw_result(result, budget)
-
-    # ---- drawing ----------------------------------------------------------------------------
-    def _draw_prediction(self, est, budget: int) -> None:
-        fig = prediction_bar(est, budget)
-        self.prediction.value = to_png(fig, dpi=80, tight=False)
-        fits = est.peak.total <= budget
-        words = (f"predicted peak {fmt_bytes(est.peak.total)} ({est.peak_phase}): "
-                 + ("fits" if fits else "does not fit") + f" in {fmt_bytes(budget)}")
-        can_measure = est.peak.total <= self.measure_limit
-        self.button.disabled = not can_measure
-        self.button.tooltip = "" if can_measure else "too big to run on this machine"
-        if can_measure:
-            words += " — measure it to check" + ("" if fits else " (expect an out-of-memory)")
-        else:
-            words += (f" — too big to measure here (this machine runs steps up to "
-                      f"{fmt_bytes(self.measure_limit)}); pick a smaller model, batch or seq to measure")
-        self.verdict.value = _html(words, FITS if fits else DOES_NOT_FIT)
-
-    def _draw_prediction_error(self, text: str) -> None:
-        fig = Figure(figsize=(7, 4))
-        fig.text(0.5, 0.5, "no prediction:\n" + text, ha="center", va="center", wrap=True, color=DOES_NOT_FIT)
-        self.prediction.value = to_png(fig, dpi=80)
-        self.verdict.value = _html(f"no prediction: {text}", DOES_NOT_FIT)
-        self.button.disabled = True
-
-    def _draw_result(self, result, budget: int) -> None:
-        self.message.value = _html(result.message, FITS if result.fits else DOES_NOT_FIT)
-        self.last_figure = None
-        if _in_ipython():
-            self.output.clear_output(wait=True)
-        if result.measurement is None:
-            return
-        fig = Figure(figsize=(10, 8.4))
-        top, bottom = fig.subfigures(2, 1)
-        compare_bar(self.last_estimate, result.measurement, ax=top.subplots())
-        top.subplots_adjust(left=0.09, right=0.40, bottom=0.16, top=0.86)
-        timeline(result.measurement, ax=bottom.subplots(), budget=budget)
-        bottom.subplots_adjust(left=0.09, right=0.8, bottom=0.14, top=0.86)
-        self.last_figure = fig
-        if _in_ipython():  # outside a kernel there is nowhere to show it; tests read last_figure
-            with self.output:
-                display(Image(data=to_png(fig, dpi=80), format="png"))
-
-    def _ipython_display_(self) -> None:
-        display(self.widget)
-
-
-def _html(text: str, color: str) -> str:
-    return f"<b style='color:{color}'>{html.escape(text)}</b>"

@@ -7,8 +7,10 @@ names are importable from here too, as the lessons use them (`plots.fit_table`, 
 from __future__ import annotations
 
 import matplotlib
+import matplotlib.artist
 from matplotlib.figure import Figure
-from matplotlib.transforms import blended_transform_factory
+from matplotlib.patches import Patch
+from matplotlib.transforms import blended_transform_factory, offset_copy
 
 from labkit.memory.report import CATEGORIES, PHASES, Breakdown
 from labkit.memory.units import fmt_bytes
@@ -75,13 +77,79 @@ def compare_bar(estimate, measurement, ax=None, phase: str = "peak", tolerance: 
     return fig
 
 
+def _bands(marks: list[tuple[int, str, int]], n: int) -> list[tuple[int, int, str, int, list]]:
+    """The timeline's phases as bands (start, end, phase, step, pieces), pieces being (start, end, phase).
+
+    A step whose optimizer runs inside its backward (step in backward: one optimizer step per
+    parameter as its gradient is ready) is one band, "backward + optimizer", not dozens of slivers."""
+    pieces = []  # (start, end, phase, step), empty ones left out
+    marks = sorted(marks)
+    for i, (start, phase, step) in enumerate(marks):
+        end = marks[i + 1][0] if i + 1 < len(marks) else n
+        if end > start:
+            pieces.append((start, end, phase, step))
+    inside, stepped = set(), set()  # steps whose backward resumes after an optimizer step
+    for _, _, phase, step in pieces:
+        if phase == "optimizer":
+            stepped.add(step)
+        elif phase == "backward" and step in stepped:
+            inside.add(step)
+    bands: list[tuple[int, int, str, int, list]] = []
+    for start, end, phase, step in pieces:
+        last = bands[-1] if bands else None
+        if (step in inside and phase in ("backward", "optimizer") and last is not None and last[3] == step
+                and last[2] in ("backward", "backward + optimizer")):
+            bands[-1] = (last[0], end, "backward + optimizer", step, last[4] + [(start, end, phase)])
+        else:
+            bands.append((start, end, phase, step, [(start, end, phase)]))
+    return bands
+
+
+class _PhaseLabels(matplotlib.artist.Artist):
+    """Places the phase labels when the figure is drawn, once the text widths and the axes' size are known:
+    a label sits over its band if it fits there, else one row higher if that row has room, else it is
+    left out (the band's shade, named in the legend, still tells the phase)."""
+
+    ROWS = (3, 14)  # points above the axes
+
+    def __init__(self, ax, labels):
+        super().__init__()
+        self.ax, self.labels = ax, labels  # [(start, end, Text)]
+        self.set_zorder(2.9)  # drawn just before the texts (zorder 3): it moves them first
+        self.set_in_layout(False)
+
+    def draw(self, renderer) -> None:
+        ax = self.ax
+        lo, hi = ax.bbox.x0, ax.bbox.x1
+        gap = renderer.points_to_pixels(4)
+        to_data = ax.transData.inverted()
+        upper_right = -float("inf")  # right edge of the last label in the upper row
+        for start, end, t in self.labels:
+            (x0, _), (x1, _) = ax.transData.transform([(start, 0), (end, 0)])
+            x0, x1 = max(x0, lo), min(x1, hi)
+            t.set_visible(True)
+            w = t.get_window_extent(renderer).width
+            if w + gap <= x1 - x0:
+                row, c = 0, (x0 + x1) / 2
+            else:
+                row, c = 1, min(max((x0 + x1) / 2, lo + w / 2), hi - w / 2)  # over the band, inside the axes
+                if c - w / 2 < upper_right + gap:
+                    t.set_visible(False)
+                    continue
+                upper_right = c + w / 2
+            base = blended_transform_factory(ax.transData, ax.transAxes)
+            t.set_transform(offset_copy(base, fig=ax.figure, y=self.ROWS[row], units="points"))
+            t.set_position((to_data.transform((c, 0))[0], 1.0))
+
+
 def timeline(measurement, ax=None, budget: int | None = None, title: str | None = None) -> Figure:
     """Live bytes by category after every allocation or free (a stacked area), with the phases of each
-    step shaded and named, a dashed line at the peak, and a red line at `budget` (bytes) if given."""
+    step shaded and named, a dashed line at the peak, and a red line at `budget` (bytes) if given.
+    Phase labels that do not fit over their band move up a row, or are left out (see _PhaseLabels)."""
     tl = measurement.timeline
     total = tl.total
     fig, ax = _axes(ax, (10, 4.2), right=0.8)
-    ax.set_title(title or f"memory during training: {measurement.label}".rstrip(": "), fontsize=10, pad=18)
+    ax.set_title(title or f"memory during training: {measurement.label}".rstrip(": "), fontsize=10, pad=28)
     if not total:
         ax.text(0.5, 0.5, "no allocations were recorded", ha="center", va="center", transform=ax.transAxes)
         return fig
@@ -102,32 +170,33 @@ def timeline(measurement, ax=None, budget: int | None = None, title: str | None 
     ax.set_xlim(0, n)
     ax.set_ylim(0, top / size * 1.12)
 
-    marks = sorted(tl.phase_starts)
-    band_of_peak = ("", 0)
-    label_at = blended_transform_factory(ax.transData, ax.transAxes)
     peak_at = total.index(peak)
-    for i, (start, phase, step) in enumerate(marks):
-        end = marks[i + 1][0] if i + 1 < len(marks) else n
-        if end <= start:
-            continue
-        ax.axvspan(start, end, color=PHASE_COLORS.get(phase, "#999999"), alpha=0.10, linewidth=0, zorder=0)
-        ax.axvline(start, color="#777777", linewidth=0.5, zorder=0.5)
-        width = (end - start) / n
-        text = f"{phase} {step}" if width > 0.1 else f"{phase[:3]} {step}" if width > 0.04 else ""
-        ax.text((start + end) / 2, 1.01, text, transform=label_at, ha="center", va="bottom", fontsize=8,
-                color=PHASE_COLORS.get(phase, "#555555"))
-        if start <= peak_at < end:
-            band_of_peak = (phase, step)
+    where, labels, shaded = "", [], []
+    for start, end, phase, step, pieces in _bands(tl.phase_starts, n):
+        color = PHASE_COLORS.get(phase.split(" ")[0], "#999999")  # "backward + optimizer": backward's shade
+        ax.axvspan(start, end, color=color, alpha=0.10, linewidth=0, zorder=0)
+        ax.axvline(start, color="#777777", linewidth=0.5, zorder=0.5)  # one line per band, not per sliver
+        shaded.append(phase.split(" ")[0])
+        labels.append((start, end, ax.text(start, 1.0, f"{phase} {step}", ha="center", va="bottom", fontsize=8,
+                                           color=color, clip_on=False)))
+        for s, e, piece in pieces:
+            if s <= peak_at < e:
+                inner = phase != piece  # a piece of a "backward + optimizer" band
+                name = ("an optimizer step inside backward" if inner and piece == "optimizer" else piece)
+                where = f" ({name}, step {step})"
+    ax.add_artist(_PhaseLabels(ax, labels))
 
+    # two lines close together: each label goes on the far side of its line, so neither covers the other line
+    close = show_budget and abs(budget - peak) <= 0.08 * peak
+    budget_above = not close or budget >= peak
     ax.axhline(peak / size, color="black", linestyle="--", linewidth=1)
-    where = f" ({band_of_peak[0]}, step {band_of_peak[1]})" if band_of_peak[0] else ""
-    ax.text(n, peak / size, f"peak {fmt_bytes(peak)}{where} ", ha="right", va="bottom", fontsize=8,
-            bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
+    ax.text(n, peak / size, f"peak {fmt_bytes(peak)}{where} ", ha="right", va="top" if close and budget_above else "bottom",
+            fontsize=8, bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
     if show_budget:
         ax.axhline(budget / size, color=DOES_NOT_FIT, linewidth=1.5)
-        below = budget <= peak * 1.08  # the peak's label sits just above: put this one under its line
         ax.text(n * 0.01, budget / size, f"budget {fmt_bytes(budget)}", color=DOES_NOT_FIT, ha="left",
-                va="top" if below else "bottom", fontsize=8, bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
+                va="bottom" if budget_above else "top", fontsize=8,
+                bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
     elif budget is not None:
         ax.text(1.02, 0.0, f"budget {fmt_bytes(budget)}:\nfar above the peak\n(off the chart)",
                 transform=ax.transAxes, color=DOES_NOT_FIT, ha="left", va="bottom", fontsize=8)
@@ -135,7 +204,10 @@ def timeline(measurement, ax=None, budget: int | None = None, title: str | None 
     ax.set_ylabel(f"live memory ({unit})")
     ax.spines[["top", "right"]].set_visible(False)
     used = [c for c in CATEGORIES if any(tl.bytes[c])]
-    _legend(ax, used[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    phases = [p for p in PHASE_COLORS if p in shaded]
+    handles = ([Patch(color=PHASE_COLORS[p], alpha=0.25, label=f"{p} phase") for p in phases]
+               + [Patch(color=CATEGORY_COLORS[c], label=c.value) for c in used[::-1]])
+    ax.legend(handles=handles, fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 

@@ -131,7 +131,7 @@ def test_timeline_stacks_categories_and_names_phases_peak_and_budget():
     areas = [c for c in ax.collections if isinstance(c, (FillBetweenPolyCollection, PolyCollection))]
     assert len(areas) == sum(1 for c in CATEGORIES if any(meas.timeline.bytes[c]))  # 5: no buffers
     words = texts(fig)
-    for label in ("forward 1", "backward 1", "opt 2", "peak 12.00 MiB (backward, step 2)", "budget 13.00 MiB"):
+    for label in ("forward 1", "backward 1", "optimizer 2", "peak 12.00 MiB (backward, step 2)", "budget 13.00 MiB"):
         assert label in words
     lines = {(round(l.get_ydata()[0], 3), l.get_linestyle(), to_hex(l.get_color())) for l in ax.lines}
     assert (12.0, "--", "#000000") in lines  # the peak, dashed

@@ -98,8 +98,14 @@ def test_big_models_are_predicted_but_not_offered_for_measurement(panel):
     assert not panel.button.disabled
 
 
+def png_size(png: bytes) -> tuple[int, int]:
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk's width, height
+
+
 def test_a_sequence_longer_than_the_model_is_explained_not_raised(panel):
+    bars = png_size(bytes(panel.prediction.value))
     panel.seq.value = 1024
+    assert png_size(bytes(panel.prediction.value)) == bars  # the explanation keeps the picture's shape
     assert panel.last_estimate is None
     assert "no prediction" in panel.verdict.value and "128 positions" in panel.verdict.value
     assert panel.button.disabled

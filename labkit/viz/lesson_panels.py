@@ -1,0 +1,219 @@
+"""The lessons' panels (03 to 08): each names its controls and what they mean as Recipe keywords; RecipePanel
+does the rest (the budget, the predicted bars, the button that measures, the messages).
+
+Every panel takes the lesson's model config, batch, seq and dtype, `kind` (the kernels the estimate
+models: the lessons' KIND), `device` (where the button runs: DEVICE) and, where the lesson trains on
+text, `data` (TRAIN). `budget` is in bytes. QuantPanel (lesson 07) predicts no memory: it shows the
+bits and error of a quantized weight matrix.
+"""
+
+from __future__ import annotations
+
+import ipywidgets as widgets
+from IPython.display import display
+from matplotlib.figure import Figure
+
+from labkit.memory import Category, fmt_bytes
+from labkit.recompute import POLICIES
+
+from .panels import STYLE, RecipePanel
+from .style import to_png
+
+__all__ = ["CheckpointPanel", "AccumulationPanel", "OptimizerPanel", "RankPanel", "PEFTPanel", "QuantPanel",
+           "quantize_report", "QUANT_MODES", "QUANT_BLOCKS", "PEFT_TARGETS"]
+
+_OPTIMIZERS = ("sgd", "sgd-momentum", "adamw", "adamw8bit", "lion", "adafactor")  # lesson 05's
+_OFFLOAD = ("none", "cpu", "disk")  # where AdamW's state lives ("none": on the device)
+# lesson 08's target choices: what the dropdown says -> labkit.peft's lora_targets
+PEFT_TARGETS = {"all linear": "all-linear", "attention (c_attn, attn.c_proj)": ["c_attn", "attn.c_proj"],
+                "MLP (c_fc, mlp.c_proj)": ["c_fc", "mlp.c_proj"], "c_attn only": ["c_attn"]}
+
+
+def _fixed(config, batch, seq, dtype) -> dict:
+    return dict(model=config, batch=batch, seq=seq, dtype=dtype)
+
+
+class CheckpointPanel(RecipePanel):
+    """Lesson 03: the checkpoint policy and, for "full", the number of segments k.
+
+    step_flops, recompute_flops: FLOPs of one plain training step and of one forward of every block
+    (what a full recompute adds), counted once by the lesson; given, the verdict shows the cost in FLOPs."""
+
+    def __init__(self, config, batch: int, seq: int, budget: int, *, dtype: str = "fp32", kind: str = "cpu",
+                 device=None, data=None, step_flops: int | None = None, recompute_flops: int | None = None):
+        n = config.n_layer
+        self.step_flops, self.recompute_flops = step_flops, recompute_flops
+        self.policy = widgets.Dropdown(options=POLICIES, value="full", description="checkpoint", style=STYLE)
+        self.segments = widgets.IntSlider(value=n, min=1, max=n, description="segments k", style=STYLE,
+                                          continuous_update=False)
+        super().__init__([self.policy, self.segments], budget, fixed=_fixed(config, batch, seq, dtype), kind=kind,
+                         device=device, data=data)
+
+    def recipe(self) -> dict:
+        full = self.policy.value == "full"
+        self.segments.disabled = not full  # k means something for "full" only
+        return dict(checkpoint=self.policy.value, segments=self.segments.value if full else None)
+
+    def describe(self, est) -> str:
+        if not self.step_flops:
+            return ""
+        extra = self.recompute_flops if self.policy.value in ("full", "sqrt") else 0  # selective recomputes no matmul
+        total = self.step_flops + (extra or 0)
+        return (f"FLOPs per step {total / 1e9:.2f} G (x{total / self.step_flops:.3f}"
+                + (": every checkpointed block is recomputed once)" if extra else ")"))
+
+
+class AccumulationPanel(RecipePanel):
+    """Lesson 04: the micro-batch (a divisor of the batch) and the checkpoint policy."""
+
+    def __init__(self, config, batch: int, seq: int, budget: int, *, dtype: str = "fp32", kind: str = "cpu",
+                 device=None, data=None):
+        self.micro = widgets.SelectionSlider(options=[m for m in range(1, batch + 1) if batch % m == 0], value=batch,
+                                             description="micro-batch", style=STYLE, continuous_update=False)
+        self.checkpoint = widgets.Dropdown(options=POLICIES, value="none", description="checkpoint", style=STYLE)
+        super().__init__([self.micro, self.checkpoint], budget, fixed=_fixed(config, batch, seq, dtype), kind=kind,
+                         device=device, data=data)
+
+    def recipe(self) -> dict:
+        return dict(checkpoint=self.checkpoint.value, micro_batch=self.micro.value)
+
+    def describe(self, est) -> str:
+        n = self.fixed["batch"] // self.micro.value
+        return f"{n} micro-batch{'es' if n > 1 else ''} of {self.micro.value} row{'s' if self.micro.value > 1 else ''}"
+
+
+class OptimizerPanel(RecipePanel):
+    """Lesson 05: the optimizer, stepping inside backward, and where AdamW's state lives (offload)."""
+
+    def __init__(self, config, batch: int, seq: int, budget: int, *, dtype: str = "fp32", kind: str = "cpu",
+                 device=None, data=None, optimizers=_OPTIMIZERS):
+        self.optimizer = widgets.Dropdown(options=list(optimizers), value="adamw", description="optimizer", style=STYLE)
+        self.in_backward = widgets.Checkbox(value=False, description="step in backward", style=STYLE)
+        self.offload = widgets.Dropdown(options=_OFFLOAD, value="none", description="offload", style=STYLE,
+                                        tooltip="where AdamW's state lives: on the device, in host memory or on disk")
+        super().__init__([self.optimizer, self.in_backward, self.offload], budget,
+                         fixed=_fixed(config, batch, seq, dtype), kind=kind, device=device, data=data)
+
+    def recipe(self) -> dict:
+        return dict(optimizer=self.optimizer.value, step_in_backward=self.in_backward.value,
+                    optimizer_offload=None if self.offload.value == "none" else self.offload.value)
+
+    def describe(self, est) -> str:
+        return f"optimizer state {fmt_bytes(est.peak[Category.OPT])}"
+
+
+class RankPanel(RecipePanel):
+    """Lesson 06: GaLore's rank, 8-bit moments and stepping inside backward.
+
+    ranks: the ranks offered; adamw_state: AdamW's optimizer state in bytes, for comparison (optional)."""
+
+    def __init__(self, config, batch: int, seq: int, budget: int, rank: int, *, ranks=None, dtype: str = "fp32",
+                 kind: str = "cpu", device=None, data=None, adamw_state: int | None = None):
+        self.adamw_state = adamw_state
+        ranks = sorted({*(ranks or (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)), int(rank)})
+        self.rank = widgets.SelectionSlider(options=ranks, value=int(rank), description="rank", style=STYLE,
+                                            continuous_update=False)
+        self.eight_bit = widgets.Checkbox(value=False, description="8-bit moments", style=STYLE)
+        self.in_backward = widgets.Checkbox(value=False, description="step in backward", style=STYLE)
+        super().__init__([self.rank, self.eight_bit, self.in_backward], budget,
+                         fixed=_fixed(config, batch, seq, dtype), kind=kind, device=device, data=data)
+
+    def recipe(self) -> dict:
+        return dict(optimizer="galore8bit" if self.eight_bit.value else "galore", rank=self.rank.value,
+                    step_in_backward=self.in_backward.value)
+
+    def describe(self, est) -> str:
+        words = f"optimizer state {fmt_bytes(est.peak[Category.OPT])}"
+        return words + (f" (AdamW: {fmt_bytes(self.adamw_state)})" if self.adamw_state is not None else "")
+
+
+class PEFTPanel(RecipePanel):
+    """Lesson 08: full fine-tuning, LoRA (rank, targets, the base's quantization) or LISA (active layers)."""
+
+    def __init__(self, config, batch: int, seq: int, budget: int, *, rank: int = 8, dtype: str = "fp32",
+                 kind: str = "cpu", device=None, data=None, targets: dict | None = None):
+        self.targets_map = dict(targets or PEFT_TARGETS)
+        self.method = widgets.ToggleButtons(options=["full", "LoRA", "LISA"], value="LoRA", description="method",
+                                            style=STYLE)
+        self.rank = widgets.SelectionSlider(options=sorted({1, 2, 4, 8, 16, 32, 64, int(rank)}), value=int(rank),
+                                            description="rank", style=STYLE, continuous_update=False)
+        self.targets = widgets.Dropdown(options=list(self.targets_map), value=next(iter(self.targets_map)),
+                                        description="targets", style=STYLE)
+        self.quant = widgets.Dropdown(options=["none", "int8", "nf4"], value="none", description="base", style=STYLE,
+                                      tooltip="the frozen base weights: as they are, int8, or NF4 (QLoRA)")
+        self.layers = widgets.IntSlider(value=1, min=1, max=config.n_layer, description="LISA layers", style=STYLE,
+                                        continuous_update=False)
+        super().__init__([self.method, self.rank, self.targets, self.quant, self.layers], budget,
+                         fixed=dict(_fixed(config, batch, seq, dtype), optimizer="adamw"), kind=kind, device=device,
+                         data=data)
+
+    def recipe(self) -> dict:
+        method = self.method.value
+        for w, used in ((self.rank, method == "LoRA"), (self.targets, method == "LoRA"), (self.quant, method == "LoRA"),
+                        (self.layers, method == "LISA")):
+            w.disabled = not used  # each method reads its own knobs only
+        if method == "LoRA":
+            return dict(lora_rank=self.rank.value, lora_targets=self.targets_map[self.targets.value], quant=self.quant.value)
+        return dict(lisa_layers=self.layers.value) if method == "LISA" else {}
+
+    def describe(self, est) -> str:
+        p = est.peak
+        return (f"trainable state (GRAD + OPT) {fmt_bytes(p[Category.GRAD] + p[Category.OPT])}, "
+                f"weights {fmt_bytes(p[Category.PARAM] + p[Category.BUFFER])}")
+
+
+# ---- lesson 07: bits against error --------------------------------------------------------------
+QUANT_MODES = ("int8 absmax", "int8 zero-point", "NF4", "NF4 + double quant")
+QUANT_BLOCKS = (32, 64, 128, 256, 512, 1024, 4096)
+
+
+def quantize_report(w, mode: str, blocksize: int) -> tuple[float, float]:
+    """-> (bits per parameter, relative RMSE) of w quantized with `mode` (one of QUANT_MODES) in blocks of
+    `blocksize`."""
+    from labkit.quant import (bits_per_param_nf4, dequantize_int8, dequantize_nf4, quant_error, quantize_int8,
+                              quantize_nf4)
+
+    if mode not in QUANT_MODES:
+        raise ValueError(f"mode {mode!r}: choose one of {', '.join(QUANT_MODES)}")
+    if mode.startswith("int8"):
+        q = quantize_int8(w, "absmax" if mode == "int8 absmax" else "zeropoint", "block", blocksize)
+        return q.bits_per_param, quant_error(w, dequantize_int8(q))["rel_rmse"]
+    p, s = quantize_nf4(w, blocksize, double_quant=mode.endswith("double quant"))
+    return bits_per_param_nf4(p, s), quant_error(w, dequantize_nf4(p, s))["rel_rmse"]
+
+
+class QuantPanel:
+    """Lesson 07: mode and block size pick a point on the bits-vs-error curves of one weight matrix.
+
+    The curves (every mode at every block size) are computed once, when the panel is made; a control
+    change only picks the point, writes it in words and redraws (the chosen point starred)."""
+
+    def __init__(self, w, mode: str = "NF4 + double quant", blocksize: int = 64):
+        self.points = {m: {b: quantize_report(w, m, b) for b in QUANT_BLOCKS} for m in QUANT_MODES}
+        self.mode = widgets.Dropdown(options=QUANT_MODES, value=mode, description="mode", style=STYLE)
+        self.blocksize = widgets.SelectionSlider(options=QUANT_BLOCKS, value=blocksize, description="block size",
+                                                 style=STYLE, continuous_update=False)
+        self.picture, self.words = widgets.Image(format="png"), widgets.HTML()
+        self.last_figure = None
+        for c in (self.mode, self.blocksize):
+            c.observe(self._on_change, names="value")
+        self.widget = widgets.VBox([widgets.HBox([self.mode, self.blocksize]), self.words, self.picture])
+        self._on_change()
+
+    def _on_change(self, _change=None) -> None:
+        bits, err = self.points[self.mode.value][self.blocksize.value]
+        self.words.value = (f"<b>{self.mode.value}</b>, blocks of {self.blocksize.value}: {bits:.3f} bits/param, "
+                            f"relative RMSE {err:.4f}")
+        fig = Figure(figsize=(6, 2.8))
+        ax = fig.add_subplot(1, 1, 1)
+        for m, pts in self.points.items():
+            ax.plot([p[0] for p in pts.values()], [p[1] for p in pts.values()], "o-", ms=3, label=m)
+        ax.plot([bits], [err], "k*", ms=12)
+        ax.set(xlabel="bits per parameter", ylabel="relative RMSE", yscale="log", title="each point: one block size")
+        ax.legend(fontsize=7)
+        fig.subplots_adjust(left=0.14, right=0.97, bottom=0.18, top=0.88)
+        self.last_figure = fig
+        self.picture.value = to_png(fig, dpi=80, tight=False)
+
+    def _ipython_display_(self) -> None:
+        display(self.widget)
