@@ -47,6 +47,7 @@ from .awq import (
     AWQReport,
     InputStats,
     awq_groups,
+    awq_linear,
     awq_quantize,
     awq_scale,
     collect_inputs,

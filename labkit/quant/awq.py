@@ -322,6 +322,19 @@ def _fold(model: nn.Module, g: AWQGroup, s: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+def awq_linear(linear: nn.Linear, stats: InputStats, group: int = INT4_GROUP, clip: bool = True,
+               grid: int = ALPHA_GRID, compute_dtype: torch.dtype | None = None,
+               keep_dequantized: bool = False) -> Int4Linear:
+    """One Linear -> an AWQ Int4Linear that keeps its scale (nothing folded): search alpha on `stats`
+    (its input's InputStats), then the clip ratios of W s on x / s. What a LoRA base under AWQ uses."""
+    check_group(linear.in_features, group, "this Linear")
+    res = search_scale([linear.weight], stats, group, grid)
+    s = res.scale.half().float()  # as the layer stores it
+    ratios = search_clip(linear.weight.float() * s, stats.scaled(s), group) if clip else None
+    return Int4Linear.from_linear(linear, group, s, ratios, compute_dtype, keep_dequantized)
+
+
+@torch.no_grad()
 def awq_quantize(model: nn.Module, calib: Iterable[Any], group: int = INT4_GROUP,
                  names: Sequence[str] | None = None, clip: bool = True, grid: int = ALPHA_GRID,
                  fold: bool = True, compute_dtype: torch.dtype | None = None,

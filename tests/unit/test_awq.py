@@ -275,3 +275,85 @@ def test_bad_input_errors():
         awq_quantize(m, [torch.zeros(1, 4, dtype=torch.long)], 128)
     with pytest.raises(ValueError, match="one value per input feature"):
         Int4Linear.from_linear(nn.Linear(64, 8), 64, input_scale=torch.ones(8))
+
+
+# ---- the estimator and the command line: --quant int4 / int4-awq under LoRA ---------------------------------
+from labkit.cli import main  # noqa: E402
+from labkit.estimate import estimate  # noqa: E402
+from labkit.estimate.spec import spec_from  # noqa: E402
+from labkit.estimate.peft_terms import resolve_targets  # noqa: E402
+from labkit.memory import Category  # noqa: E402
+from labkit.run import build_model, measure_step  # noqa: E402
+
+G64 = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64)
+
+
+@pytest.mark.parametrize("model,group,quant,dtype,targets", [
+    (G64, 64, "int4-awq", "fp32", "all-linear"), (G64, 32, "int4", "fp32", "all-linear"),
+    ("llama-tiny", 32, "int4-awq", "fp32", "q_proj,v_proj"), ("gpt2-tiny", 64, "int4-awq", "fp32", "all-linear"),
+    (G64, 64, "int4-awq", "mixed-bf16", "all-linear")])
+def test_estimate_equals_the_ledger(model, group, quant, dtype, targets):
+    torch.set_num_threads(1)
+    kw = dict(lora_rank=8, quant=quant, quant_group=group, lora_targets=targets)
+    e = estimate(model, 2, 32, dtype, "adamw", **kw)
+    m = measure_step(model, 2, 32, dtype, "adamw", steps=2, **kw)
+    assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.peak.total, m.peak.total)
+    for phase, cat in (("optimizer", Category.GRAD), ("backward", Category.OPT), ("optimizer", Category.PARAM)):
+        assert e.phases[phase][cat] == m.phases[phase][cat], (phase, cat)
+    own = sum(b.numel() * b.element_size() for b in build_model(model, dtype).buffers())  # e.g. rotary inv_freq
+    assert e.phases["optimizer"][Category.BUFFER] + own == m.phases["optimizer"][Category.BUFFER]
+    # the buffers are the formula's: n/2 + 3 n/group (+ 2 d_in for AWQ's kept scale) per target
+    formula = sum(d_in * d_out // 2 + 3 * d_in * d_out // group + (2 * d_in if quant == "int4-awq" else 0)
+                  for _, d_in, d_out, _ in resolve_targets(spec_from(model), targets))
+    assert e.phases["optimizer"][Category.BUFFER] == formula
+
+
+def test_int4_awq_sits_between_int8_and_nf4_bases():
+    kw = dict(lora_rank=16)
+    b = {q: estimate("llama2-7b", 1, 1024, "bf16", "adamw", device="cuda", quant=q, **kw).phases["optimizer"]
+         [Category.BUFFER] for q in ("int8", "nf4", "int4", "int4-awq")}
+    assert b["int8"] > b["int4-awq"] > b["int4"] > b["nf4"]  # 4.19 (+ the kept scales) vs 4.127 bits per weight
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(lora_rank=8, quant="int4-awq"), "quant_group: int4 group size 128 does not divide the 64 input "
+                                          "features of LoRA target blocks.0.attn.c_attn"),
+    (dict(lora_rank=8, quant="int4", quant_group=48), "does not divide the 64 input features"),
+    (dict(lora_rank=8, quant="int4", quant_group=0), "quant_group must be a positive integer"),
+    (dict(lora_rank=8, quant="nf4", quant_group=64), "quant_group is int4's group size"),
+])
+def test_bad_int4_options(kw, match):
+    with pytest.raises(ValueError, match=match):
+        estimate(G64, 2, 16, **kw)
+
+
+def test_apply_peft_awq_needs_calibration():
+    from labkit.run.step import apply_peft
+
+    with pytest.raises(ValueError, match="AWQ needs calibration data"):
+        apply_peft(build_model(G64), "fp32", 8, "all-linear", "int4-awq", None, 64, calib=None)
+
+
+def test_cli_quant_int4_awq(capsys):
+    import json
+
+    base = ["estimate", "--model", "gpt2-tiny", "--batch", "2", "--seq", "32", "--dtype", "fp32", "--device", "cpu",
+            "--json", "--lora-rank", "8"]
+    code = main(base + ["--quant", "int4-awq", "--quant-group", "32"])
+    d = json.loads(capsys.readouterr()[0])
+    e = estimate("gpt2-tiny", 2, 32, "fp32", "adamw", lora_rank=8, quant="int4-awq", quant_group=32)
+    assert code == 0 and d["peak"] == e.peak.total and d["options"]["quant_group"] == 32
+    code = main([a for a in base if a != "--json"] + ["--quant", "int4-awq", "--quant-group", "64"])
+    assert code == 0 and "INT4-AWQ frozen base (buffers)" in capsys.readouterr()[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quant", "nf4", "--quant-group", "64"], "--quant-group 64 is int4's group size"),
+    (["--quant", "int4-awq", "--quant-group", "0"], "--quant-group must be a positive integer"),
+    (["--quant", "int4-awq"], "--quant-group: int4 group size 128 does not divide the 64 input features"),
+])
+def test_cli_bad_int4_input_is_one_line_and_status_2(capsys, argv, message):
+    code = main(["estimate", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8", "--lora-rank", "8", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("labkit estimate: error: ") and message in err, err
