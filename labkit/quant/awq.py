@@ -5,10 +5,12 @@ Lin et al. 2024, "AWQ: Activation-aware Weight Quantization for LLM Compression 
 (arXiv 2306.00978), section 3. For a Linear y = x W^T with input x (tokens, d_in):
 
 1. collect x on calibration data (forward hooks) and its per-channel mean magnitude s_x = mean |x|  (d_in,);
-2. for alpha in a grid on [0, 1): s = s_x^alpha, normalised by sqrt(max s * min s), and
+2. for alpha in a grid on [0, 1): s = s_x^alpha (AutoAWQ's default, "duo scaling", also divides by the
+   weights' own per-channel size to the power 1 - alpha), normalised by sqrt(max s * min s), and
    W' = Q(W diag(s)) / s   (scale the columns, quantize group-wise, unscale);
    keep the alpha that minimises || x W'^T - x W^T ||^2 over the outputs of every Linear that shares x;
-   alpha = 0 is plain round-to-nearest, so the search never does worse than RTN on its own data;
+   plain RTN (alpha = 0 of the paper's form) is a candidate, so the search never does worse than RTN on
+   its own data;
 3. apply s: divide the operation that produces x by s (a LayerNorm's weight and bias, or the rows of the
    previous Linear that make those channels) and quantize W diag(s); where nothing can absorb 1/s (after
    a GELU, or where x is also the residual stream) the Int4Linear keeps s (2 bytes per input feature);
@@ -107,10 +109,22 @@ def collect_inputs(model: nn.Module, names: Sequence[str], calib: Iterable[Any])
 # ----------------------------------------------------------------------------- the searches
 
 
-def awq_scale(mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s = s_x^alpha (floored at 1e-4), divided by sqrt(max s * min s) so the scales straddle 1; fp32 (d_in,)."""
-    s = mean_abs.float().pow(alpha).clamp_min(1e-4)
+def awq_scale(mean_abs: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """s = s_x^alpha (floored at 1e-4), divided by sqrt(max s * min s) so the scales straddle 1; fp32 (d_in,).
+    w_mean: AutoAWQ's "duo scaling", s = s_x^alpha / s_w^(1 - alpha), with s_w the mean over rows of |W| relative
+    to its group's max (see weight_mean)."""
+    s = mean_abs.float().pow(alpha)
+    if w_mean is not None:
+        s = s / (w_mean.float().pow(1 - alpha) + 1e-4)
+    s = s.clamp_min(1e-4)
     return s / (s.max() * s.min()).sqrt()
+
+
+def weight_mean(weights: Sequence[torch.Tensor], group: int) -> torch.Tensor:
+    """(d_in,) mean over all rows of |W| / max |W| of its group: how large each input channel's weights are."""
+    w = torch.cat([t.detach().float() for t in weights])
+    g = w.abs().view(w.shape[0], -1, group)
+    return (g / (g.amax(-1, keepdim=True) + 1e-6)).view(w.shape).mean(0)
 
 
 def output_mse(w: torch.Tensor, w_hat: torch.Tensor, stats: InputStats) -> float:
@@ -136,18 +150,15 @@ def scaled_weight_error(weights: Sequence[torch.Tensor], stats: InputStats, s: t
 class ScaleSearch:
     """The result of one scale search."""
 
-    alpha: float  # the best exponent
-    scale: torch.Tensor  # (d_in,) fp32 s = awq_scale(s_x, alpha)
+    alpha: float | None  # the best exponent (None: plain RTN won, possible only with duo scaling)
+    scale: torch.Tensor  # (d_in,) fp32 s = awq_scale(s_x, alpha), or ones
     errors: list[float]  # the output MSE at each alpha of the grid
     alphas: list[float]  # the grid
-
-    @property
-    def rtn_error(self) -> float:
-        return self.errors[0]  # alpha = 0: s = 1
+    rtn_error: float  # the output MSE of plain round-to-nearest (s = 1)
 
     @property
     def best_error(self) -> float:
-        return min(self.errors)
+        return min(self.rtn_error, *self.errors)
 
 
 def _as_stats(x: torch.Tensor | InputStats) -> InputStats:
@@ -156,9 +167,11 @@ def _as_stats(x: torch.Tensor | InputStats) -> InputStats:
 
 @torch.no_grad()
 def search_scale(weights: Sequence[torch.Tensor], x: torch.Tensor | InputStats, group: int = INT4_GROUP,
-                 grid: int = ALPHA_GRID, scale_dtype: torch.dtype = torch.float16) -> ScaleSearch:
+                 grid: int = ALPHA_GRID, scale_dtype: torch.dtype = torch.float16, duo: bool = False) -> ScaleSearch:
     """AWQ's grid search of alpha for the weights (each (d_out_i, d_in)) that share the input x: calibration
-    rows (tokens, d_in) or their InputStats. Ties keep the smaller alpha."""
+    rows (tokens, d_in) or their InputStats. Ties keep the smaller alpha. duo: AutoAWQ's default
+    s = s_x^alpha / s_w^(1 - alpha) instead of the paper's s_x^alpha (then alpha 0 is not RTN: RTN is
+    evaluated too, as `rtn_error`, and wins if nothing beats it)."""
     if isinstance(grid, bool) or not isinstance(grid, int) or grid <= 0:
         raise ValueError(f"grid must be a positive integer, got {grid!r}")
     stats = _as_stats(x)
@@ -168,10 +181,14 @@ def search_scale(weights: Sequence[torch.Tensor], x: torch.Tensor | InputStats, 
             raise ValueError(f"every weight must be (d_out, {d_in}) to share the input, got {tuple(w.shape)}")
         check_group(d_in, group, "the weights searched")
     alphas = [i / grid for i in range(grid)]
-    errors = [scaled_weight_error(weights, stats, None if a == 0 else awq_scale(stats.mean_abs, a), group,
-                                  scale_dtype) for a in alphas]
+    w_mean = weight_mean(weights, group) if duo else None
+    errors = [scaled_weight_error(weights, stats, None if a == 0 and not duo else awq_scale(stats.mean_abs, a, w_mean),
+                                  group, scale_dtype) for a in alphas]
+    rtn = scaled_weight_error(weights, stats, None, group, scale_dtype) if duo else errors[0]
     best = min(range(grid), key=lambda i: (errors[i], i))
-    return ScaleSearch(alphas[best], awq_scale(stats.mean_abs, alphas[best]), errors, alphas)
+    if rtn <= errors[best]:  # alpha 0 of the paper's form is RTN itself: it wins ties
+        return ScaleSearch(0.0 if not duo else None, torch.ones(d_in), errors, alphas, rtn)
+    return ScaleSearch(alphas[best], awq_scale(stats.mean_abs, alphas[best], w_mean), errors, alphas, rtn)
 
 
 @torch.no_grad()
@@ -324,11 +341,11 @@ def _fold(model: nn.Module, g: AWQGroup, s: torch.Tensor) -> None:
 @torch.no_grad()
 def awq_linear(linear: nn.Linear, stats: InputStats, group: int = INT4_GROUP, clip: bool = True,
                grid: int = ALPHA_GRID, compute_dtype: torch.dtype | None = None,
-               keep_dequantized: bool = False) -> Int4Linear:
+               keep_dequantized: bool = False, duo: bool = True) -> Int4Linear:
     """One Linear -> an AWQ Int4Linear that keeps its scale (nothing folded): search alpha on `stats`
     (its input's InputStats), then the clip ratios of W s on x / s. What a LoRA base under AWQ uses."""
     check_group(linear.in_features, group, "this Linear")
-    res = search_scale([linear.weight], stats, group, grid)
+    res = search_scale([linear.weight], stats, group, grid, duo=duo)
     s = res.scale.half().float()  # as the layer stores it
     ratios = search_clip(linear.weight.float() * s, stats.scaled(s), group) if clip else None
     return Int4Linear.from_linear(linear, group, s, ratios, compute_dtype, keep_dequantized)
@@ -337,12 +354,13 @@ def awq_linear(linear: nn.Linear, stats: InputStats, group: int = INT4_GROUP, cl
 @torch.no_grad()
 def awq_quantize(model: nn.Module, calib: Iterable[Any], group: int = INT4_GROUP,
                  names: Sequence[str] | None = None, clip: bool = True, grid: int = ALPHA_GRID,
-                 fold: bool = True, compute_dtype: torch.dtype | None = None,
+                 fold: bool = True, compute_dtype: torch.dtype | None = None, duo: bool = True,
                  stats: dict[str, InputStats] | None = None) -> AWQReport:
     """AWQ int4, in place: collect the named Linears' inputs on `calib`, search each group's alpha with
     the original weights, fold the scales where the model allows (fold=False: keep every scale in its
     layer), optionally search the clip ratios, and swap each Linear for an Int4Linear.
-    `stats`: statistics already collected with collect_inputs (then calib may be None)."""
+    duo: AutoAWQ's default s = s_x^alpha / s_w^(1 - alpha) (with RTN as a candidate); False: the paper's
+    s = s_x^alpha. `stats`: statistics already collected with collect_inputs (then calib may be None)."""
     names = linear_names(model) if names is None else list(names)
     _check_names(model, names, group)
     stats = collect_inputs(model, names, calib) if stats is None else stats
@@ -350,7 +368,8 @@ def awq_quantize(model: nn.Module, calib: Iterable[Any], group: int = INT4_GROUP
     report = AWQReport(stats=stats)
     scales = {}
     for g in groups:  # 1. search, on the original weights
-        res = search_scale([model.get_submodule(n).weight for n in g.linears], stats[g.linears[0]], group, grid)
+        res = search_scale([model.get_submodule(n).weight for n in g.linears], stats[g.linears[0]], group, grid,
+                           duo=duo)
         s = res.scale.half().float()  # as stored (kept) or as folded: the same rounding either way
         scales[g] = s
         for n in g.linears:

@@ -357,3 +357,23 @@ def test_cli_bad_int4_input_is_one_line_and_status_2(capsys, argv, message):
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("labkit estimate: error: ") and message in err, err
+
+
+@pytest.mark.parity
+def test_duo_scaling_by_hand():
+    """AutoAWQ's default: s = s_x^alpha / (s_w^(1 - alpha) + 1e-4), s_w = mean over rows of |W| / its group's max."""
+    w = torch.tensor([[0.5, -1.0, 0.25, 0.5], [2.0, 1.0, -1.0, 0.5]])
+    from labkit.quant.awq import weight_mean
+
+    s_w = weight_mean([w], 4)
+    assert s_w.tolist() == pytest.approx([(0.5 + 1.0) / 2, (1.0 + 0.5) / 2, (0.25 + 0.5) / 2, (0.5 + 0.25) / 2], rel=1e-5)
+    s_x = torch.tensor([8.0, 1.0, 1.0, 2.0])
+    raw = [sx ** 0.5 / (sw ** 0.5 + 1e-4) for sx, sw in zip(s_x.tolist(), s_w.tolist())]
+    by_hand = [r / math.sqrt(max(raw) * min(raw)) for r in raw]
+    assert awq_scale(s_x, 0.5, s_w).tolist() == pytest.approx(by_hand, rel=1e-6)
+    x, w2 = salient_layer()
+    res = search_scale([w2], x, 128, duo=True)
+    assert res.best_error <= res.rtn_error == pytest.approx(search_scale([w2], x, 128).rtn_error, rel=1e-6)
+    flat = torch.randn(8, 128)  # nothing salient, weights alike: RTN may win, and then the scale is exactly 1
+    r = search_scale([flat], torch.randn(64, 128), 128, duo=True)
+    assert (r.alpha is None and torch.equal(r.scale, torch.ones(128))) or r.best_error < r.rtn_error
