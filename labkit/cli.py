@@ -237,7 +237,8 @@ def read_model(model, text: str):
 _OPTION_NAMES = [(rf"(?<![\w-]){k}(?!\w)", v) for k, v in {
     "micro_batch": "--micro-batch", "optimizer_offload": "--optimizer-offload", "checkpoint": "--checkpoint",
     "step_in_backward": "--step-in-backward", "offload_activations": "--offload-activations",
-    "lora_rank": "--lora-rank", "lora_targets": "--lora-targets", "lisa_layers": "--lisa-layers"}.items()]
+    "lora_rank": "--lora-rank", "lora_targets": "--lora-targets", "lisa_layers": "--lisa-layers",
+    "quant_group": "--quant-group"}.items()]
 _OPTION_NAMES += [(r"^(batch|seq|rank|segments) ", r"--\1 ")]
 
 
@@ -263,7 +264,7 @@ def estimate_dict(model_text: str, e, args) -> dict:
         "options": {k: getattr(args, k) for k in ("checkpoint", "segments", "offload_activations", "micro_batch",
                                                    "accumulate", "rank", "proj_dtype", "optimizer_offload",
                                                    "step_in_backward",
-                                                   "lora_rank", "lora_targets", "quant", "lisa_layers")
+                                                   "lora_rank", "lora_targets", "quant", "quant_group", "lisa_layers")
                     if hasattr(args, k)},
         "peak_phase": e.peak_phase, "peak": int(e.peak.total),
         "categories": {k: v for k, v in peak.items() if k != "total"},
@@ -299,7 +300,8 @@ def check_estimate_options(args, parser) -> int | None:
     """Refuse what the command line alone shows is wrong: numbers out of range and options that mean
     something only with another. Returns the micro-batch. (What depends on the model, such as --seq beyond
     its positions or --lisa-layers beyond its layers, the estimator checks.)"""
-    for name in ("batch", "seq", "segments", "micro_batch", "accumulate", "rank", "lora_rank", "lisa_layers"):
+    for name in ("batch", "seq", "segments", "micro_batch", "accumulate", "rank", "lora_rank", "lisa_layers",
+                 "quant_group"):
         _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
     micro = args.micro_batch
     if args.accumulate is not None:
@@ -327,6 +329,9 @@ def check_estimate_options(args, parser) -> int | None:
             parser.error(f"--lora-targets {args.lora_targets!r} selects where LoRA adapters go: give --lora-rank too")
         if args.quant != "none":
             parser.error(f"--quant {args.quant} stores the frozen base under LoRA adapters: give --lora-rank too")
+    if args.quant_group is not None and not args.quant.startswith("int4"):
+        parser.error(f"--quant-group {args.quant_group} is int4's group size: give it with --quant int4 or int4-awq, "
+                     f"not --quant {args.quant}")
     if args.lisa_layers is not None and (args.lora_rank is not None or args.quant != "none"):
         parser.error("--lisa-layers trains whole layers: give it without --lora-rank and --quant")
     if args.lora_targets is None:
@@ -345,7 +350,8 @@ def cmd_estimate(args, parser) -> int:
                      micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
                      optimizer_offload=args.optimizer_offload,
                      step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
-                     lora_targets=args.lora_targets, quant=args.quant, lisa_layers=args.lisa_layers)
+                     lora_targets=args.lora_targets, quant=args.quant, quant_group=args.quant_group,
+                     lisa_layers=args.lisa_layers)
     except ValueError as err:
         raise ValueError(_cli_words(str(err))) from err
     _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
@@ -481,7 +487,11 @@ def build_parser() -> _Parser:
                    help="comma-separated Linear module names or endings (e.g. q_proj,v_proj), "
                         "or all-linear (every Linear but lm_head; the default); needs --lora-rank")
     e.add_argument("--quant", choices=QUANTS, default="none",
-                   help="store the frozen base under the adapters in int8 or NF4 (nf4 = QLoRA); needs --lora-rank")
+                   help="store the frozen base under the adapters in int8, NF4 (nf4 = QLoRA), or group-wise int4: "
+                        "round-to-nearest (int4) or AWQ (int4-awq, its input scale kept per layer); needs --lora-rank")
+    e.add_argument("--quant-group", type=integer, default=None,
+                   help="int4's group size along the input features (default 128; must divide every target's "
+                        "input features); needs --quant int4 or int4-awq")
     e.add_argument("--lisa-layers", type=integer, default=None,
                    help="LISA: train embeddings, head and this many sampled layers at a time")
     e.set_defaults(run=cmd_estimate, parser=e)

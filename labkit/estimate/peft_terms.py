@@ -1,14 +1,15 @@
-"""LoRA, QLoRA (NF4 or int8 frozen base) and LISA in the estimator: what trains, and what the frozen base costs.
+"""LoRA, QLoRA (NF4, int8 or int4 / AWQ frozen base) and LISA in the estimator: what trains, and what the frozen base costs.
 
 Everything is read from the ModelSpec (module names and shapes), so no model is built. The rules follow
 labkit.peft: `apply_lora` freezes every parameter and adds A (r, d_in) and B (d_out, r) beside each
 targeted Linear ("all-linear": all but lm_head, as peft); `apply_qlora` stores each targeted weight as
 NF4 buffers (labkit.peft.NF4Base); `LISA` trains the embeddings, final norm and head always and
 `lisa_layers` of the transformer layers at a time (their gradients and Adam state released on switch).
-The bytes of one adapter, one NF4 or int8 weight and its dequantization scratch are the technique
-modules' own (labkit.peft.lora.adapter_numel, labkit.quant.nf4.nf4_bytes_for, labkit.quant.int8.int8_bytes_for
+The bytes of one adapter, one NF4, int8 or int4 weight and its dequantization scratch are the technique
+modules' own (labkit.peft.lora.adapter_numel, labkit.quant.nf4.nf4_bytes_for, labkit.quant.int8.int8_bytes_for,
+labkit.quant.int4.int4_bytes_for
 and the *_DEQUANT_BYTES_PER_WEIGHT beside each dequantize function): this module sums them over the targets.
-Sources: Hu et al. 2021 (LoRA), Dettmers et al. 2023 (QLoRA), Pan et al. 2024 (LISA).
+Sources: Hu et al. 2021 (LoRA), Dettmers et al. 2023 (QLoRA), Pan et al. 2024 (LISA), Lin et al. 2024 (AWQ).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Sequence
 
 from labkit.peft.lisa import first_layers
 from labkit.peft.lora import adapter_numel
+from labkit.quant.int4 import INT4_DEQUANT_BYTES_PER_WEIGHT, INT4_GROUP, check_group, int4_bytes_for
 from labkit.quant.int8 import INT8_DEQUANT_BYTES_PER_WEIGHT, int8_bytes_for
 from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE, NF4_BLOCKSIZE, NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes_for
 
-from .recipe import QUANTS  # noqa: E402  (the names, checked by Recipe)
+from .recipe import INT4_QUANTS, QUANTS  # noqa: E402  (the names, checked by Recipe)
 NF4_BLOCK, DQ_BLOCK = NF4_BLOCKSIZE, DOUBLE_QUANT_BLOCKSIZE  # labkit.quant.nf4's: weights per absmax, absmax per scale
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -34,15 +36,17 @@ class Peft:
 
     rank: int | None  # LoRA rank r (None: no adapters)
     targets: tuple[tuple, ...]  # adapted Linears: (module name, d_in, d_out, bias elements)
-    quant: str  # the frozen base under the adapters: "none", "int8" or "nf4"
+    quant: str  # the frozen base under the adapters: "none", "int8", "nf4", "int4" or "int4-awq"
     lisa_layers: int | None  # LISA's gamma (None: no LISA)
     n_layers: int = 0  # the model's layers (LISA draws its active ones among them)
+    group: int = INT4_GROUP  # int4's group size along the input features
 
     @property
     def method(self) -> str:
         if self.lisa_layers:
             return "lisa"
-        return {"none": "lora", "nf4": "qlora", "int8": "lora-int8"}[self.quant]
+        return {"none": "lora", "nf4": "qlora", "int8": "lora-int8", "int4": "lora-int4",
+                "int4-awq": "lora-int4-awq"}[self.quant]
 
     @property
     def adapters(self) -> dict[str, int]:
@@ -81,10 +85,13 @@ def resolve_targets(spec, targets: str | Sequence[str]) -> list[tuple]:
     return chosen
 
 
-def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none", lisa_layers=None) -> Peft | None:
+def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none", lisa_layers=None,
+            quant_group: int | None = None) -> Peft | None:
     """Check the options and resolve them against `spec`; None for plain (full) training."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    if quant_group is not None and quant not in INT4_QUANTS:
+        raise ValueError(f"quant_group is int4's group size: give quant='int4' or 'int4-awq', not {quant!r}")
     if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0):
         raise ValueError(f"lora_rank must be a positive integer (typical: 4 to 64), got {lora_rank!r}")
     if lisa_layers is not None:
@@ -109,7 +116,14 @@ def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none"
         if odd:
             raise ValueError(f"NF4 needs weights whose size divides by {NF4_BLOCK}; {odd[0]} does not: leave it "
                              "out of lora_targets or use quant='int8'")
-    return Peft(lora_rank, tuple(targets), quant, None)
+    group = INT4_GROUP if quant_group is None else quant_group
+    if quant in INT4_QUANTS:
+        for name, d_in, _, _ in targets:
+            try:
+                check_group(d_in, group, f"LoRA target {name}")
+            except ValueError as e:
+                raise ValueError(f"quant_group: {e}") from None
+    return Peft(lora_rank, tuple(targets), quant, None, group=group)
 
 
 # ---- what trains -----------------------------------------------------------------------------------
@@ -167,8 +181,18 @@ def int8_bytes(d_in: int, d_out: int) -> int:
     return int8_bytes_for((d_out, d_in), "absmax", "channel")
 
 
+def int4_bytes(d_in: int, d_out: int, group: int, awq: bool) -> int:
+    """One (d_out, d_in) int4 weight: packed codes + fp16 scale and uint8 zero per group, + AWQ's fp16
+    per-input-channel scale, which a LoRA base keeps in the layer: labkit.quant.int4.int4_bytes_for."""
+    return int4_bytes_for((d_out, d_in), group, input_scale=awq)
+
+
 def base_buffer_bytes(spec, peft: Peft) -> int:
-    """The quantized frozen bases (BUFFER): int8 codes and scales, or NF4 codes and statistics."""
+    """The quantized frozen bases (BUFFER): int8 codes and scales, NF4 codes and statistics, or int4 codes,
+    scales, zero points (and AWQ scales)."""
+    if peft.quant in INT4_QUANTS:
+        return sum(int4_bytes(d_in, d_out, peft.group, peft.quant == "int4-awq") for name, d_in, d_out, _
+                   in peft.targets if not (spec.tied and _matches(name, "lm_head")))
     if peft.quant == "nf4":
         return sum(nf4_bytes(d_in * d_out) for name, d_in, d_out, _ in peft.targets
                    if not (spec.tied and _matches(name, "lm_head")))
@@ -187,13 +211,21 @@ def frozen_param_bytes(spec, peft: Peft, d: int) -> int:
 
 
 def dequant_scratch_bytes(peft: Peft, compute_bytes: int) -> int:
-    """On-the-fly dequantization of the largest quantized weight: NF4 6 B per weight, int8 8 B (fp32
+    """On-the-fly dequantization of the largest quantized weight: NF4 and int4 6 B per weight, int8 8 B (fp32
     compute) or 6 B (16-bit); one layer at a time, in forward and again in backward."""
     if peft.quant == "none" or not peft.targets:
         return 0
     n = max(d_in * d_out for _, d_in, d_out, _ in peft.targets)
-    per = NF4_DEQUANT_BYTES_PER_WEIGHT if peft.quant == "nf4" else INT8_DEQUANT_BYTES_PER_WEIGHT[compute_bytes]
-    return per * n
+    return dequant_bytes_per_weight(peft.quant, compute_bytes) * n
+
+
+def dequant_bytes_per_weight(quant: str, compute_bytes: int) -> int:
+    """Peak bytes per weight of the dequantize function each quantized base calls (its module's constant)."""
+    if quant == "nf4":
+        return NF4_DEQUANT_BYTES_PER_WEIGHT
+    if quant in INT4_QUANTS:
+        return INT4_DEQUANT_BYTES_PER_WEIGHT
+    return INT8_DEQUANT_BYTES_PER_WEIGHT[compute_bytes]
 
 
 def setup_walk(w, peft: Peft | None) -> None:

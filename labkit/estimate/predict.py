@@ -119,8 +119,10 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
     any optimizer; not with optimizer_offload or micro_batch).
     lora_rank: LoRA adapters of rank r on `lora_targets` ("all-linear": every Linear but lm_head, or
     module names / endings such as "q_proj,v_proj"), every base parameter frozen (labkit.peft.apply_lora).
-    quant: the frozen base of the adapted Linears: "none", "int8" (per-row absmax codes) or "nf4"
-    (QLoRA: NF4 with double quantization, labkit.peft.apply_qlora); needs lora_rank.
+    quant: the frozen base of the adapted Linears: "none", "int8" (per-row absmax codes), "nf4"
+    (QLoRA: NF4 with double quantization, labkit.peft.apply_qlora), "int4" (group-wise round-to-nearest) or
+    "int4-awq" (AWQ, its per-input-channel scale kept in each layer); needs lora_rank.
+    quant_group: int4's group size along the input features (default 128); it must divide every target's d_in.
     lisa_layers: LISA with gamma = lisa_layers active layers (labkit.peft.LISA); not with lora_rank.
     """
     if isinstance(model, Recipe):
@@ -143,7 +145,7 @@ def _estimate(r: Recipe) -> Estimate:
     overrides = r.config
     prec = Precision.of(dtype)
     spec = spec_from(model, **overrides)
-    peft = peft_terms.peft_of(spec, lora_rank, lora_targets, quant, lisa_layers)
+    peft = peft_terms.peft_of(spec, lora_rank, lora_targets, quant, lisa_layers, r.quant_group)
     if peft is not None:
         _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward)
     if optimizer.startswith("galore") and spec.galore_shapes and rank > min(min(s) for s in spec.galore_shapes):
@@ -301,21 +303,25 @@ def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft) -> list[Term]:
              f"r (d_in + d_out) x {d} B per target, r={peft.rank}, {len(peft.targets)} targets", "Hu et al. 2021"),
     ]
     if peft.quant != "none":
-        formula = ("n/2 + n/64 + 4 ceil(n/16384) + 4 per weight of n (~0.516 B/weight; labkit.quant.nf4_bytes_for)"
-                   if peft.quant == "nf4" else "n + 4 d_out per weight (int8 codes + fp32 per-row scale; "
-                   "labkit.quant.int8_bytes_for)")
-        out.append(Term(f"{peft.quant.upper()} frozen base (buffers)", Category.BUFFER, b.buffers, formula,
-                        "Dettmers et al. 2023 (arXiv 2305.14314), double quantization" if peft.quant == "nf4"
-                        else "labkit.quant.int8"))
+        formula, source = {
+            "nf4": ("n/2 + n/64 + 4 ceil(n/16384) + 4 per weight of n (~0.516 B/weight; labkit.quant.nf4_bytes_for)",
+                    "Dettmers et al. 2023 (arXiv 2305.14314), double quantization"),
+            "int8": ("n + 4 d_out per weight (int8 codes + fp32 per-row scale; labkit.quant.int8_bytes_for)",
+                     "labkit.quant.int8"),
+            "int4": (f"n/2 + 3 n/{peft.group} per weight of n (4-bit codes + fp16 scale and uint8 zero per group "
+                     f"of {peft.group}; labkit.quant.int4_bytes_for)", "Lin et al. 2024 (arXiv 2306.00978), RTN"),
+            "int4-awq": (f"n/2 + 3 n/{peft.group} + 2 d_in per weight of n (int4 + AWQ's fp16 input scale kept in "
+                         f"the layer; labkit.quant.int4_bytes_for)", "Lin et al. 2024 (arXiv 2306.00978)"),
+        }[peft.quant]
+        out.append(Term(f"{peft.quant.upper()} frozen base (buffers)", Category.BUFFER, b.buffers, formula, source))
     out += [copies,
             Term("adapter gradients", Category.GRAD, b.G, f"N_train x {d} B = {n_train:,} x {d}", "Hu et al. 2021"),
             Term("adapter optimizer state", Category.OPT, b.O, state, "labkit.optim / torch.optim over N_train")]
     if peft.quant != "none":
-        per = (peft_terms.NF4_DEQUANT_BYTES_PER_WEIGHT if peft.quant == "nf4"
-               else peft_terms.INT8_DEQUANT_BYTES_PER_WEIGHT[2 if prec.autocast else d])
+        per = peft_terms.dequant_bytes_per_weight(peft.quant, 2 if prec.autocast else d)
         out.append(Term("dequantization scratch", Category.TEMP, b.dequant,
                         f"{per} B x the largest quantized weight, one layer at a time",
-                        "labkit.quant.dequantize_nf4 / dequantize_int8"))
+                        "labkit.quant.dequantize_nf4 / dequantize_int8 / dequantize_int4"))
     return out
 
 

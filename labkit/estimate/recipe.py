@@ -17,7 +17,8 @@ DTYPES = ("fp32", "fp16", "bf16", "mixed-fp16", "mixed-bf16")
 TORCH_OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 OPTIMIZERS = (*TORCH_OPTIMIZERS, "adamw8bit", "adam8bit", "lion", "adafactor", "galore", "galore8bit")
 POLICIES = ("none", "full", "sqrt", "selective")
-QUANTS = ("none", "int8", "nf4")
+QUANTS = ("none", "int8", "nf4", "int4", "int4-awq")
+INT4_QUANTS = ("int4", "int4-awq")  # group-wise int4: round-to-nearest, or AWQ (labkit.quant.awq)
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (pp > 1)
 ZERO_STAGES = (0, 1, 2, 3)
 STEP_AND_OFFLOAD = "step_in_backward and optimizer_offload: OffloadAdamW steps all parameters at once; choose one"
@@ -51,7 +52,8 @@ class Recipe:
     step_in_backward: bool = False  # each parameter steps when its gradient is ready
     lora_rank: int | None = None  # LoRA adapters of this rank on lora_targets, the base frozen
     lora_targets: str | tuple = "all-linear"  # "all-linear" or module names ("q_proj,v_proj" or a tuple)
-    quant: str = "none"  # the frozen base under LoRA: "none", "int8" or "nf4" (QLoRA)
+    quant: str = "none"  # the frozen base under LoRA: "none", "int8", "nf4" (QLoRA), "int4" or "int4-awq"
+    quant_group: int | None = None  # int4's group size along the input features (None: 128); int4 quants only
     lisa_layers: int | None = None  # LISA: this many layers train at a time
     # Layout over several devices (lessons 09-10); every size above is per optimizer step for the whole job.
     dp: int = 1  # data-parallel ranks: `batch` is the global batch, each rank takes batch / dp rows
@@ -116,6 +118,10 @@ class Recipe:
             raise ValueError(STEP_AND_OFFLOAD)
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
+        if self.quant_group is not None:
+            if self.quant not in INT4_QUANTS:
+                raise ValueError(f"quant_group is int4's group size: give quant='int4' or 'int4-awq', not {self.quant!r}")
+            _positive_int("quant_group", self.quant_group)
         for name in ("offload_activations", "step_in_backward", "zero_offload", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

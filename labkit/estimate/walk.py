@@ -58,7 +58,7 @@ class Walk:
     lora: dict[str, int] = field(default_factory=dict)  # adapted Linear module name -> LoRA rank
     active: frozenset | None = None  # LISA: indices of the layers that train (None: all)
     quantized: bool = False  # the adapted Linears' bases are int8/NF4 (dequantized on the fly, save nothing)
-    quant: str = "none"  # which: "int8" or "nf4"
+    quant: str = "none"  # which: "int8", "nf4", "int4" or "int4-awq"
     linears: dict[str, tuple] = field(default_factory=dict)  # module name -> (d_in, d_out, bias elements)
     copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
     copy_frozen: dict = field(default_factory=dict)  # module -> bytes of a frozen weight's copy (saved, not cached)
@@ -182,12 +182,11 @@ class Walk:
         """labkit.quant.dequant_linear on the tape: x.to(compute dtype), the weight dequantized (scratch of
         NF4/INT8_DEQUANT_BYTES_PER_WEIGHT per weight, the result included) and freed after the matmul; the
         node saves nothing and dequantizes again for dx; the output is cast back to x's dtype."""
-        from labkit.quant.int8 import INT8_DEQUANT_BYTES_PER_WEIGHT
-        from labkit.quant.nf4 import NF4_DEQUANT_BYTES_PER_WEIGHT
+        from labkit.estimate.peft_terms import dequant_bytes_per_weight
 
         d_in = self.linears[module][0]
         cb = self.low_bytes if self.autocast else self.x_bytes  # the compute dtype (labkit.run.apply_peft)
-        per = NF4_DEQUANT_BYTES_PER_WEIGHT if self.quant == "nf4" else INT8_DEQUANT_BYTES_PER_WEIGHT[cb]
+        per = dequant_bytes_per_weight(self.quant, cb)
         n = d_in * d_out
         xq = self.cast(x, cb, f"{x.name} (compute-dtype copy)")
         scratch = self.made(self.new((per - cb) * n, 1, f"{module} dequantization scratch"))

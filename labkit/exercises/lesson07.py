@@ -1,15 +1,15 @@
-"""Checks for lesson 07 (quantization): the bits per parameter of NF4 with double quantization, and what one
-outlier does to per-tensor absmax int8.
+"""Checks for lesson 07 (quantization): the bits per parameter of NF4 with double quantization, what one
+outlier does to per-tensor absmax int8, and the bytes of an AWQ int4 layer.
 
 Expected values come from the library: a tensor quantized with labkit.quant.quantize_nf4 and measured
-with bits_per_param_nf4, and the codes of labkit.quant.quantize_int8.
+with bits_per_param_nf4, the codes of labkit.quant.quantize_int8, and the buffers of a labkit.quant.Int4Linear.
 """
 
 from __future__ import annotations
 
 import torch
 
-from labkit.quant import bits_per_param_nf4, quantize_int8, quantize_nf4
+from labkit.quant import Int4Linear, bits_per_param_nf4, quantize_int8, quantize_nf4
 from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE
 
 from . import close, failed, integer, number, passed
@@ -79,3 +79,38 @@ def check_zeros_per_tensor(answer, w: torch.Tensor) -> bool:
     if value == int((w == 0).sum()):
         return failed(f"{name}: that counts values that were already 0; count those the rounding makes 0.")
     return failed(f"{name}: the step is max|W| / 127; count the values with round(w / step) == 0.")
+
+
+# ---- exercise 3: the bytes of an AWQ int4 layer whose scale stays in the layer ---------------------------
+def awq_layer_bytes(d_out: int, d_in: int, group: int) -> int:
+    """Bytes of the buffers of an Int4Linear with AWQ's kept scale, measured on a real (d_out, d_in) layer."""
+    lin = torch.nn.Linear(d_in, d_out, bias=False)
+    layer = Int4Linear.from_linear(lin, group, input_scale=torch.ones(d_in))
+    return sum(t.numel() * t.element_size() for t in layer.buffers())
+
+
+def check_awq_bytes(answer, d_out: int = 384, d_in: int = 1536, group: int = 128) -> bool:
+    name = f"bytes of a ({d_out}, {d_in}) AWQ int4 layer, groups of {group}, its scale kept"
+    value = integer(answer, name)
+    if value is None:
+        return False
+    n, g = d_out * d_in, d_out * d_in // group
+    expected = awq_layer_bytes(d_out, d_in, group)
+    if value == expected:
+        return passed(f"{name}: {expected:,} = n/2 + 3 n/{group} + 2 d_in = {n // 2:,} + {3 * g:,} + {2 * d_in:,} "
+                      f"({8 * expected / n:.4f} bits per weight; measured on a real layer).")
+    if value == n // 2 + 3 * g:
+        return failed(f"{name}: that is int4 RTN; AWQ's scale stays in this layer (after a GELU nothing can absorb "
+                      "it): one fp16 value per input feature.")
+    if value == n // 2 + 3 * g + 2 * d_out:
+        return failed(f"{name}: AWQ scales the input channels, the columns of W: one value per input feature ({d_in}).")
+    if value in (n // 2 + 4 * g + 2 * d_in, n // 2 + 4 * g):
+        return failed(f"{name}: the zero point is an integer from 0 to 15: labkit keeps it in one byte, the step in fp16.")
+    if value in (n + 3 * g + 2 * d_in, n + 3 * g):
+        return failed(f"{name}: two 4-bit codes share a byte: n/2 bytes of codes.")
+    if value in (n // 2 + 5 * g + 2 * d_in, n // 2 + 5 * g + 4 * d_in):
+        return failed(f"{name}: the step and the AWQ scale are stored in fp16 (2 bytes), not fp32.")
+    if value == 8 * expected:
+        return failed(f"{name}: that looks like bits; give bytes.")
+    return failed(f"{name}: add up the packed codes (2 per byte), a 2-byte step and a 1-byte zero point per group of "
+                  f"{group} weights, and a 2-byte scale per input feature.")

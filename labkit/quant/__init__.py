@@ -1,5 +1,6 @@
 """Quantization: the 8-bit dynamic map and blockwise absmax quantization shared by optimizers and weights,
-int8 weights (absmax / zero-point) and NF4 weights with double quantization."""
+int8 weights (absmax / zero-point), NF4 weights with double quantization, group-wise int4 (round-to-nearest) and
+AWQ's activation-aware scales."""
 
 from .dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
 from .matmul import DequantMatmul, dequant_linear
@@ -30,4 +31,30 @@ from .nf4 import (
     quantize_nf4_toy,
     nf4_linear,
     unpack_nibbles,
+)
+from .int4 import (
+    INT4_GROUP,
+    Int4Linear,
+    Int4Tensor,
+    bits_per_weight_int4,
+    dequantize_int4,
+    fake_quantize_int4,
+    int4_bytes_for,
+    quantize_int4,
+)
+from .awq import (
+    AWQGroup,
+    AWQReport,
+    InputStats,
+    awq_groups,
+    awq_linear,
+    awq_quantize,
+    awq_scale,
+    collect_inputs,
+    input_stats,
+    keep_salient,
+    linear_names,
+    rtn_quantize,
+    search_clip,
+    search_scale,
 )

@@ -44,13 +44,17 @@ def build_model(model, dtype: str = "fp32", device=None, **overrides) -> torch.n
 
 
 def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = None,
-               lora_targets: str | Sequence[str] = "all-linear", quant: str = "none", lisa_layers: int | None = None):
-    """Make `m` a LoRA / QLoRA / int8-base LoRA model in place (labkit.peft); returns the resolved
+               lora_targets: str | Sequence[str] = "all-linear", quant: str = "none", lisa_layers: int | None = None,
+               quant_group: int | None = None, calib=None):
+    """Make `m` a LoRA / QLoRA / int8- or int4-base LoRA model in place (labkit.peft); returns the resolved
     labkit.estimate.peft_terms.Peft, or None for plain training. LISA needs the optimizer: see measure_step.
 
     quant "nf4": labkit.peft.apply_qlora (NF4Base, double quantization); "int8": a labkit.quant.Int8Linear
-    (per-row absmax) per target. The compute dtype is the model's (16-bit under mixed-*)."""
-    peft = peft_of(spec_from(m), lora_rank, lora_targets, quant, lisa_layers)
+    (per-row absmax) per target; "int4": a labkit.quant.Int4Linear (round-to-nearest, groups of quant_group,
+    default 128); "int4-awq": the same after AWQ's scale and clip searches on `calib` (a list of model
+    inputs, required), each target keeping its scale (labkit.quant.awq_linear). The compute dtype is the
+    model's (16-bit under mixed-*)."""
+    peft = peft_of(spec_from(m), lora_rank, lora_targets, quant, lisa_layers, quant_group)
     if peft is None or peft.lisa_layers:
         return peft
     from labkit.peft import LoRALinear, apply_lora, apply_qlora
@@ -59,6 +63,21 @@ def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = 
     compute = _LOW.get(dtype, torch.float32)
     if quant == "nf4":
         apply_qlora(m, targets, r=lora_rank, compute_dtype=compute)
+    elif quant in ("int4", "int4-awq"):
+        from labkit.peft.lora import find_targets
+        from labkit.quant import Int4Linear, awq_linear, collect_inputs
+
+        names = find_targets(m, targets)  # apply_lora wraps them in this order
+        stats = collect_inputs(m, names, calib) if quant == "int4-awq" else None
+        order = iter(names)
+
+        def int4_base(lin):  # group-wise int4 codes, dequantized on the fly, nothing kept for backward
+            if stats is None:
+                return Int4Linear.from_linear(lin, peft.group, compute_dtype=compute).requires_grad_(False)
+            return awq_linear(lin, stats[next(order)], peft.group, compute_dtype=compute).requires_grad_(False)
+
+        apply_lora(m, targets, r=lora_rank, wrap=lambda lin: LoRALinear(
+            int4_base(lin), r=lora_rank, adapter_dtype=lin.weight.dtype))
     elif quant == "int8":
         from labkit.quant import Int8Linear
 
@@ -173,7 +192,8 @@ def measure_step(model, batch: int | None = None, seq: int | None = None, dtype:
     `measure_step(...).of_step(steps)` with `estimate(...).without("projector refresh")`).
     The recipe: checkpoint, segments: labkit.recompute.checkpoint_blocks; offload_activations, micro_batch:
     as in `train_step`; rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload: a
-    temporary folder in data_dir()); lora_rank, lora_targets, quant, lisa_layers: see `apply_peft` (LISA
+    temporary folder in data_dir()); lora_rank, lora_targets, quant, quant_group, lisa_layers: see `apply_peft`
+    (int4-awq calibrates on one batch of the same shape as the step's, drawn with seed + 1; LISA
     switches layers every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires);
     proj_dtype: 8-bit GaLore's projector precision (labkit.optim.GaLoreAdamW8bit).
     """
@@ -205,7 +225,16 @@ def measure_step(model, batch: int | None = None, seq: int | None = None, dtype:
         raise ValueError(f"galore_refresh makes GaLore's last step refresh its projector: give optimizer='galore' "
                          f"or 'galore8bit', not {optimizer!r}")
     m = build_model(model, dtype, device, **overrides)
-    peft = apply_peft(m, dtype, lora_rank, lora_targets, quant, lisa_layers)
+    calib = None
+    if quant == "int4-awq":  # AWQ's calibration batch: like the step's, from its own generator (seed + 1)
+        gen = torch.Generator().manual_seed(seed + 1)
+        vocab = m.config.vocab_size
+        if data is None:
+            calib = [torch.randint(0, vocab, (batch, seq), generator=gen).to(device)]
+        else:
+            i = torch.randint(0, len(data) - seq, (batch,), generator=gen)
+            calib = [torch.stack([data[j: j + seq] for j in i.tolist()]).to(device)]
+    peft = apply_peft(m, dtype, lora_rank, lora_targets, quant, lisa_layers, r.quant_group, calib)
     if peft is not None:
         _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward)
     disk = optimizer_offload == "disk"

@@ -18,7 +18,8 @@ from .plots import (
 
 _PANELS = {"MemoryPanel": "panels", "RecipePanel": "panels", "CheckpointPanel": "lesson_panels",
            "AccumulationPanel": "lesson_panels", "OptimizerPanel": "lesson_panels", "RankPanel": "lesson_panels",
-           "PEFTPanel": "lesson_panels", "QuantPanel": "lesson_panels"}
+           "PEFTPanel": "lesson_panels", "QuantPanel": "lesson_panels",
+           "AWQPanel": "lesson_panels"}
 
 
 def __getattr__(name: str):

@@ -14,13 +14,14 @@ from IPython.display import display
 from matplotlib.figure import Figure
 
 from labkit.memory import Category, fmt_bytes
+from labkit.quant.compare import INT4_GROUPS, INT4_METHODS, QUANT_BLOCKS, QUANT_MODES, awq_report, quantize_report
 from labkit.recompute import POLICIES
 
 from .panels import STYLE, RecipePanel
 from .style import to_png
 
 __all__ = ["CheckpointPanel", "AccumulationPanel", "OptimizerPanel", "RankPanel", "PEFTPanel", "QuantPanel",
-           "quantize_report", "QUANT_MODES", "QUANT_BLOCKS", "PEFT_TARGETS"]
+           "AWQPanel", "quantize_report", "QUANT_MODES", "QUANT_BLOCKS", "PEFT_TARGETS"]
 
 _OPTIMIZERS = ("sgd", "sgd-momentum", "adamw", "adamw8bit", "lion", "adafactor")  # lesson 05's
 _OFFLOAD = ("none", "cpu", "disk")  # where AdamW's state lives ("none": on the device)
@@ -163,25 +164,6 @@ class PEFTPanel(RecipePanel):
 
 
 # ---- lesson 07: bits against error --------------------------------------------------------------
-QUANT_MODES = ("int8 absmax", "int8 zero-point", "NF4", "NF4 + double quant")
-QUANT_BLOCKS = (32, 64, 128, 256, 512, 1024, 4096)
-
-
-def quantize_report(w, mode: str, blocksize: int) -> tuple[float, float]:
-    """-> (bits per parameter, relative RMSE) of w quantized with `mode` (one of QUANT_MODES) in blocks of
-    `blocksize`."""
-    from labkit.quant import (bits_per_param_nf4, dequantize_int8, dequantize_nf4, quant_error, quantize_int8,
-                              quantize_nf4)
-
-    if mode not in QUANT_MODES:
-        raise ValueError(f"mode {mode!r}: choose one of {', '.join(QUANT_MODES)}")
-    if mode.startswith("int8"):
-        q = quantize_int8(w, "absmax" if mode == "int8 absmax" else "zeropoint", "block", blocksize)
-        return q.bits_per_param, quant_error(w, dequantize_int8(q))["rel_rmse"]
-    p, s = quantize_nf4(w, blocksize, double_quant=mode.endswith("double quant"))
-    return bits_per_param_nf4(p, s), quant_error(w, dequantize_nf4(p, s))["rel_rmse"]
-
-
 class QuantPanel:
     """Lesson 07: mode and block size pick a point on the bits-vs-error curves of one weight matrix.
 
@@ -210,6 +192,42 @@ class QuantPanel:
             ax.plot([p[0] for p in pts.values()], [p[1] for p in pts.values()], "o-", ms=3, label=m)
         ax.plot([bits], [err], "k*", ms=12)
         ax.set(xlabel="bits per parameter", ylabel="relative RMSE", yscale="log", title="each point: one block size")
+        ax.legend(fontsize=7)
+        fig.subplots_adjust(left=0.14, right=0.97, bottom=0.18, top=0.88)
+        self.last_figure = fig
+        self.picture.value = to_png(fig, dpi=80, tight=False)
+
+    def _ipython_display_(self) -> None:
+        display(self.widget)
+
+
+class AWQPanel:
+    """Lesson 07: int4 method and group size redraw bits per weight, the output error against RTN's, and the
+    error over AWQ's alpha grid, for one weight matrix and its layer's input statistics."""
+
+    def __init__(self, w, stats, method: str = "int4 AWQ", group: int = 128):
+        self.w, self.stats = w, stats
+        self.method = widgets.Dropdown(options=INT4_METHODS, value=method, description="method", style=STYLE)
+        self.group = widgets.SelectionSlider(options=INT4_GROUPS, value=group, description="group size", style=STYLE,
+                                             continuous_update=False)
+        self.picture, self.words = widgets.Image(format="png"), widgets.HTML()
+        self.last_figure = self.last_report = None
+        for c in (self.method, self.group):
+            c.observe(self._on_change, names="value")
+        self.widget = widgets.VBox([widgets.HBox([self.method, self.group]), self.words, self.picture])
+        self._on_change()
+
+    def _on_change(self, _change=None) -> None:
+        bits, rel, alpha, errors = self.last_report = awq_report(self.w, self.stats, self.method.value,
+                                                                 self.group.value)
+        self.words.value = (f"<b>{self.method.value}</b>, groups of {self.group.value}: {bits:.3f} bits/weight, "
+                            f"output MSE {rel:.3f} x RTN's (alpha {alpha:.2f})")
+        fig = Figure(figsize=(6, 2.8))
+        ax = fig.add_subplot(1, 1, 1)
+        grid = [i / len(errors) for i in range(len(errors))]
+        ax.plot(grid, [e / errors[0] for e in errors], "o-", ms=3, label=f"groups of {self.group.value}")
+        ax.plot([alpha], [rel], "k*", ms=12, label=self.method.value)
+        ax.set(xlabel="alpha", ylabel="output MSE / RTN's", title="W in int4: AWQ's search")
         ax.legend(fontsize=7)
         fig.subplots_adjust(left=0.14, right=0.97, bottom=0.18, top=0.88)
         self.last_figure = fig

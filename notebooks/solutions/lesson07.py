@@ -17,3 +17,13 @@ def zeros_per_tensor(w: torch.Tensor) -> int:
     """One step = max|w| / 127 for the whole tensor; round(w / step) == 0 for every |w| under half a step."""
     step = w.abs().max() / 127
     return int((torch.round(w / step) == 0).sum())
+
+
+# ---- exercise 3: the bytes of an AWQ int4 layer whose scale stays in the layer ---------------------------
+def awq_bytes(d_out: int = 384, d_in: int = 1536, group: int = 128) -> int:
+    """Packed codes n/2, an fp16 step + a uint8 zero point per group (3 n / group), an fp16 scale per input feature."""
+    n = d_out * d_in
+    return n // 2 + 3 * n // group + 2 * d_in
+
+
+AWQ_BYTES_W = awq_bytes()  # 311,808 for MiniLM's (384, 1536) output.dense

@@ -107,13 +107,13 @@ def test_methods_save_what_they_should():
                          for kw in ({}, dict(lora_rank=16), dict(lora_rank=16, quant="nf4")))
     int8 = estimate("llama2-7b", 1, 1024, "bf16", "adamw", device="cuda", lora_rank=16, quant="int8").peak.total
     assert full > lora > int8 > qlora
-    assert QUANTS == ("none", "int8", "nf4")
+    assert QUANTS == ("none", "int8", "nf4", "int4", "int4-awq")
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(lora_rank=0), "lora_rank must be a positive integer"), (dict(lora_rank=-4), "lora_rank"),
     (dict(lora_rank=2.5), "lora_rank"), (dict(lora_rank=True), "lora_rank"),
-    (dict(lora_rank=8, quant="fp4"), "quant must be one of none, int8, nf4"),
+    (dict(lora_rank=8, quant="fp4"), "quant must be one of none, int8, nf4, int4, int4-awq"),
     (dict(quant="nf4"), "give lora_rank"), (dict(lora_targets="c_attn"), "give lora_rank"),
     (dict(lora_rank=8, lora_targets="q_proj"), r"'q_proj' matches no Linear module.*c_attn, c_fc, c_proj"),
     (dict(lora_rank=8, lora_targets=""), "lora_targets must be"),

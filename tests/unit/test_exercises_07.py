@@ -74,3 +74,34 @@ def test_zeros_wrong_answers_fail_with_a_hint(weight, says):
         says("❌", hint)
     assert lesson07.check_zeros_per_tensor(2.5, weight) is False
     says("❌", "whole number")
+
+
+# ---- exercise 3: the bytes of an AWQ int4 layer whose scale stays in the layer ---------------------------
+def test_awq_bytes_solution_passes(sol07, says):
+    assert sol07.AWQ_BYTES_W == 311_808
+    assert lesson07.check_awq_bytes(sol07.AWQ_BYTES_W) is True
+    assert lesson07.check_awq_bytes(sol07.awq_bytes(96, 64, 32), 96, 64, 32) is True
+    says("✅", "n/2 + 3 n/128 + 2 d_in")
+
+
+def test_awq_bytes_blank_fails(blank, says):
+    assert lesson07.check_awq_bytes(blank) is False
+    says("❌", "not answered yet")
+
+
+N, GROUPS = 384 * 1536, 384 * 1536 // 128
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (N // 2 + 3 * GROUPS, "int4 RTN"),
+    (N // 2 + 3 * GROUPS + 2 * 384, "input feature (1536)"),
+    (N // 2 + 4 * GROUPS + 2 * 1536, "one byte"),
+    (N + 3 * GROUPS + 2 * 1536, "two 4-bit codes share a byte"),
+    (N // 2 + 5 * GROUPS + 4 * 1536, "fp16"),
+    (8 * 311_808, "bits"),
+    (300_000, "add up"),
+    (311_808.5, "whole number"),
+])
+def test_awq_bytes_wrong_answers_fail_with_a_hint(answer, hint, says):
+    assert lesson07.check_awq_bytes(answer) is False
+    says("❌", hint)

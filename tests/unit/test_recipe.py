@@ -42,7 +42,7 @@ BAD = [
     (dict(optimizer="lion", optimizer_offload="cpu"), "works with adamw"),
     (dict(batch=4, micro_batch=2, step_in_backward=True), "cannot accumulate"),
     (dict(optimizer_offload="cpu", step_in_backward=True), "choose one"),
-    (dict(quant="int4"), "quant must be one of"),
+    (dict(quant="int3"), "quant must be one of"),
     (dict(offload_activations=1), "must be True or False"),
     (dict(dropout=float("nan")), "must be finite"),
 ]

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 from labkit.memory import Category, KiB, MiB  # noqa: E402
 from labkit.models.gpt import GPTConfig  # noqa: E402
-from labkit.viz import (AccumulationPanel, CheckpointPanel, OptimizerPanel, PEFTPanel, QuantPanel,  # noqa: E402
+from labkit.viz import (AWQPanel, AccumulationPanel, CheckpointPanel, OptimizerPanel, PEFTPanel, QuantPanel,  # noqa: E402
                         RankPanel)
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
@@ -154,3 +154,26 @@ def test_quant_panel_picks_points_on_precomputed_curves():
     with pytest.raises(ValueError, match="choose one of"):
         from labkit.viz.lesson_panels import quantize_report
         quantize_report(torch.randn(8, 64), "int4", 64)
+
+
+def test_awq_panel_follows_method_and_group():
+    from labkit.quant.awq import input_stats
+    from labkit.quant.int4 import int4_bytes_for
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 128)
+    x[:, :2] *= 20  # two salient input channels
+    w = torch.randn(32, 128) / 11
+    p = AWQPanel(w, input_stats(x), method="int4 RTN", group=64)
+    assert f"{8 * int4_bytes_for(w.shape, 64) / w.numel():.3f} bits/weight" in p.words.value
+    assert "1.000 x RTN" in p.words.value and p.last_report[2] == 0.0  # RTN: alpha 0
+    p.method.value = "int4 AWQ"
+    bits, rel, alpha, _ = p.last_report
+    assert rel < 1 and alpha > 0  # the salient channels make a scale worth it
+    assert bits == 8 * int4_bytes_for(w.shape, 64, True) / w.numel()  # + the kept scale
+    png = bytes(p.picture.value)
+    p.group.value = 32
+    assert bytes(p.picture.value) != png and "groups of 32" in p.words.value
+    with pytest.raises(ValueError, match="choose one of"):
+        from labkit.quant.compare import awq_report
+        awq_report(w, input_stats(x), "int3", 64)
