@@ -1,0 +1,142 @@
+"""Rank functions for pipeline and tensor parallelism (lesson 10 and tests/distributed): spawned ranks import
+them from here by name. Each builds the same model from the same seed, runs labkit's version and PyTorch's,
+and returns plain tensors and numbers (they are pickled back to the caller)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from labkit.distributed import comms
+from labkit.distributed import pipeline as pl
+
+
+def build_model(family: str, cfg: dict, seed: int = 0) -> torch.nn.Module:
+    """labkit's GPT ("labkit") or transformers' GPT-2 ("gpt2", from the gpt2-tiny preset), fp32, seeded."""
+    torch.manual_seed(seed)
+    if family == "labkit":
+        from labkit.models.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(**cfg))
+    if family == "gpt2":
+        from labkit.models.hf import build
+
+        return build("gpt2-tiny", device="cpu", **cfg)
+    raise ValueError(f"unknown model family {family!r}: 'labkit' or 'gpt2'")
+
+
+def batch_of(batch: int, seq: int, vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _one_process_grads(model, x, y) -> tuple[float, dict[str, torch.Tensor]]:
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _stage_grads(stage: pl.Stage) -> dict[str, torch.Tensor]:
+    """{the whole model's parameter name: this stage's gradient}."""
+    return {stage.origin[n]: p.grad.clone() for n, p in stage.named_parameters()}
+
+
+# ---- pipeline ------------------------------------------------------------------------------------------------
+def pipeline_parity(rank, world_size, family, cfg, batch, seq, m, schedules=("gpipe", "1f1b"), torch_ref=True):
+    """For each schedule: labkit's pipeline and torch.distributed.pipelining's on the same stage, and one
+    process on the whole batch. Returns {"reference": grads of this stage's parameters, schedule: {...}}."""
+    model = build_model(family, cfg)
+    vocab = model.config.vocab_size
+    x, y = batch_of(batch, seq, vocab)
+    ref_loss, ref = _one_process_grads(model, x, y)
+    group = pl.tied_group(world_size)
+    out = {"reference_loss": ref_loss, "reference": None}
+    for name in schedules:
+        stage = pl.build_stage(model, rank, world_size)
+        if out["reference"] is None:
+            out["reference"] = {stage.origin[n]: ref[stage.origin[n]] for n, _ in stage.named_parameters()}
+        actions = pl.schedule(name, m, world_size, rank)
+        run = pl.run_step(stage, actions, x if stage.is_first else None, y if stage.is_last else None, m)
+        pl.sync_tied_grads(stage, group)
+        res = {"grads": _stage_grads(stage), "loss": run.loss, "in_flight": max(run.in_flight),
+               "wire": run.wire_bytes}
+        if torch_ref:
+            res["torch"], res["torch_loss"] = _torch_pipelining(model, rank, world_size, name, m, x, y, group)
+        out[name] = res
+    return out
+
+
+def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = pl.build_stage(model, rank, world_size)
+    ps = PipelineStage(stage, rank, world_size, torch.device("cpu"))
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+    sched = cls(ps, n_microbatches=m, loss_fn=loss_fn)  # scale_grads=True: divides gradients by m
+    losses: list = []
+    if stage.is_first:
+        sched.step(x)
+    elif stage.is_last:
+        sched.step(target=y, losses=losses)
+    else:
+        sched.step()
+    pl.sync_tied_grads(stage, group)
+    loss = float(torch.stack(losses).detach().mean()) if losses else None
+    return _stage_grads(stage), loss
+
+
+def pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name, optimizer="adamw", steps=2,
+                    fail_stage=None):
+    """One stage's step measured by its own ledger: per-category peaks of the last step, the most
+    activation bytes held, when each forward and backward ran, and the in-flight counts. A `fail_stage`
+    raises in its first backward (to test that a failing stage ends the run)."""
+    from labkit.memory.ledger import Ledger
+    from labkit.memory.report import Category
+
+    model = build_model(family, cfg)
+    x, y = batch_of(batch, seq, model.config.vocab_size)
+    stage = pl.build_stage(model, rank, world_size)
+    del model
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    group = pl.tied_group(world_size)
+    actions = pl.schedule(name, m, world_size, rank)
+    if fail_stage == rank:  # this stage dies in its first forward: its peers wait in send/recv
+        def fail(*_):
+            raise RuntimeError(f"stage {rank} failed on purpose in its forward")
+
+        stage.register_forward_hook(fail)
+    comms.barrier()
+    with Ledger(stage, opt) as led:
+        for _ in range(steps):
+            comms.barrier()
+            run = pl.run_step(stage, actions, x if stage.is_first else None, y if stage.is_last else None, m,
+                              ledger=led)
+            pl.sync_tied_grads(stage, group)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    meas = led.measurement().of_step(steps)
+    act = max(meas.timeline.bytes[Category.ACT][i] for i in range(len(meas.timeline.total)))
+    return {"peak": meas.peak.as_dict(), "peak_phase": meas.peak_phase,
+            "phases": {k: v.as_dict() for k, v in meas.phases.items()},
+            "act_peak": _act_peak_last_step(meas, steps), "act_any": act,
+            "times": run.times, "in_flight": max(run.in_flight), "loss": run.loss, "wire": run.wire_bytes,
+            "layers": stage.layers, "n_params": sum(p.numel() for p in stage.parameters())}
+
+
+def _act_peak_last_step(meas, step: int) -> int:
+    """The most ACT bytes live during step `step` (the ledger's timeline between that step's markers)."""
+    from labkit.memory.report import Category
+
+    marks = meas.timeline.phase_starts
+    idx = [ev for ev, _, s in marks if s == step]
+    ends = [ev for ev, _, s in marks if s > step]
+    lo, hi = min(idx), (min(ends) if ends else len(meas.timeline.total))
+    return max(meas.timeline.bytes[Category.ACT][lo:hi], default=0)
