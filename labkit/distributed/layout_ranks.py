@@ -140,3 +140,66 @@ def _act_peak_last_step(meas, step: int) -> int:
     ends = [ev for ev, _, s in marks if s > step]
     lo, hi = min(idx), (min(ends) if ends else len(meas.timeline.total))
     return max(meas.timeline.bytes[Category.ACT][lo:hi], default=0)
+
+
+# ---- tensor parallel -----------------------------------------------------------------------------------------------
+def _shard_of(name: str, full: torch.Tensor, rank: int, t: int) -> torch.Tensor:
+    """This rank's slice of a whole-model tensor under the Megatron split (column: rows; row: columns)."""
+    if ".c_attn." in name or ".c_fc." in name:  # column-parallel: weight and bias split along outputs
+        n = full.shape[0] // t
+        return full[rank * n:(rank + 1) * n]
+    if ".c_proj.weight" in name:  # row-parallel: weight split along inputs, bias whole
+        n = full.shape[1] // t
+        return full[:, rank * n:(rank + 1) * n]
+    return full
+
+
+def tensor_parallel_parity(rank, world_size, cfg, batch, seq, torch_ref=True):
+    """labkit's tensor parallel (plain and sequence parallel) and PyTorch's parallelize_module
+    (ColwiseParallel / RowwiseParallel) against one process: logits, loss and this rank's gradients."""
+    from labkit.distributed import tensor_parallel as tp
+
+    model = build_model("labkit", cfg)
+    x, y = batch_of(batch, seq, cfg["vocab_size"])
+    base_logits = model(x).detach()
+    head = tp.to_headwise(__import__("copy").deepcopy(model))
+    logits = head(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    ref = {n: _shard_of(n, p.grad, rank, world_size) for n, p in head.named_parameters()}
+    out = {"headwise_vs_model": (logits.detach() - base_logits).abs().max().item(), "loss": loss.item(),
+           "logits": logits.detach(), "reference": ref}
+    for sp in (False, True):
+        m = tp.parallelize(model, rank, world_size, sequence_parallel=sp)
+        with comms.CommLog() as log:
+            lg = m(x)
+            ls = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1))
+            ls.backward()
+            tp.sync_replicated_grads(m)
+        out["sp" if sp else "tp"] = {"logits": lg.detach(), "loss": ls.item(), "comms": log.summary(),
+                                     "grads": {n: p.grad.clone() for n, p in m.named_parameters()}}
+    if torch_ref:
+        out["torch"] = _torch_tp(head, world_size, x, y)
+    return out
+
+
+def _torch_tp(head_model, t, x, y):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    m = copy.deepcopy(head_model)
+    m.zero_grad(set_to_none=True)
+    mesh = init_device_mesh("cpu", (t,))
+    plan = {}
+    for i in range(len(m.blocks)):
+        plan.update({f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
+                     f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()})
+    parallelize_module(m, mesh, plan)
+    lg = m(x)
+    ls = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1))
+    ls.backward()
+    grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in m.named_parameters()}
+    return {"logits": torch.as_tensor(lg.detach()).clone(), "loss": ls.item(), "grads": grads}
