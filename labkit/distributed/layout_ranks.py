@@ -203,3 +203,33 @@ def _torch_tp(head_model, t, x, y):
     ls.backward()
     grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in m.named_parameters()}
     return {"logits": torch.as_tensor(lg.detach()).clone(), "loss": ls.item(), "grads": grads}
+
+
+def tp_activation_memory(rank, world_size, cfg, batch, seq, dtype="bf16"):
+    """Activation bytes one rank's blocks save, measured by its ledger: the unsplit blocks (t = 1, no
+    communication), tensor parallel, and tensor + sequence parallel. Returns {layout: bytes per layer}."""
+    from labkit.distributed import tensor_parallel as tp
+    from labkit.memory.ledger import Ledger
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    model = build_model("labkit", cfg).to(dt)
+    L = cfg["n_layer"]
+    layouts = {"t=1": tp.to_headwise(__import__("copy").deepcopy(model)).blocks,
+               "tp": tp.parallelize(model, rank, world_size).blocks,
+               "tp+sp": tp.parallelize(model, rank, world_size, sequence_parallel=True).blocks}
+    out = {}
+    for name, blocks in layouts.items():
+        T = seq // world_size if name == "tp+sp" else seq
+        torch.manual_seed(10 + rank)  # dropout masks: any; the bytes do not depend on them
+        x = torch.randn(batch, T, cfg["n_embd"], dtype=dt, requires_grad=True)
+        g = torch.randn(batch, T, cfg["n_embd"], dtype=dt)
+        with Ledger() as led:
+            y = x
+            for b in blocks:
+                y = b(y)
+            # the stack's output is held here (as the next layer's input would save it) and block 0's
+            # input was made outside the ledger (as the previous layer's output): the two are the same size
+            torch.autograd.backward(y, g)
+            del y
+        out[name] = led.measurement().saved / L
+    return out

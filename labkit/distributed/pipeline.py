@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.distributed import comms
+from labkit.memory.report import Category
 
 __all__ = ["split_layers", "Stage", "build_stage", "schedule", "gpipe", "one_f_one_b", "run_step", "StepRun",
            "sync_tied_grads", "simulate", "bubble_fraction", "measured_bubble", "max_in_flight",
@@ -232,8 +233,8 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
         raise ValueError(f"pipeline: stage 0 needs inputs whose batch divides into {m} micro-batches")
     if stage.is_last and (ys is None or len(ys) != m):
         raise ValueError(f"pipeline: the last stage needs targets whose batch divides into {m} micro-batches")
-    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (its input, its output or loss)
-    pending, losses = [], []
+    held: dict[int, tuple] = {}  # micro-batch -> (its input, its output or loss, the send of its output)
+    grad_send, losses = None, []
     shape = _hidden_shape(stage, xs, ys)
     dtype = next(stage.parameters()).dtype
     with comms.CommLog() as log:
@@ -245,8 +246,6 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                     x = comms.recv(torch.empty(shape, dtype=dtype), src=s - 1, tag=f"activation {i}")
                     x.requires_grad_(True)
                     if ledger is not None:
-                        from labkit.memory.report import Category
-
                         ledger.track(x, Category.ACT)
                 t0 = clock()
                 out = stage(x)
@@ -255,26 +254,35 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                     out = F.cross_entropy(out.view(-1, V), ys[i].reshape(-1)) / m
                     losses.append(out.detach())
                 t1 = clock()
-                if not stage.is_last:
-                    pending.append(comms.isend(out.detach(), dst=s + 1, tag=f"activation {i}"))
-                held[i] = (x, out)
+                # the send holds the output until it completes: it is waited on (done, since its gradient
+                # came back) at this micro-batch's backward
+                sent = None if stage.is_last else comms.isend(out.detach(), dst=s + 1, tag=f"activation {i}")
+                held[i] = (x, out, sent)
             else:
-                x, out = held.pop(i)
+                x, out, sent = held.pop(i)
                 if stage.is_last:
                     t0 = clock()
                     out.backward()
                 else:
                     grad = comms.recv(torch.empty_like(out), src=s + 1, tag=f"grad {i}")
+                    sent.wait()
                     t0 = clock()
                     torch.autograd.backward(out, grad)
+                    if ledger is not None:  # made between two forwards, it is no activation: say so
+                        ledger.track(grad, Category.TEMP)
+                    del grad
                 t1 = clock()
-                del out
+                del out, sent
                 if not stage.is_first:
-                    pending.append(comms.isend(x.grad, dst=s - 1, tag=f"grad {i}"))
+                    if grad_send is not None:  # one gradient in flight at a time
+                        grad_send.wait()
+                    grad_send = comms.isend(x.grad, dst=s - 1, tag=f"grad {i}")
+                del x
             run.times.append((kind, i, t0, t1))
             run.in_flight.append(len(held))
-        for work in pending:
-            work.wait()
+        if grad_send is not None:
+            grad_send.wait()
+        del grad_send
     run.wire_bytes = log.wire()
     if stage.is_last:
         run.loss = float(torch.stack(losses).sum())
