@@ -102,7 +102,7 @@ def pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name, optimize
     from labkit.memory.report import Category
 
     model = build_model(family, cfg)
-    x, y = batch_of(batch, seq, model.config.vocab_size)
+    vocab = model.config.vocab_size
     stage = pl.build_stage(model, rank, world_size)
     del model
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
@@ -115,10 +115,11 @@ def pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name, optimize
         stage.register_forward_hook(fail)
     comms.barrier()
     with Ledger(stage, opt) as led:
+        x, y = (t.clone() for t in batch_of(batch, seq, vocab))  # contiguous; the stage keeps what it reads
+        x, y = (x if stage.is_first else None), (y if stage.is_last else None)
         for _ in range(steps):
             comms.barrier()
-            run = pl.run_step(stage, actions, x if stage.is_first else None, y if stage.is_last else None, m,
-                              ledger=led)
+            run = pl.run_step(stage, actions, x, y, m, ledger=led)
             pl.sync_tied_grads(stage, group)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -233,3 +234,27 @@ def tp_activation_memory(rank, world_size, cfg, batch, seq, dtype="bf16"):
             del y
         out[name] = led.measurement().saved / L
     return out
+
+
+def tp_step_memory(rank, world_size, cfg, batch, seq, micro_batch=None, sequence_parallel=False, steps=2):
+    """One tensor-parallel rank's training step (AdamW, fp32) measured by its own ledger: the last step's peaks."""
+    from labkit.distributed import tensor_parallel as tp
+    from labkit.memory.ledger import Ledger
+
+    model = tp.parallelize(build_model("labkit", cfg), rank, world_size, sequence_parallel=sequence_parallel)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    micro = micro_batch or batch
+    with Ledger(model, opt) as led:
+        x, y = (t.clone() for t in batch_of(batch, seq, cfg["vocab_size"]))
+        for _ in range(steps):
+            for xs, ys in zip(x.split(micro), y.split(micro)):
+                loss = model(xs, ys) * (micro / batch)
+                loss.backward()
+                del loss
+            tp.sync_replicated_grads(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    meas = led.measurement().of_step(steps)
+    return {"peak": meas.peak.as_dict(), "peak_phase": meas.peak_phase,
+            "phases": {k: v.as_dict() for k, v in meas.phases.items()},
+            "n_params": sum(p.numel() for p in model.parameters())}
