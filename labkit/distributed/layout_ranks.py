@@ -35,6 +35,7 @@ def batch_of(batch: int, seq: int, vocab: int, seed: int = 1) -> tuple[torch.Ten
 
 def _one_process_grads(model, x, y) -> tuple[float, dict[str, torch.Tensor]]:
     logits = model(x)
+    logits = getattr(logits, "logits", logits)  # a transformers model returns an output object
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -258,3 +259,16 @@ def tp_step_memory(rank, world_size, cfg, batch, seq, micro_batch=None, sequence
     return {"peak": meas.peak.as_dict(), "peak_phase": meas.peak_phase,
             "phases": {k: v.as_dict() for k, v in meas.phases.items()},
             "n_params": sum(p.numel() for p in model.parameters())}
+
+
+def pipeline_memories(rank, world_size, family, cfg, batch, seq, m, names=("gpipe", "1f1b")):
+    """pipeline_memory for several schedules in one launch: {schedule: result}."""
+    return {name: pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name) for name in names}
+
+
+def tp_memories(rank, world_size, act_cfg, act_batch, act_seq, step_cfg, step_batch, step_seq, micro_batch):
+    """tp_activation_memory (bf16, dropout, materialised attention: Korthikanti's setting) and tp_step_memory
+    without and with sequence parallelism, in one launch."""
+    return {"layer": tp_activation_memory(rank, world_size, act_cfg, act_batch, act_seq),
+            "step": {sp: tp_step_memory(rank, world_size, step_cfg, step_batch, step_seq, micro_batch, sp)
+                     for sp in (False, True)}}
