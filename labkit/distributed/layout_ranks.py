@@ -272,3 +272,9 @@ def tp_memories(rank, world_size, act_cfg, act_batch, act_seq, step_cfg, step_ba
     return {"layer": tp_activation_memory(rank, world_size, act_cfg, act_batch, act_seq),
             "step": {sp: tp_step_memory(rank, world_size, step_cfg, step_batch, step_seq, micro_batch, sp)
                      for sp in (False, True)}}
+
+
+def many(rank, world_size, calls):
+    """Several rank functions of this module in one launch (start-up is the slow part on a busy CPU):
+    calls = [(name, args), ...]; returns their results in order."""
+    return [globals()[name](rank, world_size, *args) for name, args in calls]

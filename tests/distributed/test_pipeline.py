@@ -54,9 +54,16 @@ def test_schedules_in_flight_and_bubble(p, m):
         assert Fraction(pl.measured_bubble(timeline)).limit_denominator(1000) == pl.bubble_fraction(p, m)
 
 
-def test_pipeline_parity_labkit_gpt():
-    out = launch(lr.pipeline_parity, 2, args=("labkit", CFG, 8, 32, 4), timeout_s=120)
-    for rank, res in enumerate(out):
+@pytest.fixture(scope="module")
+def parity():
+    """labkit's GPT and transformers' GPT-2, both schedules, ours and torch's: one launch."""
+    out = launch(lr.many, 2, args=([("pipeline_parity", ("labkit", CFG, 8, 32, 4)),
+                                    ("pipeline_parity", ("gpt2", GPT2_NO_DROPOUT, 4, 16, 2))],), timeout_s=180)
+    return [r[0] for r in out], [r[1] for r in out]
+
+
+def test_pipeline_parity_labkit_gpt(parity):
+    for rank, res in enumerate(parity[0]):
         for name in ("gpipe", "1f1b"):
             r = res[name]
             assert _max_diff(r["grads"], res["reference"]) < TOL
@@ -70,9 +77,8 @@ def test_pipeline_parity_labkit_gpt():
             assert r["wire"] == 4 * 2 * 32 * 64 * 4
 
 
-def test_pipeline_parity_transformers_gpt2():
-    out = launch(lr.pipeline_parity, 2, args=("gpt2", GPT2_NO_DROPOUT, 4, 16, 2), timeout_s=120)
-    for res in out:
+def test_pipeline_parity_transformers_gpt2(parity):
+    for res in parity[1]:
         for name in ("gpipe", "1f1b"):
             assert _max_diff(res[name]["grads"], res["reference"]) < TOL
             assert _max_diff(res[name]["torch"], res["reference"]) < TOL

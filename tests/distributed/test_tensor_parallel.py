@@ -51,9 +51,15 @@ def test_korthikanti_formula():
     assert korthikanti_layer_bytes(s, b, h, a, t=2, sp=True) == s * b * h * (17 + 5 * a * s / (2 * h))
 
 
-def test_tensor_parallel_parity():
-    out = launch(lr.tensor_parallel_parity, 2, args=(CFG, 4, 16), timeout_s=120)
-    for res in out:
+@pytest.fixture(scope="module")
+def runs():
+    """Parity and memory in one launch: [(parity, memory) per rank]."""
+    return launch(lr.many, 2, args=([("tensor_parallel_parity", (CFG, 4, 16)),
+                                     ("tp_memories", (ACT_CFG, 2, 64, CFG, 8, 32, 4))],), timeout_s=240)
+
+
+def test_tensor_parallel_parity(runs):
+    for res, _ in runs:
         assert res["headwise_vs_model"] == 0
         for k in ("tp", "sp", "torch"):
             assert (res[k]["logits"] - res["logits"]).abs().max().item() < TOL
@@ -68,10 +74,9 @@ def test_tensor_parallel_parity():
         assert sp["reduce_scatter"]["calls"] == 4 * 2 and sp["all_gather"]["calls"] == 6 * 2 + 2
 
 
-def test_tensor_parallel_memory_against_formula_and_estimate():
+def test_tensor_parallel_memory_against_formula_and_estimate(runs):
     b, s, h, a, t = 2, 64, 64, 4, 2
-    out = launch(lr.tp_memories, 2, args=(ACT_CFG, b, s, CFG, 8, 32, 4), timeout_s=180)
-    for res in out:
+    for _, res in runs:
         layer = res["layer"]
         for name, tt, sp in (("t=1", 1, False), ("tp", t, False), ("tp+sp", t, True)):
             extras = labkit_layer_extras(s, b, h, a, tt, sp, e=2, device="cpu")
