@@ -31,7 +31,7 @@ from labkit.distributed import comms
 from labkit.memory.report import Category
 
 __all__ = ["split_layers", "Stage", "build_stage", "schedule", "gpipe", "one_f_one_b", "run_step", "StepRun",
-           "sync_tied_grads", "simulate", "bubble_fraction", "measured_bubble", "max_in_flight",
+           "sync_tied_grads", "simulate", "durations_of", "bubble_fraction", "measured_bubble", "max_in_flight",
            "pipeline_wire_bytes"]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -303,9 +303,11 @@ def bubble_fraction(n_stages: int, m: int) -> Fraction:
     return Fraction(n_stages - 1, m + n_stages - 1)
 
 
-def simulate(name: str, m: int, n_stages: int, t_f: float = 1.0, t_b: float = 2.0) -> list[list[tuple]]:
-    """Each stage's actions with start and end times when every forward takes t_f and every backward t_b,
-    and an action starts as soon as its stage is free and its input has arrived (communication free):
+def simulate(name: str, m: int, n_stages: int, t_f: float = 1.0, t_b: float = 2.0,
+             durations: dict | None = None) -> list[list[tuple]]:
+    """Each stage's actions with start and end times when every forward takes t_f and every backward t_b
+    (or, given `durations` {(stage, kind, i): seconds}, what each action took when measured), and an action
+    starts as soon as its stage is free and its input has arrived (communication free):
     [[(kind, micro-batch, start, end), ...] per stage]."""
     acts = [schedule(name, m, n_stages, s) for s in range(n_stages)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, i, stage) -> end time
@@ -322,7 +324,10 @@ def simulate(name: str, m: int, n_stages: int, t_f: float = 1.0, t_b: float = 2.
             if dep is not None and dep not in done:
                 continue
             start = max(free[s], done[dep] if dep else 0.0)
-            end = start + (t_f if kind == "F" else t_b)
+            if durations is not None:
+                end = start + durations[(s, kind, i)]
+            else:
+                end = start + (t_f if kind == "F" else t_b)
             done[(kind, i, s)], free[s] = end, end
             out[s].append((kind, i, start, end))
             pos[s] += 1
@@ -330,6 +335,11 @@ def simulate(name: str, m: int, n_stages: int, t_f: float = 1.0, t_b: float = 2.
         if not progressed:
             raise RuntimeError(f"pipeline: schedule {name!r} deadlocks")  # cannot happen for gpipe and 1f1b
     return out
+
+
+def durations_of(timelines: list[list[tuple]]) -> dict:
+    """{(stage, kind, i): end - start} of measured timelines (StepRun.times per stage), for simulate()."""
+    return {(s, kind, i): end - start for s, tl in enumerate(timelines) for kind, i, start, end in tl}
 
 
 def measured_bubble(timelines: list[list[tuple]]) -> float:
