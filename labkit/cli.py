@@ -303,6 +303,8 @@ def check_estimate_options(args, parser) -> int | None:
         _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
     for name in ("micro_batches", "tp", "pp"):
         _positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
+    if getattr(args, "sequence_parallel", False) and args.tp == 1:
+        parser.error("--sequence-parallel splits what tensor parallelism keeps whole: give --tp > 1 too")
     micro = args.micro_batch
     if getattr(args, "micro_batches", None) is not None:
         if micro is not None or args.accumulate is not None:
@@ -371,8 +373,6 @@ def _estimate_layout(args, spec, micro) -> int:
     from labkit.estimate.predict import estimate_ranks
     from labkit.estimate.recipe import Recipe
 
-    if args.sequence_parallel and args.tp == 1:
-        raise ValueError("--sequence-parallel splits what tensor parallelism keeps whole: give --tp > 1 too")
     try:
         r = Recipe(spec, args.batch, args.seq, dtype=args.dtype, optimizer=args.optimizer, device=args.device,
                    checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
