@@ -189,7 +189,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
         b.states = {}
         b.layer = tp_layer_bytes(w, marks, t, sp) if t > 1 else full.layer
         b.layer_grad = rs.layer_params * d
-        b.points, b.replays = [], []
+        b.replays = []
+        if t > 1:  # block 0's op-level moments are of the unsplit block
+            b.points = []
         if t > 1:
             b.tau, b.tau_grad = full.tau // t, full.tau_grad // t
             b.stream = rh * d // (t if sp else 1)

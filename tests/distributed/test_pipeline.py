@@ -58,8 +58,9 @@ def test_schedules_in_flight_and_bubble(p, m):
 def parity():
     """labkit's GPT and transformers' GPT-2, both schedules, ours and torch's: one launch."""
     out = launch(lr.many, 2, args=([("pipeline_parity", ("labkit", CFG, 8, 32, 4)),
-                                    ("pipeline_parity", ("gpt2", GPT2_NO_DROPOUT, 4, 16, 2))],), timeout_s=180)
-    return [r[0] for r in out], [r[1] for r in out]
+                                    ("pipeline_parity", ("gpt2", GPT2_NO_DROPOUT, 4, 16, 2)),
+                                    ("pipeline_memories", ("gpt2", GPT2_NO_DROPOUT, 8, 32, 4))],), timeout_s=240)
+    return [r[0] for r in out], [r[1] for r in out], [r[2] for r in out]
 
 
 def test_pipeline_parity_labkit_gpt(parity):
@@ -82,6 +83,14 @@ def test_pipeline_parity_transformers_gpt2(parity):
         for name in ("gpipe", "1f1b"):
             assert _max_diff(res[name]["grads"], res["reference"]) < TOL
             assert _max_diff(res[name]["torch"], res["reference"]) < TOL
+
+
+def test_pipeline_estimate_transformers_gpt2(parity):
+    for name in ("gpipe", "1f1b"):
+        est = estimate_ranks("gpt2-tiny", 8, 32, pp=2, micro_batch=2, schedule=name, **GPT2_NO_DROPOUT)
+        for s, (e, res) in enumerate(zip(est, (o[name] for o in parity[2]))):
+            assert res["in_flight"] == in_flight(name, 4, 2, s)
+            assert abs(e.peak.total / res["peak"]["total"] - 1) < 0.03
 
 
 def test_pipeline_memory_per_stage_and_estimate():

@@ -9,7 +9,7 @@ from labkit.distributed import launch
 from labkit.distributed import layout_ranks as lr
 from labkit.distributed import tensor_parallel as tp
 from labkit.estimate import Recipe, estimate_ranks
-from labkit.estimate.layout_terms import korthikanti_layer_bytes, labkit_layer_extras
+from labkit.estimate.layout_terms import korthikanti_layer_bytes, labkit_layer_extras, layout_wire_bytes
 from labkit.models.gpt import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -69,6 +69,8 @@ def test_tensor_parallel_parity(runs):
         act = 4 * 16 * 64 * 4  # one (B, S, h) fp32 activation
         # one all-reduce per block half in forward (g) and one in backward (f): 4 per block
         assert res["tp"]["comms"] == {"all_reduce": {"calls": 4 * 2, "payload_bytes": 8 * act, "wire_bytes": 8 * act}}
+        predicted = layout_wire_bytes(Recipe(GPTConfig(**CFG), 4, 16, tp=2))["tensor parallel: stage 0's layers"]
+        assert res["tp"]["comms"]["all_reduce"]["wire_bytes"] == predicted
         sp = res["sp"]["comms"]  # all-gathers and reduce-scatters instead: the same bytes on the wire and the
         # column-parallel matmuls' second all-gather in backward (2 per block), + the split and the final gather
         assert sp["reduce_scatter"]["calls"] == 4 * 2 and sp["all_gather"]["calls"] == 6 * 2 + 2
