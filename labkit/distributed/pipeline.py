@@ -176,8 +176,7 @@ def one_f_one_b(m: int, n_stages: int, stage: int) -> list[tuple[str, int]]:
     Stage s never holds more than min(p - s, m) micro-batches (Narayanan et al. 2021, section 2.2)."""
     warm = min(n_stages - stage - 1, m)
     out = [("F", i) for i in range(warm)]
-    f = b = 0
-    f = warm
+    f, b = warm, 0
     while f < m:
         out += [("F", f), ("B", b)]
         f, b = f + 1, b + 1
