@@ -303,7 +303,15 @@ def check_estimate_options(args, parser) -> int | None:
     for name in ("batch", "seq", "segments", "micro_batch", "accumulate", "rank", "lora_rank", "lisa_layers",
                  "quant_group"):
         _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
+    for name in ("micro_batches", "tp", "pp"):
+        _positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
+    if getattr(args, "sequence_parallel", False) and args.tp == 1:
+        parser.error("--sequence-parallel splits what tensor parallelism keeps whole: give --tp > 1 too")
     micro = args.micro_batch
+    if getattr(args, "micro_batches", None) is not None:
+        if micro is not None or args.accumulate is not None:
+            parser.error("give one of --micro-batch, --accumulate and --micro-batches")
+        args.accumulate = args.micro_batches
     if args.accumulate is not None:
         if micro is not None:
             parser.error("give --micro-batch or --accumulate, not both")
@@ -344,6 +352,8 @@ def cmd_estimate(args, parser) -> int:
 
     micro = check_estimate_options(args, parser)
     spec = read_model(check_model(args.model)[0], args.model)
+    if args.tp > 1 or args.pp > 1:
+        return _estimate_layout(args, spec, micro)
     try:
         e = estimate(spec, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
                      checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
@@ -359,6 +369,52 @@ def cmd_estimate(args, parser) -> int:
         print(json.dumps(estimate_dict(args.model, e, args)))
     else:
         print(format_estimate(e, args.device))
+    return 0
+
+
+def _estimate_layout(args, spec, micro) -> int:
+    """--tp / --pp: every rank's peak (the largest first in the report), then the largest rank's terms, and
+    the bytes each layout sends per step by the collectives' definitions."""
+    from labkit.estimate.layout_terms import layout_wire_bytes
+    from labkit.estimate.predict import estimate_ranks
+    from labkit.estimate.recipe import Recipe
+
+    try:
+        r = Recipe(spec, args.batch, args.seq, dtype=args.dtype, optimizer=args.optimizer, device=args.device,
+                   checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
+                   micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
+                   optimizer_offload=args.optimizer_offload, step_in_backward=args.step_in_backward,
+                   lora_rank=args.lora_rank, lora_targets=args.lora_targets, quant=args.quant,
+                   lisa_layers=args.lisa_layers, tp=args.tp, pp=args.pp, schedule=args.schedule,
+                   sequence_parallel=args.sequence_parallel)
+        ranks = estimate_ranks(r)
+        wire = layout_wire_bytes(r)
+    except ValueError as err:
+        raise ValueError(_cli_words(str(err))) from err
+    top = max(ranks, key=lambda e: e.peak.total)
+    _check_peak(top.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
+    if args.json:
+        out = estimate_dict(args.model, top, args)
+        out["layout"] = {"tp": args.tp, "pp": args.pp, "schedule": args.schedule,
+                         "sequence_parallel": args.sequence_parallel, "micro_batches": r.rank_batch // r.micro}
+        out["ranks"] = [{"rank": i, "stage": i // args.tp, "tp_rank": i % args.tp, "label": e.label,
+                         "peak": int(e.peak.total), "peak_phase": e.peak_phase,
+                         "categories": {k: v for k, v in e.peak.as_dict().items() if k != "total"}}
+                        for i, e in enumerate(ranks)]
+        out["wire_bytes_per_step"] = {k: float(v) for k, v in wire.items()}
+        print(json.dumps(out))
+        return 0
+    rows = [["rank", "stage", "tp rank", "peak", "phase"] + [str(c) for c in CATEGORIES]]
+    for i, e in enumerate(ranks):
+        rows.append([str(i), str(i // args.tp), str(i % args.tp), fmt_bytes(e.peak.total), e.peak_phase]
+                    + [fmt_bytes(e.peak[c]) for c in CATEGORIES])
+    lines = [f"per-rank peaks (tp={args.tp} pp={args.pp}"
+             + (f" {args.schedule}" if args.pp > 1 else "") + (" sequence-parallel" if args.sequence_parallel else "")
+             + f", {r.rank_batch // r.micro} micro-batches of {r.micro} rows)", _table(rows, right={3}), ""]
+    lines.append("bytes sent per step (by the collectives' definitions)")
+    lines += [f"  {k}: {fmt_bytes(int(v))}" for k, v in wire.items()]
+    lines += ["", f"the largest rank: {top.label}", format_estimate(top, args.device)]
+    print("\n".join(lines))
     return 0
 
 
@@ -475,6 +531,13 @@ def build_parser() -> _Parser:
     e.add_argument("--offload-activations", action="store_true", help="keep saved activations in host memory")
     e.add_argument("--micro-batch", type=integer, default=None, help="rows per micro-batch (gradient accumulation)")
     e.add_argument("--accumulate", type=integer, default=None, help="micro-batches per step (batch / micro-batch)")
+    e.add_argument("--micro-batches", type=integer, default=None,
+                   help="micro-batches per step on each rank (M; the pipeline's m): --micro-batch = batch / M")
+    e.add_argument("--tp", type=integer, default=1, help="tensor-parallel ranks (labkit's GPT; Megatron-LM split)")
+    e.add_argument("--pp", type=integer, default=1, help="pipeline stages (consecutive blocks per stage)")
+    e.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pipeline schedule (--pp > 1)")
+    e.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp > 1: norms and dropouts split along the sequence (Korthikanti et al. 2022)")
     e.add_argument("--rank", type=integer, default=None, help="GaLore's rank (--optimizer galore or galore8bit)")
     e.add_argument("--proj-dtype", choices=PROJ_DTYPES, default=None,
                    help="8-bit GaLore's projector: param (the weights' dtype, the default), fp32 or int8 "

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Call", "CommLog", "wire_bytes", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
-           "send", "recv", "barrier", "world", "rank"]
+           "send", "isend", "recv", "barrier", "world", "rank"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
 
@@ -191,3 +191,10 @@ def logged():
     """Shorthand: `with logged() as log:` is `with CommLog() as log:`."""
     with CommLog() as log:
         yield log
+
+
+def isend(t: torch.Tensor, dst: int, group=None, tag: str = ""):
+    """`send` that returns at once with a work handle to `.wait()` on: a pipeline stage posts its output and
+    goes on to a backward (1F1B), where a blocking send could wait for a peer that is itself sending."""
+    _record("send", _nbytes(t), group, tag)
+    return dist.isend(t.contiguous(), dst=dst, group=group)

@@ -4,7 +4,7 @@ It sums the byte formulas that the technique modules own (labkit.optim, labkit.q
 never re-derives one; `labkit.memory` holds the result types.
 """
 
-from .predict import DTYPES, OPTIMIZERS, Precision, estimate
+from .predict import DTYPES, OPTIMIZERS, Precision, estimate, estimate_ranks
 from .recipe import Recipe
 from .peft_terms import QUANTS
 from .moments import POLICIES

@@ -134,10 +134,22 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
     return _estimate(recipe)
 
 
+def estimate_ranks(model, batch: int | None = None, seq: int | None = None, **options) -> list[Estimate]:
+    """One Estimate per rank of a tensor- and pipeline-parallel layout (Recipe tp, pp, schedule,
+    sequence_parallel, micro_batch), in the order stage 0's tp ranks, stage 1's, ...; `estimate` of the same
+    recipe is the largest of them (labkit.estimate.layout_terms)."""
+    from .layout_terms import estimate_ranks as ranks
+    from .recipe import as_recipe
+
+    return ranks(as_recipe(model, batch, seq, **options))
+
+
 def _estimate(r: Recipe) -> Estimate:
     if r.distributed:
-        raise ValueError(f"the single-device estimate was asked for a layout over {r.world_size} devices "
-                         f"(dp={r.dp} tp={r.tp} pp={r.pp}); per-rank estimates are not available yet")
+        if r.dp > 1:
+            raise ValueError(f"the single-device estimate was asked for a layout over {r.world_size} devices "
+                             f"(dp={r.dp} tp={r.tp} pp={r.pp}); per-rank estimates are not available yet")
+        return max(estimate_ranks(r), key=lambda e: e.peak.total)  # the rank that needs the most
     model, batch, seq, dtype, optimizer, device = r.model, r.batch, r.seq, r.dtype, r.optimizer, r.device
     checkpoint, segments, offload_activations, micro = r.checkpoint, r.segments, r.offload_activations, r.micro
     rank, optimizer_offload, step_in_backward = r.rank, r.optimizer_offload, r.step_in_backward

@@ -1,0 +1,280 @@
+"""Rank functions for pipeline and tensor parallelism (lesson 10 and tests/distributed): spawned ranks import
+them from here by name. Each builds the same model from the same seed, runs labkit's version and PyTorch's,
+and returns plain tensors and numbers (they are pickled back to the caller)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from labkit.distributed import comms
+from labkit.distributed import pipeline as pl
+
+
+def build_model(family: str, cfg: dict, seed: int = 0) -> torch.nn.Module:
+    """labkit's GPT ("labkit") or transformers' GPT-2 ("gpt2", from the gpt2-tiny preset), fp32, seeded."""
+    torch.manual_seed(seed)
+    if family == "labkit":
+        from labkit.models.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(**cfg))
+    if family == "gpt2":
+        from labkit.models.hf import build
+
+        return build("gpt2-tiny", device="cpu", **cfg)
+    raise ValueError(f"unknown model family {family!r}: 'labkit' or 'gpt2'")
+
+
+def batch_of(batch: int, seq: int, vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _one_process_grads(model, x, y) -> tuple[float, dict[str, torch.Tensor]]:
+    logits = model(x)
+    logits = getattr(logits, "logits", logits)  # a transformers model returns an output object
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _stage_grads(stage: pl.Stage) -> dict[str, torch.Tensor]:
+    """{the whole model's parameter name: this stage's gradient}."""
+    return {stage.origin[n]: p.grad.clone() for n, p in stage.named_parameters()}
+
+
+# ---- pipeline ------------------------------------------------------------------------------------------------
+def pipeline_parity(rank, world_size, family, cfg, batch, seq, m, schedules=("gpipe", "1f1b"), torch_ref=True):
+    """For each schedule: labkit's pipeline and torch.distributed.pipelining's on the same stage, and one
+    process on the whole batch. Returns {"reference": grads of this stage's parameters, schedule: {...}}."""
+    model = build_model(family, cfg)
+    vocab = model.config.vocab_size
+    x, y = batch_of(batch, seq, vocab)
+    ref_loss, ref = _one_process_grads(model, x, y)
+    group = pl.tied_group(world_size)
+    out = {"reference_loss": ref_loss, "reference": None}
+    for name in schedules:
+        stage = pl.build_stage(model, rank, world_size)
+        if out["reference"] is None:
+            out["reference"] = {stage.origin[n]: ref[stage.origin[n]] for n, _ in stage.named_parameters()}
+        actions = pl.schedule(name, m, world_size, rank)
+        run = pl.run_step(stage, actions, x if stage.is_first else None, y if stage.is_last else None, m)
+        pl.sync_tied_grads(stage, group)
+        res = {"grads": _stage_grads(stage), "loss": run.loss, "in_flight": max(run.in_flight),
+               "wire": run.wire_bytes}
+        if torch_ref:
+            res["torch"], res["torch_loss"] = _torch_pipelining(model, rank, world_size, name, m, x, y, group)
+        out[name] = res
+    return out
+
+
+def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = pl.build_stage(model, rank, world_size)
+    ps = PipelineStage(stage, rank, world_size, torch.device("cpu"))
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+    sched = cls(ps, n_microbatches=m, loss_fn=loss_fn)  # scale_grads=True: divides gradients by m
+    losses: list = []
+    if stage.is_first:
+        sched.step(x)
+    elif stage.is_last:
+        sched.step(target=y, losses=losses)
+    else:
+        sched.step()
+    pl.sync_tied_grads(stage, group)
+    loss = float(torch.stack(losses).detach().mean()) if losses else None
+    return _stage_grads(stage), loss
+
+
+def pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name, optimizer="adamw", steps=2,
+                    fail_stage=None):
+    """One stage's step measured by its own ledger: per-category peaks of the last step, the most
+    activation bytes held, when each forward and backward ran, and the in-flight counts. A `fail_stage`
+    raises in its first backward (to test that a failing stage ends the run)."""
+    from labkit.memory.ledger import Ledger
+    from labkit.memory.report import Category
+
+    model = build_model(family, cfg)
+    vocab = model.config.vocab_size
+    stage = pl.build_stage(model, rank, world_size)
+    del model
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    group = pl.tied_group(world_size)
+    actions = pl.schedule(name, m, world_size, rank)
+    if fail_stage == rank:  # this stage dies in its first forward: its peers wait in send/recv
+        def fail(*_):
+            raise RuntimeError(f"stage {rank} failed on purpose in its forward")
+
+        stage.register_forward_hook(fail)
+    comms.barrier()
+    with Ledger(stage, opt) as led:
+        x, y = (t.clone() for t in batch_of(batch, seq, vocab))  # contiguous; the stage keeps what it reads
+        x, y = (x if stage.is_first else None), (y if stage.is_last else None)
+        for _ in range(steps):
+            comms.barrier()
+            run = pl.run_step(stage, actions, x, y, m, ledger=led)
+            pl.sync_tied_grads(stage, group)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    meas = led.measurement().of_step(steps)
+    act = max(meas.timeline.bytes[Category.ACT][i] for i in range(len(meas.timeline.total)))
+    return {"peak": meas.peak.as_dict(), "peak_phase": meas.peak_phase,
+            "phases": {k: v.as_dict() for k, v in meas.phases.items()},
+            "act_peak": _act_peak_last_step(meas, steps), "act_any": act,
+            "times": run.times, "in_flight": max(run.in_flight), "loss": run.loss, "wire": run.wire_bytes,
+            "layers": stage.layers, "n_params": sum(p.numel() for p in stage.parameters())}
+
+
+def _act_peak_last_step(meas, step: int) -> int:
+    """The most ACT bytes live during step `step` (the ledger's timeline between that step's markers)."""
+    from labkit.memory.report import Category
+
+    marks = meas.timeline.phase_starts
+    idx = [ev for ev, _, s in marks if s == step]
+    ends = [ev for ev, _, s in marks if s > step]
+    lo, hi = min(idx), (min(ends) if ends else len(meas.timeline.total))
+    return max(meas.timeline.bytes[Category.ACT][lo:hi], default=0)
+
+
+# ---- tensor parallel -----------------------------------------------------------------------------------------------
+def _shard_of(name: str, full: torch.Tensor, rank: int, t: int) -> torch.Tensor:
+    """This rank's slice of a whole-model tensor under the Megatron split (column: rows; row: columns)."""
+    if ".c_attn." in name or ".c_fc." in name:  # column-parallel: weight and bias split along outputs
+        n = full.shape[0] // t
+        return full[rank * n:(rank + 1) * n]
+    if ".c_proj.weight" in name:  # row-parallel: weight split along inputs, bias whole
+        n = full.shape[1] // t
+        return full[:, rank * n:(rank + 1) * n]
+    return full
+
+
+def tensor_parallel_parity(rank, world_size, cfg, batch, seq, torch_ref=True):
+    """labkit's tensor parallel (plain and sequence parallel) and PyTorch's parallelize_module
+    (ColwiseParallel / RowwiseParallel) against one process: logits, loss and this rank's gradients."""
+    from labkit.distributed import tensor_parallel as tp
+
+    model = build_model("labkit", cfg)
+    x, y = batch_of(batch, seq, cfg["vocab_size"])
+    base_logits = model(x).detach()
+    head = tp.to_headwise(__import__("copy").deepcopy(model))
+    logits = head(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    ref = {n: _shard_of(n, p.grad, rank, world_size) for n, p in head.named_parameters()}
+    out = {"headwise_vs_model": (logits.detach() - base_logits).abs().max().item(), "loss": loss.item(),
+           "logits": logits.detach(), "reference": ref}
+    for sp in (False, True):
+        m = tp.parallelize(model, rank, world_size, sequence_parallel=sp)
+        with comms.CommLog() as log:
+            lg = m(x)
+            ls = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1))
+            ls.backward()
+            tp.sync_replicated_grads(m)
+        out["sp" if sp else "tp"] = {"logits": lg.detach(), "loss": ls.item(), "comms": log.summary(),
+                                     "grads": {n: p.grad.clone() for n, p in m.named_parameters()}}
+    if torch_ref:
+        out["torch"] = _torch_tp(head, world_size, x, y)
+    return out
+
+
+def _torch_tp(head_model, t, x, y):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    m = copy.deepcopy(head_model)
+    m.zero_grad(set_to_none=True)
+    mesh = init_device_mesh("cpu", (t,))
+    plan = {}
+    for i in range(len(m.blocks)):
+        plan.update({f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
+                     f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()})
+    parallelize_module(m, mesh, plan)
+    lg = m(x)
+    ls = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1))
+    ls.backward()
+    grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in m.named_parameters()}
+    return {"logits": torch.as_tensor(lg.detach()).clone(), "loss": ls.item(), "grads": grads}
+
+
+def tp_activation_memory(rank, world_size, cfg, batch, seq, dtype="bf16"):
+    """Activation bytes one rank's blocks save, measured by its ledger: the unsplit blocks (t = 1, no
+    communication), tensor parallel, and tensor + sequence parallel. Returns {layout: bytes per layer}."""
+    from labkit.distributed import tensor_parallel as tp
+    from labkit.memory.ledger import Ledger
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    model = build_model("labkit", cfg).to(dt)
+    L = cfg["n_layer"]
+    layouts = {"t=1": tp.to_headwise(__import__("copy").deepcopy(model)).blocks,
+               "tp": tp.parallelize(model, rank, world_size).blocks,
+               "tp+sp": tp.parallelize(model, rank, world_size, sequence_parallel=True).blocks}
+    out = {}
+    for name, blocks in layouts.items():
+        T = seq // world_size if name == "tp+sp" else seq
+        torch.manual_seed(10 + rank)  # dropout masks: any; the bytes do not depend on them
+        x = torch.randn(batch, T, cfg["n_embd"], dtype=dt, requires_grad=True)
+        g = torch.randn(batch, T, cfg["n_embd"], dtype=dt)
+        with Ledger() as led:
+            y = x
+            for b in blocks:
+                y = b(y)
+            # the stack's output is held here (as the next layer's input would save it) and block 0's
+            # input was made outside the ledger (as the previous layer's output): the two are the same size
+            torch.autograd.backward(y, g)
+            del y
+        out[name] = led.measurement().saved / L
+    return out
+
+
+def tp_step_memory(rank, world_size, cfg, batch, seq, micro_batch=None, sequence_parallel=False, steps=2):
+    """One tensor-parallel rank's training step (AdamW, fp32) measured by its own ledger: the last step's peaks."""
+    from labkit.distributed import tensor_parallel as tp
+    from labkit.memory.ledger import Ledger
+
+    model = tp.parallelize(build_model("labkit", cfg), rank, world_size, sequence_parallel=sequence_parallel)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    micro = micro_batch or batch
+    with Ledger(model, opt) as led:
+        x, y = (t.clone() for t in batch_of(batch, seq, cfg["vocab_size"]))
+        for _ in range(steps):
+            for xs, ys in zip(x.split(micro), y.split(micro)):
+                loss = model(xs, ys) * (micro / batch)
+                loss.backward()
+                del loss
+            tp.sync_replicated_grads(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    meas = led.measurement().of_step(steps)
+    return {"peak": meas.peak.as_dict(), "peak_phase": meas.peak_phase,
+            "phases": {k: v.as_dict() for k, v in meas.phases.items()},
+            "n_params": sum(p.numel() for p in model.parameters())}
+
+
+def pipeline_memories(rank, world_size, family, cfg, batch, seq, m, names=("gpipe", "1f1b")):
+    """pipeline_memory for several schedules in one launch: {schedule: result}."""
+    return {name: pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name) for name in names}
+
+
+def tp_memories(rank, world_size, act_cfg, act_batch, act_seq, step_cfg, step_batch, step_seq, micro_batch):
+    """tp_activation_memory (bf16, dropout, materialised attention: Korthikanti's setting) and tp_step_memory
+    without and with sequence parallelism, in one launch."""
+    return {"layer": tp_activation_memory(rank, world_size, act_cfg, act_batch, act_seq),
+            "step": {sp: tp_step_memory(rank, world_size, step_cfg, step_batch, step_seq, micro_batch, sp)
+                     for sp in (False, True)}}
+
+
+def many(rank, world_size, calls):
+    """Several rank functions of this module in one launch (start-up is the slow part on a busy CPU):
+    calls = [(name, args), ...]; returns their results in order."""
+    return [globals()[name](rank, world_size, *args) for name, args in calls]

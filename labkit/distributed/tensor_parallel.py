@@ -1,0 +1,373 @@
+"""Tensor parallelism from scratch (Megatron-LM style): each block's matrices split over t ranks so that one
+all-reduce per block half suffices in forward and one in backward; optionally sequence parallel.
+
+    model = to_headwise(GPT(cfg))                   # q, k, v rows stored head by head (as Megatron does)
+    tp = parallelize(model, rank, t)                # attention split by heads, the MLP by its inner width
+    loss = ...; loss.backward(); sync_replicated_grads(tp)   # only with sequence_parallel=True
+
+Shoeybi et al. 2019 (Megatron-LM, section 3): the MLP's first matrix is split by columns (each rank a
+slice of the 4h outputs, GELU works per slice) and the second by rows (each rank a partial sum), so the
+block needs one all-reduce (g) after the second matrix in forward, and one (f) on the input's gradient
+in backward. Attention is split the same way by heads. f and g are two tiny autograd functions:
+
+    f: forward identity,   backward all-reduce         (enters a tensor-parallel region)
+    g: forward all-reduce, backward identity           (leaves it)
+
+Korthikanti et al. 2022 (sequence parallelism): the LayerNorms and dropouts between the regions work on
+whole activations that every rank keeps a copy of (the "10 sbh" of their per-layer formula). Splitting
+those along the sequence turns g into a reduce-scatter and f into an all-gather (the same bytes on the
+wire) and divides what they save by t as well: sbh(10 + 24/t + 5as/(ht)) becomes sbh(34/t + 5as/(ht)).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.distributed import comms
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_seq", "scatter_seq", "split_seq", "ColumnParallelLinear",
+           "RowParallelLinear", "HeadwiseAttention", "to_headwise", "TPBlock", "parallelize", "check_tp",
+           "sync_replicated_grads", "tp_wire_bytes"]
+
+
+# ---- the f and g operators -----------------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    """f: the input of a tensor-parallel region. Every rank reads the whole x; each contributes a partial
+    gradient of it, so backward sums them."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comms.all_reduce(g.contiguous(), group=ctx.group, tag="f backward"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: the output of a tensor-parallel region. Each rank holds a partial sum; forward adds them up."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return comms.all_reduce(x.contiguous(), group=group, tag="g forward")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def copy_to_tp(x, group=None):
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x, group=None):
+    return _ReduceFromTP.apply(x, group)
+
+
+# ---- sequence parallel: the same operators along the sequence (dim 1 of (B, T, C)) ------------------------------
+def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, T/t, C) on each rank -> (B, T, C), rank r's rows of the sequence at [r T/t, (r+1) T/t)."""
+    t = comms.world(group)
+    flat = torch.empty(t * x.numel(), dtype=x.dtype, device=x.device)
+    comms.all_gather(flat, x.contiguous().view(-1), group=group, tag="sequence all-gather")
+    B, Ts, C = x.shape
+    return flat.view(t, B, Ts, C).transpose(0, 1).reshape(B, t * Ts, C)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, T, C) partial sums on each rank -> (B, T/t, C): the sum over ranks of rank r's rows of the sequence."""
+    t = comms.world(group)
+    B, T, C = x.shape
+    chunks = x.view(B, t, T // t, C).transpose(0, 1).contiguous()  # (t, B, T/t, C): chunk r goes to rank r
+    out = torch.empty(B * (T // t) * C, dtype=x.dtype, device=x.device)
+    comms.reduce_scatter(out, chunks.view(-1), group=group, tag="sequence reduce-scatter")
+    return out.view(B, T // t, C)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """f with sequence parallelism: all-gather forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_seq(g, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """g with sequence parallelism: reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_seq(g, ctx.group), None
+
+
+class _SplitSeq(torch.autograd.Function):
+    """A replicated (B, T, C) -> this rank's (B, T/t, C) (no communication); backward gathers the pieces."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t, r = comms.world(group), comms.rank(group)
+        return x.chunk(t, dim=1)[r].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_seq(g, ctx.group), None
+
+
+class _GatherSeqReplicated(torch.autograd.Function):
+    """Sequence shards -> the whole (B, T, C) for a replicated consumer (the head); its gradient is the same
+    on every rank, so backward just keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        t, r = comms.world(ctx.group), comms.rank(ctx.group)
+        return g.chunk(t, dim=1)[r].contiguous(), None
+
+
+def gather_seq(x, group=None):
+    return _GatherSeq.apply(x, group)
+
+
+def scatter_seq(x, group=None):
+    return _ScatterSeq.apply(x, group)
+
+
+def split_seq(x, group=None):
+    return _SplitSeq.apply(x, group)
+
+
+class _SeqParallelLinear(torch.autograd.Function):
+    """all-gather + column-parallel matmul that saves only this rank's sequence shard of the input and
+    gathers it again in backward (Korthikanti et al. 2022, section 4.2.2): the input the matmul needs for
+    its weight gradient then costs sbh/t, not sbh, per rank."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x_shard, weight)
+        return F.linear(_all_gather_seq(x_shard, group), weight, bias)  # (B, T, out/t)
+
+    @staticmethod
+    def backward(ctx, g):
+        x_shard, weight = ctx.saved_tensors
+        total = _all_gather_seq(x_shard, ctx.group)  # (B, T, in), again
+        grad_x = _reduce_scatter_seq(g @ weight, ctx.group)  # (B, T/t, in)
+        grad_w = g.reshape(-1, g.shape[-1]).t() @ total.reshape(-1, total.shape[-1])
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+# ---- column- and row-parallel linear layers ------------------------------------------------------------------------
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X W_r^T + b_r: this rank's slice of the output features (rows out_features * r / t onward).
+    Input: the whole X (f makes its gradient whole), or its sequence shard with sequence_parallel."""
+
+    def __init__(self, full: nn.Linear, rank: int, t: int, sequence_parallel: bool = False, group=None):
+        super().__init__()
+        n = full.out_features // t  # bytes: 1/t of the weight and bias on each rank
+        self.weight = nn.Parameter(full.weight.detach()[rank * n:(rank + 1) * n].clone())
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rank * n:(rank + 1) * n].clone())
+        self.sequence_parallel, self.group = sequence_parallel, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return _SeqParallelLinear.apply(x, self.weight, self.bias, self.group)
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_r X_r W_r^T + b: this rank's slice of the input features; the partial products are summed by
+    g (all-reduce), or reduce-scattered along the sequence with sequence_parallel. The bias, replicated,
+    is added once after the sum."""
+
+    def __init__(self, full: nn.Linear, rank: int, t: int, sequence_parallel: bool = False, group=None):
+        super().__init__()
+        n = full.in_features // t
+        self.weight = nn.Parameter(full.weight.detach()[:, rank * n:(rank + 1) * n].clone())
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True  # added to a sequence shard: its gradient is partial
+        self.sequence_parallel, self.group = sequence_parallel, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # (B, T, out): a partial sum
+        y = scatter_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+# ---- attention with its fused q, k, v stored head by head -----------------------------------------------------------
+class HeadwiseAttention(nn.Module):
+    """Causal self-attention whose fused projection is laid out (head, q/k/v, head size) along its outputs,
+    so that any contiguous slice of them is whole heads: split by columns, each rank computes its own
+    heads (Megatron-LM's layout). Heads here = c_attn's outputs / (3 x head size): all of them unsplit,
+    n_head / t on a rank. Equal to labkit's CausalSelfAttention (whose c_attn is q, k, v one after another)."""
+
+    def __init__(self, c_attn: nn.Module, c_proj: nn.Module, head_size: int, dropout: float, attention: str):
+        super().__init__()
+        self.c_attn, self.c_proj, self.head_size, self.dropout, self.attention = c_attn, c_proj, head_size, dropout, attention
+        self.attn_drop, self.resid_drop = nn.Dropout(dropout), nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.c_attn(x)  # (B, T, 3 C') with C' = this rank's heads x head size
+        B, T, _ = qkv.shape
+        hs = self.head_size
+        nh = qkv.shape[-1] // (3 * hs)
+        q, k, v = qkv.view(B, T, nh, 3, hs).permute(3, 0, 2, 1, 4).unbind(0)  # 3 x (B, nh, T, hs)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True)
+        else:  # scores (B, nh, T, T) kept for backward: 5as^2 b per layer in 16-bit with dropout
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = self.attn_drop(F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1))
+            y = att @ v
+        y = y.transpose(1, 2).reshape(B, T, nh * hs)  # heads side by side, as c_proj's inputs expect
+        return self.resid_drop(self.c_proj(y))
+
+
+def _headwise_rows(n_head: int, hs: int) -> torch.Tensor:
+    """Row order taking labkit's [q; k; v] (each head after head) to [head 0: q k v, head 1: q k v, ...]."""
+    C = n_head * hs
+    return torch.tensor([part * C + h * hs + i for h in range(n_head) for part in range(3) for i in range(hs)])
+
+
+def to_headwise(model: nn.Module) -> nn.Module:
+    """labkit's GPT with each attention rewritten as HeadwiseAttention (c_attn's rows reordered): the same
+    function, now splittable by heads with a plain column split (ours or PyTorch's ColwiseParallel)."""
+    from labkit.models.gpt import CausalSelfAttention
+
+    cfg = model.config
+    hs = cfg.n_embd // cfg.n_head
+    rows = _headwise_rows(cfg.n_head, hs)
+    for block in model.blocks:
+        old = block.attn
+        if not isinstance(old, CausalSelfAttention):
+            continue
+        c_attn = copy.deepcopy(old.c_attn)
+        with torch.no_grad():
+            c_attn.weight.copy_(old.c_attn.weight[rows])
+            if c_attn.bias is not None:
+                c_attn.bias.copy_(old.c_attn.bias[rows])
+        block.attn = HeadwiseAttention(c_attn, old.c_proj, hs, old.dropout, old.attention)
+    return model
+
+
+# ---- a block and a model split t ways ----------------------------------------------------------------------------
+class TPMLP(nn.Module):
+    def __init__(self, mlp: nn.Module, rank: int, t: int, sp: bool, group=None):
+        super().__init__()
+        self.c_fc = ColumnParallelLinear(mlp.c_fc, rank, t, sp, group)  # (B, T, 4h/t)
+        self.gelu = nn.GELU()
+        self.c_proj = RowParallelLinear(mlp.c_proj, rank, t, sp, group)
+        self.dropout = copy.deepcopy(mlp.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class TPBlock(nn.Module):
+    """A pre-LayerNorm block with attention split by heads and the MLP by its inner width; LayerNorms and
+    residual dropouts replicated (or, with sequence parallelism, on this rank's part of the sequence)."""
+
+    def __init__(self, block: nn.Module, rank: int, t: int, sp: bool = False, group=None):
+        super().__init__()
+        a = block.attn
+        self.ln_1, self.ln_2 = copy.deepcopy(block.ln_1), copy.deepcopy(block.ln_2)
+        if sp:
+            for p in [*self.ln_1.parameters(), *self.ln_2.parameters()]:
+                p.sequence_parallel = True
+        self.attn = HeadwiseAttention(ColumnParallelLinear(a.c_attn, rank, t, sp, group),
+                                      RowParallelLinear(a.c_proj, rank, t, sp, group), a.head_size, a.dropout,
+                                      a.attention)
+        self.mlp = TPMLP(block.mlp, rank, t, sp, group)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def check_tp(n_head: int, n_embd: int, t: int, seq: int | None = None, sequence_parallel: bool = False) -> None:
+    """Clear errors for a split that cannot be made."""
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise ValueError(f"tensor parallel: t must be a positive integer, got {t!r}")
+    if n_head % t:
+        raise ValueError(f"tensor parallel: {n_head} attention heads do not divide over t={t} ranks")
+    if (4 * n_embd) % t:
+        raise ValueError(f"tensor parallel: the MLP's {4 * n_embd} inner features do not divide over t={t} ranks")
+    if sequence_parallel and seq is not None and seq % t:
+        raise ValueError(f"sequence parallel: seq {seq} does not divide over t={t} ranks")
+
+
+class TPGPT(nn.Module):
+    """labkit's GPT with every block split t ways; embeddings and head replicated. With sequence_parallel the
+    residual stream between blocks is this rank's (B, T/t, C) part of the sequence."""
+
+    def __init__(self, model: nn.Module, rank: int, t: int, sequence_parallel: bool = False, group=None):
+        super().__init__()
+        cfg = model.config
+        check_tp(cfg.n_head, cfg.n_embd, t)
+        model = to_headwise(copy.deepcopy(model))
+        self.config, self.sp, self.group = cfg, sequence_parallel, group
+        self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleList(TPBlock(b, rank, t, sequence_parallel, group) for b in model.blocks)
+        self.ln_f, self.lm_head = model.ln_f, model.lm_head  # tied to wte, as in the model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = idx.shape
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))  # (B, T, C), replicated
+        if self.sp:
+            x = split_seq(x, self.group)  # (B, T/t, C)
+        for block in self.blocks:
+            x = block(x)
+        if self.sp:
+            x = _GatherSeqReplicated.apply(x, self.group)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+
+
+def parallelize(model: nn.Module, rank: int, t: int, sequence_parallel: bool = False, group=None) -> TPGPT:
+    """This rank's part of labkit's GPT split t ways (Megatron-LM), optionally sequence parallel."""
+    return TPGPT(model, rank, t, sequence_parallel, group)
+
+
+def sync_replicated_grads(model: nn.Module, group=None) -> None:
+    """With sequence parallelism, the LayerNorms (and row-parallel biases) see only this rank's part of the
+    sequence, so their gradients are partial sums: add them up over the tensor-parallel ranks."""
+    for p in model.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            comms.all_reduce(p.grad, group=group, tag="sequence-parallel norm grads")
+
+
+def tp_wire_bytes(batch: int, seq: int, hidden: int, bytes_per: int, n_layer: int, t: int,
+                  sequence_parallel: bool = False) -> dict:
+    """Bytes each rank sends per step by definition: per block 2 all-reduces forward (attention, MLP) and 2
+    backward of a (B, S, h) activation, 2 (t-1)/t x its size each; sequence parallel replaces each by an
+    all-gather and a reduce-scatter, (t-1)/t each: the same total (Korthikanti et al. 2022, section 4.2.2),
+    plus the all-gathers that its column-parallel matmuls repeat in backward."""
+    act = batch * seq * hidden * bytes_per
+    ring = (t - 1) / t * act
+    per_block = 4 * 2 * ring if not sequence_parallel else 4 * 2 * ring + 2 * ring
+    return {"activation": act, "per block": per_block, "total": n_layer * per_block}

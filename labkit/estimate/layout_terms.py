@@ -1,0 +1,307 @@
+"""Per-rank bytes of a model split over devices: pipeline stages (by layers) and tensor parallelism (inside
+layers), each rank's estimate made from the single-device one (its walk and its moments) with the rank's
+share of every term.
+
+- Pipeline (p stages, m micro-batches): stage s holds its blocks' parameters, gradients and optimizer state
+  (stage 0 the embeddings, the last stage the final norm and the head, a copy of a tied embedding when
+  p > 1), and the activations of every micro-batch in flight: m under GPipe, min(p - s, m) under 1F1B.
+- Tensor parallel (t ranks, Megatron-LM): the attention and MLP matrices are divided by t (row-parallel
+  biases stay whole), LayerNorms and embeddings replicated; per layer the activations are
+  sbh(10 + 24/t + 5as/(ht)), or sbh(34/t + 5as/(ht)) with sequence parallelism (Korthikanti et al. 2022,
+  arXiv 2205.05198, eq. 2-4 with 16-bit activations and 1-byte dropout masks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from labkit.memory.report import Category, Estimate, Term
+
+SPLIT_BY_T = ("qkv", "q contiguous", "k^T contiguous", "v contiguous", "attention out", "logsumexp",
+              "attention probs", "attention dropout", "attention scores", "fc.", "gelu.")  # walk names, per head / ffn
+NOT_SPLIT = ("causal mask",)  # (S, S): one per layer, whatever t
+
+
+def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
+    """[start, stop) of each stage's blocks (labkit.distributed.pipeline's rule: the first stages one more)."""
+    from labkit.distributed.pipeline import split_layers as split
+
+    return split(n_layer, n_stages)
+
+
+def in_flight(schedule: str, m: int, n_stages: int, stage: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B)."""
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+    return m if schedule == "gpipe" else min(n_stages - stage, m)
+
+
+# ---- Korthikanti et al.'s per-layer formula and what labkit's layer adds ------------------------------------------
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
+    """Activation bytes per transformer layer and tensor-parallel rank (16-bit activations, 1-byte dropout masks,
+    attention scores kept): sbh(10 + 24/t + 5as/(ht)), with sequence parallelism sbh(34/t + 5as/(ht))."""
+    return s * b * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
+
+
+def labkit_layer_extras(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, e: int = 2,
+                        device: str = "cpu", dropout: bool = True, manual: bool = True) -> list[Term]:
+    """What labkit's layer saves beyond the formula, term by term (e = bytes per activation element):
+    LayerNorm statistics, the (S, S) causal mask of materialised attention, and on a CPU dropout masks in the
+    activations' dtype (e bytes, not 1: aten's CPU native_dropout returns the mask as the input's dtype)."""
+    rep = t if sp else 1  # what the formula's '10' covers is divided by t only with sequence parallelism
+    out = [Term("LayerNorm mean and rstd (2 norms)", Category.ACT, 2 * 2 * s * b * e // rep,
+                "2 x 2 x sb x e" + (" / t" if sp else ""), "native_layer_norm saves mean and rstd")]
+    if manual:
+        out.append(Term("causal mask (S x S bool)", Category.ACT, s * s, "s^2", "masked_fill saves its mask"))
+    if dropout and device == "cpu" and e > 1:
+        if manual:
+            out.append(Term("attention dropout mask at e bytes, not 1", Category.ACT, (e - 1) * a * s * s * b // t,
+                            "(e - 1) as^2 b / t", "aten native_dropout on CPU: mask in the input's dtype"))
+        out.append(Term("residual dropout masks at e bytes, not 1", Category.ACT, 2 * (e - 1) * s * b * h // rep,
+                        "2 (e - 1) sbh" + (" / t" if sp else ""), "aten native_dropout on CPU"))
+    return out
+
+
+# ---- what one rank holds ---------------------------------------------------------------------------------------
+def _layer_of(name: str) -> int | None:
+    m = re.search(r"(?:blocks|h|layers)\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def rank_params(spec, stage: int = 0, n_stages: int = 1, t: int = 1) -> list[tuple[str, tuple]]:
+    """(name, shape) of each parameter tensor rank (stage, any tp rank) holds: the stage's blocks with their
+    attention and MLP matrices divided by t (column-parallel: outputs; row-parallel: inputs, bias whole),
+    the embeddings on the first stage, the final norm and head on the last (a copy of a tied embedding when
+    the two are different stages)."""
+    start, stop = split_layers(spec.n_layer, n_stages)[stage]
+    first, last = stage == 0, stage == n_stages - 1
+    out = []
+    for name, shape in zip(spec.param_names, spec.param_shapes):
+        k = _layer_of(name)
+        if k is not None:
+            if not start <= k < stop:
+                continue
+            out.append((name, _tp_shape(name, tuple(shape), t)))
+        elif any(x in name for x in ("wte", "wpe", "embed_tokens")):
+            if first:
+                out.append((name, tuple(shape)))
+        elif last:
+            out.append((name, tuple(shape)))
+    if spec.tied and last and not first:  # the head's own copy of the tied matrix
+        out.append(("lm_head.weight (tied copy)", (spec.vocab, spec.hidden)))
+    return out
+
+
+def _tp_shape(name: str, shape: tuple, t: int) -> tuple:
+    if t == 1:
+        return shape
+    if re.search(r"(c_attn|c_fc)\.(weight|bias)$", name):  # column-parallel (GPT-2's Conv1D is (in, out))
+        return (shape[0] // t, *shape[1:])
+    if name.endswith("c_proj.weight"):  # row-parallel
+        return (shape[0], shape[1] // t)
+    return shape
+
+
+def rank_spec(spec, stage: int = 0, n_stages: int = 1, t: int = 1):
+    """The ModelSpec of what one rank trains (for the optimizer-state and step rules of optim_terms)."""
+    params = rank_params(spec, stage, n_stages, t)
+    numels = [_numel(s) for _, s in params]
+    start, stop = split_layers(spec.n_layer, n_stages)[stage]
+    return dataclasses.replace(spec, n_params=sum(numels), param_numels=numels, param_shapes=[s for _, s in params],
+                               param_names=[n for n, _ in params], n_layer=stop - start,
+                               layer_params=max((sum(_numel(s) for n, s in params if _layer_of(n) == k)
+                                                 for k in range(start, stop)), default=0),
+                               galore_shapes=[], linears=[])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def tp_layer_bytes(w, marks, t: int, sp: bool = False) -> int:
+    """One layer's saved bytes on one tensor-parallel rank, from the single-device walk's record of the last
+    block: what is per head or per MLP feature divided by t, the rest (norm inputs and statistics, the
+    residual stream, residual dropout masks) replicated, or divided by t too with sequence parallelism."""
+    if len(marks) < 2:
+        return 0
+    lo, hi = marks[-2][0], marks[-1][0]
+    total, pos = 0.0, 0
+    for name, nbytes in w.log:
+        if lo <= pos < hi:
+            if any(k in name for k in NOT_SPLIT):
+                total += nbytes
+            elif any(name.startswith(k) or k in name for k in SPLIT_BY_T) or sp:
+                total += nbytes / t
+            else:
+                total += nbytes
+        pos += nbytes
+    return int(round(total))
+
+
+# ---- the per-rank estimate -----------------------------------------------------------------------------------------
+def estimate_ranks(recipe) -> list[Estimate]:
+    """One Estimate per rank of a tp x pp layout (dp = 1), in the order (stage 0: tp ranks 0..t-1, stage 1, ...):
+    the single-device step's moments with each rank's share of the terms, and the activations of the other
+    micro-batches the schedule keeps in flight on that stage."""
+    from labkit.estimate import predict
+    from labkit.estimate.moments import custom, step_moments
+    from labkit.estimate.spec import spec_from
+
+    r = recipe
+    if r.dp > 1:
+        raise ValueError(f"per-rank estimates for data parallel (dp={r.dp}) are lesson 09's; this one takes tp and pp")
+    if r.checkpoint != "none" or r.offload_activations or r.lora_rank or r.lisa_layers or r.step_in_backward \
+            or r.optimizer_offload or r.optimizer.startswith("galore"):
+        raise ValueError("per-rank estimates of a tp/pp layout take plain training (no checkpointing, offload, "
+                         "PEFT, GaLore or step in backward)")
+    spec = spec_from(r.model, **r.config)
+    if spec.family != "labkit-gpt" and r.tp > 1:
+        raise ValueError(f"tensor-parallel estimates are for labkit's GPT (labkit.distributed.tensor_parallel); "
+                         f"got a {spec.family} model")
+    from labkit.distributed.tensor_parallel import check_tp
+
+    check_tp(spec.n_head, spec.hidden, r.tp, r.seq, r.sequence_parallel)
+    split_layers(spec.n_layer, r.pp)
+    prec = predict.Precision.of(r.dtype)
+    micro, rows = r.micro, r.rank_batch
+    m = rows // micro
+    foreach = (r.device == "cuda") if r.foreach is None else r.foreach
+    full, w = predict.step_bytes(spec, prec, rows, micro, r.seq, r.optimizer, r.device, foreach)
+    _, marks = predict.walk_activations(spec, prec, micro, r.seq, r.device)
+    t, sp, p = r.tp, r.sequence_parallel, r.pp
+    d, mm = prec.weight, w.mm_bytes
+    rh = micro * r.seq * spec.hidden
+    out = []
+    for s in range(p):
+        first, last = s == 0, s == p - 1
+        rs = rank_spec(spec, s, p, t)
+        n_blocks = rs.n_layer
+        b = dataclasses.replace(full)
+        b.P = rs.n_params * d
+        b.G = rs.n_params * d
+        b.O = predict.optimizer_state_bytes(rs, prec, r.optimizer)
+        b.opt_temp = predict.optimizer_temp_bytes(rs, prec, r.optimizer, foreach)
+        b.C = predict.autocast_copy_bytes(dataclasses.replace(rs, matmul_params=_matmul(rs)), prec)
+        b.states = {}
+        b.layer = tp_layer_bytes(w, marks, t, sp) if t > 1 else full.layer
+        b.layer_grad = rs.layer_params * d
+        b.replays = []
+        if t > 1:  # block 0's op-level moments are of the unsplit block
+            b.points = []
+        if t > 1:
+            b.tau, b.tau_grad = full.tau // t, full.tau_grad // t
+            b.stream = rh * d // (t if sp else 1)
+        b.inputs = (rows * r.seq * 8 if first else 0) + (rows * r.seq * 8 if last else 0)
+        if not first:
+            b.before, b.emb_temp, b.emb_dense = 0, 0, 0
+        if not last:
+            b.after, b.lsm, b.logits, b.head_grad = rh * mm, 0, 0, 0  # the stage's output, the root of its backward
+            b.head_temp = rh * mm  # the gradient received for it
+            b.head_copy = 0
+        elif not first and spec.tied:
+            b.emb_temp = 0  # the head's copy gets its gradient in place of the embedding's
+        if first and not last and spec.tied:
+            b.emb_temp = spec.vocab * spec.hidden * d  # the embedding's dense gradient alone
+        a_s = b.before + n_blocks * b.layer + b.after  # one micro-batch's activations on this stage
+        acts = _actions(r.schedule if p > 1 else "gpipe", m, p, s) if p > 1 else None
+        k_first, k_later = _others_in_flight(acts) if acts else (0, 0)
+        root = 0 if last else rh * mm  # a non-last stage's output: the root of its backward, held through it
+        moments = _with_extra(step_moments(b, n_blocks), k_first, a_s, r.schedule, root)
+        if m > 1:
+            moments += _with_extra(step_moments(b, n_blocks, grads_exist=True, tag="micro-batch 2 on"), k_later,
+                                   a_s, r.schedule, root)
+        label = (f"{spec.name} B={r.batch} S={r.seq} {r.dtype} {r.optimizer} tp={t}{' sp' if sp else ''} pp={p}"
+                 f"{' ' + r.schedule if p > 1 else ''} m={m}: stage {s}")
+        terms = [Term("parameters", Category.PARAM, b.P, f"{rs.n_params:,} x {d} B (this rank's share)",
+                      "Shoeybi et al. 2019; Narayanan et al. 2021"),
+                 Term("gradients", Category.GRAD, b.G, f"{rs.n_params:,} x {d} B", ""),
+                 Term("optimizer state", Category.OPT, b.O, "per optimizer on this rank's parameters", ""),
+                 Term("activations of one micro-batch on this stage", Category.ACT, a_s,
+                      f"{'before + ' if first else ''}{n_blocks} x layer + {'after' if last else 'output'}",
+                      "Korthikanti et al. 2022 per layer")]
+        est = [Estimate(label + (f" tp rank {k}" if t > 1 else ""), rs.n_params, terms=terms, moments=moments)
+               for k in range(t)]
+        out += est
+    return out
+
+
+def _matmul(rs) -> int:
+    """Parameters of the rank that enter a matmul (autocast copies them): the blocks' Linears and the head."""
+    return sum(_numel(s) for n, s in zip(rs.param_names, rs.param_shapes)
+               if re.search(r"(c_attn|c_proj|c_fc|lm_head)\.(weight|bias)", n))
+
+
+def _actions(schedule: str, m: int, p: int, s: int):
+    from labkit.distributed.pipeline import schedule as sched
+
+    return sched(schedule, m, p, s)
+
+
+def _others_in_flight(actions) -> tuple[int, int]:
+    """Micro-batches held besides the one in backward: at the first backward, and at worst at a later one."""
+    live, first, later, seen = 0, 0, 0, 0
+    for kind, _ in actions:
+        if kind == "B":
+            if seen == 0:
+                first = live - 1
+            else:
+                later = max(later, live - 1)
+            seen += 1
+            live -= 1
+        else:
+            live += 1
+    return first, later
+
+
+def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0):
+    """The moments of one micro-batch with the activations of k others in flight added (forward and backward),
+    and, inside the blocks' and embedding's backward, the stage's output (`root` bytes) that backward started from."""
+    from labkit.estimate.moments import custom
+    from labkit.memory.report import Moment
+
+    extra = [custom(f"activations of {k} other micro-batch(es) in flight ({schedule})", Category.ACT, k * a_s,
+                    f"{k} x the stage's activations per micro-batch",
+                    "GPipe keeps all m; 1F1B at most p - s (Narayanan et al. 2021)")] if k > 0 else []
+    held = [custom("the stage's output, root of this backward", Category.ACT, root, "r x h x bytes",
+                   "torch.autograd.backward(output, grad) holds the output until it returns")] if root else []
+    out = []
+    for mo in moments:
+        if mo.phase == "optimizer":
+            out.append(mo)
+            continue
+        inner = mo.phase == "backward" and not mo.where.startswith(("start", "the head"))
+        out.append(Moment(mo.phase, mo.where, [*mo.terms, *extra, *(held if inner else [])]))
+    return out
+
+
+def layout_wire_bytes(recipe) -> dict[str, float]:
+    """Bytes each rank sends per step, by the collectives' definitions (labkit.distributed.comms.wire_bytes):
+    pipeline: each micro-batch's activation forward and its gradient back across each stage boundary, plus the tied embedding's gradient all-reduce between the first and last
+    stage; tensor parallel: 4 all-reduces of a (b, s, h) activation per layer (2 forward, 2 backward), or
+    with sequence parallelism the same in all-gathers and reduce-scatters plus 2 all-gathers backward."""
+    from labkit.estimate import predict
+    from labkit.estimate.spec import spec_from
+
+    r = recipe
+    spec = spec_from(r.model, **r.config)
+    d = predict.Precision.of(r.dtype)
+    e = 2 if d.autocast else d.weight
+    m = r.rank_batch // r.micro
+    act = r.micro * r.seq * spec.hidden * e
+    out = {}
+    if r.pp > 1:
+        out["pipeline: each stage boundary, each way (m activations forward, m gradients back)"] = m * act
+        if spec.tied:
+            out["pipeline: tied embedding gradient all-reduce (first and last stage)"] = spec.vocab * spec.hidden * d.weight
+    if r.tp > 1:
+        t = r.tp
+        layers = split_layers(spec.n_layer, r.pp)[0]
+        n = layers[1] - layers[0]
+        ring = (t - 1) / t * act * m
+        out["tensor parallel: per layer"] = (8 if not r.sequence_parallel else 10) * ring
+        out["tensor parallel: stage 0's layers"] = n * out["tensor parallel: per layer"]
+    return out

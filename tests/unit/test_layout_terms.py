@@ -1,0 +1,89 @@
+"""Per-rank estimates of tensor- and pipeline-parallel layouts (labkit.estimate.layout_terms) and the CLI flags."""
+
+import json
+
+import pytest
+
+from labkit.cli import main
+from labkit.estimate import Recipe, estimate, estimate_ranks
+from labkit.estimate.layout_terms import in_flight, layout_wire_bytes, rank_params
+from labkit.estimate.spec import spec_from
+from labkit.memory import Category
+from labkit.models.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64)
+GPT_TEXT = "gpt:n_layer=4,n_embd=64,n_head=4,vocab_size=64,block_size=32"
+
+
+def test_estimate_is_the_largest_rank_and_dp_is_refused():
+    ranks = estimate_ranks(CFG, 8, 32, tp=2, pp=2, micro_batch=2)
+    assert len(ranks) == 4 and ranks[0].peak.total == ranks[1].peak.total  # tp ranks of a stage alike
+    assert estimate(CFG, 8, 32, tp=2, pp=2, micro_batch=2).peak.total == max(e.peak.total for e in ranks)
+    with pytest.raises(ValueError, match="per-rank estimates are not available yet"):
+        estimate(CFG, 8, 32, dp=2)
+
+
+def test_rank_parameters():
+    spec = spec_from(CFG)
+    n = spec.n_params
+    # pipeline: every parameter on exactly one stage, plus the head's copy of the tied embedding
+    stages = [sum(_numel(s) for _, s in rank_params(spec, k, 2)) for k in range(2)]
+    assert sum(stages) == n + CFG.vocab_size * CFG.n_embd
+    # tensor parallel: the blocks' matrices and column-parallel biases halved, the rest whole
+    h, L = CFG.n_embd, CFG.n_layer
+    split = L * (3 * h * h + 3 * h + 4 * h * h + 4 * h + h * h + 4 * h * h)
+    assert sum(_numel(s) for _, s in rank_params(spec, 0, 1, 2)) == n - split // 2
+    assert sum(p.numel() for p in GPT(CFG).parameters()) == n
+
+
+def _numel(shape):
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def test_activations_in_flight_follow_the_schedule():
+    for name in ("gpipe", "1f1b"):
+        est = estimate_ranks(CFG, 16, 32, pp=2, micro_batch=2, schedule=name)
+        k = in_flight(name, 8, 2, 0)
+        a_s = next(t.bytes for t in est[0].terms if t.name.startswith("activations of one micro-batch"))
+        most = max(m.breakdown()[Category.ACT] for m in est[0].moments)
+        assert (k - 1) * a_s < most <= (k + 1) * a_s + 16 * 32 * 8
+    g, f = (estimate_ranks(CFG, 16, 32, pp=2, micro_batch=2, schedule=s)[0] for s in ("gpipe", "1f1b"))
+    assert g.peak[Category.ACT] > 3 * f.peak[Category.ACT]  # 8 micro-batches held against 2
+
+
+def test_wire_bytes_by_definition():
+    w = layout_wire_bytes(Recipe(CFG, 8, 32, tp=2, pp=2, micro_batch=2))
+    act = 2 * 32 * 64 * 4  # one micro-batch's (b, s, h) fp32 activation
+    assert w["pipeline: each stage boundary, each way (m activations forward, m gradients back)"] == 4 * act
+    assert w["tensor parallel: per layer"] == 4 * 2 * (1 / 2) * act * 4  # 4 all-reduces of 2(t-1)/t x S, m = 4
+    sp = layout_wire_bytes(Recipe(CFG, 8, 32, tp=2, micro_batch=8, sequence_parallel=True))
+    assert sp["tensor parallel: per layer"] == 10 * (1 / 2) * 8 * 32 * 64 * 4
+
+
+def test_cli_layout(capsys):
+    assert main(["estimate", "--model", GPT_TEXT, "--batch", "8", "--seq", "32", "--dtype", "fp32", "--tp", "2",
+                 "--pp", "2", "--micro-batches", "4", "--schedule", "gpipe", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == {"tp": 2, "pp": 2, "schedule": "gpipe", "sequence_parallel": False, "micro_batches": 4}
+    assert len(out["ranks"]) == 4 and out["peak"] == max(r["peak"] for r in out["ranks"])
+    ranks = estimate_ranks(CFG, 8, 32, tp=2, pp=2, micro_batch=2, schedule="gpipe")
+    assert [r["peak"] for r in out["ranks"]] == [e.peak.total for e in ranks]
+    assert main(["estimate", "--model", GPT_TEXT, "--batch", "8", "--seq", "32", "--tp", "2", "--sequence-parallel"]) == 0
+    assert "per-rank peaks (tp=2 pp=1 sequence-parallel" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--tp", "3"], "4 attention heads do not divide over t=3"),
+    (["--pp", "5"], "5 stages for a model of 4 layers"),
+    (["--pp", "2", "--micro-batches", "0"], "--micro-batches must be a positive integer"),
+    (["--pp", "2", "--micro-batches", "2", "--micro-batch", "4"], "one of --micro-batch, --accumulate and --micro-batches"),
+    (["--sequence-parallel"], "give --tp > 1 too"),
+    (["--pp", "2", "--micro-batches", "3"], "must divide --batch 8"),
+])
+def test_cli_bad_layouts(capsys, args, words):
+    assert main(["estimate", "--model", GPT_TEXT, "--batch", "8", "--seq", "32", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
