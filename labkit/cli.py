@@ -299,8 +299,15 @@ def check_estimate_options(args, parser) -> int | None:
     """Refuse what the command line alone shows is wrong: numbers out of range and options that mean
     something only with another. Returns the micro-batch. (What depends on the model, such as --seq beyond
     its positions or --lisa-layers beyond its layers, the estimator checks.)"""
-    for name in ("batch", "seq", "segments", "micro_batch", "accumulate", "rank", "lora_rank", "lisa_layers"):
-        _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
+    for name in ("batch", "seq", "segments", "micro_batch", "accumulate", "rank", "lora_rank", "lisa_layers", "dp"):
+        _positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
+    dp = getattr(args, "dp", 1)
+    if getattr(args, "zero", 0) not in (0, 1, 2, 3):
+        parser.error(f"--zero must be a ZeRO stage 0, 1, 2 or 3, got {args.zero}")
+    if getattr(args, "zero_offload", False) and not args.zero:
+        parser.error("--zero-offload offloads ZeRO's optimizer state shards: give --zero 1, 2 or 3 too")
+    if args.batch % dp:
+        parser.error(f"--batch {args.batch} is the global batch: it must divide evenly over --dp {dp} ranks")
     micro = args.micro_batch
     if args.accumulate is not None:
         if micro is not None:
@@ -345,7 +352,8 @@ def cmd_estimate(args, parser) -> int:
                      micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
                      optimizer_offload=args.optimizer_offload,
                      step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
-                     lora_targets=args.lora_targets, quant=args.quant, lisa_layers=args.lisa_layers)
+                     lora_targets=args.lora_targets, quant=args.quant, lisa_layers=args.lisa_layers,
+                     dp=args.dp, zero=args.zero, zero_offload=args.zero_offload)
     except ValueError as err:
         raise ValueError(_cli_words(str(err))) from err
     _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
@@ -484,6 +492,11 @@ def build_parser() -> _Parser:
                    help="store the frozen base under the adapters in int8 or NF4 (nf4 = QLoRA); needs --lora-rank")
     e.add_argument("--lisa-layers", type=integer, default=None,
                    help="LISA: train embeddings, head and this many sampled layers at a time")
+    e.add_argument("--dp", type=integer, default=1,
+                   help="data-parallel ranks: --batch is the global batch, each rank takes batch / dp rows; per-rank bytes")
+    e.add_argument("--zero", type=integer, default=0, help="ZeRO stage over the dp ranks: 0 (plain), 1 (optimizer "
+                   "state sharded), 2 (+ gradients), 3 (+ parameters)")
+    e.add_argument("--zero-offload", action="store_true", help="ZeRO-Offload: the optimizer state shards in host memory")
     e.set_defaults(run=cmd_estimate, parser=e)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
                        description=f"Which models fit which budgets. {UNITS_NOTE}.")
