@@ -76,3 +76,32 @@ def test_more_ranks_than_elements_to_shard():
         zero_terms.paper_bytes(1e9, 0, 1)
     with pytest.raises(ValueError, match="ZeRO stage"):
         zero_terms.paper_bytes(1e9, 8, 4)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dp", "0"], "--dp must be a positive integer"),
+    (["--dp", "2", "--zero", "4"], "--zero must be a ZeRO stage"),
+    (["--dp", "3", "--batch", "4"], "must divide evenly over --dp 3"),
+    (["--zero-offload"], "give --zero 1, 2 or 3"),
+    (["--dp", "2", "--zero", "2", "--optimizer", "lion"], "do not model optimizer"),
+])
+def test_cli_bad_input(capsys, argv, words):
+    from labkit.cli import main
+
+    assert main(["estimate", "--model", "gpt2-tiny", "--batch", "4", "--seq", "32", *argv]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and words in out.err and len(out.err.strip().splitlines()) == 1
+
+
+def test_cli_per_rank_json(capsys):
+    import json
+
+    from labkit.cli import main
+
+    assert main(["estimate", "--model", "gpt2-tiny", "--batch", "4", "--seq", "32", "--dp", "2", "--zero", "3",
+                 "--json"]) == 0
+    text = capsys.readouterr().out
+    d = json.loads(text)
+    e = estimate(Recipe("gpt2-tiny", 4, 32, dtype=d["dtype"], device=d["device"], dp=2, zero=3))
+    single = estimate(Recipe("gpt2-tiny", 2, 32, dtype=d["dtype"], device=d["device"]))
+    assert str(e.peak.total) in text and str(single.peak.total) not in text
