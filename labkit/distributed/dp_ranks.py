@@ -214,3 +214,29 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0):
 def measure_many(rank: int, world: int, recipes: list, steps: int = 2, seed: int = 0) -> list:
     """`measure` for each recipe in turn on the same ranks (one launch): the Measurements of the last step."""
     return [measure(rank, world, r, steps, seed).of_step(steps) for r in recipes]
+
+
+def measure_ranks(recipe, world: int = 2, steps: int = 2, timeout_s: float = 240) -> list:
+    """Launch `world` ranks (labkit.distributed.launch) that each measure `recipe` with dp = world: one
+    Measurement of the last step per rank, in rank order."""
+    from .launch import launch
+
+    r = recipe.replace(dp=world, batch=recipe.rank_batch * world)
+    return [ms[0] for ms in launch(measure_many, world, args=([r], steps), timeout_s=timeout_s)]
+
+
+def compare(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, methods=(), references=()) -> dict:
+    """Each of labkit's `methods` (`train`; a "-sgd" suffix trains with SGD), then the production `references`
+    ("ddp", "ddp-sgd", "fsdp2", "zero-redundancy"), one after the other on the same ranks (one launch)."""
+    out = {m: train(rank, world, m.removesuffix("-sgd"), cfg, steps, batch, seq,
+                    optimizer="sgd" if m.endswith("-sgd") else "adamw") for m in methods}
+    for ref in references:
+        if ref in ("ddp", "ddp-sgd"):
+            out[ref] = ddp_train(rank, world, cfg, steps, batch, seq, optimizer="sgd" if ref == "ddp-sgd" else "adamw")
+        elif ref == "fsdp2":
+            out[ref] = fsdp2_train(rank, world, cfg, steps, batch, seq)
+        elif ref == "zero-redundancy":
+            out[ref] = zero_redundancy_elements(rank, world, cfg)
+        else:
+            raise ValueError(f"unknown reference {ref!r}: ddp, ddp-sgd, fsdp2 or zero-redundancy")
+    return out

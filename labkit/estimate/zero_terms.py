@@ -217,3 +217,10 @@ def per_rank_estimate(single, spec, r, prec_weight: int):
         _t("gradient shards", G_, lay.grads_shard(), "per rank, after the reduce-scatter"),
         _t("optimizer state shards", O_, lay.opt(), "per rank")]
     return Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+
+
+def stages(recipe) -> dict:
+    """{stage: the per-rank Estimate} of a recipe at ZeRO stages 0 to 3 (its dp, zero_offload for stages 1-3)."""
+    from .predict import estimate
+
+    return {z: estimate(recipe.replace(zero=z, zero_offload=recipe.zero_offload and z > 0)) for z in (0, 1, 2, 3)}

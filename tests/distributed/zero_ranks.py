@@ -4,19 +4,7 @@ from labkit.distributed import dp_ranks
 
 
 def everything(rank, world_size, cfg, steps, batch, seq, methods, references):
-    """Each of labkit's `methods` (dp_ranks.train), then the production `references` ("ddp", "ddp-sgd",
-    "fsdp2", "zero-redundancy"), one after the other on the same ranks."""
-    out = {m: dp_ranks.train(rank, world_size, m.removesuffix("-sgd"), cfg, steps, batch, seq,
-                             optimizer="sgd" if m.endswith("-sgd") else "adamw") for m in methods}
-    if "ddp" in references:
-        out["ddp"] = dp_ranks.ddp_train(rank, world_size, cfg, steps, batch, seq)
-    if "ddp-sgd" in references:
-        out["ddp-sgd"] = dp_ranks.ddp_train(rank, world_size, cfg, steps, batch, seq, optimizer="sgd")
-    if "fsdp2" in references:
-        out["fsdp2"] = dp_ranks.fsdp2_train(rank, world_size, cfg, steps, batch, seq)
-    if "zero-redundancy" in references:
-        out["zero-redundancy"] = dp_ranks.zero_redundancy_elements(rank, world_size, cfg)
-    return out
+    return dp_ranks.compare(rank, world_size, cfg, steps, batch, seq, methods, references)
 
 
 def mismatched_models(rank, world_size, cfg):
