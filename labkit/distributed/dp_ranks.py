@@ -179,14 +179,16 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0):
     GPTConfig model, fp32, adamw) on this rank: its rows of each global batch, ZeRO stage `recipe.zero`
     (0: labkit's naive data parallel, all-reduce in place after backward)."""
     from labkit.memory.ledger import Ledger
-    from labkit.run.step import build_model
+    from labkit.models.gpt import GPT, GPTConfig
 
+    if not isinstance(recipe.model, GPTConfig):
+        raise ValueError(f"per-rank measurement builds labkit's GPT: give a GPTConfig, not {type(recipe.model).__name__}")
     if recipe.dp != world:
         raise ValueError(f"the recipe is for dp={recipe.dp} ranks but {world} were launched")
     if recipe.dtype != "fp32" or recipe.optimizer != "adamw" or recipe.micro < recipe.rank_batch:
         raise ValueError("per-rank measurement runs fp32 AdamW without micro-batches")
     torch.manual_seed(seed)
-    m = build_model(recipe.model, "fp32", "cpu", **recipe.config)
+    m = GPT(GPTConfig(**{**recipe.model.__dict__, **recipe.config})).train()
     vocab = m.config.vocab_size
     if recipe.zero:
         run = Zero(m, recipe.zero, lr=1e-3, offload=recipe.zero_offload)

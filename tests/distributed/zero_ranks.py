@@ -3,8 +3,12 @@
 from labkit.distributed import dp_ranks
 
 
-def everything(rank, world_size, cfg, steps, batch, seq, methods, references):
-    return dp_ranks.compare(rank, world_size, cfg, steps, batch, seq, methods, references)
+def everything(rank, world_size, cfg, steps, batch, seq, methods, references, recipes=()):
+    """dp_ranks.compare, then (one launch for both) dp_ranks.measure_many of `recipes` under "memory"."""
+    out = dp_ranks.compare(rank, world_size, cfg, steps, batch, seq, methods, references)
+    if recipes:
+        out["memory"] = dp_ranks.measure_many(rank, world_size, list(recipes))
+    return out
 
 
 def mismatched_models(rank, world_size, cfg):
@@ -16,6 +20,3 @@ def mismatched_models(rank, world_size, cfg):
     z = Zero(GPT(GPTConfig(**c)), 3)
     return z.state_elements()
 
-
-def zero_redundancy_only(rank, world_size, cfg):
-    return dp_ranks.zero_redundancy_elements(rank, world_size, cfg)
