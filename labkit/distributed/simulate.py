@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
-__all__ = ["fsdp2_rank_memory"]
+__all__ = ["fsdp2_rank_memory", "zero_rank_memory"]
 
 
 def _child(cfg: dict, worlds: list, batch: int, seq: int, out) -> None:
@@ -83,3 +83,29 @@ def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float =
     if kind != "ok":
         raise RuntimeError(f"fsdp2_rank_memory at world {world}: {value}")
     return value if isinstance(world, (list, tuple)) else value[0]
+
+
+def zero_rank_memory(recipe, steps: int = 2, seed: int = 0):
+    """Rank 0's Measurement (the ledger's, last step) of labkit's Zero for `recipe` (dp = the simulated world
+    size, a GPTConfig model, fp32 AdamW) under a fake process group, in this process: the per-rank bytes of any
+    world size without its ranks. The caller's process group, if any, must be the fake one of that size or none
+    (one is made and destroyed here)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .dp_ranks import measure
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=recipe.dp)
+    elif dist.get_world_size() != recipe.dp or dist.get_backend() != "fake":
+        raise ValueError(f"a process group of {dist.get_world_size()} ranks ({dist.get_backend()}) is already "
+                         f"there; zero_rank_memory needs none or a fake one of dp={recipe.dp}")
+    try:
+        threads = torch.get_num_threads()
+        return measure(0, recipe.dp, recipe, steps, seed).of_step(steps)
+    finally:
+        torch.set_num_threads(threads)
+        if made:
+            dist.destroy_process_group()

@@ -186,21 +186,51 @@ def _block_of(where: str) -> int | None:
 
 
 def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> list[Moment]:
-    """Stage 1: after backward every gradient is full; the first unit is flattened (a copy of its padded
-    gradients) and its shard made. Stages 2-3: at the end of block k's backward, its full gradients and their
-    flat copy (from the block's backward moment, without that backward's transients)."""
+    """The moments a unit's gradients are flattened for their reduce-scatter (`torch.cat` of the unit's full
+    gradients, padded): the copy and the gradients it copies are alive together; the unit's shard comes after
+    the full gradients are freed.
+
+    stage 1: after backward, every gradient full, the first unit (block 0) flattened.
+    stages 2-3: at the end of block k's backward (its last gradient made): block k's full gradients and their
+    copy, beside the activations the earlier blocks still hold, the finished blocks' gradient shards, the head's
+    gradient and the gradient flowing into block k (twice: the residual's and the first norm's); and at the end
+    of backward the root's gradients and their copy (stage 3: block k or the root gathered then)."""
     d = lay.d
-    opt = next((m for m in moments if m.phase == "optimizer"), None)
-    if opt is None:
-        return []
-    keep = [t for t in opt.terms if t.category not in (T_, G_)]
-    flat = _t("a unit's gradients, flattened for the reduce-scatter", T_, d * lay.world * max(lay.s_block, lay.s_root),
-              "N s x d B (the largest unit's)")
-    shard = _t("that unit's gradient shard", G_, d * max(lay.s_block, lay.s_root), "s x d B")
+    flat_block = _t("a block's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_block,
+                    "N s_block x d B (torch.cat of the block's gradients, padded)")
+    flat_root = _t("the root's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_root,
+                   "N s_root x d B")
+    full_block = _t("the block's full gradients", G_, d * lay.block, "n_block x d B")
     if lay.stage == 1:
-        return [Moment("backward", "after backward: the first unit's gradients reduce-scattered",
-                       [*keep, _t("gradients", G_, lay.grads_full(), f"N s x {d} B per unit"), flat, shard])]
-    return []
+        opt = next((m for m in moments if m.phase == "optimizer"), None)
+        if opt is None:
+            return []
+        keep = [t for t in opt.terms if t.category not in (T_, G_)]
+        first = flat_block if lay.block else flat_root
+        return [Moment("backward", "after backward: the first unit's gradients flattened for its reduce-scatter",
+                       [*keep, _t("gradients", G_, lay.grads_full(), f"N s x {d} B per unit (all full)"), first])]
+    out = []
+    for m in moments:
+        k = _block_of(m.where)
+        if m.phase != "backward" or k is None or m.where != f"block {k} backward":
+            continue
+        drop = ("saved by the block(s) in backward", "MLP backward transient", "one weight gradient before accumulation")
+        terms = [t for t in m.terms if t.name not in drop]
+        stream = next((t for t in m.terms if t.name == "gradient of the residual stream"), None)
+        terms += [full_block, flat_block] + ([stream] if stream is not None else [])
+        out.append(Moment("backward", f"block {k} backward ends: its gradients flattened for the reduce-scatter", terms))
+    end = next((m for m in moments if m.where == "the embedding's backward"), None)
+    if end is not None and lay.root:
+        terms = []
+        for t in end.terms:
+            if t.name == "dense embedding gradient (and the tied sum)":  # the sum is .grad now; the dense part waits
+                terms.append(_t("the embedding's dense gradient, still in autograd's buffer", T_, t.bytes // 2,
+                                "V x h x d (embedding_dense_backward's output)"))
+            elif not (lay.stage == 3 and t.name.endswith("block(s) gathered")):
+                terms.append(t)
+        terms.append(flat_root)
+        out.append(Moment("backward", "backward ends: the root's gradients flattened for the reduce-scatter", terms))
+    return out
 
 
 def per_rank_estimate(single, spec, r, prec_weight: int):
