@@ -196,10 +196,13 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0):
     else:
         run = DataParallelNaive(m)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=recipe.foreach)
+    # this rank's rows of each global batch, cut before the ledger starts (the whole global batch is not this
+    # rank's memory); each step copies its rows inside the ledger, as a data loader would hand them over
+    rows = [tuple(_rows(t, rank, world).clone() for t in global_batch(i, recipe.batch, recipe.seq, vocab, seed))
+            for i in range(steps)]
     with Ledger(m, opt, label=f"rank {rank} of {world}, ZeRO-{recipe.zero}") as led:
         for i in range(steps):
-            x, y = global_batch(i, recipe.batch, recipe.seq, vocab, seed)
-            x, y = _rows(x, rank, world), _rows(y, rank, world)
+            x, y = (t.clone() for t in rows[i])
             loss = run(x, y)
             loss.backward()
             del loss

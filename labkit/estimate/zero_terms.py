@@ -12,9 +12,10 @@ parameters, N data-parallel ranks and K bytes of optimizer state per parameter:
 master weights, m and v). `rank_layout` gives the same rules for labkit's own ZeRO (labkit.distributed.Zero),
 which is what the per-rank estimate and the per-rank measurement run: fp32 weights (d bytes each) in flat
 units (each block, and the root: everything else), each padded to a multiple of N and cut in N equal shards
-of s = ceil(n / N) elements; AdamW's m and v (2 d s) and a 4-byte step per unit shard. Transients on top:
-stage 1-2 gradients flattened unit by unit before their reduce-scatter; stage 3 the root unit gathered from
-the forward's start to the end of backward and one block gathered while it runs (no prefetch).
+of s = ceil(n / N) elements; AdamW's m and v (2 d s) and a 4-byte step per unit shard. Transients on top: a
+unit's full gradients and their flat copy for the reduce-scatter (stage 1 after backward; stages 2-3 at the end
+of each block's backward, and the root's at the end of backward); stage 3 the root unit gathered from the
+forward's start to the end of backward and one block gathered while it runs (no prefetch).
 """
 
 from __future__ import annotations
