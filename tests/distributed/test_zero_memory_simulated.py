@@ -38,3 +38,22 @@ def test_a_real_process_group_is_refused():
             zero_rank_memory(Recipe(MODELS["deep"][0], batch=8, seq=16, dp=8, zero=3))
     finally:
         dist.destroy_process_group()
+
+
+def test_zero_bad_input_is_one_clear_error():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from labkit.distributed import Zero
+    from labkit.models.gpt import GPT
+
+    tiny = GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=2)  # a block of 38 elements
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
+    try:
+        for stage in (0, 4, True, "3"):
+            with pytest.raises(ValueError, match="ZeRO stage 1, 2 or 3"):
+                Zero(GPT(tiny), stage)
+        with pytest.raises(ValueError, match="fewer than the 64 ranks"):
+            Zero(GPT(tiny), 3)
+    finally:
+        dist.destroy_process_group()
