@@ -303,10 +303,17 @@ def check_estimate_options(args, parser) -> int | None:
     for name in ("batch", "seq", "segments", "micro_batch", "accumulate", "rank", "lora_rank", "lisa_layers",
                  "quant_group"):
         _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
-    for name in ("micro_batches", "tp", "pp"):
+    for name in ("micro_batches", "tp", "pp", "dp"):
         _positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
     if getattr(args, "sequence_parallel", False) and args.tp == 1:
         parser.error("--sequence-parallel splits what tensor parallelism keeps whole: give --tp > 1 too")
+    dp = getattr(args, "dp", 1)
+    if getattr(args, "zero", 0) not in (0, 1, 2, 3):
+        parser.error(f"--zero must be a ZeRO stage 0, 1, 2 or 3, got {args.zero}")
+    if getattr(args, "zero_offload", False) and not args.zero:
+        parser.error("--zero-offload offloads ZeRO's optimizer state shards: give --zero 1, 2 or 3 too")
+    if args.batch % dp:
+        parser.error(f"--batch {args.batch} is the global batch: it must divide evenly over --dp {dp} ranks")
     micro = args.micro_batch
     if getattr(args, "micro_batches", None) is not None:
         if micro is not None or args.accumulate is not None:
@@ -361,7 +368,7 @@ def cmd_estimate(args, parser) -> int:
                      optimizer_offload=args.optimizer_offload,
                      step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
                      lora_targets=args.lora_targets, quant=args.quant, quant_group=args.quant_group,
-                     lisa_layers=args.lisa_layers)
+                     lisa_layers=args.lisa_layers, dp=args.dp, zero=args.zero, zero_offload=args.zero_offload)
     except ValueError as err:
         raise ValueError(_cli_words(str(err))) from err
     _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
@@ -386,7 +393,8 @@ def _estimate_layout(args, spec, micro) -> int:
                    optimizer_offload=args.optimizer_offload, step_in_backward=args.step_in_backward,
                    lora_rank=args.lora_rank, lora_targets=args.lora_targets, quant=args.quant,
                    lisa_layers=args.lisa_layers, tp=args.tp, pp=args.pp, schedule=args.schedule,
-                   sequence_parallel=args.sequence_parallel)
+                   sequence_parallel=args.sequence_parallel, quant_group=args.quant_group, dp=args.dp,
+                   zero=args.zero, zero_offload=args.zero_offload)
         ranks = estimate_ranks(r)
         wire = layout_wire_bytes(r)
     except ValueError as err:
@@ -557,6 +565,11 @@ def build_parser() -> _Parser:
                         "input features); needs --quant int4 or int4-awq")
     e.add_argument("--lisa-layers", type=integer, default=None,
                    help="LISA: train embeddings, head and this many sampled layers at a time")
+    e.add_argument("--dp", type=integer, default=1,
+                   help="data-parallel ranks: --batch is the global batch, each rank takes batch / dp rows; per-rank bytes")
+    e.add_argument("--zero", type=integer, default=0, help="ZeRO stage over the dp ranks: 0 (plain), 1 (optimizer "
+                   "state sharded), 2 (+ gradients), 3 (+ parameters)")
+    e.add_argument("--zero-offload", action="store_true", help="ZeRO-Offload: the optimizer state shards in host memory")
     e.set_defaults(run=cmd_estimate, parser=e)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
                        description=f"Which models fit which budgets. {UNITS_NOTE}.")

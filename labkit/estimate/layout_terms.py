@@ -152,8 +152,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
     from labkit.estimate.spec import spec_from
 
     r = recipe
-    if r.dp > 1:
-        raise ValueError(f"per-rank estimates for data parallel (dp={r.dp}) are lesson 09's; this one takes tp and pp")
+    if r.dp > 1 or r.zero:
+        raise ValueError(f"a layout with both data parallelism (dp={r.dp}, zero={r.zero}) and model parallelism "
+                         f"(tp={r.tp}, pp={r.pp}) is not estimated yet: estimate each part on its own")
     if r.checkpoint != "none" or r.offload_activations or r.lora_rank or r.lisa_layers or r.step_in_backward \
             or r.optimizer_offload or r.optimizer.startswith("galore"):
         raise ValueError("per-rank estimates of a tp/pp layout take plain training (no checkpointing, offload, "

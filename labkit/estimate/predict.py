@@ -145,11 +145,13 @@ def estimate_ranks(model, batch: int | None = None, seq: int | None = None, **op
 
 
 def _estimate(r: Recipe) -> Estimate:
-    if r.distributed:
-        if r.dp > 1:
-            raise ValueError(f"the single-device estimate was asked for a layout over {r.world_size} devices "
-                             f"(dp={r.dp} tp={r.tp} pp={r.pp}); per-rank estimates are not available yet")
+    if (r.tp > 1 or r.pp > 1) and (r.dp > 1 or r.zero):
+        raise ValueError(f"a layout with both data parallelism (dp={r.dp}, zero={r.zero}) and model parallelism "
+                         f"(tp={r.tp}, pp={r.pp}) is not estimated yet: estimate each part on its own")
+    if r.tp > 1 or r.pp > 1:
         return max(estimate_ranks(r), key=lambda e: e.peak.total)  # the rank that needs the most
+    if r.dp > 1 or r.zero:
+        return _data_parallel_estimate(r)
     model, batch, seq, dtype, optimizer, device = r.model, r.batch, r.seq, r.dtype, r.optimizer, r.device
     checkpoint, segments, offload_activations, micro = r.checkpoint, r.segments, r.offload_activations, r.micro
     rank, optimizer_offload, step_in_backward = r.rank, r.optimizer_offload, r.step_in_backward
@@ -186,6 +188,27 @@ def _estimate(r: Recipe) -> Estimate:
                       f"{peft.method} r={peft.rank} targets={len(peft.targets)}")
     label = " ".join([f"{spec.name} B={batch} S={seq} {dtype} {optimizer}", *extras])
     return Estimate(label, spec.n_params, terms=terms, moments=moments)
+
+
+def _data_parallel_estimate(r: Recipe) -> Estimate:
+    """One data-parallel rank: the single-device estimate of its batch (batch / dp rows), its model states as
+    ZeRO stage `r.zero` keeps them (labkit.estimate.zero_terms)."""
+    from . import zero_terms
+
+    if r.zero:
+        why = [("lora_rank/lisa_layers", r.lora_rank is not None or r.lisa_layers is not None),
+               ("optimizer_offload (use zero_offload)", r.optimizer_offload is not None),
+               ("step_in_backward", r.step_in_backward), ("micro_batch", r.micro < r.rank_batch),
+               ("checkpoint", r.checkpoint != "none" and r.zero >= 2),
+               (f"optimizer {r.optimizer!r}", r.optimizer not in optim_terms.TORCH_STATES)]
+        bad = [w for w, b in why if b]
+        if bad:
+            raise ValueError(f"per-rank ZeRO estimates do not model {', '.join(bad)} yet")
+        if r.zero_offload and r.optimizer != "adamw":
+            raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
+    single = _estimate(r.replace(dp=1, batch=r.rank_batch, zero=0, zero_offload=False))
+    spec = spec_from(r.model, **r.config)
+    return zero_terms.per_rank_estimate(single, spec, r, Precision.of(r.dtype).weight)
 
 
 def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):

@@ -1,0 +1,247 @@
+"""Rank functions for data parallelism and ZeRO that lessons and tests launch (`labkit.distributed.launch`):
+each trains or measures the same small GPT on every rank, from the same seed, on its rows of one global batch.
+
+    launch(train, 2, args=("zero3", cfg, steps, batch, seq))   # -> per rank: parameters, losses, traffic
+    launch(measure, 2, args=(recipe,))                         # -> per rank: the ledger's Measurement
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from . import comms
+from .data_parallel import DataParallelBucket, DataParallelNaive
+from .zero import Zero
+
+__all__ = ["METHODS", "global_batch", "train", "measure", "zero_redundancy_elements", "fsdp2_train", "ddp_train"]
+
+METHODS = ("single", "naive", "bucket", "overlap", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload",
+           "zero3-offload")
+LR = 1e-2
+
+
+def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch (B, S) of token ids and targets, the same on every rank."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    t = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def _rows(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    b = x.shape[0] // world
+    return x[rank * b:(rank + 1) * b]
+
+
+def _model(cfg: dict, seed: int):
+    from labkit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**cfg))
+
+
+def _sgd_or_adamw(params, optimizer: str):
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=LR, foreach=False)
+    return torch.optim.AdamW(params, lr=LR, foreach=False)
+
+
+def train(rank: int, world: int, method: str, cfg: dict, steps: int, batch: int, seq: int, seed: int = 0,
+          optimizer: str = "adamw", bucket_bytes: int = 4096) -> dict:
+    """`steps` training steps with `method` (METHODS; "single": this rank alone on the whole batch). Returns
+    {"params": {name: tensor}, "losses": [...], "comms": CommLog summary of the last step, "calls": counts of
+    the c10d ops torch's CommDebugMode saw in the last step, "grads": ZeRO's averaged gradients of step 1}."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    seed_model = seed + (rank if method != "single" else 0)  # ranks start apart: the broadcast must align them
+    m = _model(cfg, seed_model)
+    stage = int(method[4]) if method.startswith("zero") else 0
+    if stage:
+        if optimizer != "adamw":
+            raise ValueError("labkit's Zero steps AdamW")
+        z = Zero(m, stage, lr=LR, offload=method.endswith("offload"))
+        run, opt = z, None
+    elif method == "single":
+        torch.manual_seed(seed)
+        run, opt = m, _sgd_or_adamw(m.parameters(), optimizer)
+    else:
+        wrap = {"naive": lambda: DataParallelNaive(m),
+                "bucket": lambda: DataParallelBucket(m, bucket_bytes, overlap=False),
+                "overlap": lambda: DataParallelBucket(m, bucket_bytes, overlap=True)}[method]
+        run = wrap()
+        opt = _sgd_or_adamw(m.parameters(), optimizer)
+    losses, grads = [], None
+    log, cdm = comms.CommLog(), CommDebugMode()
+    for i in range(steps):
+        x, y = global_batch(i, batch, seq, cfg["vocab_size"], seed)
+        if method != "single":
+            x, y = _rows(x, rank, world), _rows(y, rank, world)
+        last = i == steps - 1
+        with (log if last else contextlib.nullcontext()), (cdm if last else contextlib.nullcontext()):
+            loss = run(x, y)
+            loss.backward()
+            if stage:
+                if i == 0:
+                    grads = z.full_gradients()
+                z.step()
+            else:
+                if method != "single":
+                    run.sync_gradients()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = z.full_parameters() if stage else {n: p.detach().clone() for n, p in m.named_parameters()}
+    calls = {str(k): v for k, v in cdm.get_comm_counts().items()}
+    return {"params": params, "losses": losses, "comms": log.summary(), "calls": calls, "grads": grads}
+
+
+def ddp_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, seed: int = 0,
+              optimizer: str = "adamw", bucket_mb: float = 25) -> dict:
+    """The same steps with torch.nn.parallel.DistributedDataParallel (the production tool)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    m = _model(cfg, seed + rank)
+    # DDP's construction logging segfaults on a process group wrapped for TORCH_DISTRIBUTED_DEBUG=DETAIL (which
+    # labkit's launch sets, for readable collective mismatches) in torch 2.13 on gloo: give it a plain group.
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.INFO)
+    try:
+        group = dist.new_group(backend="gloo")
+    finally:
+        dist.set_debug_level(level)
+    ddp = DDP(m, bucket_cap_mb=bucket_mb, process_group=group)
+    opt = _sgd_or_adamw(ddp.parameters(), optimizer)
+    losses = []
+    for i in range(steps):
+        x, y = global_batch(i, batch, seq, cfg["vocab_size"], seed)
+        loss = ddp(_rows(x, rank, world), _rows(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"params": {n: p.detach().clone() for n, p in m.named_parameters()}, "losses": losses}
+
+
+def fsdp2_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, seed: int = 0) -> dict:
+    """The same steps with FSDP2 (`fully_shard` on every block, then the root, on an explicit CPU mesh) and
+    AdamW (single-tensor) on its sharded DTensor parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    m = _model(cfg, seed)  # FSDP2 does not broadcast: every rank builds the same model
+    mesh = init_device_mesh("cpu", (world,))
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, foreach=False)
+    losses = []
+    for i in range(steps):
+        x, y = global_batch(i, batch, seq, cfg["vocab_size"], seed)
+        loss = m(_rows(x, rank, world), _rows(y, rank, world))
+        loss.backward()
+        if i == 0:
+            grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = {n: p.full_tensor().detach().clone() for n, p in m.named_parameters()}
+    return {"params": params, "losses": losses, "grads": grads}
+
+
+def zero_redundancy_elements(rank: int, world: int, cfg: dict, seed: int = 0) -> dict:
+    """Optimizer-state elements on this rank under torch's ZeroRedundancyOptimizer (whole parameters per rank)
+    and under labkit's Zero stage 1 (a flat, evenly cut buffer), after one AdamW step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    m = _model(cfg, seed)
+    zro = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, foreach=False)
+    x, y = global_batch(0, 2 * world, 8, cfg["vocab_size"], seed)
+    m(_rows(x, rank, world), _rows(y, rank, world)).backward()
+    for p in m.parameters():
+        dist.all_reduce(p.grad)
+    zro.step()
+    theirs = sum(t.numel() for s in zro.optim.state.values() for k, t in s.items()
+                 if torch.is_tensor(t) and k != "step")
+    z = Zero(_model(cfg, seed), 1, lr=LR)
+    z(_rows(x, rank, world), _rows(y, rank, world)).backward()
+    z.step()
+    ours = sum(t.numel() for s in z.optimizer.state.values() for k, t in s.items() if torch.is_tensor(t) and k != "step")
+    return {"zero_redundancy": theirs, "labkit_zero1": ours}
+
+
+def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0):
+    """The ledger's Measurement of `steps` steps of `recipe` (a labkit.estimate.Recipe with dp = world, a
+    GPTConfig model, fp32, adamw) on this rank: its rows of each global batch, ZeRO stage `recipe.zero`
+    (0: labkit's naive data parallel, all-reduce in place after backward)."""
+    from labkit.memory.ledger import Ledger
+    from labkit.models.gpt import GPT, GPTConfig
+
+    if not isinstance(recipe.model, GPTConfig):
+        raise ValueError(f"per-rank measurement builds labkit's GPT: give a GPTConfig, not {type(recipe.model).__name__}")
+    if recipe.dp != world:
+        raise ValueError(f"the recipe is for dp={recipe.dp} ranks but {world} were launched")
+    if recipe.dtype != "fp32" or recipe.optimizer != "adamw" or recipe.micro < recipe.rank_batch:
+        raise ValueError("per-rank measurement runs fp32 AdamW without micro-batches")
+    torch.manual_seed(seed)
+    m = GPT(GPTConfig(**{**recipe.model.__dict__, **recipe.config})).train()
+    vocab = m.config.vocab_size
+    if recipe.zero:
+        run = Zero(m, recipe.zero, lr=1e-3, offload=recipe.zero_offload)
+        opt = run.optimizer
+    else:
+        run = DataParallelNaive(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=recipe.foreach)
+    # this rank's rows of each global batch, cut before the ledger starts (the whole global batch is not this
+    # rank's memory); each step copies its rows inside the ledger, as a data loader would hand them over
+    rows = [tuple(_rows(t, rank, world).clone() for t in global_batch(i, recipe.batch, recipe.seq, vocab, seed))
+            for i in range(steps)]
+    with Ledger(m, opt, label=f"rank {rank} of {world}, ZeRO-{recipe.zero}") as led:
+        for i in range(steps):
+            x, y = (t.clone() for t in rows[i])
+            loss = run(x, y)
+            loss.backward()
+            del loss
+            if recipe.zero:
+                run.step()
+            else:
+                run.sync_gradients()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            del x, y
+    return led.measurement()
+
+
+def measure_many(rank: int, world: int, recipes: list, steps: int = 2, seed: int = 0) -> list:
+    """`measure` for each recipe in turn on the same ranks (one launch): the Measurements of the last step."""
+    return [measure(rank, world, r, steps, seed).of_step(steps) for r in recipes]
+
+
+def measure_ranks(recipe, world: int = 2, steps: int = 2, timeout_s: float = 240) -> list:
+    """Launch `world` ranks (labkit.distributed.launch) that each measure `recipe` with dp = world: one
+    Measurement of the last step per rank, in rank order."""
+    from .launch import launch
+
+    r = recipe.replace(dp=world, batch=recipe.rank_batch * world)
+    return [ms[0] for ms in launch(measure_many, world, args=([r], steps), timeout_s=timeout_s)]
+
+
+def compare(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, methods=(), references=()) -> dict:
+    """Each of labkit's `methods` (`train`; a "-sgd" suffix trains with SGD), then the production `references`
+    ("ddp", "ddp-sgd", "fsdp2", "zero-redundancy"), one after the other on the same ranks (one launch)."""
+    out = {m: train(rank, world, m.removesuffix("-sgd"), cfg, steps, batch, seq,
+                    optimizer="sgd" if m.endswith("-sgd") else "adamw") for m in methods}
+    for ref in references:
+        if ref in ("ddp", "ddp-sgd"):
+            out[ref] = ddp_train(rank, world, cfg, steps, batch, seq, optimizer="sgd" if ref == "ddp-sgd" else "adamw")
+        elif ref == "fsdp2":
+            out[ref] = fsdp2_train(rank, world, cfg, steps, batch, seq)
+        elif ref == "zero-redundancy":
+            out[ref] = zero_redundancy_elements(rank, world, cfg)
+        else:
+            raise ValueError(f"unknown reference {ref!r}: ddp, ddp-sgd, fsdp2 or zero-redundancy")
+    return out

@@ -1,0 +1,59 @@
+"""Per-rank estimates against the ledger on rank 0 of a fake process group (every tensor with the shape and
+lifetime it has on a real rank), in this process: models whose peak is set by activations, by the blocks'
+gradients in flight, and by the root's (a large embedding), at 8 and 64 ranks."""
+
+import pytest
+
+from labkit.distributed.simulate import zero_rank_memory
+from labkit.estimate import Recipe, estimate
+from labkit.models.gpt import GPTConfig
+
+MODELS = {
+    "states": (GPTConfig(vocab_size=1024, block_size=16, n_layer=2, n_head=4, n_embd=256), 1, 8),  # blocks' grads
+    "vocab": (GPTConfig(vocab_size=8192, block_size=16, n_layer=2, n_head=2, n_embd=64), 1, 8),  # the root's grads
+    "deep": (GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=128), 2, 16),
+}
+CASES = [("states", 8, 1, False), ("states", 8, 2, False), ("states", 8, 3, False), ("states", 8, 3, True),
+         ("vocab", 8, 2, False), ("vocab", 8, 3, False), ("deep", 64, 3, False)]
+
+
+@pytest.mark.parametrize("name, world, zero, off", CASES)
+def test_per_rank_estimate_within_3_percent_on_a_fake_process_group(name, world, zero, off):
+    cfg, rows, seq = MODELS[name]
+    r = Recipe(cfg, batch=rows * world, seq=seq, dp=world, zero=zero, zero_offload=off)
+    m, e = zero_rank_memory(r), estimate(r)
+    err = e.peak.total / m.peak.total - 1
+    print(f"{name} N={world} ZeRO-{zero}{' offload' if off else ''}: measured {m.peak.total:,} predicted "
+          f"{e.peak.total:,} ({err:+.2%}) at {e.peak_moment.where}")
+    assert abs(err) <= 0.03, (name, world, zero, off, err)
+
+
+def test_a_real_process_group_is_refused():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        with pytest.raises(ValueError, match="already"):
+            zero_rank_memory(Recipe(MODELS["deep"][0], batch=8, seq=16, dp=8, zero=3))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero_bad_input_is_one_clear_error():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from labkit.distributed import Zero
+    from labkit.models.gpt import GPT
+
+    tiny = GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=2)  # a block of 38 elements
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
+    try:
+        for stage in (0, 4, True, "3"):
+            with pytest.raises(ValueError, match="ZeRO stage 1, 2 or 3"):
+                Zero(GPT(tiny), stage)
+        with pytest.raises(ValueError, match="fewer than the 64 ranks"):
+            Zero(GPT(tiny), 3)
+    finally:
+        dist.destroy_process_group()
