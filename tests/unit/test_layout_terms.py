@@ -15,12 +15,14 @@ CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64)
 GPT_TEXT = "gpt:n_layer=4,n_embd=64,n_head=4,vocab_size=64,block_size=32"
 
 
-def test_estimate_is_the_largest_rank_and_dp_is_refused():
+def test_estimate_is_the_largest_rank_and_dp_with_tp_is_refused():
     ranks = estimate_ranks(CFG, 8, 32, tp=2, pp=2, micro_batch=2)
     assert len(ranks) == 4 and ranks[0].peak.total == ranks[1].peak.total  # tp ranks of a stage alike
     assert estimate(CFG, 8, 32, tp=2, pp=2, micro_batch=2).peak.total == max(e.peak.total for e in ranks)
-    with pytest.raises(ValueError, match="per-rank estimates are not available yet"):
-        estimate(CFG, 8, 32, dp=2)
+    with pytest.raises(ValueError, match="both data parallelism .* and model parallelism .* not estimated yet"):
+        estimate(CFG, 8, 32, dp=2, tp=2)
+    with pytest.raises(ValueError, match="not estimated yet"):
+        estimate_ranks(CFG, 8, 32, pp=2, dp=2, zero=1)
 
 
 def test_rank_parameters():
