@@ -45,6 +45,20 @@ def make_loader(dataset, batch_size: int, num_workers: int = 0, prefetch_factor:
                                        persistent_workers=persistent_workers, **kwargs)
 
 
+# ----------------------------------------------------------------------------- what a loader holds
+
+
+def loader_ram(workers: int, prefetch: int, batch: int, seq: int, shuffle_buffer: int, shard_rows: int,
+               open_shards: int = 2) -> dict[str, int]:
+    """RAM a streaming loader holds per rank, by term (none depends on the dataset's size):
+    in flight: workers x prefetch batches (x, y int64), or one batch with no workers;
+    shuffle buffer: positions only (8 bytes each) per worker; open shards: their mapped pages, at most."""
+    units = max(workers, 1)
+    in_flight = (workers * prefetch if workers else 1) * 2 * batch * seq * 8
+    return {"batches in flight": in_flight, "shuffle buffers": units * shuffle_buffer * 8,
+            "open shards (mapped pages)": units * open_shards * shard_rows * (seq + 1) * 2}
+
+
 # ----------------------------------------------------------------------------- process memory
 
 

@@ -1,5 +1,5 @@
 """Lesson 12's panel: dataset size, workers, prefetch, phi and a budget redraw both predictions at once
-(`labkit.scaling.plan`); the button measures the CNN step at that phi under the budget."""
+(`labkit.models.scaling.plan`); the button measures the CNN step at that phi under the budget."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 
 from labkit.memory import MiB, fmt_bytes
 from labkit.models.cnn import CNNConfig, predict
-from labkit.scaling import measure_within, plan
+from labkit.models.scaling import measure_within, plan
 
 from .style import DOES_NOT_FIT, FITS, to_png
 

@@ -5,32 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.data.loading import loader_ram
 from labkit.memory import SimulatedOutOfMemoryError
 from labkit.models.cnn import CNNConfig, largest_phi, measure, predict
-
-TOKEN_BYTES = 2  # uint16 on disk
-SEQ_COLLATED = 8  # int64 tokens in a collated batch
 
 
 @dataclass
 class Plan:
-    dataset_bytes: int  # tokens on disk: corpus x repeat x 2 bytes
+    dataset_bytes: int  # tokens on disk: corpus x repeat x 2 bytes (uint16)
     loader_bytes: int  # RAM per rank for data: batches in flight + shuffle buffers + open shards (per worker)
     loader_terms: dict[str, int]  # the loader_bytes by term
     phis: list[float]  # the phis drawn
     resident: list[int]  # predicted CNN resident bytes per phi
     best_phi: float | None  # the largest phi whose resident bytes fit the budget
-
-
-def loader_ram(workers: int, prefetch: int, batch: int, seq: int, shuffle_buffer: int, shard_rows: int,
-               open_shards: int = 2) -> dict[str, int]:
-    """RAM a streaming loader holds per rank, by term (none depends on the dataset's size):
-    in flight: workers x prefetch batches (x, y int64), or one batch with no workers;
-    shuffle buffer: positions only (8 bytes each) per worker; open shards: their mapped pages, at most."""
-    units = max(workers, 1)
-    in_flight = (workers * prefetch if workers else 1) * 2 * batch * seq * SEQ_COLLATED
-    return {"batches in flight": in_flight, "shuffle buffers": units * shuffle_buffer * 8,
-            "open shards (mapped pages)": units * open_shards * shard_rows * (seq + 1) * TOKEN_BYTES}
 
 
 def plan(corpus_tokens: int, repeat: int, workers: int, prefetch: int, batch: int, seq: int, phi: float,
@@ -42,7 +29,7 @@ def plan(corpus_tokens: int, repeat: int, workers: int, prefetch: int, batch: in
     if phi not in phis:
         phis = sorted(set(phis) | {phi})
     terms = loader_ram(workers, prefetch, batch, seq, shuffle_buffer, shard_rows)
-    return Plan(corpus_tokens * repeat * TOKEN_BYTES, sum(terms.values()), terms, phis,
+    return Plan(corpus_tokens * repeat * 2, sum(terms.values()), terms, phis,
                 [predict(config.at(p), cnn_batch).resident for p in phis], largest_phi(config, cnn_batch, budget, phis))
 
 
