@@ -230,3 +230,21 @@ def time_steps(dataset, batch_size: int, steps: int, compute_s: float = 0.0, war
 def cpu_count() -> int:
     """CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def time_epochs(dataset, batch_size: int, epochs: int = 3, max_batches: int | None = None,
+                **loader_knobs) -> list[float]:
+    """Wall seconds to the first batch of each epoch with one DataLoader reused across epochs: with
+    persistent_workers=False every epoch starts its workers again (a fork and the dataset's pickling per
+    worker, plus refilling the prefetch queue); with True they stay, and only the queue refills."""
+    loader = make_loader(dataset, batch_size, **loader_knobs)
+    out = []
+    for _ in range(epochs):
+        t = time.perf_counter()
+        for i, _batch in enumerate(loader):
+            if i == 0:
+                out.append(time.perf_counter() - t)
+            if max_batches is not None and i + 1 >= max_batches:
+                break
+    del loader
+    return out

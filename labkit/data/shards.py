@@ -248,7 +248,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.rank, self.world_size, self.shuffle_buffer, self.seed = rank, world_size, shuffle_buffer, seed
         self.shuffle_shards, self.equal, self.max_open, self.delay_s = shuffle_shards, equal, open_shards, delay_s
         self.epoch = 0
-        self.consumed: dict[int, int] = {}  # unit -> samples of this epoch already handed out (or to skip)
+        self.consumed: dict[int, int] = {}  # unit -> samples of this pass handed out so far
+        self._skip: dict[int, int] = {}  # unit -> samples to skip at the next pass (from load_state_dict)
         self.units_saved: int | None = None  # ranks x workers of a loaded state (checked when iterating)
         self.units_now: int | None = None  # ranks x workers of the last iteration
         self.shift = 0  # worker w reads unit rank * workers + (w + shift) % workers (see LoaderCursor)
@@ -289,7 +290,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise ValueError(f"the state was saved with {self.units_saved} units (ranks x workers), this loader has "
                              f"{units}: resume with the same world_size and num_workers")
         self.units_now = units
-        epoch, skip = self.epoch, self.consumed.get(unit, 0)
+        epoch, skip = self.epoch, self._skip.pop(unit, 0)  # a new pass starts the epoch over unless resumed
+        self.consumed[unit] = skip
         locate = self._locate(self.shard_order(epoch))
         starts = self.shards.starts()
         maps: dict[int, np.ndarray] = {}  # shard -> memory map, least recently used first
@@ -317,8 +319,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.epoch += 1  # the next pass is the next epoch (a persistent worker's copy moves on by itself)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start `epoch` from its beginning (as DistributedSampler.set_epoch), forgetting positions."""
-        self.epoch, self.consumed, self.units_saved, self.shift = int(epoch), {}, None, 0
+        """Call at the start of every epoch (as DistributedSampler.set_epoch): a DataLoader's non-persistent
+        workers copy this object at each epoch, so only the main process's epoch counts. A new epoch starts
+        from its beginning; the epoch of a loaded state keeps its resume positions."""
+        if int(epoch) != self.epoch:
+            self.epoch, self.consumed, self._skip, self.units_saved, self.shift = int(epoch), {}, {}, None, 0
 
     def samples_per_epoch(self, num_workers: int = 0) -> int:
         """Samples this rank reads per epoch, all its workers together."""
@@ -343,6 +348,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                              f"stream has seed {self.seed} and world_size {self.world_size}: the orders would differ")
         self.epoch = int(state["epoch"])
         self.consumed = {int(u): int(n) for u, n in state["consumed"].items()}
+        self._skip = dict(self.consumed)
         self.units_saved = state.get("units")
         self.shift = int(state.get("shift", 0))
 

@@ -154,3 +154,28 @@ def test_loader_knob_mistakes_raise_one_line_errors(folder):
         make_loader(ds, 8, persistent_workers=True)
     with pytest.raises(ValueError, match="batch_size"):
         make_loader(ds, 0)
+
+
+def test_after_a_resume_the_next_epoch_is_whole_and_a_new_pass_starts_over(folder):
+    kw = dict(shuffle_buffer=16, seed=5)
+    fresh = ShardStream(folder, **kw)
+    fresh.set_epoch(1)
+    epoch1 = [b["index"].tolist() for b in make_loader(fresh, 8, num_workers=2)]
+    ds = ShardStream(folder, **kw)
+    it = iter(make_loader(ds, 8, num_workers=2))
+    cursor = LoaderCursor(ds, 2)
+    for _ in range(3):
+        cursor.update(next(it))
+    del it
+    again = ShardStream(folder, **kw)
+    again.load_state_dict(cursor.state_dict())
+    for epoch in (0, 1):  # the usual loop: set_epoch at the top of every epoch
+        again.set_epoch(epoch)
+        batches = [b["index"].tolist() for b in make_loader(again, 8, num_workers=2)]
+        if epoch == 0:
+            assert len(sum(batches, [])) == open_shards(folder).num_samples - 3 * 8
+    assert batches == epoch1
+    # a pass broken off early, then a new one: the epoch starts over (no position was loaded)
+    ds = ShardStream(folder, **kw)
+    first = next(iter(make_loader(ds, 8)))["index"].tolist()
+    assert next(iter(make_loader(ds, 8)))["index"].tolist() == first
