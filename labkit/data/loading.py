@@ -11,6 +11,7 @@ import gc
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -97,12 +98,17 @@ class StreamMemory:
 
 def stream_memory(folder, batch_size: int = 16, shuffle_buffer: int = 256, every: int = 8,
                   max_batches: int | None = None) -> StreamMemory:
-    """Stream a shard folder in this process (num_workers=0) and sample its USS/RSS as it goes."""
+    """Stream a shard folder in this process (num_workers=0) and sample its USS/RSS as it goes.
+
+    The baseline is taken after the first batch: the loader's machinery and its first shard are then in
+    place, and what follows is what streaming the rest of the epoch adds."""
     gc.collect()
     ds = ShardStream(folder, shuffle_buffer=shuffle_buffer)
+    it = iter(make_loader(ds, batch_size))
+    n = len(next(it)["index"])
     before = process_memory()
-    peak_uss, peak_rss, n = before["uss"], before["rss"], 0
-    for i, batch in enumerate(make_loader(ds, batch_size)):
+    peak_uss, peak_rss = before["uss"], before["rss"]
+    for i, batch in enumerate(it, start=1):
         n += len(batch["index"])
         if i % every == 0:
             m = process_memory()
@@ -111,6 +117,24 @@ def stream_memory(folder, batch_size: int = 16, shuffle_buffer: int = 256, every
             break
     m = process_memory()
     return StreamMemory(ds.shards.nbytes, n, before["uss"], max(peak_uss, m["uss"]), max(peak_rss, m["rss"]))
+
+
+def stream_memory_fresh(folder, timeout: float = 600, **kwargs) -> StreamMemory:
+    """`stream_memory` in a fresh Python process: the training process's own memory, not this one's heap
+    (a notebook kernel or a test session that has made and freed many tensors)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from dataclasses import asdict; from labkit.data.loading import stream_memory; "
+            "print(json.dumps(asdict(stream_memory(sys.argv[1], **json.loads(sys.argv[2])))))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
+                                                      + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    out = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(kwargs)], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"stream_memory failed in its process: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+    return StreamMemory(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def in_memory_growth(folder) -> int:

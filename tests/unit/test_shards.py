@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit.data.loading import in_memory_growth, make_loader, stream_memory
+from labkit.data.loading import in_memory_growth, make_loader, stream_memory_fresh
 from labkit.data.shards import LoaderCursor, ShardError, ShardStream, open_shards, unit_range, write_shards
 
 SEQ = 32
@@ -107,7 +107,7 @@ def test_memory_stays_flat_as_the_dataset_grows_10x(tmp_path):
     bound = 2 * rows * sample + 64 * sample * 4 + 2 * 2**20  # 2 open shards, the buffer, 2 MiB of slack
     assert open_shards(big).nbytes > 3 * bound  # the 10x set is far larger than what the stream may hold
     for f in (small, big):
-        m = stream_memory(f, batch_size=16, shuffle_buffer=64, every=8)
+        m = stream_memory_fresh(f, batch_size=16, shuffle_buffer=64, every=8)  # a clean process, as training
         assert m.samples == open_shards(f).num_samples  # a whole epoch was read
         assert m.growth <= bound, (f.name, m)
     # the same bound fails for the naive way: the 10x set read into memory grows by its own size
