@@ -166,11 +166,23 @@ def segments_of(n: int, policy: str, segments: int | None) -> list[int]:
 
 def _held_terms(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
     """The activations the first `units` blocks hold until their backward (nothing checkpointed or offloaded;
-    a checkpointed or offloaded step uses `_held`)."""
+    a checkpointed or offloaded step uses `_held`): from each block's replay when there is one (blocks
+    differ: LoRA's first block saves less, LISA's active ones more), else the walk's per-block average."""
     if units == 0:
         return []
     blocks = sum(sizes[:units])
+    if len(b.replays) >= blocks:
+        return [custom(f"saved by {blocks} block(s)", A_, sum(_block_saved(b, k) for k in range(blocks)),
+                       "replay: each block's saved tensors (its input when it saves it), without autocast's weight "
+                       "copies", _REPLAY_SOURCE)]
     return [b.term("layer", blocks, f"saved by {blocks} block(s)")]
+
+
+def _block_saved(b: StepBytes, k: int) -> int:
+    """Activations block k saves for backward: its replay's saved storages (a view saved keeps its whole base),
+    its input when a node of the block saves it, without the autocast weight copies (model-state bytes)."""
+    r = b.replays[k]
+    return r.saved_bytes + r.input_saved - r.copies_saved
 
 
 def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int | None = None,
@@ -184,6 +196,9 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     sizes = segments_of(n_layer, policy, segments)
     n_units = len(sizes)
     replayed = (policy != "none" or offload) and len(b.replays) == n_layer
+    # nothing checkpointed or offloaded: the blocks' moments from their ops replayed with every saved tensor kept
+    # (a step in backward keeps the per-block terms below: its steps' moments are calibrated on them)
+    plain = policy == "none" and not offload and not step_in_backward and len(b.replays) == n_layer
     states = [*b.state("P"), *b.state("O")]
     base_states = list(states)
     if grads_exist:
@@ -211,7 +226,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     if replayed:
         fwd += _replayed_forward(b, policy, offload, sizes, states, buffers, sfx)
     else:
-        fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx)
+        fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx, plain)
 
     # autocast's weight copies after the forward: all kept (none), the head's only (the blocks' copies
     # are not saved by a checkpointed region; its recompute casts again), or none (offloaded)
@@ -237,7 +252,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                    b.term("head_temp")])
     moments = [*fwd, start, head]
     block_steps = None
-    if replayed:
+    if replayed or plain:
         block_moments, block_steps = _replayed_backward(b, policy, offload, sizes, states, buffers, grads_exist,
                                                         step_in_backward, sfx)
     else:
@@ -251,7 +266,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                   b.term("emb_dense") if grads_exist else b.term("emb_temp")])
     moments += [*block_moments, end]
     if step_in_backward:
-        moments += _steps_in_backward(b, [] if replayed else block_moments, head, end, sfx)
+        moments += _steps_in_backward(b, [] if replayed or plain else block_moments, head, end, sfx)
         moments += block_steps or []
     elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
         opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
@@ -423,6 +438,28 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
         base = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
                 *_held(b, policy, offload, sizes, j)]
         kwargs = _kwargs(b, policy, offload)  # until the first unit's recompute, the last to run
+        if policy == "none" and not offload:  # nothing checkpointed or offloaded: every saved tensor is alive
+            for k in reversed(range(s, e)):
+                r = b.replays[k]
+                w = r.recomputed_later if grads_exist or step_in_backward else r.recomputed
+                terms = [*states, *buffers, b.term("inputs"), b.term("before"),
+                         *_held_terms(b, policy, offload, sizes, k), *grads_terms(0)]
+                copies = sum(b.replays[i].copies_saved for i in range(k))
+                if copies:
+                    terms.append(custom(f"autocast weight copies saved by blocks 0-{k - 1}", P_, copies,
+                                        "2 x the weights their matmuls save (for dx)",
+                                        "autograd keeps a matmul's 16-bit weight copy until that node's backward"))
+                if r.input_saved:
+                    terms.append(custom(f"the input of block {k}, saved by it", A_, r.input_saved, "r x h x d",
+                                        "derivatives.yaml"))
+                if step_in_backward:
+                    steps.append(_step_moment(b, list(terms), w.step, k, sfx))
+                terms.append(_bwd_term(w, k, offload=False, plain=True))
+                if w.grads and not grads_exist:
+                    terms.append(_wgrad_term(w, k))
+                out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
+                done_grads += r.wgrad_bytes
+            continue
         if policy == "none":  # offloaded blocks (with checkpointing, a region's own hooks win: recomputed)
             for k in reversed(range(s, e)):
                 r = b.replays[k]
@@ -502,10 +539,10 @@ def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str) -> Moment
                "labkit.optim: p.float(), counted as parameter memory")])
 
 
-def _bwd_term(w, k: int, offload: bool) -> Term:
+def _bwd_term(w, k: int, offload: bool, plain: bool = False) -> Term:
+    held = "saved tensors still needed" if plain else "recomputed saved tensors still needed"
     return custom(f"block {k} backward, {_at(w.op, k)}: " + ("copied-back saved tensors, gradients and temporaries"
-                                                     if offload else "recomputed saved tensors still needed, "
-                                                                     "gradients and temporaries"),
+                                                     if offload else f"{held}, gradients and temporaries"),
                   T_, w.live, "replay: the output's gradient, each node's " +
                   ("saved tensors copied back (labkit.recompute.offload_activations unpacks on use)" if offload
                    else "saved tensors until their last reader") + ", its gradients and temporaries", _REPLAY_SOURCE)
@@ -516,9 +553,10 @@ def _wgrad_term(w, k: int) -> Term:
                   "autograd makes a weight's gradient at its op's backward")
 
 
-def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
-    """Inside the last block's forward (nothing checkpointed or offloaded), at the block's end and at each
-    recorded op's worst moment (labkit.estimate.attention)."""
+def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx, plain: bool = False) -> list[Moment]:
+    """Inside the last block's forward (nothing checkpointed or offloaded), at the block's end and at its
+    worst moment: from the replay of its ops with every saved tensor kept (plain), else at each recorded
+    attention op's worst moment (labkit.estimate.attention)."""
     out = []
     L = sum(sizes)
     extra = [custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
@@ -529,6 +567,24 @@ def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) 
             *states, *b.state("C"), *buffers, b.term("inputs"), b.term("before"),
             *_held_terms(b, policy, offload, sizes, L), *extra,
             b.term("stream", name="the last block's output projection and residual sum", nbytes=2 * b.stream)]))
+    if plain:
+        last = b.replays[L - 1]
+        worst = last.full
+        # the blocks before hold their autocast weight copies (the cache, and a frozen weight's copy saved for
+        # dx); the last block's so far: cached ones apart, frozen ones among its live tensors; the head's later
+        copies = b.C - b.head_copy - last.cached_bytes - last.copies_frozen + worst.cached
+        terms = [*states, *buffers, b.term("inputs"), b.term("before"),
+                 *_locals(b, False, False, L == 1 or b.replays[0].input_saved > 0),
+                 *_held_terms(b, policy, offload, sizes, L - 1)]
+        if copies:
+            terms.append(custom("autocast 16-bit weight copies made so far (the blocks before, this block's up to "
+                                "the op)", P_, copies, "2 x the matmul weights passed (trained: cached; frozen: saved "
+                                "for dx)", "torch.autocast's weight cast cache; autograd's saved tensors"))
+        terms.append(custom(f"block {L - 1} forward, {_at(worst.op, L - 1)}: live in the block (its input, what it "
+                            "saved so far, temporaries)", T_, worst.live,
+                            "replay: the block's ops with every saved tensor kept", _REPLAY_SOURCE))
+        out.append(Moment("forward", f"inside block {L - 1}'s forward ({_at(worst.op, L - 1)})" + sfx, terms))
+        return out
     for phase, what, before, saved, temp, _, kept in b.points:
         if phase != "forward":
             continue

@@ -229,7 +229,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         # until AccumulateGrad adds it in place: the token table (tied or not) and the learned positions
         emb_dense=((V * h if emb_trains else 0)
                    + (spec.max_positions * h if spec.family != "llama" and emb_trains else 0)) * gb,
-        replays=replay_blocks(w.tape) if replay else [],
+        replays=replay_blocks(w.tape),
         c_frozen_blocks=sum(v for k, v in w.copy_frozen.items() if _BLOCK.search("." + k + ".")),
         c_frozen_head=sum(v for k, v in w.copy_frozen.items() if not _BLOCK.search("." + k + ".")),
         locals_saved=w.locals_saved, final_out=w.final_out, block0_local=w.block0_local,
