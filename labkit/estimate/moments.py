@@ -116,6 +116,7 @@ class StepBytes:
     # weights' autocast copies (saved for dx, not cached) inside the blocks and of the head, and the model's
     # forward locals that are also saved (position ids, rotary tables)
     replays: list = field(default_factory=list)
+    tail: object = None  # the final norm's backward replayed (labkit.estimate.tape.TailReplay), or None
     c_frozen_blocks: int = 0
     c_frozen_head: int = 0
     locals_saved: int = 0
@@ -251,6 +252,9 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                   [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all, *head_grad,
                    b.term("head_temp")])
     moments = [*fwd, start, head]
+    if b.tail is not None and not step_in_backward and len(b.replays) == n_layer:
+        moments.append(_tail_moment(b, policy, offload, states, buffers, kwargs, held_all, head_grad, grads_exist,
+                                    sfx))
     block_steps = None
     if replayed or plain:
         block_moments, block_steps = _replayed_backward(b, policy, offload, sizes, states, buffers, grads_exist,
@@ -278,6 +282,33 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                               [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp"),
                                b.term("opt_cast")]))
     return moments
+
+
+def _tail_moment(b: StepBytes, policy, offload, states, buffers, kwargs, held_all, head_grad, grads_exist,
+                 sfx) -> Moment:
+    """The final norm's backward, after the head's and before the last block's: every block's held tensors,
+    the norm's saved tensors (copied back under offload) until their last reader, its gradients and
+    temporaries (transformers' Python RMSNorm: pow's backward makes x^1 and 2x beside the gradients in flight,
+    the mean's gradient and the x * rsqrt part waiting to be summed)."""
+    t = b.tail
+    w = (t.offload_later if grads_exist else t.offload) if offload else (t.saved_later if grads_exist else t.saved)
+    terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]), *kwargs, *held_all]
+    copies = sum(r.copies_saved for r in b.replays) if policy == "none" and not offload else 0
+    if copies:
+        terms.append(custom("autocast weight copies saved by the blocks", P_, copies,
+                            "2 x the weights their matmuls save (for dx)",
+                            "autograd keeps a matmul's 16-bit weight copy until that node's backward"))
+    terms += head_grad
+    if t.input_saved and not offload:
+        terms.append(custom("the last block's output, saved by the final norm", A_, t.input_saved, "r x h x d",
+                            "derivatives.yaml"))
+    terms.append(custom(f"the final norm's backward, {w.op}: its saved tensors still needed, gradients and "
+                        "temporaries", T_, w.live, "replay: the norm's ops from its output's gradient",
+                        _REPLAY_SOURCE))
+    if w.grads and not grads_exist:
+        terms.append(custom("the final norm's weight gradients made so far", G_, w.grads,
+                            "replay: AccumulateGrad", "autograd makes a weight's gradient at its op's backward"))
+    return Moment("backward", "the final norm's backward" + sfx, terms)
 
 
 def _plain_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads_exist, step_in_backward, recompute,

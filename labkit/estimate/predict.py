@@ -16,7 +16,7 @@ from .moments import StepBytes, step_moments
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
 from labkit.memory.report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
-from .tape import replay_blocks
+from .tape import replay_blocks, replay_tail
 from .walk import Walk
 
 _BLOCK = re.compile(r"\.\d+\.")  # a module inside the block list (its index in the name)
@@ -229,7 +229,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         # until AccumulateGrad adds it in place: the token table (tied or not) and the learned positions
         emb_dense=((V * h if emb_trains else 0)
                    + (spec.max_positions * h if spec.family != "llama" and emb_trains else 0)) * gb,
-        replays=replay_blocks(w.tape),
+        replays=replay_blocks(w.tape), tail=replay_tail(w.tape),
         c_frozen_blocks=sum(v for k, v in w.copy_frozen.items() if _BLOCK.search("." + k + ".")),
         c_frozen_head=sum(v for k, v in w.copy_frozen.items() if not _BLOCK.search("." + k + ".")),
         locals_saved=w.locals_saved, final_out=w.final_out, block0_local=w.block0_local,

@@ -98,8 +98,20 @@ class Tape:
         return len(self.events)
 
     def end(self, out) -> None:
-        """The last block's output (what the head reads)."""
+        """The last block's output (what the final norm reads)."""
         self._add(("end", out))
+
+    def head(self, out) -> None:
+        """The final norm's output (what the head reads): the ops between `end` and here are the tail."""
+        self._add(("head", out))
+
+    def tail(self) -> tuple | None:
+        """(events of the final norm, its input, its output), or None when the walk marked no head."""
+        ends = [k for k, ev in enumerate(self.events) if ev[0] == "end"]
+        heads = [k for k, ev in enumerate(self.events) if ev[0] == "head"]
+        if not ends or not heads:
+            return None
+        return self.events[ends[0] + 1:heads[0]], self.events[ends[0]][1], self.events[heads[0]][1]
 
 
 def _root(t):
@@ -391,3 +403,30 @@ def _replay(events, x, out) -> BlockReplay:
         copies_saved=sum(t.nbytes for k, t in made.items() if k in saved_roots and getattr(t, "weight", False)),
         copies_frozen=sum(t.nbytes for k, t in made.items() if k in saved_roots and getattr(t, "weight", False)
                           and k not in cached))
+
+
+@dataclass
+class TailReplay:
+    """The final norm's backward (between the head's and the last block's): its worst moment with its saved
+    tensors alive (first micro-batch, later ones) and copied back (offload), and its input's bytes when it
+    saves it (the last block's output, made outside the tail)."""
+
+    saved: Worst
+    saved_later: Worst
+    offload: Worst
+    offload_later: Worst
+    input_saved: int
+
+
+def replay_tail(tape: Tape) -> TailReplay | None:
+    t = tape.tail()
+    if t is None:
+        return None
+    events, x, out = t
+    saved_roots = {id(_root(s)) for ev in events if ev[0] == "node" for s in ev[1].saved}
+    return TailReplay(
+        saved=backward(events, x, out, out.nbytes, "saved")[0],
+        saved_later=backward(events, x, out, out.nbytes, "saved", keep_wgrads=False)[0],
+        offload=backward(events, x, out, out.nbytes, "offload")[0],
+        offload_later=backward(events, x, out, out.nbytes, "offload", keep_wgrads=False)[0],
+        input_saved=_root(x).nbytes if id(_root(x)) in saved_roots else 0)
