@@ -305,8 +305,8 @@ def _tail_moment(b: StepBytes, policy, offload, states, buffers, kwargs, held_al
     terms.append(custom(f"the final norm's backward, {w.op}: its saved tensors still needed, gradients and "
                         "temporaries", T_, w.live, "replay: the norm's ops from its output's gradient",
                         _REPLAY_SOURCE))
-    if w.grads and not grads_exist:
-        terms.append(custom("the final norm's weight gradients made so far", G_, w.grads,
+    if w.grads:  # (a later micro-batch: the new gradient, until it is summed into .grad)
+        terms.append(custom("the final norm's weight gradients made so far", T_ if grads_exist else G_, w.grads,
                             "replay: AccumulateGrad", "autograd makes a weight's gradient at its op's backward"))
     return Moment("backward", "the final norm's backward" + sfx, terms)
 
@@ -486,8 +486,8 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
                 if step_in_backward:
                     steps.append(_step_moment(b, list(terms), w.step, k, sfx))
                 terms.append(_bwd_term(w, k, offload=False, plain=True))
-                if w.grads and not grads_exist:
-                    terms.append(_wgrad_term(w, k))
+                if w.grads:
+                    terms.append(_wgrad_term(w, k, grads_exist))
                 out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
                 done_grads += r.wgrad_bytes
             continue
@@ -496,8 +496,8 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
                 r = b.replays[k]
                 w = r.offload_later if grads_exist or step_in_backward else r.offload
                 terms = [*base, *grads_terms(0), _bwd_term(w, k, offload=True)]
-                if w.grads and not grads_exist:
-                    terms.append(_wgrad_term(w, k))
+                if w.grads:
+                    terms.append(_wgrad_term(w, k, grads_exist))
                 out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
                 if step_in_backward:
                     steps.append(_step_moment(b, terms[:-1], w.step, k, sfx))
@@ -546,8 +546,8 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
             if step_in_backward:
                 steps.append(_step_moment(b, list(terms), w.step, k, sfx))
             terms.append(_bwd_term(w, k, offload=False))
-            if w.grads and not grads_exist:
-                terms.append(_wgrad_term(w, k))
+            if w.grads:
+                terms.append(_wgrad_term(w, k, grads_exist))
             out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
             unit_grads += r.wgrad_bytes
         done_grads += unit_grads
@@ -579,7 +579,10 @@ def _bwd_term(w, k: int, offload: bool, plain: bool = False) -> Term:
                    else "saved tensors until their last reader") + ", its gradients and temporaries", _REPLAY_SOURCE)
 
 
-def _wgrad_term(w, k: int) -> Term:
+def _wgrad_term(w, k: int, later: bool = False) -> Term:
+    if later:  # a later micro-batch: the new gradient exists until AccumulateGrad has added it into .grad
+        return custom(f"block {k}: a parameter's new gradient, before it is summed into .grad", T_, w.grads,
+                      "replay: the parameter's gradient (x d)", "AccumulateGrad adds it into the existing .grad")
     return custom(f"block {k}'s parameter gradients made so far", G_, w.grads, "replay: AccumulateGrad in reverse",
                   "autograd makes a weight's gradient at its op's backward")
 
