@@ -14,10 +14,12 @@ What each block holds until its backward depends on the activation policy:
 Micro-batching runs this with the micro-batch's activations; from the second micro-batch on, every
 gradient already exists, so the full gradient bytes sit under every moment.
 
-A checkpointed or offloaded step's block moments come from replaying each block's ops
-(labkit.estimate.tape: the family walks record every allocation, when the code lets it go, and each
-autograd node's backward), for every family and for frozen or adapted weights: the forward inside the
-last block with nothing saved (or selective's cached outputs), each unit's recompute (every saved tensor
+The blocks' moments come from replaying each block's ops (labkit.estimate.tape: the family walks record
+every allocation, when the code lets it go, and each autograd node's backward), for every family and for
+frozen or adapted weights. With no policy: the forward inside the last block with every saved tensor kept
+(LoRA's fp32 copy of an adapter's input, Llama's fp32 softmax input), each block's backward op by op, and
+the final norm's backward between the head's and the last block's. Checkpointed or offloaded: the forward
+inside the last block with nothing saved (or selective's cached outputs), each unit's recompute (every saved tensor
 and autocast weight copy made again), each block's backward (recomputed tensors freed after their last
 reader; under offload each node's saved tensors copied back and freed when it returns).
 

@@ -149,8 +149,7 @@ def _estimate(r: Recipe) -> Estimate:
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
     foreach = (device == "cuda") if r.foreach is None else r.foreach
-    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype,
-                      replay=checkpoint != "none" or offload_activations)
+    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = b.opt_cast = 0
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
@@ -180,11 +179,11 @@ def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):
 
 
 def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, peft=None,
-               proj_dtype=None, replay: bool = False) -> tuple[StepBytes, Walk]:
+               proj_dtype=None) -> tuple[StepBytes, Walk]:
     """Every byte count the phases need, from the model states and the forward walk of a micro-batch.
     peft: LoRA/QLoRA/LISA (labkit.estimate.peft_terms): only the trainable parameters get gradients and
     optimizer state; the frozen base stays in parameters (or in int8/NF4 buffers).
-    replay: replay each block's ops (labkit.estimate.tape) for a checkpointed or offloaded step."""
+    Each block's ops and the final norm's are replayed (labkit.estimate.tape) for the moments inside them."""
     w, marks = walk_activations(spec, prec, micro, S, device, peft)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     lsm = next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
