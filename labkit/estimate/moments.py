@@ -81,6 +81,9 @@ class StepBytes:
     head_temp: int = _f(T_, "head backward: dlogits, dX (and a 16-bit dW)", "r V m + r h m (+ V h m under autocast)",
                         "mm backward: grad_input = dy @ W, grad_weight = dy^T @ x")
     head_grad: int = _f(G_, "output matrix and final norm gradients", "(V h + 2h) x d", "made at the head's backward")
+    head_new: int = _f(T_, "the output matrix's new gradient, before it is summed into .grad (or held for the tied "
+                           "embedding's part)", "V x h x d", "AccumulateGrad adds it into the .grad of the earlier "
+                           "micro-batches")
     stream: int = _f(T_, "gradient of the residual stream", "r x h x d", "carried from block to block in backward")
     tau: int = _f(T_, "MLP backward transient", "(1 exact GELU | 2 Python GELU/SwiGLU (+1 under LoRA)) x r x f x m",
                   "gelu_backward / mul backward: the gradients into and out of the activation alive together")
@@ -249,13 +252,15 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     start = Moment("backward", "start: the loss's backward" + sfx,
                    [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all,
                     *([] if offload else [b.term("lsm")]), *loss_grads])
-    head_grad = [] if grads_exist else [b.term("head_grad")]
+    head_grad = ([b.term("head_new")] if b.head_new else []) if grads_exist else [b.term("head_grad")]
     head = Moment("backward", "the head's backward" + sfx,
                   [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all, *head_grad,
                    b.term("head_temp")])
     moments = [*fwd, start, head]
     if b.tail is not None and not step_in_backward and len(b.replays) == n_layer:
-        moments.append(_tail_moment(b, policy, offload, states, buffers, kwargs, held_all, head_grad, grads_exist,
+        # after the head: a later micro-batch's new head gradient was summed into .grad (a tied one waits)
+        after_head = ([b.term("head_held")] if b.head_held else []) if grads_exist else head_grad
+        moments.append(_tail_moment(b, policy, offload, states, buffers, kwargs, held_all, after_head, grads_exist,
                                     sfx))
     block_steps = None
     if replayed or plain:

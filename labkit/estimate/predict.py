@@ -211,7 +211,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer,
         after=w.saved_bytes - marks[-1][0], lsm=lsm, logits=r * V * mm + upcast,
         head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0),
-        head_grad=head_grad, stream=r * h * gb,
+        head_grad=head_grad, head_new=V * h * gb if head_trains else 0, stream=r * h * gb,
         # MLP backward: the gradients into and out of the activation are alive while its output is
         # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors. Under LoRA
         # one more: a frozen down projection holds no input for that moment to free, and an adapted
