@@ -52,3 +52,28 @@ def test_final_rms_norm_backward():
     kw = dict(num_hidden_layers=1, hidden_size=h, num_attention_heads=4, num_key_value_heads=4, intermediate_size=h,
               vocab_size=256, micro_batch=2)
     _check("llama-tiny", B, S, "fp16", "sgd", kw, (B // 2) * S * h * 4, "the final norm's backward")
+
+
+def test_later_micro_batch_new_weight_gradient():
+    """From the second micro-batch on, a weight's new gradient exists until AccumulateGrad sums it into .grad:
+    under autocast the 16-bit dW and its fp32 cast (the MLP output projection's, h x 4h x 4 bytes) sit beside
+    the block's saved tensors."""
+    B, S, h = 5, 3, 64
+    g, kw, transient = GPTConfig(n_layer=1, n_head=8, n_embd=h, block_size=64, dropout=0.1), dict(micro_batch=1), h * 4 * h * 4
+    e = estimate(g, B, S, "mixed-bf16", "sgd", **kw)
+    m = measure_step(g, B, S, "mixed-bf16", "sgd", steps=2, **kw)
+    at = next(x for x in e.moments if "c_proj weight (16-bit copy): cast back" in x.where and "micro-batch 2" in x.where)
+    new = [t for t in at.terms if "before it is summed into .grad" in t.name]
+    assert [t.bytes for t in new] == [transient]
+    assert sum(t.bytes for t in at.terms) == at.total
+    # the measured backward peak is this moment (the tied head's backward, its 16-bit and fp32 dW, comes close)
+    assert abs(at.total - m.phases["backward"].total) <= transient // 10, (at.total, m.phases["backward"].total)
+
+
+def test_later_micro_batch_new_head_gradient():
+    """The head's backward in a later micro-batch: the output matrix's new gradient (V x h, bf16) before it is
+    summed into .grad, beside dlogits and dX."""
+    B, S, h, V = 3, 3, 32, 256
+    kw = dict(num_hidden_layers=2, hidden_size=h, num_attention_heads=1, num_key_value_heads=1,
+              intermediate_size=128, vocab_size=V, micro_batch=1)
+    _check("llama-tiny", B, S, "bf16", "sgd", kw, V * h * 2, "the head's backward (micro-batch 2 on)")
