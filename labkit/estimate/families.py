@@ -317,14 +317,19 @@ def _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, rg) -> T:
     w.drop(scores)
     masked = _pointwise(w, scaled, "scores + mask", itemsize=max(scaled.itemsize, w.x_bytes))  # the float mask
     w.drop(scaled)
+    # softmax(dtype=float32) of 16-bit scores (Llama in fp16/bf16): aten's softmax casts its input first
+    # (_to_copy, then _softmax); in backward _softmax_backward_data returns fp32, the cast's node makes it 16-bit
+    soft_in = w.cast(masked, sm, "scores (fp32 for softmax)") if sm != masked.itemsize else masked
     probs = w.made(T(masked.numel, sm, "attention probs", rg=rg))
     if rg:
-        w.node("softmax", [probs], [probs], [("grad", masked)])
-    w.drop(masked)
+        w.node("softmax", [probs], [probs], [("grad", soft_in)])
+    if soft_in is not masked:
+        w.drop(soft_in)
     att = probs
-    if sm != mm:
+    if sm != mm:  # `softmax(...).to(q.dtype)`: the scores stay bound to attn_weights until the cast returns
         att = w.cast(probs, mm, "attention probs (cast)")
         w.drop(probs)
+    w.drop(masked)
     dropped = _dropout_tape(w, att, p, "attention dropout")
     if dropped is not att:
         w.drop(att)
@@ -408,7 +413,9 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
         x = x3
     layer_marks.append(w.mark())
     w.tape.end(x)
-    logits = w.linear(w.layer_norm(x, r, "ln_f", "ln_f"), r, spec.vocab, "logits", "lm_head")
+    final = w.layer_norm(x, r, "ln_f", "ln_f")
+    w.tape.head(final)
+    logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.cross_entropy(logits, r, spec.vocab, upcast=False)
 
 
@@ -458,6 +465,7 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     # GPT2Block gets the position ids (saved when the position table trains) and, eager, the 4-D mask
     w.block_kwargs = (S * 8 + w.forward_extra, S * 8 if w.trains("transformer.wpe") else 0)
     final = w.layer_norm(x, r, "ln_f", "transformer.ln_f")
+    w.tape.head(final)
     logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.hold_final(final)
     w.cross_entropy(logits, r, spec.vocab, upcast=True)
@@ -549,6 +557,7 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
     # LlamaDecoderLayer gets the position ids, cos and sin (saved) and, eager, the 4-D mask
     w.block_kwargs = (S * 8 + 2 * S * hd * w.x_bytes + w.forward_extra, 2 * S * hd * w.x_bytes)
     final = w.rms_norm_python(x, r, "norm", "model.norm")
+    w.tape.head(final)
     logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.hold_final(final)
     w.cross_entropy(logits, r, spec.vocab, upcast=True)

@@ -14,10 +14,12 @@ What each block holds until its backward depends on the activation policy:
 Micro-batching runs this with the micro-batch's activations; from the second micro-batch on, every
 gradient already exists, so the full gradient bytes sit under every moment.
 
-A checkpointed or offloaded step's block moments come from replaying each block's ops
-(labkit.estimate.tape: the family walks record every allocation, when the code lets it go, and each
-autograd node's backward), for every family and for frozen or adapted weights: the forward inside the
-last block with nothing saved (or selective's cached outputs), each unit's recompute (every saved tensor
+The blocks' moments come from replaying each block's ops (labkit.estimate.tape: the family walks record
+every allocation, when the code lets it go, and each autograd node's backward), for every family and for
+frozen or adapted weights. With no policy: the forward inside the last block with every saved tensor kept
+(LoRA's fp32 copy of an adapter's input, Llama's fp32 softmax input), each block's backward op by op, and
+the final norm's backward between the head's and the last block's. Checkpointed or offloaded: the forward
+inside the last block with nothing saved (or selective's cached outputs), each unit's recompute (every saved tensor
 and autocast weight copy made again), each block's backward (recomputed tensors freed after their last
 reader; under offload each node's saved tensors copied back and freed when it returns).
 
@@ -79,6 +81,9 @@ class StepBytes:
     head_temp: int = _f(T_, "head backward: dlogits, dX (and a 16-bit dW)", "r V m + r h m (+ V h m under autocast)",
                         "mm backward: grad_input = dy @ W, grad_weight = dy^T @ x")
     head_grad: int = _f(G_, "output matrix and final norm gradients", "(V h + 2h) x d", "made at the head's backward")
+    head_new: int = _f(T_, "the output matrix's new gradient, before it is summed into .grad (or held for the tied "
+                           "embedding's part)", "V x h x d", "AccumulateGrad adds it into the .grad of the earlier "
+                           "micro-batches")
     stream: int = _f(T_, "gradient of the residual stream", "r x h x d", "carried from block to block in backward")
     tau: int = _f(T_, "MLP backward transient", "(1 exact GELU | 2 Python GELU/SwiGLU (+1 under LoRA)) x r x f x m",
                   "gelu_backward / mul backward: the gradients into and out of the activation alive together")
@@ -116,6 +121,7 @@ class StepBytes:
     # weights' autocast copies (saved for dx, not cached) inside the blocks and of the head, and the model's
     # forward locals that are also saved (position ids, rotary tables)
     replays: list = field(default_factory=list)
+    tail: object = None  # the final norm's backward replayed (labkit.estimate.tape.TailReplay), or None
     c_frozen_blocks: int = 0
     c_frozen_head: int = 0
     locals_saved: int = 0
@@ -166,11 +172,23 @@ def segments_of(n: int, policy: str, segments: int | None) -> list[int]:
 
 def _held_terms(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
     """The activations the first `units` blocks hold until their backward (nothing checkpointed or offloaded;
-    a checkpointed or offloaded step uses `_held`)."""
+    a checkpointed or offloaded step uses `_held`): from each block's replay when there is one (blocks
+    differ: LoRA's first block saves less, LISA's active ones more), else the walk's per-block average."""
     if units == 0:
         return []
     blocks = sum(sizes[:units])
+    if len(b.replays) >= blocks:
+        return [custom(f"saved by {blocks} block(s)", A_, sum(_block_saved(b, k) for k in range(blocks)),
+                       "replay: each block's saved tensors (its input when it saves it), without autocast's weight "
+                       "copies", _REPLAY_SOURCE)]
     return [b.term("layer", blocks, f"saved by {blocks} block(s)")]
+
+
+def _block_saved(b: StepBytes, k: int) -> int:
+    """Activations block k saves for backward: its replay's saved storages (a view saved keeps its whole base),
+    its input when a node of the block saves it, without the autocast weight copies (model-state bytes)."""
+    r = b.replays[k]
+    return r.saved_bytes + r.input_saved - r.copies_saved
 
 
 def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int | None = None,
@@ -184,6 +202,9 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     sizes = segments_of(n_layer, policy, segments)
     n_units = len(sizes)
     replayed = (policy != "none" or offload) and len(b.replays) == n_layer
+    # nothing checkpointed or offloaded: the blocks' moments from their ops replayed with every saved tensor kept
+    # (a step in backward keeps the per-block terms below: its steps' moments are calibrated on them)
+    plain = policy == "none" and not offload and not step_in_backward and len(b.replays) == n_layer
     states = [*b.state("P"), *b.state("O")]
     base_states = list(states)
     if grads_exist:
@@ -211,7 +232,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     if replayed:
         fwd += _replayed_forward(b, policy, offload, sizes, states, buffers, sfx)
     else:
-        fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx)
+        fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx, plain)
 
     # autocast's weight copies after the forward: all kept (none), the head's only (the blocks' copies
     # are not saved by a checkpointed region; its recompute casts again), or none (offloaded)
@@ -231,13 +252,18 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     start = Moment("backward", "start: the loss's backward" + sfx,
                    [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all,
                     *([] if offload else [b.term("lsm")]), *loss_grads])
-    head_grad = [] if grads_exist else [b.term("head_grad")]
+    head_grad = ([b.term("head_new")] if b.head_new else []) if grads_exist else [b.term("head_grad")]
     head = Moment("backward", "the head's backward" + sfx,
                   [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all, *head_grad,
                    b.term("head_temp")])
     moments = [*fwd, start, head]
+    if b.tail is not None and not step_in_backward and len(b.replays) == n_layer:
+        # after the head: a later micro-batch's new head gradient was summed into .grad (a tied one waits)
+        after_head = ([b.term("head_held")] if b.head_held else []) if grads_exist else head_grad
+        moments.append(_tail_moment(b, policy, offload, states, buffers, kwargs, held_all, after_head, grads_exist,
+                                    sfx))
     block_steps = None
-    if replayed:
+    if replayed or plain:
         block_moments, block_steps = _replayed_backward(b, policy, offload, sizes, states, buffers, grads_exist,
                                                         step_in_backward, sfx)
     else:
@@ -251,7 +277,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                   b.term("emb_dense") if grads_exist else b.term("emb_temp")])
     moments += [*block_moments, end]
     if step_in_backward:
-        moments += _steps_in_backward(b, [] if replayed else block_moments, head, end, sfx)
+        moments += _steps_in_backward(b, [] if replayed or plain else block_moments, head, end, sfx)
         moments += block_steps or []
     elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
         opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
@@ -263,6 +289,33 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                               [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp"),
                                b.term("opt_cast")]))
     return moments
+
+
+def _tail_moment(b: StepBytes, policy, offload, states, buffers, kwargs, held_all, head_grad, grads_exist,
+                 sfx) -> Moment:
+    """The final norm's backward, after the head's and before the last block's: every block's held tensors,
+    the norm's saved tensors (copied back under offload) until their last reader, its gradients and
+    temporaries (transformers' Python RMSNorm: pow's backward makes x^1 and 2x beside the gradients in flight,
+    the mean's gradient and the x * rsqrt part waiting to be summed)."""
+    t = b.tail
+    w = (t.offload_later if grads_exist else t.offload) if offload else (t.saved_later if grads_exist else t.saved)
+    terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]), *kwargs, *held_all]
+    copies = sum(r.copies_saved for r in b.replays) if policy == "none" and not offload else 0
+    if copies:
+        terms.append(custom("autocast weight copies saved by the blocks", P_, copies,
+                            "2 x the weights their matmuls save (for dx)",
+                            "autograd keeps a matmul's 16-bit weight copy until that node's backward"))
+    terms += head_grad
+    if t.input_saved and not offload:
+        terms.append(custom("the last block's output, saved by the final norm", A_, t.input_saved, "r x h x d",
+                            "derivatives.yaml"))
+    terms.append(custom(f"the final norm's backward, {w.op}: its saved tensors still needed, gradients and "
+                        "temporaries", T_, w.live, "replay: the norm's ops from its output's gradient",
+                        _REPLAY_SOURCE))
+    if w.grads:  # (a later micro-batch: the new gradient, until it is summed into .grad)
+        terms.append(custom("the final norm's weight gradients made so far", T_ if grads_exist else G_, w.grads,
+                            "replay: AccumulateGrad", "autograd makes a weight's gradient at its op's backward"))
+    return Moment("backward", "the final norm's backward" + sfx, terms)
 
 
 def _plain_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads_exist, step_in_backward, recompute,
@@ -423,13 +476,35 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
         base = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
                 *_held(b, policy, offload, sizes, j)]
         kwargs = _kwargs(b, policy, offload)  # until the first unit's recompute, the last to run
+        if policy == "none" and not offload:  # nothing checkpointed or offloaded: every saved tensor is alive
+            for k in reversed(range(s, e)):
+                r = b.replays[k]
+                w = r.recomputed_later if grads_exist or step_in_backward else r.recomputed
+                terms = [*states, *buffers, b.term("inputs"), b.term("before"),
+                         *_held_terms(b, policy, offload, sizes, k), *grads_terms(0)]
+                copies = sum(b.replays[i].copies_saved for i in range(k))
+                if copies:
+                    terms.append(custom(f"autocast weight copies saved by blocks 0-{k - 1}", P_, copies,
+                                        "2 x the weights their matmuls save (for dx)",
+                                        "autograd keeps a matmul's 16-bit weight copy until that node's backward"))
+                if r.input_saved:
+                    terms.append(custom(f"the input of block {k}, saved by it", A_, r.input_saved, "r x h x d",
+                                        "derivatives.yaml"))
+                if step_in_backward:
+                    steps.append(_step_moment(b, list(terms), w.step, k, sfx))
+                terms.append(_bwd_term(w, k, offload=False, plain=True))
+                if w.grads:
+                    terms.append(_wgrad_term(w, k, grads_exist))
+                out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
+                done_grads += r.wgrad_bytes
+            continue
         if policy == "none":  # offloaded blocks (with checkpointing, a region's own hooks win: recomputed)
             for k in reversed(range(s, e)):
                 r = b.replays[k]
                 w = r.offload_later if grads_exist or step_in_backward else r.offload
                 terms = [*base, *grads_terms(0), _bwd_term(w, k, offload=True)]
-                if w.grads and not grads_exist:
-                    terms.append(_wgrad_term(w, k))
+                if w.grads:
+                    terms.append(_wgrad_term(w, k, grads_exist))
                 out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
                 if step_in_backward:
                     steps.append(_step_moment(b, terms[:-1], w.step, k, sfx))
@@ -478,8 +553,8 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
             if step_in_backward:
                 steps.append(_step_moment(b, list(terms), w.step, k, sfx))
             terms.append(_bwd_term(w, k, offload=False))
-            if w.grads and not grads_exist:
-                terms.append(_wgrad_term(w, k))
+            if w.grads:
+                terms.append(_wgrad_term(w, k, grads_exist))
             out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
             unit_grads += r.wgrad_bytes
         done_grads += unit_grads
@@ -502,23 +577,27 @@ def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str) -> Moment
                "labkit.optim: p.float(), counted as parameter memory")])
 
 
-def _bwd_term(w, k: int, offload: bool) -> Term:
+def _bwd_term(w, k: int, offload: bool, plain: bool = False) -> Term:
+    held = "saved tensors still needed" if plain else "recomputed saved tensors still needed"
     return custom(f"block {k} backward, {_at(w.op, k)}: " + ("copied-back saved tensors, gradients and temporaries"
-                                                     if offload else "recomputed saved tensors still needed, "
-                                                                     "gradients and temporaries"),
+                                                     if offload else f"{held}, gradients and temporaries"),
                   T_, w.live, "replay: the output's gradient, each node's " +
                   ("saved tensors copied back (labkit.recompute.offload_activations unpacks on use)" if offload
                    else "saved tensors until their last reader") + ", its gradients and temporaries", _REPLAY_SOURCE)
 
 
-def _wgrad_term(w, k: int) -> Term:
+def _wgrad_term(w, k: int, later: bool = False) -> Term:
+    if later:  # a later micro-batch: the new gradient exists until AccumulateGrad has added it into .grad
+        return custom(f"block {k}: a parameter's new gradient, before it is summed into .grad", T_, w.grads,
+                      "replay: the parameter's gradient (x d)", "AccumulateGrad adds it into the existing .grad")
     return custom(f"block {k}'s parameter gradients made so far", G_, w.grads, "replay: AccumulateGrad in reverse",
                   "autograd makes a weight's gradient at its op's backward")
 
 
-def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
-    """Inside the last block's forward (nothing checkpointed or offloaded), at the block's end and at each
-    recorded op's worst moment (labkit.estimate.attention)."""
+def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx, plain: bool = False) -> list[Moment]:
+    """Inside the last block's forward (nothing checkpointed or offloaded), at the block's end and at its
+    worst moment: from the replay of its ops with every saved tensor kept (plain), else at each recorded
+    attention op's worst moment (labkit.estimate.attention)."""
     out = []
     L = sum(sizes)
     extra = [custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
@@ -529,6 +608,24 @@ def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx) 
             *states, *b.state("C"), *buffers, b.term("inputs"), b.term("before"),
             *_held_terms(b, policy, offload, sizes, L), *extra,
             b.term("stream", name="the last block's output projection and residual sum", nbytes=2 * b.stream)]))
+    if plain:
+        last = b.replays[L - 1]
+        worst = last.full
+        # the blocks before hold their autocast weight copies (the cache, and a frozen weight's copy saved for
+        # dx); the last block's so far: cached ones apart, frozen ones among its live tensors; the head's later
+        copies = b.C - b.head_copy - last.cached_bytes - last.copies_frozen + worst.cached
+        terms = [*states, *buffers, b.term("inputs"), b.term("before"),
+                 *_locals(b, False, False, L == 1 or b.replays[0].input_saved > 0),
+                 *_held_terms(b, policy, offload, sizes, L - 1)]
+        if copies:
+            terms.append(custom("autocast 16-bit weight copies made so far (the blocks before, this block's up to "
+                                "the op)", P_, copies, "2 x the matmul weights passed (trained: cached; frozen: saved "
+                                "for dx)", "torch.autocast's weight cast cache; autograd's saved tensors"))
+        terms.append(custom(f"block {L - 1} forward, {_at(worst.op, L - 1)}: live in the block (its input, what it "
+                            "saved so far, temporaries)", T_, worst.live,
+                            "replay: the block's ops with every saved tensor kept", _REPLAY_SOURCE))
+        out.append(Moment("forward", f"inside block {L - 1}'s forward ({_at(worst.op, L - 1)})" + sfx, terms))
+        return out
     for phase, what, before, saved, temp, _, kept in b.points:
         if phase != "forward":
             continue

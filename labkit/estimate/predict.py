@@ -16,7 +16,7 @@ from .moments import StepBytes, step_moments
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
 from labkit.memory.report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
-from .tape import replay_blocks
+from .tape import replay_blocks, replay_tail
 from .walk import Walk
 
 _BLOCK = re.compile(r"\.\d+\.")  # a module inside the block list (its index in the name)
@@ -168,8 +168,7 @@ def _estimate(r: Recipe) -> Estimate:
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
     foreach = (device == "cuda") if r.foreach is None else r.foreach
-    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype,
-                      replay=checkpoint != "none" or offload_activations)
+    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = b.opt_cast = 0
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
@@ -220,11 +219,11 @@ def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):
 
 
 def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, peft=None,
-               proj_dtype=None, replay: bool = False) -> tuple[StepBytes, Walk]:
+               proj_dtype=None) -> tuple[StepBytes, Walk]:
     """Every byte count the phases need, from the model states and the forward walk of a micro-batch.
     peft: LoRA/QLoRA/LISA (labkit.estimate.peft_terms): only the trainable parameters get gradients and
     optimizer state; the frozen base stays in parameters (or in int8/NF4 buffers).
-    replay: replay each block's ops (labkit.estimate.tape) for a checkpointed or offloaded step."""
+    Each block's ops and the final norm's are replayed (labkit.estimate.tape) for the moments inside them."""
     w, marks = walk_activations(spec, prec, micro, S, device, peft)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     lsm = next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
@@ -252,7 +251,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer,
         after=w.saved_bytes - marks[-1][0], lsm=lsm, logits=r * V * mm + upcast,
         head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0),
-        head_grad=head_grad, stream=r * h * gb,
+        head_grad=head_grad, head_new=V * h * gb if head_trains else 0, stream=r * h * gb,
         # MLP backward: the gradients into and out of the activation are alive while its output is
         # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors. Under LoRA
         # one more: a frozen down projection holds no input for that moment to free, and an adapted
@@ -269,7 +268,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         # until AccumulateGrad adds it in place: the token table (tied or not) and the learned positions
         emb_dense=((V * h if emb_trains else 0)
                    + (spec.max_positions * h if spec.family != "llama" and emb_trains else 0)) * gb,
-        replays=replay_blocks(w.tape) if replay else [],
+        replays=replay_blocks(w.tape), tail=replay_tail(w.tape),
         c_frozen_blocks=sum(v for k, v in w.copy_frozen.items() if _BLOCK.search("." + k + ".")),
         c_frozen_head=sum(v for k, v in w.copy_frozen.items() if not _BLOCK.search("." + k + ".")),
         locals_saved=w.locals_saved, final_out=w.final_out, block0_local=w.block0_local,

@@ -98,8 +98,20 @@ class Tape:
         return len(self.events)
 
     def end(self, out) -> None:
-        """The last block's output (what the head reads)."""
+        """The last block's output (what the final norm reads)."""
         self._add(("end", out))
+
+    def head(self, out) -> None:
+        """The final norm's output (what the head reads): the ops between `end` and here are the tail."""
+        self._add(("head", out))
+
+    def tail(self) -> tuple | None:
+        """(events of the final norm, its input, its output), or None when the walk marked no head."""
+        ends = [k for k, ev in enumerate(self.events) if ev[0] == "end"]
+        heads = [k for k, ev in enumerate(self.events) if ev[0] == "head"]
+        if not ends or not heads:
+            return None
+        return self.events[ends[0] + 1:heads[0]], self.events[ends[0]][1], self.events[heads[0]][1]
 
 
 def _root(t):
@@ -128,7 +140,9 @@ class Worst:
 
 def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, int]:
     """Replay a block's forward. mode: "free" (nothing saved), "kept" (selective: matmul outputs cached),
-    "saved" (everything autograd saves stays: a recompute, whose autocast weight copies are made again).
+    "saved" (everything autograd saves stays: a recompute, whose autocast weight copies are made again),
+    "all" (everything saved stays, as in a step with no activation policy; autocast's cached weight copies
+    counted apart, in `Worst.cached`, as in "free").
     pre: roots alive from the start and not made again (selective's cached outputs, handed back to the
     recompute; they go when the code drops them, unless saved).
     Returns the worst moment (the block input counted) and the bytes still held at the end for backward
@@ -141,7 +155,7 @@ def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, 
             live[id(_root(ev[1]))] = _root(ev[1]).nbytes
             names[id(_root(ev[1]))] = _root(ev[1]).name
     held: set[int] = set()
-    if mode == "saved":  # a saved tensor stays from its making (its node may be recorded a little later)
+    if mode in ("saved", "all"):  # a saved tensor stays from its making (its node may be recorded a little later)
         held = {id(_root(t)) for ev in events if ev[0] == "node" for t in ev[1].saved}
     cur = sum(live.values())
     worst = Worst("block input", cur)
@@ -300,14 +314,17 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
 
 @dataclass
 class BlockReplay:
-    """One block's replays (labkit.estimate.moments reads them for checkpointed and offloaded steps).
+    """One block's replays (labkit.estimate.moments reads them for every step: plain, checkpointed, offloaded).
 
     free / kept: the forward's worst moment with nothing saved / with the matmul outputs cached (the block
     input counted); kept_bytes: what selective checkpointing holds after the block. recompute: the worst
     moment of its forward run again with everything saved (cached matmul outputs not made again), and
     saved_bytes what that leaves for backward; input_saved: the input's bytes when the block saves it.
     offload / recomputed: the backward's worst moment (the output's gradient counted; `grads` the block's
-    parameter gradients made by then), first micro-batch and later ones (gradients summed into .grad)."""
+    parameter gradients made by then), first micro-batch and later ones (gradients summed into .grad).
+    full: the forward's worst moment with everything saved kept (no activation policy; the input counted,
+    cached weight copies apart); copies_saved: the autocast weight copies the block's matmuls save (alive
+    until their node's backward)."""
 
     input_bytes: int
     stream: int
@@ -325,6 +342,9 @@ class BlockReplay:
     recomputed_later: Worst
     wgrad_bytes: int  # all of the block's parameter gradients
     cached_bytes: int  # all of the block's autocast weight copies (cached while the forward runs)
+    full: Worst | None = None
+    copies_saved: int = 0
+    copies_frozen: int = 0  # the part of copies_saved that is not cached (frozen weights' copies)
 
 
 def _signature(events) -> tuple:
@@ -366,6 +386,8 @@ def _replay(events, x, out) -> BlockReplay:
     recompute, saved_bytes = forward(events, x, "saved")
     recompute_sel, saved_sel = forward(events, x, "saved", pre=kept_roots)
     saved_roots = {id(_root(t)) for ev in events if ev[0] == "node" for t in ev[1].saved}
+    made = {id(_root(ev[1])): _root(ev[1]) for ev in events if ev[0] == "new"}
+    cached = {id(_root(ev[1])) for ev in events if ev[0] == "new" and ev[2]}
     stream = out.nbytes
     return BlockReplay(
         input_bytes=_root(x).nbytes, stream=stream, free=free, kept=kept, kept_bytes=kept_bytes,
@@ -376,4 +398,35 @@ def _replay(events, x, out) -> BlockReplay:
         recomputed=backward(events, x, out, stream, "saved")[0],
         recomputed_later=backward(events, x, out, stream, "saved", keep_wgrads=False)[0],
         wgrad_bytes=sum(st[1] for ev in events if ev[0] == "node" for st in ev[1].steps if st[0] == "wgrad"),
-        cached_bytes=sum(_root(ev[1]).nbytes for ev in events if ev[0] == "new" and ev[2]))
+        cached_bytes=sum(_root(ev[1]).nbytes for ev in events if ev[0] == "new" and ev[2]),
+        full=forward(events, x, "all")[0],
+        copies_saved=sum(t.nbytes for k, t in made.items() if k in saved_roots and getattr(t, "weight", False)),
+        copies_frozen=sum(t.nbytes for k, t in made.items() if k in saved_roots and getattr(t, "weight", False)
+                          and k not in cached))
+
+
+@dataclass
+class TailReplay:
+    """The final norm's backward (between the head's and the last block's): its worst moment with its saved
+    tensors alive (first micro-batch, later ones) and copied back (offload), and its input's bytes when it
+    saves it (the last block's output, made outside the tail)."""
+
+    saved: Worst
+    saved_later: Worst
+    offload: Worst
+    offload_later: Worst
+    input_saved: int
+
+
+def replay_tail(tape: Tape) -> TailReplay | None:
+    t = tape.tail()
+    if t is None:
+        return None
+    events, x, out = t
+    saved_roots = {id(_root(s)) for ev in events if ev[0] == "node" for s in ev[1].saved}
+    return TailReplay(
+        saved=backward(events, x, out, out.nbytes, "saved")[0],
+        saved_later=backward(events, x, out, out.nbytes, "saved", keep_wgrads=False)[0],
+        offload=backward(events, x, out, out.nbytes, "offload")[0],
+        offload_later=backward(events, x, out, out.nbytes, "offload", keep_wgrads=False)[0],
+        input_saved=_root(x).nbytes if id(_root(x)) in saved_roots else 0)

@@ -29,6 +29,7 @@ class T:
     rg: bool = True  # requires grad: autograd records (and saves for) the ops that read it
     heads_moved: bool = False  # a (B, heads, S, d) tensor laid out as (B, S, heads, d): a projection's output
     # viewed per head, and what pointwise ops make from it (they keep the layout)
+    weight: bool = False  # an autocast 16-bit copy of a weight (model-state bytes, counted apart from activations)
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +145,9 @@ class Walk:
         once the matmul's has returned) casts it to the parameter's dtype."""
         if not self.autocast:
             return None, ([("wgrad", elements * self.x_bytes)] if trains else [])
-        w16 = self.made(self.new(elements, self.low_bytes, name, trains), cached=trains)
+        w16 = self.new(elements, self.low_bytes, name, trains)
+        w16.weight = True
+        self.made(w16, cached=trains)
         if not trains:
             return w16, []
         self.node(f"{name}: cast back", [w16], (), [("wgrad", elements * self.x_bytes)])
