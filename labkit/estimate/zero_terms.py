@@ -210,15 +210,22 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
         first = flat_block if lay.block else flat_root
         return [Moment("backward", "after backward: the first unit's gradients flattened for its reduce-scatter",
                        [*keep, _t("gradients", G_, lay.grads_full(), f"N s x {d} B per unit (all full)"), first])]
-    out = []
+    out, seen = [], set()
     for m in moments:
         k = _block_of(m.where)
-        if m.phase != "backward" or k is None or m.where != f"block {k} backward":
+        if m.phase != "backward" or k is None or not m.where.startswith(f"block {k} backward") or k in seen:
             continue
-        drop = ("saved by the block(s) in backward", "MLP backward transient", "one weight gradient before accumulation")
-        terms = [t for t in m.terms if t.name not in drop]
-        stream = next((t for t in m.terms if t.name == "gradient of the residual stream"), None)
-        terms += [full_block, flat_block] + ([stream] if stream is not None else [])
+        seen.add(k)
+        # The block's replayed moment, at its end: its saved tensors and temporaries are gone (its input too:
+        # the first norm was the last op to need it), its gradients are all made, and the gradient flowing into
+        # the block (rows x h, the size of its input) is alive.
+        block_input = f"the input of block {k}, saved by it"
+        stream = next((t for t in m.terms if t.name == block_input), None)
+        terms = [t for t in m.terms if t.category is not T_ and t.name != block_input
+                 and not t.name.endswith("parameter gradients made so far")]
+        terms += [full_block, flat_block]
+        if stream is not None:
+            terms.append(_t("gradient flowing into the block", T_, stream.bytes, "rows x h, its input's size"))
         out.append(Moment("backward", f"block {k} backward ends: its gradients flattened for the reduce-scatter", terms))
     end = next((m for m in moments if m.where == "the embedding's backward"), None)
     if end is not None and lay.root:
