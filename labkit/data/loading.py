@@ -137,6 +137,22 @@ def stream_memory_fresh(folder, timeout: float = 600, **kwargs) -> StreamMemory:
     return StreamMemory(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def in_memory_growth_fresh(folder, timeout: float = 600) -> int:
+    """`in_memory_growth` in a fresh Python process (a long-lived heap can hand back memory it freed before,
+    and the naive read then seems to cost nothing)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from labkit.data.loading import in_memory_growth; print(in_memory_growth(sys.argv[1]))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
+                                                      + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    out = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=timeout,
+                         env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"in_memory_growth failed in its process: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+    return int(out.stdout.strip().splitlines()[-1])
+
+
 def in_memory_growth(folder) -> int:
     """USS growth of the naive way: read every shard into one in-memory tensor (what streaming avoids)."""
     from labkit.data.shards import open_shards

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit.data.loading import in_memory_growth, make_loader, stream_memory_fresh
+from labkit.data.loading import in_memory_growth_fresh, make_loader, stream_memory_fresh
 from labkit.data.shards import LoaderCursor, ShardError, ShardStream, open_shards, unit_range, write_shards
 
 SEQ = 32
@@ -111,7 +111,7 @@ def test_memory_stays_flat_as_the_dataset_grows_10x(tmp_path):
         assert m.samples == open_shards(f).num_samples  # a whole epoch was read
         assert m.growth <= bound, (f.name, m)
     # the same bound fails for the naive way: the 10x set read into memory grows by its own size
-    assert in_memory_growth(big) >= 0.9 * open_shards(big).nbytes > bound
+    assert in_memory_growth_fresh(big) >= 0.9 * open_shards(big).nbytes > bound
 
 
 def test_missing_folder_truncated_and_corrupt_shards_raise_clear_errors(tmp_path):
