@@ -4,6 +4,7 @@ and returns plain tensors and numbers (they are pickled back to the caller)."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -225,6 +226,7 @@ def tp_activation_memory(rank, world_size, cfg, batch, seq, dtype="bf16"):
         torch.manual_seed(10 + rank)  # dropout masks: any; the bytes do not depend on them
         x = torch.randn(batch, T, cfg["n_embd"], dtype=dt, requires_grad=True)
         g = torch.randn(batch, T, cfg["n_embd"], dtype=dt)
+        gc.collect()  # the previous layout's graph and tensors gone before this ledger starts
         with Ledger() as led:
             y = x
             for b in blocks:

@@ -117,8 +117,8 @@ def _state(panel) -> tuple:
 
 
 def _change_a_control(page, panel) -> str:
-    """Change one control of the panel (a drop-down's value, else a checkbox, else a toggle button) so that
-    the prediction redraws; return what was changed."""
+    """Change one control of the panel (a drop-down's value, else a checkbox, else a slider, else a toggle
+    button) so that the prediction redraws; return what was changed."""
     before = _state(panel)
 
     def redrew() -> bool:
@@ -148,6 +148,17 @@ def _change_a_control(page, panel) -> str:
         tried.append("checkbox")
         if redrew():
             return "checkbox"
+    handles = panel.locator(".noUi-handle")  # ipywidgets' sliders: the handle moves one step per arrow key
+    if handles.count():
+        handles.first.focus()
+        handles.first.press("ArrowRight")
+        tried.append("slider")
+        if redrew():
+            return "slider"
+        handles.first.press("ArrowLeft")
+        handles.first.press("ArrowLeft")
+        if redrew():
+            return "slider"
     toggles = panel.locator(".widget-toggle-button:not(.mod-active)")
     if toggles.count():
         label = toggles.first.inner_text()
