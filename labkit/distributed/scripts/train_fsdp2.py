@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import os
+import sys
 from datetime import timedelta
 
 import torch
