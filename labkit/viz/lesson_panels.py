@@ -164,6 +164,14 @@ class PEFTPanel(RecipePanel):
 
 
 # ---- lesson 07: bits against error --------------------------------------------------------------
+def _show(panel, fig: Figure) -> None:
+    """Lesson 07's panels: the legend, the margins, and the figure into the panel's picture (kept for tests)."""
+    fig.axes[0].legend(fontsize=7)
+    fig.subplots_adjust(left=0.14, right=0.97, bottom=0.18, top=0.88)
+    panel.last_figure = fig
+    panel.picture.value = to_png(fig, dpi=80, tight=False)
+
+
 class QuantPanel:
     """Lesson 07: mode and block size pick a point on the bits-vs-error curves of one weight matrix.
 
@@ -192,10 +200,7 @@ class QuantPanel:
             ax.plot([p[0] for p in pts.values()], [p[1] for p in pts.values()], "o-", ms=3, label=m)
         ax.plot([bits], [err], "k*", ms=12)
         ax.set(xlabel="bits per parameter", ylabel="relative RMSE", yscale="log", title="each point: one block size")
-        ax.legend(fontsize=7)
-        fig.subplots_adjust(left=0.14, right=0.97, bottom=0.18, top=0.88)
-        self.last_figure = fig
-        self.picture.value = to_png(fig, dpi=80, tight=False)
+        _show(self, fig)
 
     def _ipython_display_(self) -> None:
         display(self.widget)
@@ -228,10 +233,7 @@ class AWQPanel:
         ax.plot(grid, [e / errors[0] for e in errors], "o-", ms=3, label=f"groups of {self.group.value}")
         ax.plot([alpha], [rel], "k*", ms=12, label=self.method.value)
         ax.set(xlabel="alpha", ylabel="output MSE / RTN's", title="W in int4: AWQ's search")
-        ax.legend(fontsize=7)
-        fig.subplots_adjust(left=0.14, right=0.97, bottom=0.18, top=0.88)
-        self.last_figure = fig
-        self.picture.value = to_png(fig, dpi=80, tight=False)
+        _show(self, fig)
 
     def _ipython_display_(self) -> None:
         display(self.widget)
