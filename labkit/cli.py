@@ -322,11 +322,14 @@ def check_estimate_options(args, parser) -> int | None:
     if args.accumulate is not None:
         if micro is not None:
             parser.error("give --micro-batch or --accumulate, not both")
-        if args.batch % args.accumulate:
-            parser.error(f"--accumulate {args.accumulate} must divide --batch {args.batch}")
-        micro = args.batch // args.accumulate
-    elif micro is not None and args.batch % micro:
-        parser.error(f"--micro-batch {micro} must divide --batch {args.batch}")
+        rows = args.batch // dp  # micro-batches are counted on each data-parallel rank
+        per = f"--batch {args.batch}" + (f" / --dp {dp} = {rows} rows per rank" if dp > 1 else "")
+        if rows % args.accumulate:
+            parser.error(f"--accumulate {args.accumulate} must divide {per}")
+        micro = rows // args.accumulate
+    elif micro is not None and (args.batch // dp) % micro:
+        parser.error(f"--micro-batch {micro} must divide --batch {args.batch}"
+                     + (f" / --dp {dp} = {args.batch // dp} rows per rank" if dp > 1 else ""))
     if args.segments is not None and args.checkpoint != "full":
         parser.error(f"--segments {args.segments} needs --checkpoint full (sqrt picks its own, none and "
                      f"selective have none), got --checkpoint {args.checkpoint}")
@@ -418,7 +421,9 @@ def _estimate_layout(args, spec, micro) -> int:
                     + [fmt_bytes(e.peak[c]) for c in CATEGORIES])
     lines = [f"per-rank peaks (tp={args.tp} pp={args.pp}"
              + (f" {args.schedule}" if args.pp > 1 else "") + (" sequence-parallel" if args.sequence_parallel else "")
-             + f", {r.rank_batch // r.micro} micro-batches of {r.micro} rows)", _table(rows, right={3}), ""]
+             + f", {r.rank_batch // r.micro} micro-batches of {r.micro} rows)"
+             + (f"; each of the dp={args.dp} replicas (ZeRO-{args.zero}) holds the same" if args.dp > 1 else ""),
+             _table(rows, right={3}), ""]
     lines.append("bytes sent per step (by the collectives' definitions)")
     lines += [f"  {k}: {fmt_bytes(int(v))}" for k, v in wire.items()]
     lines += ["", f"the largest rank: {top.label}", format_estimate(top, args.device)]
@@ -540,7 +545,7 @@ def build_parser() -> _Parser:
     e.add_argument("--micro-batch", type=integer, default=None, help="rows per micro-batch (gradient accumulation)")
     e.add_argument("--accumulate", type=integer, default=None, help="micro-batches per step (batch / micro-batch)")
     e.add_argument("--micro-batches", type=integer, default=None,
-                   help="micro-batches per step on each rank (M; the pipeline's m): --micro-batch = batch / M")
+                   help="micro-batches per step on each rank (M; the pipeline's m): --micro-batch = batch / dp / M")
     e.add_argument("--tp", type=integer, default=1, help="tensor-parallel ranks (labkit's GPT; Megatron-LM split)")
     e.add_argument("--pp", type=integer, default=1, help="pipeline stages (consecutive blocks per stage)")
     e.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pipeline schedule (--pp > 1)")

@@ -18,14 +18,16 @@ definition, and cross-check the number of calls with `torch.distributed.tensor.d
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
+from datetime import timedelta
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["Call", "CommLog", "wire_bytes", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
-           "send", "isend", "recv", "barrier", "world", "rank"]
+           "send", "isend", "recv", "barrier", "world", "rank", "new_group"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
 
@@ -180,6 +182,13 @@ def recv(t: torch.Tensor, src: int, group=None, tag: str = "") -> torch.Tensor:
     _record("recv", _nbytes(t), group, tag)
     dist.recv(t, src=src, group=group)
     return t
+
+
+def new_group(ranks: list[int]):
+    """A process group of these global ranks, with the run's timeout (labkit.distributed.launch sets
+    LABKIT_PG_TIMEOUT_S; 60 s otherwise), not gloo's default of 30 minutes. Every rank must call it, for
+    every group, in the same order."""
+    return dist.new_group(sorted(ranks), timeout=timedelta(seconds=float(os.environ.get("LABKIT_PG_TIMEOUT_S", 60))))
 
 
 def barrier(group=None) -> None:

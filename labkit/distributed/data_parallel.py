@@ -26,10 +26,15 @@ __all__ = ["broadcast_parameters", "DataParallelNaive", "DataParallelBucket", "b
 
 
 @torch.no_grad()
-def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
-    """Every rank's parameters and buffers become rank `src`'s (in place)."""
+def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
+    """Every rank's parameters and buffers become rank `src`'s (in place); `src` is a rank of `group`
+    (default: the whole world)."""
+    if group is not None:
+        import torch.distributed as dist
+
+        src = dist.get_global_rank(group, src)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        comms.broadcast(t.data, src=src, tag=f"broadcast {name}")
+        comms.broadcast(t.data, src=src, group=group, tag=f"broadcast {name}")
 
 
 class DataParallelNaive(nn.Module):

@@ -100,7 +100,8 @@ def _child(rank: int, spec: _Spec, out: Any) -> None:
     """Body of one rank: set the environment, join the group, run fn, report, leave the group."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec.port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
-                       "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": str(spec.threads)})
+                       "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": str(spec.threads),
+                       "LABKIT_PG_TIMEOUT_S": str(spec.timeout_s)})  # for the subgroups (comms.new_group)
     os.environ.update(spec.env)
     try:
         import torch

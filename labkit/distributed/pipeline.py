@@ -160,9 +160,7 @@ def sync_tied_grads(stage: Stage, group=None) -> None:
 
 def tied_group(n_stages: int):
     """The process group of the first and last stage (every rank must call this, in the same order)."""
-    import torch.distributed as dist
-
-    return dist.new_group([0, n_stages - 1]) if n_stages > 1 else None
+    return comms.new_group([0, n_stages - 1]) if n_stages > 1 else None
 
 
 # ---- schedules: the order of forwards (F) and backwards (B) of micro-batches on one stage -----------------
@@ -215,7 +213,8 @@ class StepRun:
 
 
 def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor | None,
-             targets: torch.Tensor | None, m: int, ledger=None, clock=time.perf_counter) -> StepRun:
+             targets: torch.Tensor | None, m: int, ledger=None, clock=time.perf_counter,
+             ranks: list[int] | None = None) -> StepRun:
     """Run one stage's actions for one training step; gradients accumulate in the stage's parameters.
 
     inputs: token ids (B, T) on the first stage; targets: (B, T) on the last; both split into m micro-batches
@@ -223,8 +222,13 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
     those of the mean loss over the whole batch (torch.distributed.pipelining does the same: it divides
     by m). Activations go to the next stage with isend (the stage goes on at once); gradients come back
     with recv. `ledger` (labkit.memory.Ledger), if given, is told that a received input is an activation.
+    `ranks`: the global rank of each stage (default 0 .. p - 1; one pipeline of several, beside data
+    parallelism, has its own, see labkit.distributed.mesh).
     """
     s, p = stage.index, stage.n_stages
+    ranks = list(range(p)) if ranks is None else list(ranks)
+    if len(ranks) != p:
+        raise ValueError(f"pipeline: ranks must name one global rank per stage ({p}), got {ranks!r}")
     run = StepRun(s)
     xs = inputs.chunk(m) if inputs is not None else None
     ys = targets.chunk(m) if targets is not None else None
@@ -242,7 +246,7 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                 if stage.is_first:
                     x = xs[i]
                 else:
-                    x = comms.recv(torch.empty(shape, dtype=dtype), src=s - 1, tag=f"activation {i}")
+                    x = comms.recv(torch.empty(shape, dtype=dtype), src=ranks[s - 1], tag=f"activation {i}")
                     x.requires_grad_(True)
                     if ledger is not None:
                         ledger.track(x, Category.ACT)
@@ -255,7 +259,7 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                 t1 = clock()
                 # the send holds the output until it completes: it is waited on (done, since its gradient
                 # came back) at this micro-batch's backward
-                sent = None if stage.is_last else comms.isend(out.detach(), dst=s + 1, tag=f"activation {i}")
+                sent = None if stage.is_last else comms.isend(out.detach(), dst=ranks[s + 1], tag=f"activation {i}")
                 held[i] = (x, out, sent)
             else:
                 x, out, sent = held.pop(i)
@@ -263,7 +267,7 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                     t0 = clock()
                     out.backward()
                 else:
-                    grad = comms.recv(torch.empty_like(out), src=s + 1, tag=f"grad {i}")
+                    grad = comms.recv(torch.empty_like(out), src=ranks[s + 1], tag=f"grad {i}")
                     sent.wait()
                     t0 = clock()
                     torch.autograd.backward(out, grad)
@@ -275,7 +279,7 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                 if not stage.is_first:
                     if grad_send is not None:  # one gradient in flight at a time
                         grad_send.wait()
-                    grad_send = comms.isend(x.grad, dst=s - 1, tag=f"grad {i}")
+                    grad_send = comms.isend(x.grad, dst=ranks[s - 1], tag=f"grad {i}")
                 del x
             run.times.append((kind, i, t0, t1))
             run.in_flight.append(len(held))

@@ -76,7 +76,7 @@ class Unit:
 
 
 class Zero(nn.Module):
-    """A model trained with ZeRO stage 1, 2 or 3 over the default process group.
+    """A model trained with ZeRO stage 1, 2 or 3 over `group` (default: every rank).
 
         z = Zero(model, stage=3, lr=1e-3)
         loss = z(x, y); loss.backward(); z.step()        # step() also zeroes the gradients
@@ -94,7 +94,7 @@ class Zero(nn.Module):
         self.world, self.rank = comms.world(group), comms.rank(group)
         from .data_parallel import broadcast_parameters
 
-        broadcast_parameters(model)
+        broadcast_parameters(model, group=group)
         self.units = self._build_units(model)
         self._by_param = {p: u for u in self.units for p in u.params}
         shards = [u.shard for u in self.units]

@@ -144,17 +144,27 @@ def tp_layer_bytes(w, marks, t: int, sp: bool = False) -> int:
 
 # ---- the per-rank estimate -----------------------------------------------------------------------------------------
 def estimate_ranks(recipe) -> list[Estimate]:
-    """One Estimate per rank of a tp x pp layout (dp = 1), in the order (stage 0: tp ranks 0..t-1, stage 1, ...):
-    the single-device step's moments with each rank's share of the terms, and the activations of the other
-    micro-batches the schedule keeps in flight on that stage."""
+    """One Estimate per rank of a tp x pp layout, in the order (stage 0: tp ranks 0..t-1, stage 1, ...): the
+    single-device step's moments with each rank's share of the terms, and the activations of the other
+    micro-batches the schedule keeps in flight on that stage. With dp > 1 each of those ranks is one of dp
+    replicas (labkit.distributed.mesh): it takes batch / dp rows, and with zero=1 keeps 1/dp of its
+    optimizer state (ZeRO-1 over the ranks holding the same part, as Megatron-LM's distributed optimizer);
+    the dp replicas of a part hold the same bytes, so one Estimate stands for each part."""
     from labkit.estimate import predict
     from labkit.estimate.moments import custom, step_moments
     from labkit.estimate.spec import spec_from
 
     r = recipe
-    if r.dp > 1 or r.zero:
-        raise ValueError(f"a layout with both data parallelism (dp={r.dp}, zero={r.zero}) and model parallelism "
-                         f"(tp={r.tp}, pp={r.pp}) is not estimated yet: estimate each part on its own")
+    if r.zero >= 2 and r.pp > 1:
+        raise ValueError(f"ZeRO-{r.zero} with pipeline parallelism: a stage's gradients accumulate over its "
+                         f"micro-batches, so they cannot be sharded as each is made (DeepSpeed refuses it too); "
+                         f"use zero=1 with pp")
+    if r.zero >= 2:
+        raise ValueError(f"ZeRO-{r.zero} beside tensor parallelism is not estimated yet: use zero=0 or 1 with tp")
+    if r.zero_offload:
+        raise ValueError("zero_offload beside tensor or pipeline parallelism is not estimated yet")
+    if r.zero and r.optimizer != "adamw":
+        raise ValueError("ZeRO-1 beside tensor or pipeline parallelism runs labkit's Zero: AdamW only")
     if r.checkpoint != "none" or r.offload_activations or r.lora_rank or r.lisa_layers or r.step_in_backward \
             or r.optimizer_offload or r.optimizer.startswith("galore"):
         raise ValueError("per-rank estimates of a tp/pp layout take plain training (no checkpointing, offload, "
@@ -224,6 +234,18 @@ def estimate_ranks(recipe) -> list[Estimate]:
                  Term("activations of one micro-batch on this stage", Category.ACT, a_s,
                       f"{'before + ' if first else ''}{n_blocks} x layer + {'after' if last else 'output'}",
                       "Korthikanti et al. 2022 per layer")]
+        if r.dp > 1:
+            label += f" dp={r.dp}" + (f" zero={r.zero}" if r.zero else "")
+        if r.zero:
+            from . import zero_terms
+
+            lay = zero_terms.rank_layout(rs, d, r.zero, r.dp, r.optimizer)
+            moments = zero_terms.rank_moments(moments, lay, r.optimizer, n_blocks)
+            terms = [t_ for t_ in terms if t_.category is not Category.OPT] + [
+                Term("optimizer state shards", Category.OPT, lay.opt(), f"ZeRO-1 over dp={r.dp}",
+                     zero_terms.SOURCE)]
+            terms[0] = Term("parameters", Category.PARAM, lay.params(), f"the part's flat buffers, padded to dp",
+                            zero_terms.SOURCE)
         est = [Estimate(label + (f" tp rank {k}" if t > 1 else ""), rs.n_params, terms=terms, moments=moments)
                for k in range(t)]
         out += est
@@ -298,6 +320,13 @@ def layout_wire_bytes(recipe) -> dict[str, float]:
         out["pipeline: each stage boundary, each way (m activations forward, m gradients back)"] = m * act
         if spec.tied:
             out["pipeline: tied embedding gradient all-reduce (first and last stage)"] = spec.vocab * spec.hidden * d.weight
+    if r.dp > 1:  # each part's gradients over its dp replicas: an all-reduce, or ZeRO-1's reduce-scatter of the
+        # gradients and all-gather of the updated parameters (the same 2 (N - 1)/N bytes)
+        from labkit.distributed.comms import wire_bytes
+
+        n = max(rank_spec(spec, s, r.pp, r.tp).n_params for s in range(r.pp))
+        out[f"data parallel: the largest part's gradients over dp={r.dp} replicas"] = wire_bytes(
+            "all_reduce", n * d.weight, r.dp)
     if r.tp > 1:
         t = r.tp
         layers = split_layers(spec.n_layer, r.pp)[0]

@@ -145,9 +145,6 @@ def estimate_ranks(model, batch: int | None = None, seq: int | None = None, **op
 
 
 def _estimate(r: Recipe) -> Estimate:
-    if (r.tp > 1 or r.pp > 1) and (r.dp > 1 or r.zero):
-        raise ValueError(f"a layout with both data parallelism (dp={r.dp}, zero={r.zero}) and model parallelism "
-                         f"(tp={r.tp}, pp={r.pp}) is not estimated yet: estimate each part on its own")
     if r.tp > 1 or r.pp > 1:
         return max(estimate_ranks(r), key=lambda e: e.peak.total)  # the rank that needs the most
     if r.dp > 1 or r.zero:
