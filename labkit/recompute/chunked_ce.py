@@ -37,8 +37,34 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
 
 
+def scratch_bytes(rows: int, hidden: int, vocab: int, chunk: int, x_itemsize: int, w_itemsize: int,
+                  compute_itemsize: int) -> tuple[int, int]:
+    """The most bytes one call holds at once beyond its inputs, its saved tensors (the per-row logsumexp,
+    the count) and the incoming gradient: (forward, backward). x_itemsize: the hidden states' bytes per
+    element, w_itemsize the weight's, compute_itemsize the matmuls' (autocast's 16-bit, else the hidden
+    states'). With c = min(chunk, rows), m = compute_itemsize, r rows, h hidden, V vocabulary:
+    both passes: the 16-bit copies of the hidden states (r h m) and the weight (V h m) when their dtype
+    is not m;
+    forward: the `targets != ignore` mask (r bools), the running total (4), and at the logsumexp's sum the
+    chunk's fp32 logits, exp(z - max), the row maxima and their sums: 2 c V x 4 + 8 c (the 16-bit logits
+    and their fp32 copy, c V (m + 4), are less);
+    backward: d hidden (r h x_itemsize), the dW accumulator (V h x 4), g (4), and the most of: the chunk's
+    16-bit logits and their fp32 copy (c V (m + 4), m = 2 only), softmax with the rows' weights, the
+    targets' indices and the -weights scattered in (c V 4 + 16 c), the 16-bit dlogits with d hidden's chunk
+    (c V m + c h m) or with dW's chunk (c V m + V h m); or at the end, for a 16-bit weight, dW cast to its
+    dtype (V h w_itemsize)."""
+    c, r, h, V, m = min(chunk, rows), rows, hidden, vocab, compute_itemsize
+    copies = (r * h * m if x_itemsize != m else 0) + (V * h * m if w_itemsize != m else 0)
+    fwd = copies + r + 4 + 2 * c * V * 4 + 8 * c
+    chunk_worst = max(c * V * (m + 4) if m != 4 else 0, c * V * 4 + 16 * c, c * V * m + c * h * m,
+                      c * V * m + V * h * m)
+    bwd = copies + r * h * x_itemsize + V * h * 4 + 4 + max(chunk_worst, V * h * w_itemsize if w_itemsize != 4 else 0)
+    return fwd, bwd
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """mean over counted rows of -log softmax(hidden @ weight.T)[target], in chunks of rows."""
+    """mean over counted rows of -log softmax(hidden @ weight.T)[target], in chunks of rows. Each chunk's
+    temporaries are deleted before the next, so that the scratch is `scratch_bytes`."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int, ignore_index: int):
@@ -53,12 +79,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 c1 = min(c0 + chunk, rows)
                 z = (hc[c0:c1] @ wc.t()).float()  # (c, V): this chunk's logits only
                 mx = z.amax(dim=-1, keepdim=True)
-                lse_c = (z - mx).exp_().sum(dim=-1).log_() + mx.squeeze(-1)
+                lse_c = (z - mx).exp_().sum(dim=-1).log_().add_(mx.squeeze(-1))
                 lse[c0:c1] = lse_c
-                t = targets[c0:c1].clamp(min=0).unsqueeze(1)  # ignored rows read class 0, then count 0
-                picked = z.gather(1, t).squeeze(1)
-                total += ((lse_c - picked) * valid[c0:c1]).sum()
-                del z
+                picked = z.gather(1, targets[c0:c1].clamp(min=0).unsqueeze(1)).squeeze(1)  # ignored rows: class 0
+                total += ((lse_c - picked) * valid[c0:c1]).sum()  # ... counted 0 times
+                del z, mx, lse_c, picked
             count = valid.sum()
             loss = (total / count).to(hidden.dtype)  # 0 / 0 = nan when every target is ignored, as F.cross_entropy
         ctx.save_for_backward(hidden, weight, targets, lse, count)
@@ -74,16 +99,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             hc, wc = hidden.to(cdt), weight.to(cdt)
             dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
             dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-            g = (grad.float() / count).reshape(1, 1)
+            g = grad.float() / count
             for c0 in range(0, rows, chunk):
                 c1 = min(c0 + chunk, rows)
+                t = targets[c0:c1]
                 z = (hc[c0:c1] @ wc.t()).float()
                 p = z.sub_(lse[c0:c1].unsqueeze(1)).exp_()  # softmax, in place of the logits
-                t = targets[c0:c1]
-                keep = (t != ignore_index).unsqueeze(1)
-                p.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -torch.ones_like(lse[c0:c1]).unsqueeze(1))
-                p.mul_(keep * g)  # ignored rows get no gradient
-                pc = p.to(cdt)
+                weights = (t != ignore_index).float().mul_(g)  # ignored rows get no gradient
+                p.mul_(weights.unsqueeze(1))
+                p.scatter_add_(1, t.clamp(min=0).unsqueeze(1), weights.neg().unsqueeze(1))  # - 1 at the target
+                del weights
+                pc = p.to(cdt)  # dlogits
                 del z, p
                 if dh is not None:
                     dh[c0:c1] = pc @ wc

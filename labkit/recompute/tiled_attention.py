@@ -42,8 +42,25 @@ def _causal_fill(s: torch.Tensor, i0: int, j0: int) -> None:
     s.masked_fill_(cols > rows, float("-inf"))
 
 
+def scratch_bytes(B: int, heads: int, S: int, head_dim: int, block: int, itemsize: int) -> tuple[int, int]:
+    """The most bytes one call's tiles hold at once (beyond the output, the logsumexp and, in backward, the
+    gradients and their fp32 accumulators), (forward, backward), for q, k, v of `itemsize` bytes.
+
+    With T = B x heads, b = min(block, S) rows per tile, a tile t = T b b x 4 (fp32 scores), a slice
+    u = T b head_dim x 4 and a row vector r = T b x 4:
+    forward, at `acc += p @ v`: the scores (in place: p), the scaled q slice, acc and p @ v (t + 3u), v's
+    fp32 copy for a 16-bit v (u), and m, l, m_new, alpha (4r);
+    backward, at `dq += ds @ k`: the probabilities and ds (2t), ds @ k (u), fp32 copies of a 16-bit q, dO,
+    k and v slices (4u) and D = rowsum(dO * O) (r)."""
+    b = min(block, S)
+    t, u, r = B * heads * b * b * 4, B * heads * b * head_dim * 4, B * heads * b * 4
+    low = itemsize != 4
+    return t + 3 * u + (u if low else 0) + 4 * r, 2 * t + u + (4 * u if low else 0) + r
+
+
 class TiledAttention(torch.autograd.Function):
-    """Causal attention softmax(q k^T * scale) v in (block x block) tiles; saves q, k, v, out and the logsumexp."""
+    """Causal attention softmax(q k^T * scale) v in (block x block) tiles; saves q, k, v, out and the logsumexp.
+    Ops run in place where they can, so that one tile's scratch is `scratch_bytes`."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, scale: float):
@@ -60,16 +77,18 @@ class TiledAttention(torch.autograd.Function):
                 for j0, j1 in tiles:
                     if j0 >= i1:  # causal: keys after the last query of this block see nothing
                         break
-                    s = qi @ k[:, :, j0:j1].float().transpose(-2, -1)  # (B, H, bq, bk)
+                    s = qi @ k[:, :, j0:j1].float().transpose(-2, -1)  # (B, H, bq, bk) scores
                     _causal_fill(s, i0, j0)
                     m_new = torch.maximum(m, s.amax(dim=-1))
-                    p = torch.exp(s - m_new.unsqueeze(-1))  # key 0 is in the first tile: m_new is finite
-                    alpha = torch.exp(m - m_new)  # rescales what was summed under the old maximum
-                    l = l * alpha + p.sum(dim=-1)
-                    acc = acc * alpha.unsqueeze(-1) + p @ v[:, :, j0:j1].float()
+                    p = s.sub_(m_new.unsqueeze(-1)).exp_()  # key 0 is in the first tile: m_new is finite
+                    alpha = (m - m_new).exp_()  # rescales what was summed under the old maximum
+                    l.mul_(alpha).add_(p.sum(dim=-1))
+                    acc.mul_(alpha.unsqueeze(-1)).add_(p @ v[:, :, j0:j1].float())
                     m = m_new
-                out[:, :, i0:i1] = acc / l.unsqueeze(-1)
-                lse[:, :, i0:i1] = m + torch.log(l)
+                    del s, p, alpha, m_new
+                out[:, :, i0:i1] = acc.div_(l.unsqueeze(-1))
+                lse[:, :, i0:i1] = l.log_().add_(m)
+                del qi, m, l, acc
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.block, ctx.scale = block, scale
         return out
@@ -95,13 +114,15 @@ class TiledAttention(torch.autograd.Function):
                     if j0 >= i1:
                         break
                     kj, vj = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
-                    s = (qi @ kj.transpose(-2, -1)) * scale
+                    s = (qi @ kj.transpose(-2, -1)).mul_(scale)
                     _causal_fill(s, i0, j0)
-                    p = torch.exp(s - li)  # the probabilities, rebuilt from the saved logsumexp
+                    p = s.sub_(li).exp_()  # the probabilities, rebuilt from the saved logsumexp
                     dv[:, :, j0:j1] += p.transpose(-2, -1) @ doi
-                    ds = p * (doi @ vj.transpose(-2, -1) - delta)  # softmax's backward: P (dP - D)
-                    dq[:, :, i0:i1] += (ds @ kj) * scale
-                    dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qi) * scale
+                    ds = (doi @ vj.transpose(-2, -1)).sub_(delta).mul_(p)  # softmax's backward: P (dP - D)
+                    dq[:, :, i0:i1] += (ds @ kj).mul_(scale)
+                    dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qi).mul_(scale)
+                    del kj, vj, s, p, ds
+                del qi, doi, delta, li
             grads = tuple(g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
         return (*grads, None, None)
 

@@ -109,3 +109,26 @@ def test_gpt_ledger_loses_the_log_softmax():
     assert (l0 - l1).abs() <= K * l0
     for n in g0:
         assert (g0[n] - g1[n]).abs().max() <= K * g0[n].abs().max(), n
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+@pytest.mark.parametrize("rows,h,vocab,chunk", [(50, 16, 97, 16), (40, 8, 1000, 7)])
+def test_scratch_bytes_is_what_the_ledger_sees(dtype, autocast, rows, h, vocab, chunk):
+    """The estimator's formula (chunked_ce.scratch_bytes) against one call under the ledger: the forward's peak
+    less the saved logsumexp; the backward's less the saved logsumexp and count (int64), the loss and its
+    incoming gradient (the loss's dtype)."""
+    from labkit.recompute.chunked_ce import scratch_bytes
+
+    torch.manual_seed(0)
+    hid = torch.randn(rows, h, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, h, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, vocab, (rows,))
+    with Ledger() as led:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = chunked_cross_entropy(hid, w, t, chunk)
+        loss.backward()
+    m = led.measurement()
+    lb = loss.element_size()
+    fwd, bwd = scratch_bytes(rows, h, vocab, chunk, hid.element_size(), w.element_size(), 2 if autocast else lb)
+    assert m.phases["forward"].total - rows * 4 == fwd
+    assert m.phases["backward"].total - rows * 4 - 8 - 2 * lb == bwd

@@ -113,3 +113,20 @@ def test_gpt_tiled_matches_sdpa_gpt():
     assert (la - lb).abs().item() <= K * EPS32 * la.item()
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert (p.grad - q.grad).abs().max() <= K * EPS32 * p.grad.abs().max(), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,S,D,block", [(2, 3, 64, 8, 16), (1, 2, 50, 16, 16), (2, 2, 40, 8, 64)])
+def test_scratch_bytes_is_what_the_ledger_sees(dtype, B, H, S, D, block):
+    """The estimator's formula (tiled_attention.scratch_bytes) against one call under the ledger: the forward's
+    peak less the output and the logsumexp; the backward's less those and the three fp32 accumulators."""
+    from labkit.recompute.tiled_attention import scratch_bytes
+
+    q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
+    g = torch.randn(B, H, S, D, dtype=dtype)
+    with Ledger() as led:
+        tiled_attention(q, k, v, block).backward(g)
+    m = led.measurement()
+    n, kept = B * H * S * D, B * H * S * D * q.element_size() + B * H * S * 4
+    assert (m.phases["forward"].total - kept, m.phases["backward"].total - kept - 3 * n * 4) == \
+        scratch_bytes(B, H, S, D, block, q.element_size())
