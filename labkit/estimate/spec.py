@@ -86,7 +86,7 @@ def _gpt_spec(name: str, gcfg, model=None) -> ModelSpec:
     cfg = dict(n_layer=gcfg.n_layer, hidden=gcfg.n_embd, n_head=gcfg.n_head, n_kv_head=gcfg.n_head,
                ffn=4 * gcfg.n_embd, vocab=gcfg.vocab_size, max_positions=gcfg.block_size, tied=True,
                dropout=gcfg.dropout, attn_dropout=gcfg.dropout, attention=gcfg.attention,
-               attn_block=gcfg.attn_block, loss_chunk=gcfg.loss_chunk)
+               attn_block=gcfg.attn_block, loss_chunk=gcfg.loss_chunk or None)
     return _from_module(name, "labkit-gpt", cfg, model)
 
 

@@ -21,7 +21,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linear layers and LayerNorms
     attention: str = "sdpa"  # "sdpa" (fused, no s*s matrix kept), "manual" (keeps s*s scores) or "tiled"
     attn_block: int = 64  # "tiled": queries and keys per tile (labkit.recompute.tiled_attention)
-    loss_chunk: int | None = None  # rows per chunk of the loss (labkit.recompute.chunked_ce); None: F.cross_entropy
+    loss_chunk: int = 0  # rows per chunk of the loss (labkit.recompute.chunked_ce); 0: F.cross_entropy on all logits
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -35,10 +35,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.attention must be 'sdpa', 'manual' or 'tiled', got {self.attention!r}")
         if self.attention == "tiled" and self.dropout:
             raise ValueError("GPTConfig.attention='tiled' has no attention dropout: give dropout=0.0")
-        for name in ("attn_block", "loss_chunk"):
+        for name, least in (("attn_block", 1), ("loss_chunk", 0)):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= {least}, got {v!r}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -142,7 +142,7 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        if targets is not None and self.config.loss_chunk is not None:  # no (B*T, V) logits are made
+        if targets is not None and self.config.loss_chunk:  # no (B*T, V) logits are made
             from labkit.recompute.chunked_ce import chunked_cross_entropy
 
             h = self.ln_f(x)

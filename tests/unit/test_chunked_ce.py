@@ -79,8 +79,8 @@ def test_bad_input():
         chunked_cross_entropy(h, w[:, :3], t)
     with pytest.raises(ValueError, match="targets must be int64"):
         chunked_cross_entropy(h, w, t.int())
-    with pytest.raises(ValueError, match="loss_chunk must be a positive integer"):
-        GPTConfig(loss_chunk=0)
+    with pytest.raises(ValueError, match="loss_chunk must be an integer >= 0"):
+        GPTConfig(loss_chunk=-1)
 
 
 def _gpt_step(chunk, B=4, S=64, V=2048):
@@ -101,7 +101,7 @@ def test_gpt_ledger_loses_the_log_softmax():
     7,211,400 B to 2,002,388 B: the logits, their gradient and softmax's are (B S, V) tensors too.
     Loss and gradients equal those of the unchunked model within (h + V + B S) fp32 ulps."""
     B, S, V = 4, 64, 2048
-    l0, g0, m0 = _gpt_step(None)
+    l0, g0, m0 = _gpt_step(0)
     l1, g1, m1 = _gpt_step(64)
     assert m0.saved - m1.saved == B * S * V * 4 - B * S * 4 - 8 + 4
     assert m1.peak.total < m0.peak.total - 2 * B * S * V * 4  # at least two fewer (B S, V) fp32 tensors
@@ -132,3 +132,12 @@ def test_scratch_bytes_is_what_the_ledger_sees(dtype, autocast, rows, h, vocab, 
     fwd, bwd = scratch_bytes(rows, h, vocab, chunk, hid.element_size(), w.element_size(), 2 if autocast else lb)
     assert m.phases["forward"].total - rows * 4 == fwd
     assert m.phases["backward"].total - rows * 4 - 8 - 2 * lb == bwd
+
+
+def test_the_cli_reads_the_options():
+    from labkit.cli import parse_gpt_spec
+
+    cfg = parse_gpt_spec("gpt:attention=tiled,attn_block=32,loss_chunk=64")
+    assert (cfg.attention, cfg.attn_block, cfg.loss_chunk) == ("tiled", 32, 64)
+    with pytest.raises(ValueError, match="attn_block must be an integer >= 1"):
+        GPTConfig(attention="tiled", attn_block=0)

@@ -52,7 +52,7 @@ def test_the_big_terms_vanish():
     sdpa = estimate(GPTConfig(**{**TILED.__dict__, "attention": "sdpa"}), B, S)
     assert _term(tiled, "activations saved by the blocks") == _term(sdpa, "activations saved by the blocks")
     B, S, V = 4, 64, 4096
-    plain = estimate(GPTConfig(**{**CHUNKED.__dict__, "loss_chunk": None}), B, S)
+    plain = estimate(GPTConfig(**{**CHUNKED.__dict__, "loss_chunk": 0}), B, S)
     chunked = estimate(CHUNKED, B, S)
     assert _term(plain, "log-softmax of the logits") == B * S * V * 4
     assert _term(chunked, "log-softmax of the logits") == 0
@@ -63,3 +63,29 @@ def test_the_big_terms_vanish():
 def test_step_in_backward_with_the_chunked_loss_is_refused():
     with pytest.raises(ValueError, match="loss_chunk"):
         estimate(CHUNKED, 4, 64, step_in_backward=True)
+
+
+def test_lesson03_exercise4_where_the_s2_term_takes_over():
+    """The check accepts the exact crossing (the solution's), explains the answer that forgets the causal mask,
+    and refuses S itself."""
+    import importlib.util
+    import pathlib
+
+    from labkit.exercises import lesson03
+
+    path = pathlib.Path(__file__).parents[2] / "notebooks" / "solutions" / "lesson03.py"
+    spec = importlib.util.spec_from_file_location("sol03", path)
+    sol = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol)
+    cfg, B, S = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=256), 4, 64
+    exact = sol.scores_crossover(cfg, B, S)
+    assert exact == pytest.approx(lesson03.scores_crossover(cfg, B, S), rel=1e-12)
+    # P = L B a S^2 x 4 and R = lin S + L S^2 (the bool mask): equal at lin / (L B a 4 - L)
+    manual = {t.name: t.bytes for t in estimate(GPTConfig(**{**cfg.__dict__, "attention": "manual"}), B, S).terms}
+    lin = (manual["activations saved by the blocks"] - 2 * S * S) / S
+    assert exact == pytest.approx(lin / (2 * B * 2 * 4 - 2), rel=1e-12)
+    assert lesson03.check_scores_crossover(exact, cfg, B, S) is True
+    naive = S * manual["activations saved by the blocks"] / manual["attention scores (s^2)"]
+    assert lesson03.check_scores_crossover(naive, cfg, B, S) is False
+    assert lesson03.check_scores_crossover(S, cfg, B, S) is False
+    assert lesson03.check_scores_crossover(None, cfg, B, S) is False
