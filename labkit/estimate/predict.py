@@ -165,6 +165,9 @@ def _estimate(r: Recipe) -> Estimate:
     if optimizer.startswith("galore") and spec.galore_shapes and rank > min(min(s) for s in spec.galore_shapes):
         raise ValueError(f"rank {rank} exceeds the smaller side of a GaLore matrix "
                          f"({min(min(s) for s in spec.galore_shapes)})")
+    if spec.attention == "tiled" and checkpoint == "selective":
+        raise ValueError("selective checkpointing caches the matmul outputs inside tiled attention too (every tile's "
+                         "scores: the s^2 term back), which the estimator does not model: use checkpoint='full' or 'sqrt'")
     if spec.loss_chunk is not None and step_in_backward:
         raise ValueError("step_in_backward with the chunked loss (GPTConfig.loss_chunk) is not modelled yet: "
                          "drop one of them")
@@ -185,6 +188,8 @@ def _estimate(r: Recipe) -> Estimate:
     extras += [f"proj_dtype={r.proj_dtype}"] * (r.proj_dtype is not None)
     extras += [f"optimizer_offload={optimizer_offload}"] * bool(optimizer_offload)
     extras += ["step_in_backward"] * step_in_backward
+    extras += [f"attention=tiled({spec.attn_block})"] * (spec.attention == "tiled")
+    extras += [f"loss_chunk={spec.loss_chunk}"] * (spec.loss_chunk is not None)
     if peft is not None:
         extras.append(f"LISA layers={peft.lisa_layers}" if peft.lisa_layers else
                       f"{peft.method} r={peft.rank} targets={len(peft.targets)}")

@@ -112,7 +112,7 @@ def test_gpt_ledger_loses_the_log_softmax():
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
-@pytest.mark.parametrize("rows,h,vocab,chunk", [(50, 16, 97, 16), (40, 8, 1000, 7)])
+@pytest.mark.parametrize("rows,h,vocab,chunk", [(40, 8, 1000, 7)])
 def test_scratch_bytes_is_what_the_ledger_sees(dtype, autocast, rows, h, vocab, chunk):
     """The estimator's formula (chunked_ce.scratch_bytes) against one call under the ledger: the forward's peak
     less the saved logsumexp; the backward's less the saved logsumexp and count (int64), the loss and its
