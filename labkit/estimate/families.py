@@ -349,6 +349,50 @@ def _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, rg) -> T:
     return y
 
 
+def attention_tiled(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, n: int, block: int) -> T:
+    """labkit.recompute.tiled_attention (FlashAttention's algorithm in PyTorch): saves q, k, v (views of
+    c_attn's output), its output (in q's dtype, laid out so the model's transpose and contiguous() are
+    views) and one fp32 logsumexp per row: nothing (S, S).
+    Tape: the output and the logsumexp, then one tile's scratch (tiled_attention.scratch_bytes) made and
+    freed; backward: fp32 accumulators for dq, dk, dv (for fp32 q, k, v they are the gradients; for 16-bit
+    ones cast at the end, the accumulators freed when the node returns) beside one tile's scratch."""
+    from labkit.recompute.tiled_attention import scratch_bytes
+
+    rg = q.rg or k.rg or v.rg
+    fwd, bwd = scratch_bytes(B, heads, S, n // (B * heads * S), block, q.itemsize)
+    out = w.new(n, q.itemsize, "attention out", rg)
+    lse = w.new(B * heads * S, 4, "logsumexp")
+    if rg:
+        w.save(q, k, v, out, lse)
+    w.made(out), w.made(lse)
+    scratch = w.made(T(fwd, 1, "tiled attention: one tile's scratch"))
+    w.drop(scratch)
+    if rg:
+        grads = [("grad", t) for t in (q, k, v) if t.rg]
+        tiles = [("tmp", "one tile's scratch", bwd), ("free", "one tile's scratch")]
+        if q.itemsize == 4:
+            steps = grads + tiles
+        else:
+            steps = [("tmp", "fp32 dq, dk, dv accumulators", 3 * n * 4), *tiles, *grads,
+                     ("free", "fp32 dq, dk, dv accumulators")]
+        w.node("tiled attention", [out], [q, k, v, out, lse], steps)
+    w.drop(lse)
+    return out
+
+
+def chunked_loss(w: Walk, final: T, spec, r: int) -> tuple[int, int]:
+    """labkit.recompute.chunked_ce on the final norm's output: saves it (the hidden states), one fp32
+    logsumexp per row and the count of counted rows (int64); the head's weight is a parameter. Returns its
+    (forward, backward) scratch (chunked_ce.scratch_bytes): the chunks' logits, never all (r, V) of them."""
+    from labkit.recompute.chunked_ce import scratch_bytes
+
+    m = w.low_bytes if w.autocast else final.itemsize
+    if w.trains("lm_head"):
+        w.trained += spec.vocab * spec.hidden
+    w.save(final, w.new(r, 4, "logsumexp (chunked loss)"), w.new(1, 8, "counted rows (chunked loss)"))
+    return scratch_bytes(r, spec.hidden, spec.vocab, spec.loss_chunk, final.itemsize, w.x_bytes, m)
+
+
 def _embeddings(w: Walk, spec, S: int, n: int, tokens: str, positions: str) -> T:
     """Token + learned position embeddings, then dropout; the position ids are saved for the
     position table's gradient only when it trains."""
@@ -387,6 +431,9 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
         qkv = w.linear(a, r, 3 * h, f"qkv.{i}", m + "attn.c_attn")
         if spec.attention == "manual":
             y = attention_manual(w, qkv, B, spec.n_head, S, n, spec.attn_dropout)
+        elif spec.attention == "tiled":
+            q, k, v = _views(w, qkv, 3, n, "q,k,v")
+            y = attention_tiled(w, q, k, v, B, spec.n_head, S, n, spec.attn_block)
         else:
             q, k, v = _views(w, qkv, 3, n, "q,k,v")
             y = _attention(w, spec, q, k, v, B, S, n, spec.n_head, False)
@@ -415,6 +462,9 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
     w.tape.end(x)
     final = w.layer_norm(x, r, "ln_f", "ln_f")
     w.tape.head(final)
+    if spec.loss_chunk is not None:  # the head and the loss in one chunked Function: no (r, V) logits
+        w.loss_scratch = chunked_loss(w, final, spec, r)
+        return
     logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.cross_entropy(logits, r, spec.vocab, upcast=False)
 

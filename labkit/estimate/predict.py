@@ -162,6 +162,12 @@ def _estimate(r: Recipe) -> Estimate:
     if optimizer.startswith("galore") and spec.galore_shapes and rank > min(min(s) for s in spec.galore_shapes):
         raise ValueError(f"rank {rank} exceeds the smaller side of a GaLore matrix "
                          f"({min(min(s) for s in spec.galore_shapes)})")
+    if spec.attention == "tiled" and checkpoint == "selective":
+        raise ValueError("selective checkpointing caches the matmul outputs inside tiled attention too (every tile's "
+                         "scores: the s^2 term back), which the estimator does not model: use checkpoint='full' or 'sqrt'")
+    if spec.loss_chunk is not None and step_in_backward:
+        raise ValueError("step_in_backward with the chunked loss (GPTConfig.loss_chunk) is not modelled yet: "
+                         "drop one of them")
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
     foreach = (device == "cuda") if r.foreach is None else r.foreach
@@ -179,6 +185,8 @@ def _estimate(r: Recipe) -> Estimate:
     extras += [f"proj_dtype={r.proj_dtype}"] * (r.proj_dtype is not None)
     extras += [f"optimizer_offload={optimizer_offload}"] * bool(optimizer_offload)
     extras += ["step_in_backward"] * step_in_backward
+    extras += [f"attention=tiled({spec.attn_block})"] * (spec.attention == "tiled")
+    extras += [f"loss_chunk={spec.loss_chunk}"] * (spec.loss_chunk is not None)
     if peft is not None:
         extras.append(f"LISA layers={peft.lisa_layers}" if peft.lisa_layers else
                       f"{peft.method} r={peft.rank} targets={len(peft.targets)}")
@@ -223,8 +231,9 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
     Each block's ops and the final norm's are replayed (labkit.estimate.tape) for the moments inside them."""
     w, marks = walk_activations(spec, prec, micro, S, device, peft)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
-    lsm = next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
-    upcast = r * V * 4 if lsm // (r * V) != mm else 0  # the fp32 copy the loss makes
+    chunked = w.loss_scratch is not None  # labkit GPT's chunked loss: no (r, V) tensor outlives a chunk
+    lsm = 0 if chunked else next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
+    upcast = r * V * 4 if not chunked and lsm // (r * V) != mm else 0  # the fp32 copy the loss makes
     L = max(spec.n_layer, 1)
     layer = (marks[-1][0] - marks[0][0]) // L
     ts = spec if peft is None else peft_terms.trainable_spec(spec, peft)  # what trains
@@ -232,10 +241,16 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
     head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
     units = optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank, proj_dtype)
     block_largest = units["block_step"][0] // gb  # the block's largest matrix: the one a block's moment steps
+    head_copy = 2 * V * h if prec.autocast and not chunked else 0  # the chunked loss casts the head itself
+    fields = {}
+    if chunked:  # chunked_ce.scratch_bytes: the loss's forward temporaries, and the head's backward ones (less
+        # the weight's gradient, head_grad: the fp32 accumulator itself, or its cast for a 16-bit weight)
+        fields = dict(logits=w.loss_scratch[0], head_temp=w.loss_scratch[1] - V * h * gb)
     return StepBytes(
         P=param_bytes(spec, prec) if peft is None else _peft_param_bytes(spec, peft, prec.weight),
         # with frozen weights the walk counts autocast's copies (Walk._count_copies)
-        C=autocast_copy_bytes(spec, prec) if peft is None else w.copy_bytes, G=grad_bytes(ts, prec),
+        C=(autocast_copy_bytes(spec, prec) - (2 * V * h if prec.autocast and chunked else 0)) if peft is None
+        else w.copy_bytes, G=grad_bytes(ts, prec),
         O=optimizer_state_bytes(ts, prec, optimizer, rank, proj_dtype),
         opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank, False, proj_dtype),
         opt_cast=optim_terms.cast_bytes(ts, prec.weight, optimizer, foreach, rank),
@@ -246,8 +261,9 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
                     (0 if spec.family == "labkit-gpt" else 1) * r * spec.ffn * mm),
         head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer,
-        after=w.saved_bytes - marks[-1][0], lsm=lsm, logits=r * V * mm + upcast,
-        head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0),
+        after=w.saved_bytes - marks[-1][0], lsm=lsm,
+        **(fields or dict(logits=r * V * mm + upcast,
+                          head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0))),
         head_grad=head_grad, head_new=V * h * gb if head_trains else 0, stream=r * h * gb,
         # MLP backward: the gradients into and out of the activation are alive while its output is
         # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors. Under LoRA
@@ -259,7 +275,7 @@ def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, p
         layer_grad=ts.layer_params * gb,
         layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
         else max(w.copy_bytes - 2 * V * h, 0) // L,
-        head_copy=2 * V * h if prec.autocast else 0,
+        head_copy=head_copy,
         emb_temp=2 * V * h * gb if spec.tied and emb_trains else 0,  # tied: the dense embedding gradient and the sum
         # with gradients already there (micro-batch 2 on), each embedding table's dense gradient is a temporary
         # until AccumulateGrad adds it in place: the token table (tied or not) and the learned positions
@@ -375,10 +391,15 @@ def _terms(spec, prec, optimizer, B, S, w, b: StepBytes, peft=None) -> list[Term
         *_model_state_terms(spec, prec, optimizer, b, peft),
         Term("activations saved by the blocks", Category.ACT, blocks, "forward walk per layer ~ sbh(34 + ...)", "Korthikanti et al. 2022"),
         Term("attention scores (s^2)", Category.ACT, scores, "L x B x a x S^2 x bytes (x2-3 with dropout)", "Korthikanti et al. 2022: 5as/h"),
-        Term("log-softmax of the logits", Category.ACT, b.lsm, "B x S x V x bytes (4 if the loss runs in fp32)",
+        Term("log-softmax of the logits", Category.ACT, b.lsm, "B x S x V x bytes (4 if the loss runs in fp32)"
+             + (" = 0: the chunked loss saves a logsumexp per row" if spec.loss_chunk is not None else ""),
              "log_softmax saves its output for nll_loss's backward (derivatives.yaml)"),
         Term("token ids and targets", Category.ACT, b.inputs, "2 x B x S x 8", "int64 inputs"),
         Term("logits (+ fp32 copy) during the loss", Category.TEMP, b.logits, "B x S x V x bytes",
-             "lm_head's output; transformers upcasts it with .float() before the loss"),
+             "lm_head's output; transformers upcasts it with .float() before the loss")
+        if spec.loss_chunk is None else
+        Term("chunked loss: one chunk's logits during the loss", Category.TEMP, b.logits,
+             "2 c V x 4 + 8c (+ 16-bit copies of the hidden states and the head under autocast)",
+             "labkit.recompute.chunked_ce.scratch_bytes"),
     ]
 

@@ -33,6 +33,8 @@ class ModelSpec:
     param_names: list[str] = field(default_factory=list)  # name of each parameter tensor (a tied one once)
     linears: list[tuple] = field(default_factory=list)  # (module name, d_in, d_out, bias elements): LoRA targets
     head_dim: int = 0  # per-head width (Llama configs may set it apart from hidden / heads); 0: hidden // n_head
+    attn_block: int = 0  # labkit GPT's attention="tiled": queries and keys per tile
+    loss_chunk: int | None = None  # labkit GPT's chunked cross-entropy: rows per chunk (None: F.cross_entropy)
 
     @property
     def attn_width(self) -> int:
@@ -83,7 +85,8 @@ def _gpt_spec(name: str, gcfg, model=None) -> ModelSpec:
             model = GPT(gcfg)
     cfg = dict(n_layer=gcfg.n_layer, hidden=gcfg.n_embd, n_head=gcfg.n_head, n_kv_head=gcfg.n_head,
                ffn=4 * gcfg.n_embd, vocab=gcfg.vocab_size, max_positions=gcfg.block_size, tied=True,
-               dropout=gcfg.dropout, attn_dropout=gcfg.dropout, attention=gcfg.attention)
+               dropout=gcfg.dropout, attn_dropout=gcfg.dropout, attention=gcfg.attention,
+               attn_block=gcfg.attn_block, loss_chunk=gcfg.loss_chunk or None)
     return _from_module(name, "labkit-gpt", cfg, model)
 
 

@@ -78,6 +78,7 @@ class Walk:
     saved_total: int = 0  # bytes of `saved`, summed as tensors are saved (read once per layer by `mark`)
     tape: Tape = field(default_factory=Tape)  # allocations, lifetimes and backward nodes, for the replays
     block_end: list = field(default_factory=list)  # tensors a block's locals hold until it returns
+    loss_scratch: tuple | None = None  # a chunked loss (labkit.recompute.chunked_ce): its (forward, backward) scratch
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:

@@ -71,16 +71,30 @@ def check_best_segments(answer, config, batch: int, seq: int, dtype: str = "fp32
         return failed(f"{name}: k must be between 1 and the number of blocks ({n}).")
     best = min(peaks.values())
     winners = [j for j, p in peaks.items() if p == best]
+    ratio = block_to_input(config, batch, seq, dtype, device)
+    optimum = (n * ratio) ** 0.5
+    why = (f"k segments keep k inputs (a each) and recompute one segment of n/k blocks (A each): k a + (n/k) A is "
+           f"smallest near k = sqrt(n A / a); here A = {ratio:.1f} a, so sqrt({n} x {ratio:.1f}) = {optimum:.1f}")
     if k in winners:
-        return passed(f"{name}: k = {k}, peak {fmt_bytes(best)} (k = 1: {fmt_bytes(peaks[1])}). A block's activations cost "
-                      "many times its input, so keeping more segment inputs is cheap next to recomputing a long segment.")
+        tail = (f" >= n: for a model this shallow memory keeps falling up to k = n." if optimum >= n else
+                f" < n = {n}: past it, more segment inputs cost more than the shorter recompute saves.")
+        return passed(f"{name}: k = {k}, peak {fmt_bytes(best)} (k = 1: {fmt_bytes(peaks[1])}). {why}{tail}")
     root = max(1, round(n**0.5))
     if k == root:
         return failed(f"{name}: sqrt(n) = {root} minimises k + n/k, which assumes a block's activations cost as much as its "
-                      f"input. Here a block costs far more: compare the estimates for every k (k = {root}: "
+                      f"input (A = a). Here {why}. Compare the estimates for every k (k = {root}: "
                       f"{fmt_bytes(peaks[k])}, the best: {fmt_bytes(best)}).")
     return failed(f"{name}: k = {k} predicts {fmt_bytes(peaks[k])}, but another k predicts {fmt_bytes(best)}: "
                   "compute the estimate for every k from 1 to n.")
+
+
+def block_to_input(config, batch: int, seq: int, dtype: str = "fp32", device: str = "cpu") -> float:
+    """A / a: what one block saves (the estimator's per-block activations) over what a checkpoint keeps of it (its
+    input)."""
+    spec = spec_from(config)
+    blocks = next(t.bytes for t in estimate(spec, batch, seq, dtype, device=device).terms
+                  if t.name == "activations saved by the blocks")
+    return blocks / spec.n_layer / kept_per_block(spec, batch, seq, dtype)
 
 
 # ---- exercise 3: the FLOPs recomputation adds ----------------------------------------------------
@@ -123,3 +137,55 @@ def check_recompute_factor(answer, config, batch: int, seq: int, device="cpu") -
         return failed(f"{name}: recomputation is not free: every checkpointed block runs its forward a second time.")
     return failed(f"{name}: count in forwards: the step is forward (1) + backward (2); full checkpointing adds "
                   f"one forward of the blocks. The measurement says x{measured:.3f}.")
+
+
+# ---- exercise 4: where the s^2 term takes over -------------------------------------------------------
+def scores_crossover(config, batch: int, seq: int, dtype: str = "fp32", device: str = "cpu") -> float:
+    """The sequence length at which the manual path's attention probabilities (B a S^2 x bytes per layer) equal
+    the rest of what the blocks save (a term in S, plus the S^2 bool causal mask): from the estimator at S and
+    2S (the model's positions extended to 2S), solved for rest(S*) = scores(S*)."""
+    from dataclasses import replace
+
+    cfg = replace(config, attention="manual", dropout=0.0, block_size=max(config.block_size, 2 * seq))
+
+    def terms(s):
+        t = {x.name: x.bytes for x in estimate(cfg, batch, s, dtype, device=device).terms}
+        return t["activations saved by the blocks"], t["attention scores (s^2)"]
+
+    (r1, p1), (r2, _) = terms(seq), terms(2 * seq)
+    quad = (r2 - 2 * r1) / (2 * seq * seq)  # rest = lin S + quad S^2 (the bool mask)
+    lin = (r1 - quad * seq * seq) / seq
+    return lin / (p1 / seq**2 - quad)
+
+
+def replace_attention(config, attention: str = "manual"):
+    from dataclasses import replace
+
+    return replace(config, attention=attention, dropout=0.0)
+
+
+def check_scores_crossover(answer, config, batch: int, seq: int, dtype: str = "fp32", device: str = "cpu") -> bool:
+    name = "sequence length where the attention probabilities equal the rest of the blocks' activations"
+    value = number(answer, name)
+    if value is None:
+        return False
+    expected = scores_crossover(config, batch, seq, dtype, device)
+    if close(value, expected, rel=0.005):
+        return passed(f"{name}: about {expected:,.0f} tokens. Below it the blocks' other activations (linear in S) "
+                      "dominate; above it the manual path's B a S^2 probabilities do, and they grow 4x per doubling: "
+                      "that is the term tiled attention (and any fused kernel) removes.")
+    if value > 0 and close(value ** 0.5, expected, rel=0.03):
+        return failed(f"{name}: that is about the square of the answer: the probabilities grow with S^2 and the rest "
+                      "with S, so their ratio grows with S itself, not with S^2.")
+    spec = spec_from(replace_attention(config))
+    terms = {x.name: x.bytes for x in estimate(spec, batch, seq, dtype, device=device).terms}
+    naive = seq * terms["activations saved by the blocks"] / terms["attention scores (s^2)"]
+    if close(value, naive, rel=0.005):
+        return failed(f"{name}: almost: S x R / P treats all of R as linear in S, but R also holds the causal mask, "
+                      f"S^2 bools per layer ({spec.n_layer} x {seq}^2 bytes here), which grows like the probabilities.")
+    if close(value, seq, rel=0.01):
+        return failed(f"{name}: that is the S you estimated at. Find where the two terms would be equal: the rest grows "
+                      "like S, the probabilities like S^2.")
+    return failed(f"{name}: at your S, take the estimate's 'attention scores (s^2)' P and 'activations saved by the "
+                  "blocks' R (manual attention). P grows like S^2; R like S, but for its S^2-byte causal mask per layer: "
+                  "solve (R - L S^2) S*/S + L S*^2 = P S*^2 / S^2.")

@@ -19,7 +19,9 @@ class GPTConfig:
     n_embd: int = 128  # hidden size h
     dropout: float = 0.0  # dropout probability (0 saves no masks)
     bias: bool = True  # biases in Linear layers and LayerNorms
-    attention: str = "sdpa"  # "sdpa" (fused, no s*s matrix kept) or "manual" (keeps s*s scores)
+    attention: str = "sdpa"  # "sdpa" (fused, no s*s matrix kept), "manual" (keeps s*s scores) or "tiled"
+    attn_block: int = 64  # "tiled": queries and keys per tile (labkit.recompute.tiled_attention)
+    loss_chunk: int = 0  # rows per chunk of the loss (labkit.recompute.chunked_ce); 0: F.cross_entropy on all logits
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -29,8 +31,14 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.attention not in ("sdpa", "manual"):
-            raise ValueError(f"GPTConfig.attention must be 'sdpa' or 'manual', got {self.attention!r}")
+        if self.attention not in ("sdpa", "manual", "tiled"):
+            raise ValueError(f"GPTConfig.attention must be 'sdpa', 'manual' or 'tiled', got {self.attention!r}")
+        if self.attention == "tiled" and self.dropout:
+            raise ValueError("GPTConfig.attention='tiled' has no attention dropout: give dropout=0.0")
+        for name, least in (("attn_block", 1), ("loss_chunk", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= {least}, got {v!r}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -38,7 +46,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.n_head, self.dropout, self.attention = cfg.n_head, cfg.dropout, cfg.attention
+        self.n_head, self.dropout, self.attention, self.attn_block = cfg.n_head, cfg.dropout, cfg.attention, cfg.attn_block
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.attn_drop = nn.Dropout(cfg.dropout)
 
@@ -52,6 +60,10 @@ class CausalSelfAttention(nn.Module):
         if self.attention == "sdpa":
             p = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        elif self.attention == "tiled":  # FlashAttention's algorithm from scratch: tiles, nothing s*s kept
+            from labkit.recompute.tiled_attention import tiled_attention
+
+            y = tiled_attention(q, k, v, self.attn_block)
         else:  # the textbook way: the (B, nh, T, T) scores and probabilities are kept for backward
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
@@ -130,6 +142,12 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
+        if targets is not None and self.config.loss_chunk:  # no (B*T, V) logits are made
+            from labkit.recompute.chunked_ce import chunked_cross_entropy
+
+            h = self.ln_f(x)
+            return chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                         self.config.loss_chunk)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits

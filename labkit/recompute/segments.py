@@ -7,8 +7,9 @@ blocks, never the block list).
 With k segments of an n-block model, each checkpointed segment keeps only its input until backward
 (k x B x T x C x bytes) and, while it is recomputed, holds one segment's activations again
 (about n/k blocks' worth). Chen et al. 2016: k + n/k is smallest at k = sqrt(n) when a block's
-activations cost as much as its input; in a transformer block they cost ~16-34 times more, so the
-memory is smallest at k = n (`best_segments`). Every checkpointed segment costs one extra forward.
+activations cost as much as its input; with input a and block A it is k a + (n/k) A, smallest near
+k = sqrt(n A / a) (`best_segments`). A transformer block costs A ~ 16-34 a, so shallow models are best
+at k = n, deeper ones below it. Every checkpointed segment costs one extra forward.
 
 `checkpoint_blocks(model, policy)` replaces the blocks' `forward` by instance attributes: a
 segment's first block runs the whole segment inside one checkpoint, the others pass their input

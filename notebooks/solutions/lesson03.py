@@ -39,3 +39,14 @@ def measured_flops_factor(config, batch: int, seq: int) -> float:
     plain = measure_training_step(model, x, y).flops
     full = measure_training_step(model, x, y, setup=lambda m: checkpoint_blocks(m, "full")).flops
     return full / plain  # a little under 4/3: the head and the loss are not recomputed
+
+
+# ---- exercise 4: where the s^2 term takes over ---------------------------------------------------------
+def scores_crossover(config, batch: int, seq: int) -> float:
+    """Manual attention at S: the probabilities P grow like S^2; the rest R of what the blocks save grows like S,
+    but for the causal mask (S^2 bools per layer, L S^2 bytes). Equal where (R - L S^2) x/S + L x^2 = P x^2/S^2."""
+    from dataclasses import replace
+
+    terms = {t.name: t.bytes for t in estimate(replace(config, attention="manual"), batch, seq).terms}
+    P, R, L = terms["attention scores (s^2)"], terms["activations saved by the blocks"], config.n_layer
+    return ((R - L * seq**2) / seq) / (P / seq**2 - L)

@@ -1,0 +1,142 @@
+"""Memory-efficient causal attention from scratch: tiles and an online softmax (FlashAttention's algorithm).
+
+Textbook attention makes the (B, heads, S, S) scores and keeps the probabilities for backward: a·s² bytes per
+layer per row that grow with the square of the sequence. FlashAttention (Dao et al. 2022, arXiv 2205.14135,
+Algorithm 1 and its backward, Algorithm 4) never makes them: the forward walks the keys in blocks, keeping
+for each query row a running maximum m and a running sum l of exp(score - m) (the online softmax of Milakov
+and Gimelshein 2018), rescaling the partial output whenever m grows; it saves only q, k, v, the output O and
+one logsumexp per row (L = m + log l). The backward recomputes each block's scores from q and k, rebuilds the
+probabilities as exp(score - L), and forms dV, dP, dS = P (dP - D) with D = rowsum(dO * O), dQ, dK block by
+block: nothing the size of S x S is ever alive, only (block x block) tiles.
+
+Here it is plain PyTorch (the loops run in Python, so it is slower than a fused kernel, but its memory is the
+algorithm's): `tiled_attention(q, k, v, block)` on (B, heads, S, head_dim) tensors, causal, no dropout.
+Each tile is computed in fp32 (a 16-bit q, k, v is cast tile by tile), the output and the logsumexp are
+written into preallocated tensors, and the gradients accumulate in fp32 before one cast to the inputs' dtype.
+
+What it allocates, for the estimator (labkit.estimate.families.attention_tiled), n = B·heads·S·head_dim:
+forward: the output (n, in the inputs' dtype, laid out (B, S, heads, head_dim) so the model's
+`transpose(1, 2).contiguous()` is a view) and the logsumexp (B·heads·S fp32), both saved; per query block,
+fp32 tiles only. Backward: dq, dk, dv accumulators (3n fp32, laid out as the output), tiles, then (16-bit
+inputs only) their casts to the inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _tiles(S: int, block: int):
+    return [(i, min(i + block, S)) for i in range(0, S, block)]
+
+
+def _causal_fill(s: torch.Tensor, i0: int, j0: int) -> None:
+    """Mask in place the scores of keys after their query (query row i0 + a, key column j0 + b, b > a + i0 - j0)."""
+    bq, bk = s.shape[-2:]
+    if j0 + bk - 1 <= i0:  # the whole tile is at or below the diagonal
+        return
+    rows = torch.arange(i0, i0 + bq, device=s.device).unsqueeze(1)
+    cols = torch.arange(j0, j0 + bk, device=s.device).unsqueeze(0)
+    s.masked_fill_(cols > rows, float("-inf"))
+
+
+def scratch_bytes(B: int, heads: int, S: int, head_dim: int, block: int, itemsize: int) -> tuple[int, int]:
+    """The most bytes one call's tiles hold at once (beyond the output, the logsumexp and, in backward, the
+    gradients and their fp32 accumulators), (forward, backward), for q, k, v of `itemsize` bytes.
+
+    With T = B x heads, b = min(block, S) rows per tile, a tile t = T b b x 4 (fp32 scores), a slice
+    u = T b head_dim x 4 and a row vector r = T b x 4:
+    forward, at `acc += p @ v`: the scores (in place: p), the scaled q slice, acc and p @ v (t + 3u), v's
+    fp32 copy for a 16-bit v (u), and m, l, m_new, alpha (4r);
+    backward, at `dq += ds @ k`: the probabilities and ds (2t), ds @ k (u), fp32 copies of a 16-bit q, dO,
+    k and v slices (4u) and D = rowsum(dO * O) (r)."""
+    b = min(block, S)
+    t, u, r = B * heads * b * b * 4, B * heads * b * head_dim * 4, B * heads * b * 4
+    low = itemsize != 4
+    return t + 3 * u + (u if low else 0) + 4 * r, 2 * t + u + (4 * u if low else 0) + r
+
+
+class TiledAttention(torch.autograd.Function):
+    """Causal attention softmax(q k^T * scale) v in (block x block) tiles; saves q, k, v, out and the logsumexp.
+    Ops run in place where they can, so that one tile's scratch is `scratch_bytes`."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, scale: float):
+        B, H, S, D = q.shape
+        with torch.autocast(q.device.type, enabled=False):
+            out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+            lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+            tiles = _tiles(S, block)
+            for i0, i1 in tiles:
+                qi = q[:, :, i0:i1].float() * scale
+                m = torch.full((B, H, i1 - i0), float("-inf"), dtype=torch.float32, device=q.device)
+                l = torch.zeros(B, H, i1 - i0, dtype=torch.float32, device=q.device)
+                acc = torch.zeros(B, H, i1 - i0, D, dtype=torch.float32, device=q.device)
+                for j0, j1 in tiles:
+                    if j0 >= i1:  # causal: keys after the last query of this block see nothing
+                        break
+                    s = qi @ k[:, :, j0:j1].float().transpose(-2, -1)  # (B, H, bq, bk) scores
+                    _causal_fill(s, i0, j0)
+                    m_new = torch.maximum(m, s.amax(dim=-1))
+                    p = s.sub_(m_new.unsqueeze(-1)).exp_()  # key 0 is in the first tile: m_new is finite
+                    alpha = (m - m_new).exp_()  # rescales what was summed under the old maximum
+                    l.mul_(alpha).add_(p.sum(dim=-1))
+                    acc.mul_(alpha.unsqueeze(-1)).add_(p @ v[:, :, j0:j1].float())
+                    m = m_new
+                    del s, p, alpha, m_new
+                out[:, :, i0:i1] = acc.div_(l.unsqueeze(-1))
+                lse[:, :, i0:i1] = l.log_().add_(m)
+                del qi, m, l, acc
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.block, ctx.scale = block, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        block, scale = ctx.block, ctx.scale
+        B, H, S, D = q.shape
+        with torch.autocast(q.device.type, enabled=False):
+
+            def acc():  # fp32, laid out (B, S, H, D) like the output: the model's reshapes stay views
+                return torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
+
+            dq, dk, dv = acc(), acc(), acc()
+            tiles = _tiles(S, block)
+            for i0, i1 in tiles:
+                qi = q[:, :, i0:i1].float()
+                doi = dout[:, :, i0:i1].float()
+                delta = (doi * out[:, :, i0:i1].float()).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
+                li = lse[:, :, i0:i1].unsqueeze(-1)
+                for j0, j1 in tiles:
+                    if j0 >= i1:
+                        break
+                    kj, vj = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
+                    s = (qi @ kj.transpose(-2, -1)).mul_(scale)
+                    _causal_fill(s, i0, j0)
+                    p = s.sub_(li).exp_()  # the probabilities, rebuilt from the saved logsumexp
+                    dv[:, :, j0:j1] += p.transpose(-2, -1) @ doi
+                    ds = (doi @ vj.transpose(-2, -1)).sub_(delta).mul_(p)  # softmax's backward: P (dP - D)
+                    dq[:, :, i0:i1] += (ds @ kj).mul_(scale)
+                    dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qi).mul_(scale)
+                    del kj, vj, s, p, ds
+                del qi, doi, delta, li
+            grads = tuple(g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
+        return (*grads, None, None)
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 64,
+                    scale: float | None = None) -> torch.Tensor:
+    """Causal attention on (B, heads, S, head_dim) q, k, v in tiles of `block` queries x `block` keys, as
+    `F.scaled_dot_product_attention(q, k, v, is_causal=True)` (scale default 1/sqrt(head_dim)) but computed
+    by FlashAttention's algorithm: no (S, S) tensor is made or saved."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must be (B, heads, S, head_dim) tensors of one shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block must be a positive integer, got {block!r}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    return TiledAttention.apply(q, k, v, block, 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
