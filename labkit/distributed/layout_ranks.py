@@ -232,7 +232,13 @@ def tp_activation_memory(rank, world_size, cfg, batch, seq, dtype="bf16"):
             for b in blocks:
                 y = b(y)
             # the stack's output is held here (as the next layer's input would save it) and block 0's
-            # input was made outside the ledger (as the previous layer's output): the two are the same size
+            # input was made outside the ledger (as the previous layer's output): the two are the same size.
+            # gloo's worker thread keeps the last all-reduce's tensor (the MLP output, dropout's input) until it
+            # has cleaned up after the work, a moment after wait() returns: had backward started in that moment,
+            # the ledger would count it as saved (1 run in ~8 on a busy CPU). Collectives queued behind it on
+            # both worker threads let it go first.
+            for _ in range(2):
+                comms.barrier()
             torch.autograd.backward(y, g)
             del y
         out[name] = led.measurement().saved / L
