@@ -459,6 +459,12 @@ def export_plan(recipe, out_dir, devices: int = 1) -> dict[str, pathlib.Path]:
     lines += ["", f"Devices: {devices}", "", "Launch:", f"  {commands['torchrun']}", f"  {commands['accelerate']}",
               "", "Files:"]
     lines += [f"  {p.name}" for p in paths.values()]
+    lines += ["", "Using training_args.json (its peft, model and notes keys are not TrainingArguments' own):",
+              "  doc = json.load(open('training_args.json'))",
+              "  extra = {k: doc.pop(k) for k in ('peft', 'model', 'notes')}",
+              "  args = transformers.TrainingArguments(output_dir='out', **doc)",
+              "  # LoRA: peft.LoraConfig(**extra['peft']['lora']); QLoRA: load the model with",
+              "  # quantization_config=transformers.BitsAndBytesConfig(**extra['peft']['quantization'])"]
     lines += ["", "Notes (recipe fields no engine option reproduces):"] + [f"  - {n}" for n in notes or ["none"]]
     paths["readme"].write_text("\n".join(lines) + "\n")
     return paths

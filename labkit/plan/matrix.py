@@ -317,10 +317,19 @@ def plot_matrix(matrix: dict | None = None, ax=None):
     colours = {"activation-bound": "tab:orange", "state-bound": "tab:blue", None: "tab:gray"}
     legend = {"activation-bound": "largest cut: activations (wins when activation-bound)",
               "state-bound": "largest cut: model states (wins when state-bound)", None: "no measurable cut"}
-    for r in m["techniques"]:
-        x, y = r["time_ratio"], 100 * r["saved_frac"]
+    pts = [(r["time_ratio"], 100 * r["saved_frac"], r) for r in m["techniques"]]
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    xr, yr = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    char, dy = xr / 95, 0.045 * yr  # about one 8-point character, one line, in data units
+    boxes: list[tuple[float, float, float]] = []  # placed labels: (x from, x to, y)
+    for x, y, r in sorted(pts, key=lambda p: (-p[1], p[0])):
         ax.scatter([x], [y], color=colours[r["wins_when"]], s=36, zorder=3)
-        ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 3), fontsize=8)
+        x0, x1, ly = x + 0.012 * xr, x + 0.012 * xr + char * len(r["label"]), y + 0.01 * yr
+        while any(a < x1 and x0 < b and abs(ly - c) < dy for a, b, c in boxes):  # move below the labels in the way
+            ly -= dy
+        ax.annotate(r["label"], (x, y), xytext=(x0, ly), fontsize=8, va="bottom",
+                    arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5") if abs(ly - y) > dy else None)
+        boxes.append((x0, x1, ly))
     for name in sorted({r["wins_when"] for r in m["techniques"]}, key=str):
         ax.scatter([], [], color=colours[name], label=legend[name])
     ax.axhline(0, color="k", lw=0.6)
@@ -330,7 +339,7 @@ def plot_matrix(matrix: dict | None = None, ax=None):
     ax.set_ylabel("peak memory saved (% of fp32 AdamW's)")
     ax.set_title(f"Techniques on a GPT ({cfg['model']['n_layer']} x {cfg['model']['n_embd']}), B={cfg['batch']} "
                  f"S={cfg['seq']}: {m['regime']['regime']} ({m['machine']['cpu']})", fontsize=9)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     ax.grid(alpha=0.3)
     return fig
 
