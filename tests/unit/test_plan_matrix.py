@@ -4,7 +4,9 @@ categories the technique is about; the committed matrix is a real run of the sam
 No test reads a time: step times are printed by the bench, never asserted on.
 """
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,17 +15,23 @@ from labkit.plan import matrix as mx
 
 STATE_OPTIMIZERS = ("adamw8bit", "adafactor", "lion", "galore", "galore8bit")
 CHECKPOINTING = ("ckpt_full", "ckpt_sqrt", "ckpt_selective")
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "selection_matrix.py"
 NUMBERS = ("peak_bytes", "saved_bytes", "saved_frac", "step_s", "time_ratio", "val_loss", "loss_delta")
 
 
 @pytest.fixture(scope="module")
-def smoke():
+def smoke(tmp_path_factory):
+    """bench/selection_matrix.py --smoke (one torch thread, as the bench sets), read back with load_matrix."""
+    spec = importlib.util.spec_from_file_location("selection_matrix", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path_factory.mktemp("matrix") / "smoke.json"
     n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny steps: far faster on one thread on a loaded 2-core machine (as conftest's one_thread)
     try:
-        return mx.run_matrix("smoke", steps=3)
+        bench.main(["--smoke", "--steps", "3", "--out", str(out)])
     finally:
         torch.set_num_threads(n)
+    return mx.load_matrix(out)
 
 
 def _by_key(m):
@@ -31,6 +39,7 @@ def _by_key(m):
 
 
 def test_smoke_bench_measures_every_technique(smoke):
+    assert smoke["size"] == "smoke" and smoke["machine"]["torch_threads"] == 1
     assert [r["key"] for r in smoke["techniques"]] == list(mx.TECHNIQUE_KEYS)
     assert len(mx.TECHNIQUE_KEYS) == 15 and len(set(mx.TECHNIQUE_KEYS)) == 15
     for r in smoke["techniques"]:
