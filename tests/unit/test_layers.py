@@ -16,7 +16,7 @@ import labkit
 ROOT = pathlib.Path(labkit.__file__).parent
 TECHNIQUES = {"models", "data", "precision", "recompute", "optim", "quant", "peft", "accumulate", "device", "paths",
               "distributed"}
-LAYER = {"session": 4, "memory": 0, **{t: 1 for t in TECHNIQUES}, "estimate": 2, "run": 3,
+LAYER = {"session": 4, "plan": 4, "memory": 0, **{t: 1 for t in TECHNIQUES}, "estimate": 2, "run": 3,
          "viz": 4, "exercises": 4, "cli": 4, "colab": 4, "__main__": 5, "__init__": 0}
 
 
