@@ -19,7 +19,8 @@ model is conservative for plans that communicate or offload):
    table 4); PaLM 46.2 % (Chowdhery et al. 2022). QLoRA's NF4 weights are dequantized on the fly each time they
    are used (read 0.5 B, write and read 2 B per weight).
 2. host: bytes over the host link. Optimizer offload (labkit.optim.OffloadAdamW) moves the gradients down and
-   the updated parameters up each step and runs AdamW on the host at host memory bandwidth; activation offload
+   the updated parameters up each step and runs AdamW on the host at host memory bandwidth (HOST_MEM_BW, or the
+   device's own when it is slower: on the cpu preset the "host" is the same memory); activation offload
    moves the saved activations down in forward and up in backward; ZeRO-Offload moves a rank's shards.
 3. comm: bytes each rank sends (labkit.distributed.comms.wire_bytes, ring algorithms) over the interconnect:
    data parallel all-reduces the gradients, 2 psi (N-1)/N; ZeRO-1/2 reduce-scatter + all-gather, the same;
@@ -216,7 +217,7 @@ def step_time(recipe, device: Device, spec, act_bytes: float = 0.0, selective_by
     opt_bytes, opt_flops = optimizer_bytes_and_flops(recipe, spec)
     optimizer = opt_bytes / share / device.hbm_bw + opt_flops / share / peak
     if recipe.optimizer_offload:
-        host += 2 * n_train * d / device.host_bw + opt_bytes / HOST_MEM_BW
+        host += 2 * n_train * d / device.host_bw + opt_bytes / min(HOST_MEM_BW, device.hbm_bw)
         optimizer = 0.0
     if recipe.offload_activations:
         host += m * 2 * act_bytes / device.host_bw
@@ -230,7 +231,7 @@ def step_time(recipe, device: Device, spec, act_bytes: float = 0.0, selective_by
         if recipe.zero:
             optimizer /= recipe.dp
         if recipe.zero_offload:
-            host += 2 * n_train * d / recipe.dp / device.host_bw + opt_bytes / recipe.dp / HOST_MEM_BW
+            host += 2 * n_train * d / recipe.dp / device.host_bw + opt_bytes / recipe.dp / min(HOST_MEM_BW, device.hbm_bw)
             optimizer = 0.0
     if recipe.tp > 1 or recipe.pp > 1:
         from labkit.estimate.layout_terms import layout_wire_bytes

@@ -102,7 +102,8 @@ def describe_recipe(r: Recipe) -> str:
         parts.append(" ".join(f"{k}={v}" for k, v in (("dp", r.dp), ("tp", r.tp), ("pp", r.pp)) if v > 1)
                      + (f" ZeRO-{r.zero}" if r.zero else "") + (" +offload" if r.zero_offload else ""))
     parts.append(f"checkpoint {r.checkpoint}")
-    parts.append(f"micro-batch {r.micro} x {r.rank_batch // r.micro}")
+    parts.append(f"micro-batch {r.micro}" + (f" (x{r.rank_batch // r.micro} accumulated)" if r.micro < r.rank_batch
+                                              else ""))
     parts += [x for x, on in (("step in backward", r.step_in_backward), ("optimizer offload", r.optimizer_offload),
                               ("activation offload", r.offload_activations)) if on]
     return ", ".join(parts)
@@ -147,7 +148,8 @@ class _Family:
     base: Recipe  # the family's choices; settings are applied on top
     fidelity: cost.Fidelity
     best: Recipe | None = None
-    smallest: tuple[int, Recipe] | None = None  # the smallest peak seen and its recipe
+    smallest: tuple[int, Recipe] | None = None  # the smallest predicted peak seen and its recipe
+    bound: int | None = None  # its weights' bytes, when that alone rules it out (no estimate made)
     note: str = ""  # why no plan (when best is None)
 
 
@@ -161,6 +163,11 @@ class _Search:
     seq: int
     cache: dict = field(default_factory=dict)
     act_cache: dict = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """The Recipe's device: "cpu" for the cpu preset (its attention and dropout paths), else "cuda"."""
+        return "cpu" if self.device.name == "cpu" else "cuda"
 
     def estimate(self, r: Recipe):
         """(Estimate, None) or (None, the estimator's refusal); cached. The estimate reads the spec read once
@@ -186,7 +193,7 @@ class _Search:
     def act_row(self, r: Recipe, checkpoint: str) -> float:
         key = (r.lora_rank, r.quant, r.lisa_layers, r.dtype, checkpoint)
         if key not in self.act_cache:
-            one = Recipe(self.model, 1, self.seq, dtype=r.dtype, device="cuda", checkpoint=checkpoint,
+            one = Recipe(self.model, 1, self.seq, dtype=r.dtype, device=self.kind, checkpoint=checkpoint,
                          lora_rank=r.lora_rank, quant=r.quant, lisa_layers=r.lisa_layers, overrides=r.overrides)
             e, _ = self.estimate(one)
             self.act_cache[key] = 0.0 if e is None else float(max(m.breakdown()[Category.ACT] for m in e.moments))
@@ -225,7 +232,7 @@ class _Search:
     def run_family(self, fam: _Family) -> None:
         low = weights_lower_bound(fam.base, self.spec)
         if low > self.memory:
-            fam.smallest = (low, fam.base)
+            fam.bound = low
             fam.note = f"its weights alone take {fmt_bytes(low)} per device"
             return
         cands = self.settings(fam)
@@ -352,7 +359,7 @@ def _families(s: _Search, devices: int, peft, dtypes, optimizers) -> list[_Famil
                     if opt.startswith("galore") and galore_rank is None:
                         continue
                     try:
-                        base = Recipe(s.model, s.batch, s.seq, dtype=dtype, optimizer=opt, device="cuda",
+                        base = Recipe(s.model, s.batch, s.seq, dtype=dtype, optimizer=opt, device=s.kind,
                                       rank=galore_rank if opt.startswith("galore") else None, dp=dp, tp=tp, pp=pp,
                                       zero=zero, **peft_kw)
                     except ValueError:
@@ -422,6 +429,12 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
             break
     if not found:
         seen = [f.smallest for f in fams if f.smallest is not None]
+        if not seen and any(f.bound for f in fams):  # every family ruled out by its weights: estimate the lightest
+            f = min((f for f in fams if f.bound), key=lambda f: f.bound)
+            cands = s.settings(f)
+            e, _ = s.estimate(min(cands, key=_savings_rank)) if cands else (None, None)
+            if e is not None:
+                seen = [(e.peak.total, min(cands, key=_savings_rank))]
         if not seen:
             raise NoPlanError(f"no plan fits {fmt_bytes(memory)} per device: the estimator refused every "
                               f"configuration tried ({next((f.note for f in fams if f.note), 'no reason given')})")
@@ -450,9 +463,15 @@ def _make_plan(s: _Search, fam: _Family, fams: list[_Family], fastest: float) ->
                 fam.fidelity, tuple(_why(s, fam, fams)), s.memory, s.device.name)
 
 
-def _smallest(fams, pred) -> tuple[int, Recipe] | None:
-    seen = [f.smallest for f in fams if pred(f) and f.smallest is not None]
-    return min(seen, key=lambda x: x[0]) if seen else None
+def _smallest(fams, pred) -> tuple[int, str] | None:
+    """The least memory the matching families need, as (bytes, "its smallest peak found is X" or "its weights
+    alone take X")."""
+    seen = [(f.smallest[0], "its smallest peak found is") for f in fams if pred(f) and f.smallest is not None]
+    seen += [(f.bound, "its weights alone take") for f in fams if pred(f) and f.bound is not None]
+    if not seen:
+        return None
+    b, text = min(seen, key=lambda x: x[0])
+    return b, f"{text} {fmt_bytes(b)}"
 
 
 def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
@@ -465,23 +484,23 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
         for m in better:
             sm = _smallest(fams, lambda f: cost.method_of(f.base) == m and f.key[:4] == fam.key[:4])
             if sm is not None and sm[0] > s.memory:
-                lines.append(f"{cost.METHOD_TITLES[m]}: does not fit: its smallest peak found is "
-                             f"{fmt_bytes(sm[0])} > {budget}")
+                lines.append(f"{cost.METHOD_TITLES[m]}: does not fit: {sm[1]} > {budget}")
             elif any(cost.method_of(f.base) == m for f in fams):
                 lines.append(f"{cost.METHOD_TITLES[m]}: fits in another layout or ranks elsewhere (see the other plans)")
     lines.append(f"method: {cost.METHOD_TITLES[method]} ({fam.fidelity.describe()})")
     if r.dtype in ("bf16", "fp16"):
         sm = _smallest(fams, lambda f: f.key[:5] == fam.key[:5] and f.key[6] == fam.key[6]
                        and f.key[5] != r.dtype)
-        lines.append(f"precision: pure {r.dtype}" + (f": with fp32 master weights the smallest peak found is "
-                                                     f"{fmt_bytes(sm[0])} > {budget}" if sm and sm[0] > s.memory
-                                                     else " (higher precision not tried or not estimated)"))
+        lines.append(f"precision: pure {r.dtype}" + (f": with fp32 master weights {sm[1]} > {budget}"
+                                                     if sm and sm[0] > s.memory
+                                                     else " (higher precision not allowed, not estimated or ranked "
+                                                          "elsewhere)"))
     else:
         lines.append(f"precision: {r.dtype}: fp32 master weights" + (", matmuls in 16 bits under autocast"
                                                                    if r.dtype.startswith("mixed") else ""))
     if r.optimizer != "adamw":
         sm = _smallest(fams, lambda f: f.key[:6] == fam.key[:6] and f.key[6] == "adamw")
-        tail = (f": AdamW's smallest peak found is {fmt_bytes(sm[0])} > {budget}" if sm and sm[0] > s.memory
+        tail = (f": with AdamW {sm[1]} > {budget}" if sm and sm[0] > s.memory
                 else ": AdamW is not estimated or not allowed here" if sm is None else
                 ": AdamW fits too (see the other plans)")
         lines.append(f"optimizer: {r.optimizer}" + (f" rank {r.rank}" if r.rank else "") + tail)
