@@ -240,20 +240,34 @@ class _Search:
             fam.note = "no valid setting"
             return
         timed = sorted(cands, key=lambda r: self.time(r).total)
-        lightest = min(cands, key=_savings_rank)
-        failed, errors = [], []
-        e, err = self.estimate(lightest)  # first: can anything in this family fit?
-        if e is not None:
-            fam.smallest = (e.peak.total, lightest)
+        # first: can anything in this family fit? Its most memory-saving settings (one with step in backward,
+        # which rules out micro-batches and offload, one without) bound every other one
+        probes = [min(group, key=_savings_rank) for group in
+                  ([r for r in cands if r.step_in_backward], [r for r in cands if not r.step_in_backward]) if group]
+        failed, errors, fits = [], [], False
+        for probe in probes:
+            e, err = self.estimate(probe)
+            if e is None:
+                errors.append(err)
+                continue
+            if fam.smallest is None or e.peak.total < fam.smallest[0]:
+                fam.smallest = (e.peak.total, probe)
+            fits = fits or e.peak.total <= self.memory
             if e.peak.total > self.memory:
-                fam.note = f"its most memory-saving setting peaks at {fmt_bytes(e.peak.total)}"
+                failed.append(probe)
+        if not fits:
+            if fam.smallest is not None:
+                fam.note = f"its most memory-saving settings peak at {fmt_bytes(fam.smallest[0])} or more"
                 return
-        elif self.estimate(timed[0])[0] is None and self.estimate(min(cands, key=_plain_rank))[0] is None:
-            fam.note = "not estimated: " + err  # refused with and without every saving: the family itself
-            return
+            if self.estimate(min(cands, key=_plain_rank))[0] is None:
+                fam.note = "not estimated: " + errors[0]  # refused with and without every saving: the family itself
+                return
         tries = 1
+        points: dict[tuple, list[tuple[int, int]]] = {}  # the other axes -> [(micro-batch, peak)] estimated
         for r in timed:  # then the fastest setting that fits
             if any(_dominated(r, f) for f in failed):
+                continue
+            if _predicted(points.get(_axes(r), []), r) > PREDICT_MARGIN * self.memory:
                 continue
             if not self.cached(r):
                 if tries >= MAX_TRIES:
@@ -265,6 +279,7 @@ class _Search:
                 errors.append(err)
                 continue
             p = e.peak.total
+            points.setdefault(_axes(r), []).append((r.micro, p))
             if fam.smallest is None or p < fam.smallest[0]:
                 fam.smallest = (p, r)
             if p <= self.memory:
@@ -298,6 +313,27 @@ def _savings_rank(r: Recipe) -> tuple:
     """Smaller saves more memory (for picking a family's most memory-saving setting)."""
     return (-_CK[r.checkpoint], r.checkpoint != "full", r.micro, -r.step_in_backward, -bool(r.optimizer_offload),
             -r.zero_offload)
+
+
+PREDICT_MARGIN = 1.15  # a setting predicted to need more than this x the budget is not estimated
+
+
+def _axes(r: Recipe) -> tuple:
+    """Everything a setting chooses but the micro-batch, and whether it accumulates."""
+    return (r.checkpoint, r.step_in_backward, r.optimizer_offload, r.zero_offload, r.micro < r.rank_batch)
+
+
+def _predicted(points: list[tuple[int, int]], r: Recipe) -> float:
+    """The peak at r's micro-batch by the straight line through two estimated micro-batch sizes with the same other
+    choices (activations grow with the rows of a micro-batch; the rest stays): 0 when there are not two, or when
+    r's would be read off beyond the larger (only smaller micro-batches are predicted, where the line is an
+    upper-side guess the margin covers)."""
+    if len(points) < 2:
+        return 0.0
+    (m1, p1), (m2, p2) = sorted(points)[:2]
+    if m1 == m2 or r.micro >= m1:
+        return 0.0
+    return p1 + (p2 - p1) * (r.micro - m1) / (m2 - m1)
 
 
 def _plain_rank(r: Recipe) -> tuple:
@@ -402,7 +438,10 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
     device = get_device(device_preset) if device_preset is not None else closest(memory)
     memory = device.memory if memory is None else memory
     dtypes = allowed_dtypes(min_precision, device)
-    spec = spec_from(model)
+    from labkit.cli import _shapes_only  # the model is read on the meta device: skip its no-op weight fills
+
+    with _shapes_only():
+        spec = spec_from(model)
     batch, seq = _batch_seq(spec, tokens, batch, seq)
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
@@ -525,7 +564,7 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
     else:
         lines.append("checkpointing: not needed")
     if r.micro < r.rank_batch:
-        without("gradient accumulation", dict(micro_batch=None), f"{r.rank_batch // r.micro} micro-batches of {r.micro}",
+        without("gradient accumulation", dict(micro_batch=r.rank_batch), f"{r.rank_batch // r.micro} micro-batches of {r.micro}",
                 "this plan is faster overall")
     else:
         lines.append("gradient accumulation: not needed (the whole batch at once)")
