@@ -88,19 +88,19 @@ def test_more_memory_never_lowers_the_best_fidelity():
 
 
 def test_why_lines_state_the_peak_without_each_technique():
-    p = plan("gpt2-tiny", memory="1MiB", device_preset="cpu", batch=4, seq=128, min_precision="fp32",
+    p = plan("gpt2-tiny", memory="4MiB", device_preset="cpu", batch=8, seq=128, min_precision="fp32",
              optimizers="adamw")[0]
     r = p.recipe
     assert r.checkpoint != "none" or r.micro < r.batch
     if r.checkpoint != "none":
         line = next(w for w in p.why if w.startswith("checkpointing:"))
         without = estimate(r.replace(checkpoint="none")).peak.total
-        assert without > 1 * MiB and "needed" in line
+        assert without > 4 * MiB and "needed" in line
     if r.micro < r.batch:
         line = next(w for w in p.why if w.startswith("gradient accumulation:"))
         without = estimate(r.replace(micro_batch=r.batch)).peak.total
-        assert without > 1 * MiB and "needed" in line
-    assert p.peak <= 1 * MiB and p.binding in {t.name for t in estimate(r).peak_moment.terms}
+        assert without > 4 * MiB and "needed" in line
+    assert p.peak <= 4 * MiB and p.binding in {t.name for t in estimate(r).peak_moment.terms}
 
 
 def test_infeasible_names_smallest_peak_and_budget():
