@@ -24,6 +24,7 @@ Ranking: fidelity first (higher first), then predicted step time (faster first).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
 
@@ -438,9 +439,7 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
     device = get_device(device_preset) if device_preset is not None else closest(memory)
     memory = device.memory if memory is None else memory
     dtypes = allowed_dtypes(min_precision, device)
-    from labkit.cli import _shapes_only  # the model is read on the meta device: skip its no-op weight fills
-
-    with _shapes_only():
+    with _no_init_fills():
         spec = spec_from(model)
     batch, seq = _batch_seq(spec, tokens, batch, seq)
     if spec.max_positions and seq > spec.max_positions:
@@ -485,6 +484,24 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
         ranked = ranked[:top]
     fastest = min(s.time(f.best).total for f in ranked)
     return [_make_plan(s, f, fams, fastest) for f in ranked]
+
+
+@contextlib.contextmanager
+def _no_init_fills():
+    """torch.nn.init's in-place initialisers as no-ops while the model is built on the meta device to read its
+    shapes: a meta tensor has no values to fill, yet each call costs about a millisecond, most of the time of
+    reading a deep model (transformers skips them the same way while it loads weights)."""
+    import torch
+
+    init = torch.nn.init
+    saved = {k: f for k, f in vars(init).items() if k.endswith("_") and not k.startswith("_") and callable(f)}
+    try:
+        for k in saved:
+            setattr(init, k, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for k, f in saved.items():
+            setattr(init, k, f)
 
 
 def _fid(f: cost.Fidelity) -> tuple:
