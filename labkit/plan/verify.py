@@ -61,6 +61,14 @@ def check_runnable(recipe) -> None:
     if recipe.dp > MAX_RANKS:
         raise ValueError(f"verify launches one process per data-parallel rank, at most {MAX_RANKS}; "
                          f"this plan has dp={recipe.dp}")
+    if recipe.dp > 1:
+        from labkit.models.gpt import GPTConfig
+
+        if not isinstance(recipe.model, GPTConfig) or recipe.dtype != "fp32" or recipe.optimizer != "adamw" \
+                or recipe.micro < recipe.rank_batch:
+            raise ValueError("per-rank measurement (labkit.distributed.dp_ranks) runs labkit's GPT (a gpt:... model) "
+                             "in fp32 with AdamW and no micro-batches; this data-parallel plan is "
+                             f"{recipe.dtype} {recipe.optimizer} with micro-batch {recipe.micro} of {recipe.rank_batch}")
 
 
 def verify(plan, steps: int = 2, device: str | None = None) -> Verification:
