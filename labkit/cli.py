@@ -597,11 +597,15 @@ def cmd_plan(args, parser) -> int:
         print(f"labkit plan: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     device = get_device(args.device_preset) if args.device_preset else closest(kw["memory"])
-    checked = None
-    if args.verify:
+    checked, rc = None, 0
+    if args.verify:  # exit status 1 when the best plan could not be run or did not fit
         from labkit.plan.verify import verify
 
-        checked = verify(plans[0])
+        try:
+            checked = verify(plans[0])
+            rc = 0 if checked.fits else 1
+        except ValueError as err:
+            checked, rc = f"verify: not run: {' '.join(str(err).split())}", 1
     exported = None
     if export_plan is not None:
         exported = {k: str(v) for k, v in export_plan(plans[0].recipe, out_dir, devices=args.devices).items()}
@@ -610,18 +614,18 @@ def cmd_plan(args, parser) -> int:
                "device": device.name, "batch": plans[0].recipe.batch, "seq": plans[0].recipe.seq,
                "plans": [p.as_dict() for p in plans]}
         if checked is not None:
-            out["verify"] = checked.as_dict()
+            out["verify"] = checked if isinstance(checked, str) else checked.as_dict()
         if exported is not None:
             out["export"] = exported
         print(json.dumps(out))
-        return 0
+        return rc
     text = format_plans(plans, args, device)
     if checked is not None:
         text += "\n\n" + str(checked)
     if exported is not None:
         text += "\n\nexported plan 1:\n" + "\n".join(f"  {k}: {v}" for k, v in exported.items())
     print(text)
-    return 0
+    return rc
 
 
 # ----------------------------------------------------------------------------- entry point
