@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from labkit.estimate.recipe import Recipe
 from labkit.memory.report import Category
@@ -374,8 +374,7 @@ def _batch_seq(spec, tokens, batch, seq) -> tuple[int, int]:
 
 
 def _families(s: _Search, devices: int, peft, dtypes, optimizers) -> list[_Family]:
-    from labkit.optim.galore import projection_side  # noqa: F401 (GaLore's module owns the rank's meaning)
-
+    """Every (layout, method, dtype, optimizer) to search, with its fidelity."""
     spec = s.spec
     methods = {False: ["full"], True: ["lisa", "lora", "qlora"], "allow": ["full", "lisa", "lora", "qlora"]}[peft]
     sides = [min(sh) for sh in spec.galore_shapes]
