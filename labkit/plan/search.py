@@ -265,15 +265,15 @@ class _Search:
                 return
         tries = 1
         points: dict[tuple, list[tuple[int, int]]] = {}  # the other axes -> [(micro-batch, peak)] estimated
-        for r in timed:  # then the fastest setting that fits
-            if any(_dominated(r, f) for f in failed):
-                continue
-            if _predicted(points.get(_axes(r), []), r) > PREDICT_MARGIN * self.memory:
-                continue
+        for r in timed:  # then the fastest setting that fits (a fitting probe ends the walk when reached)
             if not self.cached(r):
-                if tries >= MAX_TRIES:
-                    fam.note = f"gave up after {MAX_TRIES} estimates"
-                    return
+                if any(_dominated(r, f) for f in failed):
+                    continue
+                if _predicted(points.get(_axes(r), []), r) > PREDICT_MARGIN * self.memory:
+                    continue
+                if tries >= MAX_TRIES:  # from here on only what is already estimated (the probes)
+                    fam.note = f"estimated {MAX_TRIES} settings; the rest were not tried"
+                    continue
                 tries += 1
             e, err = self.estimate(r)
             if e is None:
@@ -285,6 +285,7 @@ class _Search:
                 fam.smallest = (p, r)
             if p <= self.memory:
                 fam.best = r
+                fam.note = ""
                 return
             failed.append(r)
         if fam.smallest is None:
