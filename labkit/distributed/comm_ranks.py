@@ -1,0 +1,213 @@
+"""Rank functions for lesson 11 (communication) that lessons and tests launch (`labkit.distributed.launch`):
+dense data parallel, DGC (plain path or DDP hook), PowerSGD (PyTorch's DDP hook) and the parameter server, each
+training labkit's GPT on this rank's rows of the same global batches, counting bytes per step by definition
+(`comms.CommLog`) and, on request, the state it keeps with the per-rank ledger.
+
+    launch(compare, 2, args=(cfg, steps, batch, seq, ["dense", "dgc", "powersgd"]))
+    launch(ps_train, 3, args=(cfg, steps, batch, seq))          # rank 0 the server, ranks 1.. the workers
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import comms
+from .compression import DGC, DGCConfig
+
+__all__ = ["VARIANTS", "LR", "batch_of", "dense_train", "dgc_train", "powersgd_train", "compare", "ps_train",
+           "mirrored_train", "ps_dies"]
+
+LR = 0.05
+MOMENTUM = 0.9
+# the variants `compare` knows: dense all-reduce, DGC, DGC without each technique, PowerSGD
+VARIANTS = ("dense", "dgc", "dgc-no-momentum-correction", "dgc-no-clipping", "dgc-no-masking", "dgc-no-warmup",
+            "powersgd")
+_WITHOUT = {"dgc-no-momentum-correction": "momentum_correction", "dgc-no-clipping": "clipping",
+            "dgc-no-masking": "masking", "dgc-no-warmup": "warmup"}
+
+
+def _model(cfg: dict, seed: int):
+    from labkit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**cfg))
+
+
+_TOKENS: dict[int, torch.Tensor] = {}
+
+
+def batch_of(step: int, batch: int, seq: int, vocab: int, seed: int = 0, text_chars: int | None = None):
+    """The step's global batch (B, S), the same on every rank: random windows of the Shakespeare corpus (its
+    first `text_chars` characters, byte tokens) or, with text_chars None, random token ids."""
+    if text_chars is None:
+        from .dp_ranks import global_batch
+
+        return global_batch(step, batch, seq, vocab, seed)
+    from labkit.data import get_batch, load_tokens
+
+    if text_chars not in _TOKENS:
+        _TOKENS[text_chars] = load_tokens(max_chars=text_chars)[0]
+    return get_batch(_TOKENS[text_chars], batch, seq, generator=torch.Generator().manual_seed(seed * 100003 + step))
+
+
+def _rows(x: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    b = x.shape[0] // parts
+    return x[index * b:(index + 1) * b]
+
+
+def _plain_group():
+    """A process group DDP can be built on: DDP's construction logging segfaults on a group wrapped for
+    TORCH_DISTRIBUTED_DEBUG=DETAIL (which launch sets) in torch 2.13 on gloo, so make one at INFO."""
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.INFO)
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        dist.set_debug_level(level)
+
+
+def _loop(rank, world, m, opt, steps, batch, seq, seed, text_chars, forward, sync, after=None, ledger_from=None):
+    """The shared training loop: per step, this rank's rows, forward + backward, `sync()` (the communication),
+    the optimizer step; the wire bytes per step from a CommLog. `ledger_from`: enter a Ledger at that step and
+    return its measurement (the state that outlives the steps is what it still holds at the end)."""
+    from labkit.memory import Ledger
+
+    losses, wire = [], []
+    stack = contextlib.ExitStack()
+    led = None
+    with stack:
+        for i in range(steps):
+            if ledger_from is not None and i == ledger_from:
+                led = stack.enter_context(Ledger(m, opt, label=f"rank {rank} of {world}"))
+            x, y = batch_of(i, batch, seq, m.config.vocab_size, seed, text_chars)
+            x, y = _rows(x, rank, world).clone(), _rows(y, rank, world).clone()
+            with comms.CommLog() as log:
+                loss = forward(x, y)
+                loss.backward()
+                sync()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if after is not None:
+                after()
+            losses.append(loss.item())
+            wire.append(log.wire())
+            del loss, x, y
+    return losses, wire, (led.measurement() if led is not None else None)
+
+
+def _result(m, losses, wire, measurement=None, **extra) -> dict:
+    out = {"params": {n: p.detach().clone() for n, p in m.named_parameters()}, "losses": losses, "wire": wire,
+           "n_params": sum(p.numel() for p in m.parameters())}
+    if measurement is not None:
+        out["final"] = measurement.final.as_dict()
+        out["baseline"] = measurement.baseline.as_dict()
+    out.update(extra)
+    return out
+
+
+def dense_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, seed: int = 0,
+                text_chars: int | None = None, lr: float = LR) -> dict:
+    """Data parallel with a dense all-reduce (mean) of every gradient, SGD with momentum."""
+    m = _model(cfg, seed)
+    opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=MOMENTUM, foreach=False)
+
+    def sync():
+        for n, p in m.named_parameters():
+            comms.all_reduce(p.grad, op="avg", tag=f"grad {n}")
+
+    losses, wire, _ = _loop(rank, world, m, opt, steps, batch, seq, seed, text_chars, m, sync)
+    return _result(m, losses, wire)
+
+
+def dgc_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, dgc: DGCConfig = DGCConfig(),
+              path: str = "plain", seed: int = 0, text_chars: int | None = None, lr: float = LR,
+              measure: bool = False) -> dict:
+    """DGC, through `DGC.sync_gradients` (path "plain") or as a DDP comm hook (path "hook"); SGD with the
+    momentum the config leaves to the optimizer. measure: the ledger from step 0 (plain path); the result's
+    "final" is what it holds at the end, by category (DGC's buffers are temporaries made in backward)."""
+    if path not in ("plain", "hook"):
+        raise ValueError(f"path must be 'plain' or 'hook', got {path!r}")
+    m = _model(cfg, seed)
+    if path == "hook":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        group = _plain_group()
+        state = DGC(m.named_parameters(), dgc, group=group)
+        run = DDP(m, process_group=group)
+        run.register_comm_hook(state, DGC.hook)
+
+        def sync():
+            pass
+    else:
+        state = DGC(m.named_parameters(), dgc)
+        run, sync = m, state.sync_gradients
+    opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=dgc.sgd_momentum, foreach=False)
+    losses, wire, meas = _loop(rank, world, m, opt, steps, batch, seq, seed, text_chars, run, sync,
+                               after=state.next_step, ledger_from=0 if measure else None)
+    return _result(m, losses, wire, meas, state_bytes=state.state_bytes(), sent=state.sent)
+
+
+def powersgd_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, matrix_rank: int = 1,
+                   start_iter: int = 2, use_error_feedback: bool = True, warm_start: bool = True, seed: int = 0,
+                   text_chars: int | None = None, lr: float = LR, bucket_mb: float = 25, measure: bool = False) -> dict:
+    """PyTorch's PowerSGD DDP hook (the reference), SGD with momentum. Every all-reduce the hook issues is
+    counted by definition (its payload's size); the shapes of each bucket's gradients are recorded (for the
+    formula). measure: the ledger from step `start_iter` (after DDP rebuilt its buckets): what the hook keeps."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    m = _model(cfg, seed)
+    group = _plain_group()
+    run = DDP(m, process_group=group, bucket_cap_mb=bucket_mb)
+    state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=matrix_rank,
+                               start_powerSGD_iter=start_iter, use_error_feedback=use_error_feedback,
+                               warm_start=warm_start, random_seed=seed)
+    buckets: dict[int, list[tuple]] = {}
+
+    def hook(s, bucket):
+        buckets[bucket.index()] = [tuple(g.shape) for g in bucket.gradients()]
+        return psgd.powerSGD_hook(s, bucket)
+
+    run.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=MOMENTUM, foreach=False)
+    original = dist.all_reduce
+
+    def counted_all_reduce(tensor, *args, **kwargs):  # the hook's collectives, counted by their definition
+        comms._record("all_reduce", tensor.numel() * tensor.element_size(), kwargs.get("group"), "powerSGD")
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted_all_reduce
+    try:
+        losses, wire, meas = _loop(rank, world, m, opt, steps, batch, seq, seed, text_chars, run, lambda: None,
+                                   ledger_from=start_iter if measure else None)
+    finally:
+        dist.all_reduce = original
+    kept = sum(t.numel() * t.element_size() for d in (state.error_dict, state.p_memory_dict, state.q_memory_dict)
+               for t in d.values())
+    return _result(m, losses, wire, meas, buckets=[buckets[i] for i in sorted(buckets)], state_bytes=kept)
+
+
+def compare(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, variants=VARIANTS,
+            dgc: DGCConfig = DGCConfig(), powersgd_rank: int = 1, text_chars: int | None = None,
+            lr: float = LR) -> dict:
+    """Each variant in turn on the same ranks and batches: {variant: {"losses", "wire", ...}}. DGC variants
+    "dgc-no-X" switch technique X off; PowerSGD starts compressing at step 2."""
+    out = {}
+    for v in variants:
+        if v == "dense":
+            out[v] = dense_train(rank, world, cfg, steps, batch, seq, text_chars=text_chars, lr=lr)
+        elif v == "dgc":
+            out[v] = dgc_train(rank, world, cfg, steps, batch, seq, dgc, text_chars=text_chars, lr=lr)
+        elif v in _WITHOUT:
+            out[v] = dgc_train(rank, world, cfg, steps, batch, seq, dgc.without(_WITHOUT[v]), text_chars=text_chars,
+                               lr=lr)
+        elif v == "powersgd":
+            out[v] = powersgd_train(rank, world, cfg, steps, batch, seq, powersgd_rank, text_chars=text_chars, lr=lr)
+        else:
+            raise ValueError(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")
+        out[v].pop("params")  # the curves and bytes travel back, not every variant's model
+    return out
