@@ -10,8 +10,6 @@ training labkit's GPT on this rank's rows of the same global batches, counting b
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
@@ -19,7 +17,7 @@ from . import comms
 from .compression import DGC, DGCConfig
 
 __all__ = ["VARIANTS", "LR", "batch_of", "dense_train", "dgc_train", "powersgd_train", "compare", "ps_train",
-           "mirrored_train", "ps_dies"]
+           "mirrored_train", "ps_suite"]
 
 LR = 0.05
 MOMENTUM = 0.9
@@ -210,4 +208,91 @@ def compare(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, 
         else:
             raise ValueError(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")
         out[v].pop("params")  # the curves and bytes travel back, not every variant's model
+    return out
+
+
+# ---- the parameter server ----------------------------------------------------------------------------------
+def ps_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, ps=None, optimizer: str = "sgd",
+             seed: int = 0, text_chars: int | None = None, lr: float = LR, delays=None, die=None,
+             measure: bool = False, run: str = "0") -> dict:
+    """Rank 0 serves (labkit.distributed.param_server.serve), ranks 1..world-1 work on their rows of each global
+    batch. optimizer "sgd", "sgd-momentum" or "adamw" (on the server only). delays: {rank: seconds} a worker
+    sleeps per step (a slow machine); die: {rank: step} a worker kills itself then. measure: each rank's ledger
+    (the server's holds the parameters and optimizer state; a worker's no optimizer)."""
+    import time
+
+    from labkit.memory import Ledger
+
+    from .param_server import PSConfig, plain_group, serve, work
+
+    ps = ps or PSConfig()
+    group = plain_group()
+    workers = list(range(1, world))
+    m = _model(cfg, seed)
+    delays, die = delays or {}, die or {}
+    if rank == 0:
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(m.parameters(), lr=lr, foreach=False)
+        elif optimizer in ("sgd", "sgd-momentum"):
+            opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=MOMENTUM if optimizer == "sgd-momentum" else 0.0,
+                                  foreach=False)
+        else:
+            raise ValueError(f"optimizer must be 'sgd', 'sgd-momentum' or 'adamw', got {optimizer!r}")
+        with comms.CommLog() as log, (Ledger(m, opt, label="server") if measure else contextlib.nullcontext()) as led:
+            rep = serve(m, opt, workers, ps, group=group, run=run)
+        out = {"role": "server", "params": {n: p.detach().clone() for n, p in m.named_parameters()},
+               "report": rep.__dict__, "wire": log.wire(), "n_params": sum(p.numel() for p in m.parameters())}
+    else:
+        i, W = rank - 1, len(workers)
+
+        def batches(step):
+            if rank in delays:
+                time.sleep(delays[rank])
+            x, y = batch_of(step, batch, seq, m.config.vocab_size, seed, text_chars)
+            return _rows(x, i, W).clone(), _rows(y, i, W).clone()
+
+        with comms.CommLog() as log, (Ledger(m, label=f"worker {rank}") if measure else contextlib.nullcontext()) as led:
+            losses = work(m, steps, batches, die_at=die.get(rank), group=group, run=run)
+        out = {"role": "worker", "losses": losses, "wire": log.wire()}
+    if measure:
+        meas = led.measurement()
+        out["peak"], out["final"] = meas.peak.as_dict(), meas.final.as_dict()
+    return out
+
+
+def mirrored_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, group_ranks: list[int],
+                   seed: int = 0, text_chars: int | None = None, lr: float = LR) -> dict | None:
+    """Synchronous data parallel ("mirrored") on the ranks of `group_ranks` with plain SGD: an all-reduce (mean)
+    of each gradient. Every rank of the world must call it (it makes the group); the others return None."""
+    group = dist.new_group(group_ranks)
+    if rank not in group_ranks:
+        return None
+    i, W = group_ranks.index(rank), len(group_ranks)
+    m = _model(cfg, seed)
+    opt = torch.optim.SGD(m.parameters(), lr=lr, foreach=False)
+    losses = []
+    for step in range(steps):
+        x, y = batch_of(step, batch, seq, m.config.vocab_size, seed, text_chars)
+        loss = m(_rows(x, i, W).clone(), _rows(y, i, W).clone())
+        loss.backward()
+        for n, p in m.named_parameters():
+            comms.all_reduce(p.grad, op="avg", group=group, tag=f"grad {n}")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"params": {n: p.detach().clone() for n, p in m.named_parameters()}, "losses": losses}
+
+
+def ps_suite(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, runs: dict, mirrored: bool = True,
+             measure: bool = False, text_chars: int | None = None, delays=None) -> dict:
+    """Several parameter-server runs {name: PSConfig} one after the other on the same ranks (one launch), then the
+    mirrored all-reduce on the workers: {name: ps_train's result, "mirrored": ...}."""
+    out = {}
+    for name, ps in runs.items():
+        out[name] = ps_train(rank, world, cfg, steps, batch, seq, ps, measure=measure, text_chars=text_chars,
+                             delays=delays, run=name)
+        dist.barrier()
+    if mirrored:
+        out["mirrored"] = mirrored_train(rank, world, cfg, steps, batch, seq, list(range(1, world)),
+                                         text_chars=text_chars)
     return out
