@@ -17,7 +17,7 @@ from . import comms
 from .compression import DGC, DGCConfig
 
 __all__ = ["VARIANTS", "LR", "batch_of", "dense_train", "dgc_train", "powersgd_train", "compare", "ps_train",
-           "mirrored_train", "ps_suite"]
+           "mirrored_train", "ps_suite", "ps_dies", "compression_suite"]
 
 LR = 0.05
 MOMENTUM = 0.9
@@ -211,6 +211,19 @@ def compare(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, 
     return out
 
 
+def compression_suite(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, dgc: DGCConfig,
+                      powersgd_rank: int = 2, variants=()) -> dict:
+    """What the tests and the lesson check in one launch: DGC on both paths (the plain one measured by the
+    ledger), DGC without momentum correction (measured), PowerSGD (measured from its first compressed step),
+    then `compare` over `variants`."""
+    return {"plain": dgc_train(rank, world, cfg, steps, batch, seq, dgc, "plain", measure=True),
+            "hook": dgc_train(rank, world, cfg, steps, batch, seq, dgc, "hook"),
+            "plain-no-mc": dgc_train(rank, world, cfg, steps, batch, seq, dgc.without("momentum_correction"),
+                                     "plain", measure=True),
+            "powersgd": powersgd_train(rank, world, cfg, steps, batch, seq, powersgd_rank, measure=True),
+            "compare": compare(rank, world, cfg, steps, batch, seq, variants, dgc, powersgd_rank) if variants else {}}
+
+
 # ---- the parameter server ----------------------------------------------------------------------------------
 def ps_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, ps=None, optimizer: str = "sgd",
              seed: int = 0, text_chars: int | None = None, lr: float = LR, delays=None, die=None,
@@ -285,14 +298,20 @@ def mirrored_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq
 
 def ps_suite(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, runs: dict, mirrored: bool = True,
              measure: bool = False, text_chars: int | None = None, delays=None) -> dict:
-    """Several parameter-server runs {name: PSConfig} one after the other on the same ranks (one launch), then the
+    """Several parameter-server runs {name: PSConfig or (PSConfig, optimizer)} one after the other on the same ranks (one launch), then the
     mirrored all-reduce on the workers: {name: ps_train's result, "mirrored": ...}."""
     out = {}
     for name, ps in runs.items():
-        out[name] = ps_train(rank, world, cfg, steps, batch, seq, ps, measure=measure, text_chars=text_chars,
-                             delays=delays, run=name)
+        ps, optimizer = ps if isinstance(ps, tuple) else (ps, "sgd")
+        out[name] = ps_train(rank, world, cfg, steps, batch, seq, ps, optimizer, measure=measure,
+                             text_chars=text_chars, delays=delays, run=name)
         dist.barrier()
     if mirrored:
         out["mirrored"] = mirrored_train(rank, world, cfg, steps, batch, seq, list(range(1, world)),
                                          text_chars=text_chars)
     return out
+
+
+def ps_dies(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, ps, at_step: int) -> dict:
+    """`ps_train` in which the last worker kills itself (SIGKILL) at `at_step`: launch it with may_fail=[world-1]."""
+    return ps_train(rank, world, cfg, steps, batch, seq, ps, die={world - 1: at_step}, run="dies")
