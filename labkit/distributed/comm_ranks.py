@@ -17,7 +17,8 @@ from . import comms
 from .compression import DGC, DGCConfig
 
 __all__ = ["VARIANTS", "LR", "batch_of", "dense_train", "dgc_train", "powersgd_train", "compare", "ps_train",
-           "mirrored_train", "ps_suite", "ps_dies", "compression_suite"]
+           "mirrored_train", "ps_suite", "ps_dies", "compression_suite",
+           "plan_bytes", "explore"]
 
 LR = 0.05
 MOMENTUM = 0.9
@@ -315,3 +316,66 @@ def ps_suite(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int,
 def ps_dies(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, ps, at_step: int) -> dict:
     """`ps_train` in which the last worker kills itself (SIGKILL) at `at_step`: launch it with may_fail=[world-1]."""
     return ps_train(rank, world, cfg, steps, batch, seq, ps, die={world - 1: at_step}, run="dies")
+
+
+# ---- what the lesson's panel asks: bytes per step by formula, loss curves from real ranks --------------------
+def plan_bytes(cfg: dict, steps: int, world: int = 2, sparsity: float = 0.999, warmup_steps: int = 4,
+               powersgd_rank: int = 1, start_powersgd: int = 2, ps_workers: int = 2) -> dict[str, list[float]]:
+    """Bytes the busiest rank sends at each step, by each collective's definition, for labkit's GPT of `cfg`:
+    dense all-reduce, DGC (with its warm-up), PowerSGD (vanilla all-reduce before `start_powersgd`) and the
+    parameter server (its server sends the parameters to every worker). No process is started."""
+    from .compression import check_rank, density_at, dense_wire_bytes, dgc_wire_bytes, powersgd_wire_bytes
+    from .param_server import HEADER
+
+    check_rank(powersgd_rank)
+    m = _shapes_model(cfg)
+    shapes = [tuple(p.shape) for p in m.parameters()]
+    numels = [p.numel() for p in m.parameters()]
+    n = sum(numels)
+    dgc = DGCConfig(sparsity=sparsity, warmup_steps=warmup_steps)
+    dense = dense_wire_bytes(n, world)
+    psgd = powersgd_wire_bytes([shapes], powersgd_rank, world)  # linear in size: bucketing does not change it
+    return {"dense": [dense] * steps,
+            "dgc": [dgc_wire_bytes(numels, density_at(s, dgc), world) for s in range(steps)],
+            "powersgd": [dense if s < start_powersgd else psgd for s in range(steps)],
+            "parameter server": [float(ps_workers * (n + 1) * 4)] * steps,
+            "worker push": [float((n + HEADER) * 4)] * steps}
+
+
+def _shapes_model(cfg: dict):
+    """The GPT on the meta device: shapes without memory."""
+    from labkit.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig(**cfg))
+
+
+def explore(cfg: dict, steps: int, batch: int, seq: int, sparsity: float = 0.999, warmup_steps: int = 4,
+            powersgd_rank: int = 1, staleness: int = 0, text_chars: int | None = None, slow_worker_s: float = 0.0,
+            timeout_s: float = 300) -> dict[str, list[float]]:
+    """Loss curves (the mean over ranks of each step's loss) of dense, DGC and PowerSGD on 2 ranks, and of the
+    asynchronous parameter server with this staleness on a server and 2 workers (worker 2 slower by
+    `slow_worker_s` a step). Two launches."""
+    from .compression import check_rank, check_sparsity
+    from .launch import launch
+    from .param_server import check_staleness
+
+    check_sparsity(sparsity)
+    check_rank(powersgd_rank)
+    check_staleness(staleness)
+    dgc = DGCConfig(sparsity=sparsity, warmup_steps=warmup_steps)
+    runs = launch(compare, 2, args=(cfg, steps, batch, seq, ("dense", "dgc", "powersgd"), dgc, powersgd_rank,
+                                    text_chars), timeout_s=timeout_s)
+    out = {v: [sum(r[v]["losses"][i] for r in runs) / 2 for i in range(steps)] for v in ("dense", "dgc", "powersgd")}
+    ps = launch(_ps_explore, 3, args=(cfg, steps, batch, seq, staleness, text_chars, slow_worker_s),
+                timeout_s=timeout_s)
+    out[f"parameter server (s={staleness})"] = [(ps[1]["losses"][i] + ps[2]["losses"][i]) / 2 for i in range(steps)]
+    return out
+
+
+def _ps_explore(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, staleness: int,
+                text_chars: int | None, slow_worker_s: float) -> dict:
+    from .param_server import PSConfig
+
+    return ps_train(rank, world, cfg, steps, batch, seq, PSConfig("async", staleness), text_chars=text_chars,
+                    delays={2: slow_worker_s} if slow_worker_s else None, run="explore")
