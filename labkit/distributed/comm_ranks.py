@@ -78,12 +78,15 @@ def _loop(rank, world, m, opt, steps, batch, seq, seed, text_chars, forward, syn
     losses, wire = [], []
     stack = contextlib.ExitStack()
     led = None
+    # this rank's rows of every step, made before any ledger starts (the corpus and the global batches are not
+    # this rank's training memory); each step copies its rows inside, as a data loader would hand them over
+    rows = [tuple(_rows(t, rank, world).clone() for t in batch_of(i, batch, seq, m.config.vocab_size, seed, text_chars))
+            for i in range(steps)]
     with stack:
         for i in range(steps):
             if ledger_from is not None and i == ledger_from:
                 led = stack.enter_context(Ledger(m, opt, label=f"rank {rank} of {world}"))
-            x, y = batch_of(i, batch, seq, m.config.vocab_size, seed, text_chars)
-            x, y = _rows(x, rank, world).clone(), _rows(y, rank, world).clone()
+            x, y = (t.clone() for t in rows[i])
             with comms.CommLog() as log:
                 loss = forward(x, y)
                 loss.backward()
@@ -154,8 +157,8 @@ def powersgd_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq
                    start_iter: int = 2, use_error_feedback: bool = True, warm_start: bool = True, seed: int = 0,
                    text_chars: int | None = None, lr: float = LR, bucket_mb: float = 25, measure: bool = False) -> dict:
     """PyTorch's PowerSGD DDP hook (the reference), SGD with momentum. Every all-reduce the hook issues is
-    counted by definition (its payload's size); the shapes of each bucket's gradients are recorded (for the
-    formula). measure: the ledger from step `start_iter` (after DDP rebuilt its buckets): what the hook keeps."""
+    counted by definition (its payload's size) and completed before the hook goes on (no overlap: the numbers
+    are the same); the shapes of each bucket's gradients are recorded (for the formula). measure: the ledger from step `start_iter` (after DDP rebuilt its buckets): what the hook keeps."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -177,7 +180,12 @@ def powersgd_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq
 
     def counted_all_reduce(tensor, *args, **kwargs):  # the hook's collectives, counted by their definition
         comms._record("all_reduce", tensor.numel() * tensor.element_size(), kwargs.get("group"), "powerSGD")
-        return original(tensor, *args, **kwargs)
+        work = original(tensor, *args, **kwargs)
+        if work is not None:
+            # complete it here, so the callbacks the hook chains on its future run now, on this thread, where the
+            # ledger (a dispatch mode, per thread) sees what they allocate; otherwise gloo's thread may run them
+            work.wait()
+        return work
 
     dist.all_reduce = counted_all_reduce
     try:
@@ -213,16 +221,18 @@ def compare(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, 
 
 
 def compression_suite(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, dgc: DGCConfig,
-                      powersgd_rank: int = 2, variants=()) -> dict:
+                      powersgd_rank: int = 2, variants=(), text_chars: int | None = None) -> dict:
     """What the tests and the lesson check in one launch: DGC on both paths (the plain one measured by the
     ledger), DGC without momentum correction (measured), PowerSGD (measured from its first compressed step),
     then `compare` over `variants`."""
-    return {"plain": dgc_train(rank, world, cfg, steps, batch, seq, dgc, "plain", measure=True),
-            "hook": dgc_train(rank, world, cfg, steps, batch, seq, dgc, "hook"),
+    kw = dict(text_chars=text_chars)
+    return {"plain": dgc_train(rank, world, cfg, steps, batch, seq, dgc, "plain", measure=True, **kw),
+            "hook": dgc_train(rank, world, cfg, steps, batch, seq, dgc, "hook", **kw),
             "plain-no-mc": dgc_train(rank, world, cfg, steps, batch, seq, dgc.without("momentum_correction"),
-                                     "plain", measure=True),
-            "powersgd": powersgd_train(rank, world, cfg, steps, batch, seq, powersgd_rank, measure=True),
-            "compare": compare(rank, world, cfg, steps, batch, seq, variants, dgc, powersgd_rank) if variants else {}}
+                                     "plain", measure=True, **kw),
+            "powersgd": powersgd_train(rank, world, cfg, steps, batch, seq, powersgd_rank, measure=True, **kw),
+            "compare": (compare(rank, world, cfg, steps, batch, seq, variants, dgc, powersgd_rank, **kw)
+                        if variants else {})}
 
 
 # ---- the parameter server ----------------------------------------------------------------------------------
@@ -259,11 +269,13 @@ def ps_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int,
     else:
         i, W = rank - 1, len(workers)
 
+        rows = [tuple(_rows(t, i, W).clone() for t in batch_of(s, batch, seq, m.config.vocab_size, seed, text_chars))
+                for s in range(steps)]  # made before the ledger starts, as in `_loop`
+
         def batches(step):
             if rank in delays:
                 time.sleep(delays[rank])
-            x, y = batch_of(step, batch, seq, m.config.vocab_size, seed, text_chars)
-            return _rows(x, i, W).clone(), _rows(y, i, W).clone()
+            return tuple(t.clone() for t in rows[step])
 
         with comms.CommLog() as log, (Ledger(m, label=f"worker {rank}") if measure else contextlib.nullcontext()) as led:
             losses = work(m, steps, batches, die_at=die.get(rank), group=group, run=run)
@@ -298,9 +310,11 @@ def mirrored_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq
 
 
 def ps_suite(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, runs: dict, mirrored: bool = True,
-             measure: bool = False, text_chars: int | None = None, delays=None) -> dict:
+             measure: bool = False, text_chars: int | None = None, delays=None, then_die=None) -> dict:
     """Several parameter-server runs {name: PSConfig or (PSConfig, optimizer)} one after the other on the same ranks (one launch), then the
-    mirrored all-reduce on the workers: {name: ps_train's result, "mirrored": ...}."""
+    mirrored all-reduce on the workers: {name: ps_train's result, "mirrored": ...}. then_die: a last run with this
+    PSConfig in which the last worker kills itself at step 1 (launch with may_fail=[world - 1]; that rank's whole
+    result is then its RankFailed), under "dies"."""
     out = {}
     for name, ps in runs.items():
         ps, optimizer = ps if isinstance(ps, tuple) else (ps, "sgd")
@@ -310,6 +324,8 @@ def ps_suite(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int,
     if mirrored:
         out["mirrored"] = mirrored_train(rank, world, cfg, steps, batch, seq, list(range(1, world)),
                                          text_chars=text_chars)
+    if then_die is not None:
+        out["dies"] = ps_dies(rank, world, cfg, steps, batch, seq, then_die, 1)
     return out
 
 
@@ -365,10 +381,10 @@ def explore(cfg: dict, steps: int, batch: int, seq: int, sparsity: float = 0.999
     check_staleness(staleness)
     dgc = DGCConfig(sparsity=sparsity, warmup_steps=warmup_steps)
     runs = launch(compare, 2, args=(cfg, steps, batch, seq, ("dense", "dgc", "powersgd"), dgc, powersgd_rank,
-                                    text_chars), timeout_s=timeout_s)
+                                    text_chars), timeout_s=timeout_s, backend="gloo")
     out = {v: [sum(r[v]["losses"][i] for r in runs) / 2 for i in range(steps)] for v in ("dense", "dgc", "powersgd")}
     ps = launch(_ps_explore, 3, args=(cfg, steps, batch, seq, staleness, text_chars, slow_worker_s),
-                timeout_s=timeout_s)
+                timeout_s=timeout_s, backend="gloo")  # CPU tensors: gloo even where there are GPUs
     out[f"parameter server (s={staleness})"] = [(ps[1]["losses"][i] + ps[2]["losses"][i]) / 2 for i in range(steps)]
     return out
 
