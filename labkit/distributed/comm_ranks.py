@@ -158,7 +158,8 @@ def powersgd_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq
                    text_chars: int | None = None, lr: float = LR, bucket_mb: float = 25, measure: bool = False) -> dict:
     """PyTorch's PowerSGD DDP hook (the reference), SGD with momentum. Every all-reduce the hook issues is
     counted by definition (its payload's size) and completed before the hook goes on (no overlap: the numbers
-    are the same); the shapes of each bucket's gradients are recorded (for the formula). measure: the ledger from step `start_iter` (after DDP rebuilt its buckets): what the hook keeps."""
+    are the same); the shapes of each bucket's gradients are recorded (for the formula). measure: the ledger
+    from step `start_iter` (after DDP rebuilt its buckets): what the hook keeps."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -277,7 +278,8 @@ def ps_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int,
                 time.sleep(delays[rank])
             return tuple(t.clone() for t in rows[step])
 
-        with comms.CommLog() as log, (Ledger(m, label=f"worker {rank}") if measure else contextlib.nullcontext()) as led:
+        ledger = Ledger(m, label=f"worker {rank}") if measure else contextlib.nullcontext()
+        with comms.CommLog() as log, ledger as led:
             losses = work(m, steps, batches, die_at=die.get(rank), group=group, run=run)
         out = {"role": "worker", "losses": losses, "wire": log.wire()}
     if measure:
@@ -311,10 +313,10 @@ def mirrored_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq
 
 def ps_suite(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, runs: dict, mirrored: bool = True,
              measure: bool = False, text_chars: int | None = None, delays=None, then_die=None) -> dict:
-    """Several parameter-server runs {name: PSConfig or (PSConfig, optimizer)} one after the other on the same ranks (one launch), then the
-    mirrored all-reduce on the workers: {name: ps_train's result, "mirrored": ...}. then_die: a last run with this
-    PSConfig in which the last worker kills itself at step 1 (launch with may_fail=[world - 1]; that rank's whole
-    result is then its RankFailed), under "dies"."""
+    """Several parameter-server runs {name: PSConfig or (PSConfig, optimizer)} one after the other on the same
+    ranks (one launch), then the mirrored all-reduce on the workers: {name: ps_train's result, "mirrored": ...}.
+    then_die: a last run with this PSConfig in which the last worker kills itself at step 1 (launch with
+    may_fail=[world - 1]; that rank's whole result is then its RankFailed), under "dies"."""
     out = {}
     for name, ps in runs.items():
         ps, optimizer = ps if isinstance(ps, tuple) else (ps, "sgd")

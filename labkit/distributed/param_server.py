@@ -18,7 +18,8 @@ what is on its way:
 worker -> server  [kind, step, version the gradient was computed on, gradient...]   kind 1 gradient, 0 done
 server -> worker  [version, parameters...]
 
-Failure: a worker that posts nothing for `worker_timeout_s` while the server waits on it is dead. Asynchronous: the server drops it, logs it and goes on with the others.
+Failure: a worker that posts nothing for `worker_timeout_s` while the server waits on it is dead.
+Asynchronous: the server drops it, logs it and goes on with the others.
 Synchronous: a step needs every worker, so the server stops with one clear error. Nothing waits forever.
 """
 

@@ -83,7 +83,8 @@ def check_why_memory(answer, n_params: int = 1_000_000) -> bool:
     if choice not in WHY_CHOICES:
         return failed(f"{name}: answer one of {', '.join(WHY_CHOICES)}")
     if choice == "b":
-        mc, plain = dgc_state_bytes(n_params, DGCConfig()), dgc_state_bytes(n_params, DGCConfig(momentum_correction=False))
+        mc = dgc_state_bytes(n_params, DGCConfig())
+        plain = dgc_state_bytes(n_params, DGCConfig(momentum_correction=False))
         return passed(f"{name}: (b). For {n_params:,} parameters: {mc:,} bytes with momentum correction (u and v), "
                       f"{plain:,} without (then SGD keeps its own momentum, the same {plain:,} again). DGC saves "
                       "communication, not memory.")

@@ -31,7 +31,8 @@ class CommPanel:
         self.warmup = widgets.IntSlider(value=1, min=0, max=4, description="warm-up steps", style=style)
         self.rank = widgets.IntSlider(value=1, min=1, max=8, description="PowerSGD rank", style=style)
         self.staleness = widgets.IntSlider(value=1, min=0, max=4, description="PS staleness", style=style)
-        self.button = widgets.Button(description="Train on real ranks", icon="play")
+        self.button = widgets.Button(description="Measure: train on real ranks", icon="play",
+                                     layout=widgets.Layout(width="240px"))
         self.bytes_plot, self.loss_plot = widgets.Image(format="png"), widgets.Image(format="png")
         self.verdict, self.message = widgets.HTML(), widgets.HTML()
         self.last_plan = self.last_losses = self.last_error = None
@@ -40,7 +41,7 @@ class CommPanel:
             w.observe(self._on_change, names="value")
         self.button.on_click(self._on_train)
         self.widget = widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:2])), widgets.VBox(list(controls[2:]))]),
-                                    self.bytes_plot, self.verdict, self.button, self.message, self.loss_plot])
+                                    self.bytes_plot, self.verdict, self.button, self.message])
         self._on_change()
 
     def _on_change(self, _change=None) -> None:
@@ -94,6 +95,8 @@ class CommPanel:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
         ax.spines[["top", "right"]].set_visible(False)
         self.loss_plot.value = to_png(fig, dpi=80, tight=False)
+        if self.loss_plot not in self.widget.children:  # shown once there are curves to show
+            self.widget.children = (*self.widget.children, self.loss_plot)
         final = {k: v[-1] for k, v in self.last_losses.items()}
         self.message.value = html.escape("final loss: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
 

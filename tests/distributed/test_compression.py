@@ -20,7 +20,8 @@ VARIANTS = list(comm_ranks.VARIANTS)
 
 @pytest.fixture(scope="module")
 def runs():
-    return launch(comm_ranks.compression_suite, WORLD, args=(CFG, STEPS, BATCH, SEQ, DGC, 2, VARIANTS), timeout_s=300)
+    return launch(comm_ranks.compression_suite, WORLD, args=(CFG, STEPS, BATCH, SEQ, DGC, 2, VARIANTS), timeout_s=300,
+                  backend="gloo")
 
 
 def _numels(run):

@@ -20,7 +20,8 @@ RUNS = {"sync": PSConfig("sync"), "async0": PSConfig("async", 0), "async1": PSCo
 
 @pytest.fixture(scope="module")
 def suite():
-    out = launch(comm_ranks.ps_suite, WORLD, args=(CFG, STEPS, BATCH, SEQ, RUNS, True, True), timeout_s=300)
+    out = launch(comm_ranks.ps_suite, WORLD, args=(CFG, STEPS, BATCH, SEQ, RUNS, True, True), timeout_s=300,
+                 backend="gloo")
     assert _children_of_me() == []
     return out
 
@@ -76,8 +77,9 @@ def test_bytes_by_definition(suite):
 
 
 def test_async_server_drops_a_dead_worker_and_goes_on():
-    ps = PSConfig("async", staleness=1, worker_timeout_s=2)
-    out = launch(comm_ranks.ps_dies, WORLD, args=(CFG, 4, BATCH, SEQ, ps, 1), timeout_s=120, may_fail=[2])
+    ps = PSConfig("async", staleness=1, worker_timeout_s=2, backend="gloo")
+    out = launch(comm_ranks.ps_dies, WORLD, args=(CFG, 4, BATCH, SEQ, ps, 1), timeout_s=120, backend="gloo",
+                 may_fail=[2])
     server, w1, w2 = out
     assert isinstance(w2, RankFailed) and "SIGKILL" in str(w2)
     assert server["report"]["dropped"] == [2]
@@ -87,8 +89,9 @@ def test_async_server_drops_a_dead_worker_and_goes_on():
 
 
 def test_sync_server_stops_with_one_clear_error_when_a_worker_dies():
-    ps = PSConfig("sync", worker_timeout_s=2)
+    ps = PSConfig("sync", worker_timeout_s=2, backend="gloo")
     with pytest.raises(RankFailed, match=r"rank 0 failed: RuntimeError: parameter server \(sync\): worker 2 died "
                                          r"at step 1 \(nothing received for 2 s\)"):
-        launch(comm_ranks.ps_dies, WORLD, args=(CFG, 4, BATCH, SEQ, ps, 1), timeout_s=120, may_fail=[2])
+        launch(comm_ranks.ps_dies, WORLD, args=(CFG, 4, BATCH, SEQ, ps, 1), timeout_s=120, backend="gloo",
+               may_fail=[2])
     assert _children_of_me() == []

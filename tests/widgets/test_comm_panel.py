@@ -33,8 +33,10 @@ def test_controls_redraw_the_bytes_per_step():
 def test_button_trains_and_draws_the_loss_curves():
     p = CommPanel(CFG, steps=3, batch=4, seq=8)
     p.staleness.value = 2
+    assert p.loss_plot not in p.widget.children
     p.button.click()
     assert p.last_error is None, p.last_error
     assert set(p.last_losses) == {"dense", "dgc", "powersgd", "parameter server (s=2)"}
     assert all(len(v) == 3 for v in p.last_losses.values())
     assert bytes(p.loss_plot.value).startswith(b"\x89PNG") and "final loss" in p.message.value
+    assert p.loss_plot in p.widget.children
