@@ -69,7 +69,8 @@ class CommPanel:
             f"last step: dense {fmt_bytes(last['dense'])}, DGC {fmt_bytes(last['dgc'])} "
             f"({last['dense'] / last['dgc']:.0f}x less), PowerSGD rank {self.rank.value} {fmt_bytes(last['powersgd'])} "
             f"({last['dense'] / last['powersgd']:.0f}x less), parameter server {fmt_bytes(last['parameter server'])} "
-            f"from the server") + "</b>"
+            f"from the server (at any staleness: s = {self.staleness.value} changes who waits, not the bytes; "
+            f"the button shows what it does to the loss)") + "</b>"
 
     def _on_train(self, _button=None) -> None:
         self.button.disabled = True
