@@ -208,7 +208,7 @@ class DGC:
         self.step = 0
         self.v: dict[str, torch.Tensor] = {}  # residual (accumulated, not yet sent), one per parameter
         self.u: dict[str, torch.Tensor] = {}  # momentum, one per parameter (momentum correction only)
-        self.sent: list[int] = []             # entries sent per step (this rank)
+        self.sent: list[int] = []             # entries this rank sent per exchange (a step, or a DDP bucket)
 
     @property
     def density(self) -> float:

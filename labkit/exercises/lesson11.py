@@ -38,6 +38,8 @@ def check_dgc_bytes(fn, seed: int = 11) -> bool:
         except Exception as e:  # the learner's code: show what it raised
             return failed(f"{name}: raised {type(e).__name__}: {e} for numels={numels}, density={density}, "
                           f"world={world}")
+        if unanswered(got):  # the cell's `...` body: nothing written yet
+            return not_answered(name)
         try:
             got = float(got)
         except (TypeError, ValueError):
@@ -63,8 +65,7 @@ def check_dgc_bytes(fn, seed: int = 11) -> bool:
 # ---- exercise 2: why memory grows -------------------------------------------------------------------------
 WHY_CHOICES = {
     "a": "top-k sorts a full copy of every gradient, and the copy stays",
-    "b": "DGC keeps a residual (what was not sent yet) per parameter, and with momentum correction a momentum "
-         "buffer per parameter: 4 or 8 bytes per parameter that dense data parallel does not keep",
+    "b": "DGC keeps, between steps, buffers as large as the gradients that dense data parallelism does not keep",
     "c": "the all-gather receives every rank's full gradient",
     "d": "gloo buffers the messages of every step until the end",
 }
@@ -85,7 +86,8 @@ def check_why_memory(answer, n_params: int = 1_000_000) -> bool:
     if choice == "b":
         mc = dgc_state_bytes(n_params, DGCConfig())
         plain = dgc_state_bytes(n_params, DGCConfig(momentum_correction=False))
-        return passed(f"{name}: (b). For {n_params:,} parameters: {mc:,} bytes with momentum correction (u and v), "
-                      f"{plain:,} without (then SGD keeps its own momentum, the same {plain:,} again). DGC saves "
-                      "communication, not memory.")
+        return passed(f"{name}: (b): a residual v per parameter (what was not sent yet) and, with momentum "
+                      f"correction, a momentum u per parameter. For {n_params:,} parameters: {mc:,} bytes with "
+                      f"momentum correction, {plain:,} without (then SGD keeps its own momentum, {plain:,} again). "
+                      "DGC saves communication, not memory.")
     return failed(f"{name}: ({choice}) {_WRONG[choice]}")

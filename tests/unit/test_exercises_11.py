@@ -15,6 +15,10 @@ def test_dgc_bytes(blank, says):
     says("❌", "not answered")
     assert lesson11.check_dgc_bytes(3) is False
     says("❌", "expected a function")
+    assert lesson11.check_dgc_bytes(lambda ns, d, w: ...) is False  # the notebook's stub, unchanged
+    says("❌", "not answered")
+    assert lesson11.check_dgc_bytes(lambda ns, d, w: "many") is False
+    says("❌", "not a number")
     wrong = {
         "int32 index": lambda ns, d, w: sol.dgc_bytes(ns, d, w) / 2,
         "(N-1)/N": lambda ns, d, w: w * 8 * sum(max(1, math.ceil(n * d - 1e-9)) for n in ns),
