@@ -77,7 +77,7 @@ def test_bytes_by_definition(suite):
 
 
 def test_async_server_drops_a_dead_worker_and_goes_on():
-    ps = PSConfig("async", staleness=1, worker_timeout_s=2, backend="gloo")
+    ps = PSConfig("async", staleness=1, worker_timeout_s=2)
     out = launch(comm_ranks.ps_dies, WORLD, args=(CFG, 4, BATCH, SEQ, ps, 1), timeout_s=120, backend="gloo",
                  may_fail=[2])
     server, w1, w2 = out
@@ -89,7 +89,7 @@ def test_async_server_drops_a_dead_worker_and_goes_on():
 
 
 def test_sync_server_stops_with_one_clear_error_when_a_worker_dies():
-    ps = PSConfig("sync", worker_timeout_s=2, backend="gloo")
+    ps = PSConfig("sync", worker_timeout_s=2)
     with pytest.raises(RankFailed, match=r"rank 0 failed: RuntimeError: parameter server \(sync\): worker 2 died "
                                          r"at step 1 \(nothing received for 2 s\)"):
         launch(comm_ranks.ps_dies, WORLD, args=(CFG, 4, BATCH, SEQ, ps, 1), timeout_s=120, backend="gloo",
