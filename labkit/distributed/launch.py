@@ -141,12 +141,13 @@ def _exit_text(code: int | None) -> str:
 
 
 def launch(fn: Callable, world_size: int = 2, args: Sequence = (), *, timeout_s: float = 60,
-           backend: str | None = None, threads: int = 1, env: dict | None = None) -> list:
+           backend: str | None = None, threads: int = 1, env: dict | None = None, may_fail: Sequence[int] = ()) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return each rank's result, in rank order.
 
     timeout_s bounds both every collective (the process group's timeout) and the whole run; on the first
     failure the other ranks are terminated and `RankFailed` names the rank. `backend` defaults to NCCL
-    with one GPU per rank, else gloo. `env` adds environment variables to the children."""
+    with one GPU per rank, else gloo. `env` adds environment variables to the children. `may_fail`: ranks whose
+    failure does not end the run (a fault-tolerance test: a worker that dies); their result is the RankFailed."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be an integer >= 1, got {world_size!r}")
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -175,6 +176,10 @@ def launch(fn: Callable, world_size: int = 2, args: Sequence = (), *, timeout_s:
         while len(results) < world_size and not failures:
             was_up = len(up) == world_size
             _collect(out, procs, results, failures, wait=0.1, up=up)
+            for f in [f for f in failures if f.rank in may_fail]:
+                failures.remove(f)
+                results[f.rank] = f
+                up.add(f.rank)
             if not was_up and len(up) == world_size:
                 deadline = time.monotonic() + timeout_s
             if not failures and time.monotonic() > deadline:
