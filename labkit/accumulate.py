@@ -99,6 +99,8 @@ def accumulate_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, micro_ba
 
     micro_batch: rows per micro-batch (dividing the batch) or a list of sizes (uneven split).
     weight, ignore_index: each micro-batch's share, by rows or by counted tokens (see `accumulate_grads`).
+    Under DDP, N counts this rank's tokens only and DDP averages the ranks equally: exact across ranks
+    only when they count the same number (otherwise all-reduce N and rescale, as the Trainer does).
     Under DistributedDataParallel, gradients are all-reduced only with the last micro-batch
     (`model.no_sync()` around the others). Returns the batch's mean loss (detached).
     """
