@@ -2,9 +2,18 @@
 
 Activations scale with the rows in flight, so a micro-batch of m rows out of B keeps about m/B of
 the batch's activations (bytes: m x T x per-token activation bytes), while the gradient, summed over
-the micro-batches with each loss scaled by its share m_i / B, is the big batch's mean-loss gradient:
-sum_i (m_i / B) * mean_i(loss) = mean(loss). Exact for losses that are a mean over rows (or over
-tokens when every row has the same number); with padding, weight by token counts instead.
+the micro-batches with each loss scaled by its share, is the big batch's mean-loss gradient.
+
+Which share depends on what the loss is a mean over (`weight`):
+
+    weight="rows"    share m_i / B: sum_i (m_i / B) * mean_i(loss) = mean(loss). Exact when the loss is a
+                     mean over rows, or over tokens when every row counts the same number of them.
+    weight="tokens"  share n_i / N, n_i the micro-batch's counted targets (those != ignore_index, e.g.
+                     padding), N the batch's: sum_i (n_i / N) * (sum_i(loss) / n_i) = sum(loss) / N, the
+                     batch's mean over its counted tokens. With padding or ignore_index, rows weighting
+                     gives the tokens of a sparsely filled micro-batch too much weight; this is the bug
+                     the transformers Trainer fixed in 2024 (huggingface/transformers PR #34191: divide
+                     each micro-batch's summed loss by the tokens of the whole accumulated batch).
 """
 
 from __future__ import annotations
@@ -39,21 +48,43 @@ def _uneven(batch: int, m: int) -> list[int]:
     return [m] * (batch // m) + ([batch % m] if batch % m else [])
 
 
+WEIGHTS = ("rows", "tokens")
+
+
+def micro_shares(y: torch.Tensor, sizes: Sequence[int], weight: str = "rows", ignore_index: int = -100) -> list[float]:
+    """Each micro-batch's share of the batch's mean loss: m_i / B ("rows") or n_i / N ("tokens", counting
+    the targets that are not `ignore_index`). The shares sum to 1."""
+    if weight not in WEIGHTS:
+        raise ValueError(f"weight must be one of {', '.join(WEIGHTS)}, got {weight!r}")
+    if weight == "rows":
+        return [m / y.shape[0] for m in sizes]
+    counts = [int((yb != ignore_index).sum()) for yb in torch.split(y, list(sizes))]
+    total = sum(counts)
+    if total == 0:
+        raise ValueError(f"weight='tokens': every target is ignore_index ({ignore_index}): no token to learn from")
+    return [n / total for n in counts]
+
+
 def _loss(model, x, y, loss_fn):
     """The micro-batch's mean loss: model(x, y) (labkit's GPT) or loss_fn(model(x), y)."""
     return model(x, y) if loss_fn is None else loss_fn(model(x), y)
 
 
 # ---- the teaching version ---------------------------------------------------------------------------
-def accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, micro_batch, loss_fn: Callable | None = None) -> torch.Tensor:
+def accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, micro_batch, loss_fn: Callable | None = None, *,
+                     weight: str = "rows", ignore_index: int = -100) -> torch.Tensor:
     """Add the batch's mean-loss gradient to the parameters' .grad, one micro-batch at a time.
 
+    weight: "rows" (share m_i / B) or "tokens" (share n_i / N of the targets != ignore_index; the loss
+    must then be the mean over those targets, as F.cross_entropy's with the same ignore_index is).
     Returns the batch's mean loss (detached). Only one micro-batch's activations are alive at a time.
     """
     sizes = split_sizes(x.shape[0], micro_batch)
+    shares = micro_shares(y, sizes, weight, ignore_index)
     total = torch.zeros((), device=x.device)
-    for xb, yb in zip(torch.split(x, sizes), torch.split(y, sizes)):
-        share = xb.shape[0] / x.shape[0]  # m_i / B
+    for xb, yb, share in zip(torch.split(x, sizes), torch.split(y, sizes), shares):
+        if share == 0:  # no counted target: its mean loss is 0/0, and its gradient is nothing
+            continue
         loss = _loss(model, xb, yb, loss_fn) * share
         loss.backward()  # frees this micro-batch's activations; .grad accumulates
         total += loss.detach()
@@ -63,23 +94,28 @@ def accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, micro_batch, loss_
 # ---- the real one: one optimizer step, and no gradient all-reduce until the last micro-batch ----------
 def accumulate_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, micro_batch,
                     loss_fn: Callable | None = None, *, max_grad_norm: float | None = None,
-                    set_to_none: bool = True) -> torch.Tensor:
+                    set_to_none: bool = True, weight: str = "rows", ignore_index: int = -100) -> torch.Tensor:
     """One training step of the batch (x, y) as micro-batches: backward each, clip, step, zero grads.
 
     micro_batch: rows per micro-batch (dividing the batch) or a list of sizes (uneven split).
+    weight, ignore_index: each micro-batch's share, by rows or by counted tokens (see `accumulate_grads`).
+    Under DDP, N counts this rank's tokens only and DDP averages the ranks equally: exact across ranks
+    only when they count the same number (otherwise all-reduce N and rescale, as the Trainer does).
     Under DistributedDataParallel, gradients are all-reduced only with the last micro-batch
     (`model.no_sync()` around the others). Returns the batch's mean loss (detached).
     """
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
     sizes = split_sizes(x.shape[0], micro_batch)
+    shares = micro_shares(y, sizes, weight, ignore_index)
     total = torch.zeros((), device=x.device)
-    chunks = list(zip(torch.split(x, sizes), torch.split(y, sizes)))
-    for i, (xb, yb) in enumerate(chunks):
+    chunks = [(xb, yb, share) for xb, yb, share in zip(torch.split(x, sizes), torch.split(y, sizes), shares)
+              if share > 0]  # a micro-batch with no counted target adds nothing
+    for i, (xb, yb, share) in enumerate(chunks):
         last = i == len(chunks) - 1
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
-            loss = _loss(model, xb, yb, loss_fn) * (xb.shape[0] / x.shape[0])
+            loss = _loss(model, xb, yb, loss_fn) * share
             loss.backward()
         total += loss.detach()
         del loss  # nothing of this micro-batch outlives its backward

@@ -74,16 +74,17 @@ def _check_mixed(answer, expected, spec, optimizer, mixed_dtype, per) -> bool:
     if expected - 0.1 <= value <= every_weight_copied + 0.1:  # 18 counts a copy of every weight: accepted
         return passed(f"{name}: {value:g}. Exactly, it is {expected:.2f} for this model: autocast makes a 16-bit "
                       "copy only of the weights that enter a matmul (not of the norms, nor of the embedding lookup).")
-    playbook = per(param_bytes(spec, half) + grad_bytes(spec, half) + param_bytes(spec, fp32)
-                   + optimizer_state_bytes(spec, fp32, optimizer))
+    zero = per(param_bytes(spec, half) + grad_bytes(spec, half) + param_bytes(spec, fp32)
+               + optimizer_state_bytes(spec, fp32, optimizer))
     with_half_grads = expected + per(grad_bytes(spec, half))
-    if close(value, playbook, abs_=0.1):
-        return failed(f"{name}: that count forgets the fp32 gradients, as the Ultra-Scale Playbook's 16 does "
-                      "(discussion #104). With torch.autocast the model's own weights are the fp32 master "
-                      "copy, and their .grad is fp32 too.")
+    if close(value, zero, abs_=0.1):
+        return failed(f"{name}: that is ZeRO's count (a 16-bit model and 16-bit gradients + fp32 masters and "
+                      "optimizer state; the gradients are cast to fp32 on the fly), another scheme. torch.autocast "
+                      "keeps no 16-bit model: the fp32 weights are the master copy, and their .grad is fp32 too.")
     if close(value, with_half_grads, abs_=0.1):
         return failed(f"{name}: torch.autocast keeps no 16-bit gradient copy: backward writes the gradients "
-                      "straight into the fp32 weights' .grad. (Frameworks that keep one too reach 20 with Adam.)")
+                      "straight into the fp32 weights' .grad. (A scheme that keeps 16-bit and fp32 gradients "
+                      "both reaches 20 with Adam.)")
     if close(value, expected * spec.n_params, rel=0.01):
         return failed(f"{name}: that is the total for the whole model; divide by the number of parameters.")
     return failed(f"{name}: count, per parameter, the fp32 weight (the master copy is the model itself) + "

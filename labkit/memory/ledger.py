@@ -314,13 +314,28 @@ class Ledger(TorchDispatchMode):
             self._add(st, Category.PARAM if cast_of_param else Category.TEMP, t, name)
 
     def _out_of_memory(self, what, requested: int) -> None:
-        live = self.live()
+        live = self._live_as_final()
+        forward = (f"; activations are what this forward has made and still holds, saved for backward"
+                   if self._phase == "forward" and live[Category.ACT] else "")
         raise SimulatedOutOfMemoryError(
             f"out of memory (simulated): {what} tried to allocate {fmt_bytes(requested)} in the "
             f"{self._phase} pass of step {self._step} with {fmt_bytes(live.total)} of the "
-            f"{fmt_bytes(self.budget)} budget in use ({describe_breakdown(live)})",
+            f"{fmt_bytes(self.budget)} budget in use ({describe_breakdown(live)}{forward})",
             requested, self.budget, live,
         )
+
+    def _live_as_final(self) -> Breakdown:
+        """Live bytes per category with the tags the timeline will show: during forward, what the forward
+        made and still holds is counted as activations (ACT), the tag `_set_phase` gives it when backward
+        starts, not as the temporaries it is tagged as until then."""
+        b = Breakdown()
+        for sid in self._live.values():
+            rec = self._recs[sid]
+            tag = rec.tag
+            if self._phase == "forward" and tag is Category.TEMP and rec.phase in ("forward", "between"):
+                tag = Category.ACT
+            b.bytes[tag] += rec.nbytes
+        return b
 
     # ---- results ----------------------------------------------------------------------------------
     def live(self) -> Breakdown:

@@ -59,13 +59,13 @@ def test_bytes_per_param_blanks_fail(fp32, mixed, says):
 @pytest.mark.parametrize("optimizer, fp32, mixed, hint", [
     ("adamw", 12, 18, "gradients are missing"),
     ("adamw", 8, 18, "optimizer state is missing"),
-    ("adamw", 16, 16, "Playbook"),  # discussion #104: the fp32 gradients forgotten
+    ("adamw", 16, 16, "ZeRO's count"),  # a 16-bit model and gradients: another scheme
     ("adamw", 16, 20, "16-bit gradient"),
     ("adamw", 16, 14, "master copy"),
     ("adamw", 16 * 124_439_808, 18, "whole model"),
     ("sgd-momentum", 16, 14, "momentum buffer"),  # AdamW's count for SGD with momentum
     ("sgd-momentum", 12, 18, "momentum buffer"),
-    ("sgd-momentum", 12, 12, "Playbook"),
+    ("sgd-momentum", 12, 12, "ZeRO's count"),
 ])
 def test_bytes_per_param_wrong_answers_fail_with_a_hint(optimizer, fp32, mixed, hint, says):
     assert lesson01.check_bytes_per_param(fp32, mixed, "gpt2", optimizer) is False
