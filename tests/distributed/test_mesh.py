@@ -55,7 +55,9 @@ def test_per_rank_peak_matches_the_estimate(runs, i):
     est = estimate_ranks(recipes[i])
     for o in outs:
         e = est[o[i]["part"]]
-        assert o[i]["peak_phase"] == e.peak_phase
+        # the total, not the phase: the forward's and backward's peaks of a tensor-parallel rank are within a few
+        # KiB, and gloo's worker thread lets an all-reduced tensor go a moment after the call returns, so on a busy
+        # CPU one rank's forward can come out on top
         assert abs(e.peak.total / o[i]["peak"]["total"] - 1) < 0.03, (RECIPES[i], o[i]["part"])
 
 

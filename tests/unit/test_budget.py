@@ -29,7 +29,7 @@ def test_run_within_budget_reports_and_returns_to_baseline():
     big = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)
     with Ledger() as outer:  # sees every allocation of the experiments inside it
         baseline = outer.live_bytes
-        for _ in range(20):
+        for _ in range(5):
             r = run_within_budget(lambda: measure_step(big, 4, 64, budget=2**20), 2**20)
             assert not r.fits and r.message.startswith("does not fit:")
             gc.collect()
