@@ -129,7 +129,8 @@ class PlanPanel:
         finally:
             self.button.disabled = False
         self.last_verification = v
-        self.message.value = self._say(str(v), FITS if v.fits else DOES_NOT_FIT)
+        verdict = f"the top plan {'fits' if v.fits else 'does not fit'} in {fmt_bytes(v.budget)}"
+        self.message.value = self._say(f"{verdict}: {v}", FITS if v.fits else DOES_NOT_FIT)
 
     def _ipython_display_(self) -> None:
         display(self.widget)

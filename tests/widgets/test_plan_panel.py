@@ -35,4 +35,4 @@ def test_button_verifies_the_top_plan():
     p.button.click()
     v = p.last_verification
     assert p.last_error is None and v is not None and v.fits
-    assert abs(v.error) < 0.03 and "measured peak" in p.message.value
+    assert abs(v.error) < 0.03 and "measured peak" in p.message.value and "fits in" in p.message.value
