@@ -21,21 +21,34 @@ PRECISIONS = ("fp32", "mixed-bf16", "bf16")
 def plan_bars(plans: list, memory: int, ax=None) -> Figure:
     """One horizontal bar per plan (best first, at the top): its predicted peak per device, the budget as a
     line, and the predicted step time relative to the fastest plan at the bar's end."""
-    fig = Figure(figsize=(8.5, 0.5 + 0.55 * max(len(plans), 1))) if ax is None else ax.figure
-    ax = ax or fig.add_axes([0.42, 0.12, 0.5, 0.8])
+    h = 0.9 + 0.5 * max(len(plans), 1)
+    fig = Figure(figsize=(9.5, h)) if ax is None else ax.figure
+    ax = ax or fig.add_axes([0.5, 0.55 / h, 0.36, 1 - 0.75 / h])
     top = max([p.peak for p in plans] + [memory])
     unit = GiB if top >= GiB else 2**20
     names = "GiB" if unit == GiB else "MiB"
     for i, p in enumerate(plans):
         y = len(plans) - 1 - i
         ax.barh(y, p.peak / unit, color=FITS if p.peak <= memory else DOES_NOT_FIT, alpha=0.85)
-        ax.text(p.peak / unit, y, f" {fmt_bytes(p.peak)}, {p.relative:.2f}x time", va="center", fontsize=8)
+        ax.text(top / unit * 1.03, y, f"{fmt_bytes(p.peak)}, {p.relative:.2f}x time", va="center", fontsize=8)
     ax.axvline(memory / unit, color=DOES_NOT_FIT, linewidth=1.5)
-    ax.set_yticks(range(len(plans)), [f"{i + 1}. {p.summary()}"[:60] for i, p in enumerate(plans)][::-1], fontsize=8)
-    ax.set_xlim(0, top / unit * 1.45)
+    ax.set_yticks(range(len(plans)), [_short(i, p) for i, p in enumerate(plans)][::-1], fontsize=8)
+    ax.set_xlim(0, top / unit * 1.6)
     ax.set_xlabel(f"predicted peak per device ({names}); red line: the budget")
     ax.spines[["top", "right"]].set_visible(False)
     return fig
+
+
+def _short(i: int, p) -> str:
+    """A plan's label on its bar: its number and its choices, without the words every plan shares."""
+    text = p.summary().replace("full training, ", "").replace("checkpoint none, ", "")
+    return f"{i + 1}. {text}" if len(text) <= 58 else f"{i + 1}. {text[:56]}..."
+
+
+def _devices() -> list[str]:
+    from labkit.plan.devices import names
+
+    return list(dict.fromkeys(["cpu", *names()]))
 
 
 class PlanPanel:
@@ -44,7 +57,10 @@ class PlanPanel:
     the top plan") runs the top plan for real (`labkit.plan.verify`) when the model is small enough."""
 
     def __init__(self, model: str = "gpt2-tiny", devices: int = 1, memory_gib: float = 0.02, batch: int = 4,
-                 seq: int = 64, peft: str = "either", min_precision: str = "fp32", models=None, top: int = 4):
+                 seq: int = 64, peft: str = "either", min_precision: str = "fp32", models=None, top: int = 4,
+                 device_preset: str | None = None):
+        import torch
+
         from labkit.models.hf import PRESETS
 
         style = {"description_width": "110px"}
@@ -54,6 +70,9 @@ class PlanPanel:
         self.top = top
         self.model = widgets.Dropdown(options=options, value=model, description="model", style=style)
         self.devices = widgets.Dropdown(options=[1, 2, 4, 8], value=devices, description="devices", style=style)
+        # whose kernels and speeds the plans assume: this machine's by default, so that verify checks the same bars
+        preset = device_preset or ("h100" if torch.cuda.is_available() else "cpu")
+        self.device = widgets.Dropdown(options=_devices(), value=preset, description="device kind", style=style)
         self.memory = widgets.FloatLogSlider(value=memory_gib, base=2, min=-10, max=8, step=0.25,
                                              description="GiB per device", readout_format=".3g", style=style,
                                              continuous_update=False)
@@ -69,7 +88,7 @@ class PlanPanel:
                                      icon="play", layout=widgets.Layout(width="260px"))
         self.message = widgets.HTML()
         self.last_plans = self.last_verification = self.last_figure = self.last_error = None
-        controls = (self.model, self.devices, self.memory, self.batch, self.seq, self.peft, self.precision)
+        controls = (self.model, self.devices, self.device, self.memory, self.batch, self.seq, self.peft, self.precision)
         for w in controls:
             w.observe(self._on_change, names="value")
         self.button.on_click(self._on_run)
@@ -92,6 +111,7 @@ class PlanPanel:
         self.last_verification = None
         try:
             plans = plan(self.model.value, devices=int(self.devices.value), memory=self.memory_bytes,
+                         device_preset=self.device.value,
                          batch=int(self.batch.value), seq=int(self.seq.value), peft=PEFT_CHOICES[self.peft.value],
                          min_precision=self.precision.value, top=self.top)
         except ValueError as e:  # NoPlanError included: say why, draw nothing
@@ -121,7 +141,7 @@ class PlanPanel:
 
         self.button.disabled, self.message.value = True, "running the top plan under the ledger..."
         try:
-            v = verify(self.last_plans[0], device="cpu")
+            v = verify(self.last_plans[0])  # on the device at hand: CUDA when there is one
         except Exception as e:  # a callback's traceback never reaches the notebook: say it here
             self.last_verification, self.last_error = None, e
             self.message.value = self._say(f"the run failed: {type(e).__name__}: {e}", DOES_NOT_FIT)
