@@ -55,3 +55,25 @@ def integer(answer, name: str) -> int | None:
 def close(answer: float, expected: float, rel: float = 0.0, abs_: float = 0.0) -> bool:
     """|answer - expected| within abs_ or within rel of expected."""
     return abs(answer - expected) <= max(abs_, rel * abs(expected))
+
+
+def show_guess(what: str, guess, predicted: float, measured: float | None = None, unit: float = 1.0,
+               unit_name: str = "") -> bool:
+    """Guess, prediction and measurement side by side (the learner commits to a guess before the lesson
+    predicts). `guess` is in `unit`s (e.g. GiB with unit=2**30); predicted and measured are in base units
+    (bytes). Returns True when a guess was given; never raises, so an unanswered guess does not stop a notebook."""
+    def f(v: float) -> str:
+        return f"{v / unit:,.3g} {unit_name}".strip()
+
+    line = f"{what}: prediction {f(predicted)}" + (f", measurement {f(measured)}" if measured is not None else "")
+    if unanswered(guess):
+        print(f"✍️  {line}. (You did not write a guess above: commit to one before reading on, next time.)")
+        return False
+    value = number(guess, what)
+    if value is None:
+        return False
+    ratio = value * unit / predicted if predicted else float("inf")
+    verdict = ("within 20 % of the prediction" if 0.8 <= ratio <= 1.25 else
+               f"{ratio:.2g}x the prediction: look for the term you {'over' if ratio > 1 else 'under'}-counted")
+    print(f"✍️  {line}; your guess {f(value * unit)}: {verdict}.")
+    return True
