@@ -157,6 +157,12 @@ def timeline(measurement, ax=None, budget: int | None = None, title: str | None 
     show_budget = budget is not None and budget <= 3 * peak  # else the step would be a sliver at the bottom
     top = max(peak, budget if show_budget else 0, 1)
     unit, size = pick_unit(top)
+    # on a y axis shared with timelines drawn before (plt.subplots(..., sharey=True)): their unit, and a limit
+    # that only grows, so a smaller timeline drawn last does not clip a taller one drawn first
+    drawn = [a for a in ax.get_shared_y_axes().get_siblings(ax) if a is not ax and hasattr(a, "_labkit_timeline_unit")]
+    if drawn:
+        unit, size = drawn[0]._labkit_timeline_unit
+    ax._labkit_timeline_unit = (unit, size)
     n = len(total)
     x = list(range(n + 1))
     bottom = [0.0] * (n + 1)
@@ -168,7 +174,7 @@ def timeline(measurement, ax=None, budget: int | None = None, title: str | None 
             ax.fill_between(x, bottom, upper, step="post", color=CATEGORY_COLORS[c], linewidth=0)
         bottom = upper
     ax.set_xlim(0, n)
-    ax.set_ylim(0, top / size * 1.12)
+    ax.set_ylim(0, max([top / size * 1.12] + [a.get_ylim()[1] for a in drawn]))
 
     peak_at = total.index(peak)
     where, labels, shaded = "", [], []

@@ -7,6 +7,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 from matplotlib.collections import FillBetweenPolyCollection, PolyCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from labkit.memory.report import CATEGORIES, Breakdown, Category, Estimate, Measurement, Timeline  # noqa: E402
@@ -138,6 +139,21 @@ def test_timeline_stacks_categories_and_names_phases_peak_and_budget():
     assert any(y == 13.0 and ls == "-" and c != "#000000" for y, ls, c in lines)  # the budget, solid red
     assert ax.get_ylim()[1] > 13  # the budget is on the chart
     assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "parameters"
+
+
+def test_timelines_on_a_shared_y_axis_share_one_unit_and_the_tallest_limit():
+    tall = make_measurement()  # peak 12 MiB
+    small = {c: [v // 4096 for v in vs] for c, vs in tall.timeline.bytes.items()}  # peak 3 KiB
+    short = Measurement("short", tall.phases, Timeline(small, tall.timeline.phase_starts), tall.baseline)
+    fig = Figure()
+    axes = fig.subplots(2, 1, sharey=True)
+    timeline(tall, ax=axes[0])
+    timeline(short, ax=axes[1])  # drawn last: before, its own limit (KiB) clipped the tall one
+    for ax in axes:
+        assert ax.get_ylim()[1] >= 12  # MiB: the taller peak is on the chart, in both panels
+        assert ax.get_ylabel() == "live memory (MiB)"
+    drawn = [c for c in axes[1].collections if isinstance(c, PolyCollection)]
+    assert max(c.get_paths()[0].vertices[:, 1].max() for c in drawn) < 0.02  # 3 KiB, in MiB
 
 
 def test_timeline_says_when_the_budget_is_off_the_chart_and_copes_with_nothing():
