@@ -151,3 +151,82 @@ def check_largest_batch(answer, model, seq: int, budget: int, dtype: str = "fp32
         return passed(f"{name}: not even batch 1 fits (predicted peak {fmt_bytes(nxt)}): the model states alone "
                       "are too much. Lessons 02-08 are about exactly this.")
     return passed(f"{name}: batch {b} (peak {fmt_bytes(peak(b))}); batch {b + 1} would need {fmt_bytes(nxt)}.")
+
+
+# ---- exercise 4 (code): the largest batch that fits, as a function -------------------------------------
+def _largest_batch_cases(seed: int) -> list[tuple]:
+    """Fresh questions: a tiny preset, a sequence length and a budget between the peaks of two neighbouring
+    batches (so exactly one answer is right), and one budget that not even batch 1 fits."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for model in ("gpt2-tiny", "llama-tiny"):
+        seq, b = rng.choice([32, 64, 128]), rng.randint(1, 12)
+        lo, hi = predicted_peak(model, b, seq), predicted_peak(model, b + 1, seq)
+        out.append((model, seq, int(lo + rng.uniform(0.1, 0.9) * (hi - lo))))
+    out.append(("gpt2-tiny", rng.choice([32, 64]), 1024))  # a KiB: nothing fits
+    return out
+
+
+def largest_batch(model, seq: int, budget: int) -> int:
+    """Reference: the largest batch whose predicted peak (fp32, AdamW, cpu) fits `budget`; 0 if none."""
+    b = 0
+    while predicted_peak(model, b + 1, seq) <= budget:
+        b += 1
+    return b
+
+
+def check_largest_batch_fn(fn, seed: int | None = None) -> bool:
+    """The learner's largest_batch(model, seq, budget), compared with the reference on fresh cases."""
+    import random
+
+    from . import not_answered, unanswered
+
+    what = "largest_batch_fn(model, seq, budget)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    cases = _largest_batch_cases(random.randrange(1 << 30) if seed is None else seed)
+    for model, seq, budget in cases:
+        try:
+            got = fn(model, seq, budget)
+        except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+            return failed(f"{what} raised {type(e).__name__}: {e} for {model}, seq {seq}, {budget:,} bytes")
+        want = largest_batch(model, seq, budget)
+        if got != want:
+            hint = ("return 0 when not even batch 1 fits" if want == 0 else
+                    "that batch's predicted peak is over the budget" if isinstance(got, int) and got > want else
+                    "a larger batch fits too: keep going while estimate(...).peak.total <= budget")
+            return failed(f"{what}: wrong for {model}, seq {seq}, {budget:,} bytes ({hint}).")
+    return passed(f"{what}: right on {len(cases)} fresh cases (two tiny models at budgets between two "
+                  f"neighbouring batches' peaks, and one budget nothing fits).")
+
+
+# ---- exercise 5 (why): the peak is not the sum of the terms -----------------------------------------------
+WHY_PEAK = {
+    "a": "the caching allocator compresses tensors it has not touched for a while",
+    "b": "not every tensor is alive at the same moment: backward frees the saved activations block by block, "
+         "and the optimizer's temporaries appear only after backward is done",
+    "c": "the estimator leaves the gradients out of the peak, since they replace the activations in place",
+}
+
+
+def check_why_peak(answer) -> bool:
+    from . import not_answered, unanswered
+
+    what = "why the step's peak is smaller than the sum of all its terms"
+    if unanswered(answer):
+        return not_answered(what)
+    choice = str(answer).strip().lower().strip("()")
+    if choice not in WHY_PEAK:
+        return failed(f"{what}: answer with one of {', '.join(WHY_PEAK)}")
+    if choice == "b":
+        return passed(f"{what}: right: memory is a timeline; the peak is the largest moment of it, so what matters "
+                      f"is which tensors overlap.")
+    if choice == "a":
+        return failed(f"{what}: the allocator rounds and caches blocks but never compresses them; look at when "
+                      f"each tensor is created and freed during the step.")
+    return failed(f"{what}: look at the estimator's phases: the gradients are counted, and they are new tensors, "
+                  f"not the activations' storage reused.")

@@ -54,3 +54,16 @@ def largest_batch(model, seq: int, budget: int, dtype: str = "fp32", optimizer: 
 # The notebook asks for MODEL (gpt2 unless changed) at seq 1024 in 16 GiB, fp32 AdamW:
 #     largest_batch(MODEL, 1024, 16 * GiB, device=KIND)
 # (KIND is "cpu" or "cuda": the kernels differ, for instance in what attention keeps for backward.)
+
+
+# ---- exercise 4 (code): the largest batch that fits, as a function ------------------------------------
+def largest_batch_fn(model, seq, budget):
+    """Count up from batch 1 while the predicted peak (fp32, AdamW, cpu) stays within the budget."""
+    b = 0
+    while estimate(model, b + 1, seq, "fp32", "adamw", device="cpu").peak.total <= budget:
+        b += 1
+    return b
+
+
+# ---- exercise 5 (why) ---------------------------------------------------------------------------------
+WHY_PEAK = "b"
