@@ -156,3 +156,86 @@ def check_scaled_mm_scale(answer, amax: float, fmt: str = "e4m3") -> bool:
             return failed(f"{name}: that uses {other}'s max ({omax:g}); {fmt}'s max is {fmax:g}.")
     return failed(f"{name}: per tensor, x8 = x * s with s = fp8_max / amax ({fmt}: fp8_max = {fmax:g}); "
                   "the GEMM multiplies by the scale that undoes it.")
+
+
+# ---- exercise 4 (code): the share of values that flush to zero ---------------------------------------
+def _flush_cases(seed: int) -> list[tuple[torch.Tensor, float]]:
+    """Fresh tensors: magnitudes log-uniform over 2^-40 .. 2^0 (both sides of fp16's 2^-24), random signs,
+    about a tenth exact zeros (which never count as flushed), each with a power-of-two loss scale."""
+    import random
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(3):
+        shape = tuple(rng.randint(3, 40) for _ in range(rng.randint(1, 3)))
+        mag = torch.exp2(-40 * torch.rand(shape, generator=g))
+        sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+        zero = torch.rand(shape, generator=g) < 0.1
+        t = torch.where(zero, torch.zeros(shape), sign * mag)
+        out.append((t, 2.0 ** rng.randint(0, 16)))
+    return out
+
+
+def check_flush_share(fn, seed: int | None = None) -> bool:
+    """The learner's flush_share(tensor, scale), compared with labkit.precision.flush_fraction on fresh tensors."""
+    import random
+
+    from . import not_answered, unanswered
+
+    what = "flush_share(tensor, scale)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    cases = _flush_cases(random.randrange(1 << 30) if seed is None else seed)
+    for t, scale in cases:
+        try:
+            got = fn(t.clone(), scale)
+            got = float(got)
+        except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+            return failed(f"{what} raised {type(e).__name__}: {e} for a tensor of shape {tuple(t.shape)}, "
+                          f"scale 2^{math.log2(scale):g}")
+        want = flush_fraction(t, "fp16", scale)
+        if not close(got, want, rel=1e-6, abs_=1e-9):
+            nonzero = t != 0
+            if close(got, want * int(nonzero.sum()) / t.numel(), rel=1e-6, abs_=1e-9):
+                hint = "a value that was 0 before the cast was not flushed: count among the nonzero values only"
+            elif close(got, flush_fraction(t, "fp16", 1.0), rel=1e-6, abs_=1e-9):
+                hint = "the loss scale multiplies the values before the cast"
+            elif close(got, flush_fraction(t, "bf16", scale), rel=1e-6, abs_=1e-9):
+                hint = "the cast is to fp16 (torch.float16)"
+            else:
+                hint = "multiply by the scale, cast to torch.float16, and count the nonzero values that became 0"
+            return failed(f"{what}: wrong for a tensor of shape {tuple(t.shape)} at scale 2^{math.log2(scale):g} "
+                          f"({hint}).")
+    return passed(f"{what}: right on {len(cases)} fresh tensors (magnitudes 2^-40 .. 1, some exact zeros, "
+                  f"power-of-two scales): it agrees with labkit.precision.flush_fraction.")
+
+
+# ---- exercise 5 (why): a dynamic scaler skips the step on overflow ----------------------------------
+WHY_SKIP = {
+    "a": "an inf or nan gradient gives no usable update (dividing it by S leaves it inf or nan), so the step's "
+         "gradient is lost anyway; skipping it and halving S costs one step and keeps the weights finite",
+    "b": "the gradients would be fine after the division by S; the step is skipped only so that the count of "
+         "clean steps restarts",
+    "c": "an optimizer step on fp16 gradients that hold inf runs much slower, so it is cheaper to skip it",
+}
+
+
+def check_why_skip(answer) -> bool:
+    from . import not_answered, unanswered
+
+    what = "why a dynamic loss scaler skips the optimizer step when a gradient overflows"
+    if unanswered(answer):
+        return not_answered(what)
+    choice = str(answer).strip().lower().strip("()")
+    if choice not in WHY_SKIP:
+        return failed(f"{what}: answer with one of {', '.join(WHY_SKIP)}")
+    if choice == "a":
+        return passed(f"{what}: right: one inf in the gradients would make the update (and soon every weight) inf "
+                      f"or nan; a skipped step is cheap, a corrupted model is not.")
+    if choice == "b":
+        return failed(f"{what}: work out what inf / S and nan / S are, and what the optimizer would do with them.")
+    return failed(f"{what}: speed is not the concern here; think about the weights after a step taken with an inf "
+                  f"in the gradient.")

@@ -54,3 +54,19 @@ def scaled_mm_scale(amax: float, fp8_max: float = 448.0) -> float:
 
 
 SCALE_A = scaled_mm_scale(1e4)  # e4m3: 10**4 / 448 = 22.32
+
+
+# ---- exercise 4 (code): the share of values that flush to zero ---------------------------------------
+def flush_share(tensor, scale):
+    """Scale, cast to fp16, and count the values that were nonzero and became 0, among the nonzero ones."""
+    import torch
+
+    x = tensor.detach().double()  # fp64: only the cast rounds, never the scaling
+    nonzero = x != 0
+    flushed = nonzero & ((x * scale).to(torch.float16) == 0)
+    n = int(nonzero.sum())
+    return int(flushed.sum()) / n if n else 0.0
+
+
+# ---- exercise 5 (why) ---------------------------------------------------------------------------------
+WHY_SKIP = "a"

@@ -64,3 +64,77 @@ def test_why_peak(s01, says, blank):
     says("❌", "one of")
     assert lesson01.check_why_peak(blank) is False
     says("❌", "not answered")
+
+
+# ---- lesson 02 -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s02():
+    return load_solutions(2)
+
+
+@pytest.mark.parametrize("seed", [1, 7])
+def test_flush_share_solution_passes(s02, seed, says):
+    from labkit.exercises import lesson02
+
+    assert lesson02.check_flush_share(s02.flush_share, seed=seed) is True
+    says("✅", "fresh tensors")
+
+
+def test_flush_share_cases_have_zeros_and_flushes():
+    from labkit.exercises import lesson02
+    from labkit.precision import flush_fraction
+
+    for t, scale in lesson02._flush_cases(3):
+        assert (t == 0).any() and 0 < flush_fraction(t, "fp16", scale) < 1
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    ("all_values", "nonzero values only"),
+    ("no_scale", "multiplies the values before the cast"),
+    ("bf16", "torch.float16"),
+    ("below_min", "count the nonzero values"),
+])
+def test_flush_share_wrong_answers_fail_with_a_hint(wrong, hint, says):
+    import torch
+
+    from labkit.exercises import lesson02
+
+    def fn(t, scale):
+        x = t.double()
+        if wrong == "all_values":  # zeros counted in the denominator
+            return float(((x != 0) & ((x * scale).half() == 0)).sum()) / x.numel()
+        if wrong == "no_scale":
+            return float(((x != 0) & (x.half() == 0)).sum()) / float((x != 0).sum())
+        if wrong == "bf16":
+            return float(((x != 0) & ((x * scale).to(torch.bfloat16) == 0)).sum()) / float((x != 0).sum())
+        # below fp16's smallest normal 2^-14, not its smallest subnormal: subnormals counted as flushed
+        return float(((x != 0) & ((x * scale).abs() < 2.0**-14)).sum()) / float((x != 0).sum())
+
+    assert lesson02.check_flush_share(fn, seed=1) is False
+    says("❌", "wrong for", hint)
+
+
+def test_flush_share_blank_and_errors_fail(says, blank):
+    from labkit.exercises import lesson02
+
+    assert lesson02.check_flush_share(blank) is False
+    says("❌", "not answered")
+    assert lesson02.check_flush_share(lambda t, s: 1 / 0, seed=1) is False
+    says("❌", "raised ZeroDivisionError")
+    assert lesson02.check_flush_share("0.5", seed=1) is False
+    says("❌", "expected a function")
+
+
+def test_why_skip(s02, says, blank):
+    from labkit.exercises import lesson02
+
+    assert lesson02.check_why_skip(s02.WHY_SKIP) is True
+    says("✅", "corrupted model")
+    assert lesson02.check_why_skip("b") is False
+    says("❌", "inf / S")
+    assert lesson02.check_why_skip("C") is False
+    says("❌", "speed")
+    assert lesson02.check_why_skip("x") is False
+    says("❌", "one of")
+    assert lesson02.check_why_skip(blank) is False
+    says("❌", "not answered")
