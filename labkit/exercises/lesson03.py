@@ -189,3 +189,88 @@ def check_scores_crossover(answer, config, batch: int, seq: int, dtype: str = "f
     return failed(f"{name}: at your S, take the estimate's 'attention scores (s^2)' P and 'activations saved by the "
                   "blocks' R (manual attention). P grows like S^2; R like S, but for its S^2-byte causal mask per layer: "
                   "solve (R - L S^2) S*/S + L S*^2 = P S*^2 / S^2.")
+
+
+# ---- exercise 5 (code): the best number of segments from a and A ----------------------------------------
+def _segments_cost(n: int, k: int, block_bytes: int, input_bytes: int) -> int:
+    """k kept segment inputs + the largest segment's recomputed activations (k even segments of whole blocks)."""
+    import math
+
+    return k * input_bytes + math.ceil(n / k) * block_bytes
+
+
+def _segments_cases(seed: int) -> list[tuple[int, int, int]]:
+    """Fresh (n blocks, A bytes a block saves, a bytes of its input): A/a from 2 to 40, as real blocks span."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(6):
+        a = rng.randint(1, 64) * 4096
+        out.append((rng.randint(3, 64), int(a * rng.uniform(2, 40)), a))
+    return out
+
+
+def check_best_k(fn, seed: int | None = None) -> bool:
+    """The learner's best_k(n_blocks, block_bytes, input_bytes), compared with labkit.recompute.best_segments."""
+    import math
+    import random
+
+    from labkit.recompute import best_segments
+
+    from . import not_answered, unanswered
+
+    what = "best_k(n_blocks, block_bytes, input_bytes)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    cases = _segments_cases(random.randrange(1 << 30) if seed is None else seed)
+    for n, A, a in cases:
+        try:
+            got = fn(n, A, a)
+        except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+            return failed(f"{what} raised {type(e).__name__}: {e} for n={n}, A={A:,}, a={a:,}")
+        want = best_segments(n, A, a)
+        if isinstance(got, bool) or not isinstance(got, int) or not 1 <= got <= n:
+            return failed(f"{what}: for n={n} it returned {got!r}; k is a whole number of segments from 1 to n.")
+        if _segments_cost(n, got, A, a) != _segments_cost(n, want, A, a):  # ties: any k of the lowest cost
+            root = math.sqrt(n * A / a)
+            if got in (math.floor(root), math.ceil(root), round(math.sqrt(n))):
+                hint = ("a square root is where the smooth curve is lowest; the peak is lowest at a whole k with "
+                        "whole blocks per segment: compare the candidates")
+            elif got == min(range(1, n + 1), key=lambda k: k * a + n / k * A):
+                hint = "segments hold whole blocks: the one being recomputed can hold more than n/k of them"
+            else:
+                hint = ("for each k, add the k kept inputs and the activations of the largest segment while it is "
+                        "recomputed; keep the k where that is smallest")
+            return failed(f"{what}: wrong for n={n}, A={A:,}, a={a:,} ({hint}).")
+    return passed(f"{what}: right on {len(cases)} fresh (n, A, a): it agrees with labkit.recompute.best_segments.")
+
+
+# ---- exercise 6 (why): offloaded activations go to pinned memory -----------------------------------------
+WHY_PINNED = {
+    "a": "pinned host memory holds twice as many bytes per page, so the offloaded activations take half the room",
+    "b": "only page-locked host memory can be copied to and from the GPU asynchronously; a copy from pageable "
+         "memory is staged through a pinned buffer and makes the host wait, so it cannot overlap with compute",
+    "c": "pinned memory is allocated on the GPU, so the copies never leave the device",
+}
+
+
+def check_why_pinned(answer) -> bool:
+    from . import not_answered, unanswered
+
+    what = "why offloaded activations are copied to pinned host memory"
+    if unanswered(answer):
+        return not_answered(what)
+    choice = str(answer).strip().lower().strip("()")
+    if choice not in WHY_PINNED:
+        return failed(f"{what}: answer with one of {', '.join(WHY_PINNED)}")
+    if choice == "b":
+        return passed(f"{what}: right: the GPU's copy engine reads and writes page-locked memory directly, so a "
+                      f"non_blocking copy on a side stream runs while the next kernels compute.")
+    if choice == "a":
+        return failed(f"{what}: pinning changes whether the OS may move a page, not how much a page holds; think "
+                      f"about what the transfer needs to overlap with compute.")
+    return failed(f"{what}: pinned memory is host RAM; look at what the offload is meant to free and what the copy "
+                  f"must not block.")

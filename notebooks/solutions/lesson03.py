@@ -50,3 +50,16 @@ def scores_crossover(config, batch: int, seq: int) -> float:
     terms = {t.name: t.bytes for t in estimate(replace(config, attention="manual"), batch, seq).terms}
     P, R, L = terms["attention scores (s^2)"], terms["activations saved by the blocks"], config.n_layer
     return ((R - L * seq**2) / seq) / (P / seq**2 - L)
+
+
+# ---- exercise 5 (code): the best number of segments from a and A -------------------------------------------
+def best_k(n_blocks: int, block_bytes: int, input_bytes: int) -> int:
+    """k kept segment inputs + the largest of k even segments (ceil(n/k) whole blocks) recomputed: the lowest k."""
+    def peak(k):
+        return k * input_bytes + -(-n_blocks // k) * block_bytes
+
+    return min(range(1, n_blocks + 1), key=peak)
+
+
+# ---- exercise 6 (why) -------------------------------------------------------------------------------------
+WHY_PINNED = "b"

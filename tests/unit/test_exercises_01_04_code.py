@@ -138,3 +138,63 @@ def test_why_skip(s02, says, blank):
     says("❌", "one of")
     assert lesson02.check_why_skip(blank) is False
     says("❌", "not answered")
+
+
+# ---- lesson 03 -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s03():
+    return load_solutions(3)
+
+
+@pytest.mark.parametrize("seed", [1, 7])
+def test_best_k_solution_passes(s03, seed, says):
+    from labkit.exercises import lesson03
+
+    assert lesson03.check_best_k(s03.best_k, seed=seed) is True
+    says("✅", "best_segments")
+
+
+def test_best_k_wrong_answers_fail_with_a_hint(says, blank):
+    import math
+
+    from labkit.exercises import lesson03
+
+    def sqrt_rule(n, A, a):  # the smooth curve's minimum, rounded
+        return max(1, min(n, round(math.sqrt(n * A / a))))
+
+    def smooth(n, A, a):  # n / k blocks per segment, as if blocks could be split
+        return min(range(1, n + 1), key=lambda k: k * a + n / k * A)
+
+    def every_block(n, A, a):
+        return n
+
+    found = {}
+    for name, fn in (("sqrt", sqrt_rule), ("smooth", smooth), ("n", every_block)):
+        for seed in range(1, 40):  # a draw where this slip gives a worse peak
+            if lesson03.check_best_k(fn, seed=seed) is False:
+                found[name] = says("❌", "wrong for")
+                break
+    assert set(found) == {"sqrt", "smooth", "n"}
+    assert "compare the candidates" in found["sqrt"] or "whole blocks" in found["sqrt"]
+    assert "largest segment" in found["n"] or "whole" in found["n"]
+    assert lesson03.check_best_k(lambda n, A, a: 0, seed=1) is False
+    says("❌", "from 1 to n")
+    assert lesson03.check_best_k(lambda n, A, a: [][0], seed=1) is False
+    says("❌", "raised IndexError")
+    assert lesson03.check_best_k(blank) is False
+    says("❌", "not answered")
+
+
+def test_why_pinned(s03, says, blank):
+    from labkit.exercises import lesson03
+
+    assert lesson03.check_why_pinned(s03.WHY_PINNED) is True
+    says("✅", "copy engine")
+    assert lesson03.check_why_pinned("a") is False
+    says("❌", "overlap")
+    assert lesson03.check_why_pinned("c") is False
+    says("❌", "host RAM")
+    assert lesson03.check_why_pinned("?") is False
+    says("❌", "one of")
+    assert lesson03.check_why_pinned(blank) is False
+    says("❌", "not answered")
