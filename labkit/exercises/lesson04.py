@@ -76,3 +76,94 @@ def check_largest_micro_batch(answer, config, batch: int, seq: int, budget: int,
         return failed(f"{name}: micro-batch {m} does not fit: its predicted peak is {fmt_bytes(peak(m))}. Try a smaller one.")
     return failed(f"{name}: a larger micro-batch fits too: compare estimate(..., micro_batch=k).peak.total with the budget "
                   "for every divisor k of the batch.")
+
+
+# ---- exercise 3 (code): token shares of padded micro-batches ----------------------------------------------
+def _padded_cases(seed: int) -> list[tuple]:
+    """Fresh padded batches: targets (rows, seq) whose rows end in a random run of ignore_index, split into
+    uneven micro-batches; the ignore_index is -100 or another value."""
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for ignore in (-100, rng.choice([-1, 0])):
+        rows, seq = rng.randint(4, 12), rng.randint(8, 32)
+        y = torch.randint(1, 1000, (rows, seq), generator=g)
+        for r in range(rows):
+            y[r, rng.randint(1, seq):] = ignore  # every row keeps at least one counted token
+        sizes, left = [], rows
+        while left:
+            sizes.append(rng.randint(1, left))
+            left -= sizes[-1]
+        out.append((y, sizes, ignore))
+    return out
+
+
+def check_token_shares(fn, seed: int | None = None) -> bool:
+    """The learner's token_shares(y, sizes, ignore_index), compared with labkit.accumulate.micro_shares."""
+    import random
+
+    from labkit.accumulate import micro_shares
+
+    from . import not_answered, unanswered
+
+    what = "token_shares(y, sizes, ignore_index)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    cases = _padded_cases(random.randrange(1 << 30) if seed is None else seed)
+    for y, sizes, ignore in cases:
+        where = f"a batch of {y.shape[0]} rows split {sizes}, ignore_index={ignore}"
+        try:
+            got = [float(s) for s in fn(y.clone(), list(sizes), ignore)]
+        except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+            return failed(f"{what} raised {type(e).__name__}: {e} for {where}")
+        want = micro_shares(y, sizes, "tokens", ignore)
+        if len(got) != len(want):
+            return failed(f"{what}: {len(got)} shares for {len(sizes)} micro-batches ({where}); one share each.")
+        if all(close(g_, w, rel=1e-6, abs_=1e-9) for g_, w in zip(got, want)):
+            continue
+        rows = micro_shares(y, sizes, "rows")  # = every position counted, padding included
+        if all(close(g_, r, rel=1e-6, abs_=1e-9) for g_, r in zip(got, rows)):
+            hint = ("that counts every position (the rows' shares); the pad positions, marked with the ignore_index "
+                    "passed in, are not in the loss")
+        elif all(close(g_, 1 / len(sizes), rel=1e-6) for g_ in got):
+            hint = "equal shares ignore how many tokens each micro-batch holds"
+        else:
+            hint = "count, in each micro-batch, the targets that are not ignore_index, over the batch's count"
+        return failed(f"{what}: wrong for {where} ({hint}).")
+    return passed(f"{what}: right on {len(cases)} fresh padded batches with uneven micro-batches: it agrees with "
+                  f"labkit.accumulate.micro_shares(..., weight=\"tokens\").")
+
+
+# ---- exercise 4 (why): DDP's all-reduce waits for the last micro-batch ---------------------------------
+WHY_NO_SYNC = {
+    "a": "the earlier micro-batches' gradients are not needed: only the last micro-batch's gradient is averaged "
+         "across ranks",
+    "b": "the all-reduce is a sum, and a sum of sums does not depend on the order: reducing the accumulated "
+         "gradient once gives the same result as reducing each micro-batch's gradient and adding them",
+    "c": "an all-reduce during backward would free the gradients of the earlier micro-batches",
+}
+
+
+def check_why_no_sync(answer) -> bool:
+    from . import not_answered, unanswered
+
+    what = "why data parallelism can skip the all-reduce on all but the last micro-batch"
+    if unanswered(answer):
+        return not_answered(what)
+    choice = str(answer).strip().lower().strip("()")
+    if choice not in WHY_NO_SYNC:
+        return failed(f"{what}: answer with one of {', '.join(WHY_NO_SYNC)}")
+    if choice == "b":
+        return passed(f"{what}: right: the reduction is linear, so one all-reduce of the accumulated .grad equals "
+                      f"the sum of one per micro-batch, for a fraction of the communication.")
+    if choice == "a":
+        return failed(f"{what}: every micro-batch's gradient is in the step; look at what .grad holds when the last "
+                      f"backward ends.")
+    return failed(f"{what}: an all-reduce replaces a tensor's values with the ranks' sum; it frees nothing. "
+                  f"Compare reducing each micro-batch's gradient with reducing their sum.")

@@ -23,3 +23,17 @@ def largest_micro_batch(config, batch: int, seq: int, budget: int, dtype: str = 
 
 
 # In the notebook: largest_micro_batch(CONFIG, B, S, TIGHT or ROOMY, DTYPE, "full", KIND)
+
+
+# ---- exercise 3 (code): token shares of padded micro-batches -----------------------------------------------
+def token_shares(y, sizes, ignore_index=-100):
+    """n_i / N: each micro-batch's targets that are not ignore_index, over the whole batch's."""
+    import torch
+
+    counts = [int((part != ignore_index).sum()) for part in torch.split(y, list(sizes))]
+    total = sum(counts)
+    return [n / total for n in counts]
+
+
+# ---- exercise 4 (why) ---------------------------------------------------------------------------------------
+WHY_NO_SYNC = "b"

@@ -198,3 +198,77 @@ def test_why_pinned(s03, says, blank):
     says("❌", "one of")
     assert lesson03.check_why_pinned(blank) is False
     says("❌", "not answered")
+
+
+# ---- lesson 04 -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s04():
+    return load_solutions(4)
+
+
+@pytest.mark.parametrize("seed", [1, 7])
+def test_token_shares_solution_passes(s04, seed, says):
+    from labkit.exercises import lesson04
+
+    assert lesson04.check_token_shares(s04.token_shares, seed=seed) is True
+    says("✅", "micro_shares")
+
+
+def test_token_shares_cases_are_padded_and_uneven():
+    from labkit.exercises import lesson04
+
+    for y, sizes, ignore in lesson04._padded_cases(3):
+        assert (y == ignore).any() and sum(sizes) == y.shape[0]
+        assert ((y != ignore).sum(dim=1) >= 1).all()
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    ("rows", "every position"),
+    ("equal", "equal shares"),
+    ("minus100", "the ignore_index passed in"),  # ignores the ignore_index it is given
+    ("ones", "count, in each micro-batch"),
+])
+def test_token_shares_wrong_answers_fail_with_a_hint(wrong, hint, says):
+    import torch
+
+    from labkit.exercises import lesson04
+
+    def fn(y, sizes, ignore_index):
+        parts = torch.split(y, list(sizes))
+        if wrong == "rows":
+            return [s / y.shape[0] for s in sizes]
+        if wrong == "equal":
+            return [1 / len(sizes)] * len(sizes)
+        if wrong == "ones":
+            return [1.0] * len(sizes)
+        counts = [int((p != -100).sum()) for p in parts]
+        return [c / sum(counts) for c in counts]
+
+    assert lesson04.check_token_shares(fn, seed=1) is False
+    says("❌", "wrong for", hint)
+
+
+def test_token_shares_blank_and_errors_fail(says, blank):
+    from labkit.exercises import lesson04
+
+    assert lesson04.check_token_shares(blank) is False
+    says("❌", "not answered")
+    assert lesson04.check_token_shares(lambda y, s, i: [1.0], seed=1) is False
+    says("❌", "one share each")
+    assert lesson04.check_token_shares(lambda y, s, i: y.foo, seed=1) is False
+    says("❌", "raised AttributeError")
+
+
+def test_why_no_sync(s04, says, blank):
+    from labkit.exercises import lesson04
+
+    assert lesson04.check_why_no_sync(s04.WHY_NO_SYNC) is True
+    says("✅", "linear")
+    assert lesson04.check_why_no_sync("a") is False
+    says("❌", ".grad holds")
+    assert lesson04.check_why_no_sync("c") is False
+    says("❌", "frees nothing")
+    assert lesson04.check_why_no_sync("") is False
+    says("❌", "one of")
+    assert lesson04.check_why_no_sync(blank) is False
+    says("❌", "not answered")
