@@ -1,10 +1,13 @@
-"""Checks for lesson 01 (memory accounting): bytes per parameter, the logits term, the largest batch that fits.
+"""Checks for lesson 01 (memory accounting): bytes per parameter, the logits term, the largest batch that fits
+(a number, then a function checked on fresh models and budgets), and why the peak is not the sum of the terms.
 
 Every expected value comes from labkit.memory (the estimator and its term functions), so a check
 agrees with the lesson's own predictions by construction.
 """
 
 from __future__ import annotations
+
+import random
 
 from labkit.memory import GiB, MiB, fmt_bytes
 from labkit.estimate.predict import (
@@ -17,7 +20,7 @@ from labkit.estimate.predict import (
 )
 from labkit.estimate.spec import spec_from
 
-from . import close, failed, integer, number, passed
+from . import close, failed, integer, not_answered, number, passed, unanswered
 
 LOGITS_TERM = "log-softmax of the logits"  # the estimator's name for the B x S x V term
 STATES = {"sgd": "no state", "sgd-momentum": "one momentum buffer", "adam": "two moments, m and v",
@@ -157,8 +160,6 @@ def check_largest_batch(answer, model, seq: int, budget: int, dtype: str = "fp32
 def _largest_batch_cases(seed: int) -> list[tuple]:
     """Fresh questions: a tiny preset, a sequence length and a budget between the peaks of two neighbouring
     batches (so exactly one answer is right), and one budget that not even batch 1 fits."""
-    import random
-
     rng = random.Random(seed)
     out = []
     for model in ("gpt2-tiny", "llama-tiny"):
@@ -178,11 +179,7 @@ def largest_batch(model, seq: int, budget: int) -> int:
 
 
 def check_largest_batch_fn(fn, seed: int | None = None) -> bool:
-    """The learner's largest_batch(model, seq, budget), compared with the reference on fresh cases."""
-    import random
-
-    from . import not_answered, unanswered
-
+    """The learner's largest_batch_fn(model, seq, budget), compared with the reference on fresh cases."""
     what = "largest_batch_fn(model, seq, budget)"
     if unanswered(fn):
         return not_answered(what)
@@ -214,8 +211,6 @@ WHY_PEAK = {
 
 
 def check_why_peak(answer) -> bool:
-    from . import not_answered, unanswered
-
     what = "why the step's peak is smaller than the sum of all its terms"
     if unanswered(answer):
         return not_answered(what)

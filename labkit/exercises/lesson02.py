@@ -1,5 +1,6 @@
 """Checks for lesson 02 (mixed precision): bytes per parameter with fp32 masters, the window of usable
-fp16 loss scales, and the scale torch._scaled_mm expects.
+fp16 loss scales, the scale torch._scaled_mm expects, a function for the share of values fp16 flushes (checked on
+fresh tensors), and why a loss scaler skips an overflowing step.
 
 Expected values come from labkit.precision (bytes_per_param, flush_fraction, overflow_fraction and
 the FP8 format table), never typed in.
@@ -8,13 +9,14 @@ the FP8 format table), never typed in.
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
 from labkit.precision import bytes_per_param, flush_fraction, overflow_fraction
 from labkit.precision.fp8 import FORMATS, AMAX_FLOOR
 
-from . import close, failed, number, passed
+from . import close, failed, not_answered, number, passed, unanswered
 
 STATES = {"sgd": "no state", "sgd-momentum": "one momentum buffer", "adam": "two moments, m and v",
           "adamw": "two moments, m and v"}
@@ -160,29 +162,23 @@ def check_scaled_mm_scale(answer, amax: float, fmt: str = "e4m3") -> bool:
 
 # ---- exercise 4 (code): the share of values that flush to zero ---------------------------------------
 def _flush_cases(seed: int) -> list[tuple[torch.Tensor, float]]:
-    """Fresh tensors: magnitudes log-uniform over 2^-40 .. 2^0 (both sides of fp16's 2^-24), random signs,
-    about a tenth exact zeros (which never count as flushed), each with a power-of-two loss scale."""
-    import random
-
+    """Fresh tensors: magnitudes log-uniform over 2^-48 .. 2^0 (both sides of fp16's 2^-24 at every scale drawn),
+    random signs, about a tenth exact zeros (which never count as flushed), each with a loss scale 2^0 .. 2^12."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(3):
-        shape = tuple(rng.randint(3, 40) for _ in range(rng.randint(1, 3)))
-        mag = torch.exp2(-40 * torch.rand(shape, generator=g))
+        shape = tuple(rng.randint(8, 40) for _ in range(rng.randint(1, 3)))
+        mag = torch.exp2(-48 * torch.rand(shape, generator=g))
         sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
         zero = torch.rand(shape, generator=g) < 0.1
         t = torch.where(zero, torch.zeros(shape), sign * mag)
-        out.append((t, 2.0 ** rng.randint(0, 16)))
+        out.append((t, 2.0 ** rng.randint(0, 12)))
     return out
 
 
 def check_flush_share(fn, seed: int | None = None) -> bool:
     """The learner's flush_share(tensor, scale), compared with labkit.precision.flush_fraction on fresh tensors."""
-    import random
-
-    from . import not_answered, unanswered
-
     what = "flush_share(tensor, scale)"
     if unanswered(fn):
         return not_answered(what)
@@ -209,7 +205,7 @@ def check_flush_share(fn, seed: int | None = None) -> bool:
                 hint = "multiply by the scale, cast to torch.float16, and count the nonzero values that became 0"
             return failed(f"{what}: wrong for a tensor of shape {tuple(t.shape)} at scale 2^{math.log2(scale):g} "
                           f"({hint}).")
-    return passed(f"{what}: right on {len(cases)} fresh tensors (magnitudes 2^-40 .. 1, some exact zeros, "
+    return passed(f"{what}: right on {len(cases)} fresh tensors (magnitudes 2^-48 .. 1, some exact zeros, "
                   f"power-of-two scales): it agrees with labkit.precision.flush_fraction.")
 
 
@@ -224,8 +220,6 @@ WHY_SKIP = {
 
 
 def check_why_skip(answer) -> bool:
-    from . import not_answered, unanswered
-
     what = "why a dynamic loss scaler skips the optimizer step when a gradient overflows"
     if unanswered(answer):
         return not_answered(what)

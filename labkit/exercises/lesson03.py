@@ -7,6 +7,9 @@ checkpoint option, and a measured training step under FlopCounterMode (labkit.ru
 
 from __future__ import annotations
 
+import math
+import random
+
 import torch
 
 from labkit.memory import MiB, fmt_bytes
@@ -14,7 +17,7 @@ from labkit.estimate import estimate
 from labkit.estimate.predict import Precision
 from labkit.estimate.spec import spec_from
 
-from . import close, failed, integer, number, passed
+from . import close, failed, integer, not_answered, number, passed, unanswered
 
 
 # ---- exercise 1: what full checkpointing keeps per block ----------------------------------------
@@ -194,15 +197,11 @@ def check_scores_crossover(answer, config, batch: int, seq: int, dtype: str = "f
 # ---- exercise 5 (code): the best number of segments from a and A ----------------------------------------
 def _segments_cost(n: int, k: int, block_bytes: int, input_bytes: int) -> int:
     """k kept segment inputs + the largest segment's recomputed activations (k even segments of whole blocks)."""
-    import math
-
     return k * input_bytes + math.ceil(n / k) * block_bytes
 
 
 def _segments_cases(seed: int) -> list[tuple[int, int, int]]:
     """Fresh (n blocks, A bytes a block saves, a bytes of its input): A/a from 2 to 40, as real blocks span."""
-    import random
-
     rng = random.Random(seed)
     out = []
     for _ in range(6):
@@ -213,12 +212,7 @@ def _segments_cases(seed: int) -> list[tuple[int, int, int]]:
 
 def check_best_k(fn, seed: int | None = None) -> bool:
     """The learner's best_k(n_blocks, block_bytes, input_bytes), compared with labkit.recompute.best_segments."""
-    import math
-    import random
-
     from labkit.recompute import best_segments
-
-    from . import not_answered, unanswered
 
     what = "best_k(n_blocks, block_bytes, input_bytes)"
     if unanswered(fn):
@@ -242,8 +236,8 @@ def check_best_k(fn, seed: int | None = None) -> bool:
             elif got == min(range(1, n + 1), key=lambda k: k * a + n / k * A):
                 hint = "segments hold whole blocks: the one being recomputed can hold more than n/k of them"
             else:
-                hint = ("for each k, add the k kept inputs and the activations of the largest segment while it is "
-                        "recomputed; keep the k where that is smallest")
+                hint = ("look at what is alive at the peak of backward: the kept segment inputs, and the activations "
+                        "of the segment being recomputed (which one is largest?)")
             return failed(f"{what}: wrong for n={n}, A={A:,}, a={a:,} ({hint}).")
     return passed(f"{what}: right on {len(cases)} fresh (n, A, a): it agrees with labkit.recompute.best_segments.")
 
@@ -258,8 +252,6 @@ WHY_PINNED = {
 
 
 def check_why_pinned(answer) -> bool:
-    from . import not_answered, unanswered
-
     what = "why offloaded activations are copied to pinned host memory"
     if unanswered(answer):
         return not_answered(what)

@@ -1,5 +1,6 @@
-"""Checks for lesson 04 (gradient accumulation): the weight of a micro-batch's loss, and the largest
-micro-batch whose predicted peak fits a budget.
+"""Checks for lesson 04 (gradient accumulation): the weight of a micro-batch's loss, the largest
+micro-batch whose predicted peak fits a budget, a function for the token shares of padded micro-batches
+(checked on fresh batches), and why data parallelism may skip the all-reduce until the last micro-batch.
 
 Expected values come from the library: labkit.accumulate.split_sizes and the estimator's
 `micro_batch=` option.
@@ -7,11 +8,15 @@ Expected values come from the library: labkit.accumulate.split_sizes and the est
 
 from __future__ import annotations
 
-from labkit.accumulate import split_sizes
+import random
+
+import torch
+
+from labkit.accumulate import micro_shares, split_sizes
 from labkit.memory import fmt_bytes
 from labkit.estimate import estimate
 
-from . import close, failed, integer, number, passed
+from . import close, failed, integer, not_answered, number, passed, unanswered
 
 
 # ---- exercise 1: the weight of a micro-batch's loss ----------------------------------------------
@@ -82,10 +87,6 @@ def check_largest_micro_batch(answer, config, batch: int, seq: int, budget: int,
 def _padded_cases(seed: int) -> list[tuple]:
     """Fresh padded batches: targets (rows, seq) whose rows end in a random run of ignore_index, split into
     uneven micro-batches; the ignore_index is -100 or another value."""
-    import random
-
-    import torch
-
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -104,12 +105,6 @@ def _padded_cases(seed: int) -> list[tuple]:
 
 def check_token_shares(fn, seed: int | None = None) -> bool:
     """The learner's token_shares(y, sizes, ignore_index), compared with labkit.accumulate.micro_shares."""
-    import random
-
-    from labkit.accumulate import micro_shares
-
-    from . import not_answered, unanswered
-
     what = "token_shares(y, sizes, ignore_index)"
     if unanswered(fn):
         return not_answered(what)
@@ -134,7 +129,7 @@ def check_token_shares(fn, seed: int | None = None) -> bool:
         elif all(close(g_, 1 / len(sizes), rel=1e-6) for g_ in got):
             hint = "equal shares ignore how many tokens each micro-batch holds"
         else:
-            hint = "count, in each micro-batch, the targets that are not ignore_index, over the batch's count"
+            hint = "look at which targets F.cross_entropy averages over, in each micro-batch and in the whole batch"
         return failed(f"{what}: wrong for {where} ({hint}).")
     return passed(f"{what}: right on {len(cases)} fresh padded batches with uneven micro-batches: it agrees with "
                   f"labkit.accumulate.micro_shares(..., weight=\"tokens\").")
@@ -151,8 +146,6 @@ WHY_NO_SYNC = {
 
 
 def check_why_no_sync(answer) -> bool:
-    from . import not_answered, unanswered
-
     what = "why data parallelism can skip the all-reduce on all but the last micro-batch"
     if unanswered(answer):
         return not_answered(what)

@@ -176,7 +176,7 @@ def test_best_k_wrong_answers_fail_with_a_hint(says, blank):
                 break
     assert set(found) == {"sqrt", "smooth", "n"}
     assert "compare the candidates" in found["sqrt"] or "whole blocks" in found["sqrt"]
-    assert "largest segment" in found["n"] or "whole" in found["n"]
+    assert "alive at the peak" in found["n"] or "whole" in found["n"]
     assert lesson03.check_best_k(lambda n, A, a: 0, seed=1) is False
     says("❌", "from 1 to n")
     assert lesson03.check_best_k(lambda n, A, a: [][0], seed=1) is False
@@ -226,7 +226,7 @@ def test_token_shares_cases_are_padded_and_uneven():
     ("rows", "every position"),
     ("equal", "equal shares"),
     ("minus100", "the ignore_index passed in"),  # ignores the ignore_index it is given
-    ("ones", "count, in each micro-batch"),
+    ("ones", "F.cross_entropy averages over"),
 ])
 def test_token_shares_wrong_answers_fail_with_a_hint(wrong, hint, says):
     import torch
