@@ -196,3 +196,66 @@ def test_break_even_wrong_answers_fail(shape, answer, hint, says):
 def test_galore_checks_refuse_a_vector():
     with pytest.raises(ValueError, match="shape"):
         lesson06.check_break_even_rank(1, (10,))
+
+
+# ---- lesson 05, exercise 4: state_bytes(optimizer, shape) on fresh shapes -----------------------------------
+def test_state_bytes_solution_passes_on_fresh_shapes(sol05, says):
+    assert lesson05.check_state_bytes(sol05.state_bytes, seed=1) is True
+    says("✅", "fresh shapes")
+    assert lesson05.check_state_bytes(sol05.state_bytes, seed=2) is True
+    assert lesson05._shapes(1) != lesson05._shapes(2)
+
+
+def test_state_bytes_shapes_cover_both_rules():
+    for seed in range(20):
+        big, small, vec = lesson05._shapes(seed)
+        assert math.prod(big) >= 4096 and math.prod(big) % 256 and math.prod(small) < 4096 and len(vec) == 1
+
+
+def test_state_bytes_slips_fail_with_a_hint(sol05, says, blank):
+    def no_min_size(optimizer, shape):  # 8-bit for every tensor
+        if optimizer == "adam8bit":
+            n = math.prod(shape)
+            return 2 * n + 8 * math.ceil(n / 256)
+        return sol05.state_bytes(optimizer, shape)
+
+    assert lesson05.check_state_bytes(no_min_size, seed=1) is False
+    says("❌", "'adam8bit'", "min_8bit_size")
+
+    def floor_blocks(optimizer, shape):  # the last, shorter block forgotten
+        n = math.prod(shape)
+        if optimizer == "adam8bit" and n >= 4096:
+            return 2 * n + 8 * (n // 256)
+        return sol05.state_bytes(optimizer, shape)
+
+    assert lesson05.check_state_bytes(floor_blocks, seed=1) is False
+    says("❌", "block count")
+
+    def adafactor_full_v(optimizer, shape):
+        return 4 * math.prod(shape) if optimizer == "adafactor" else sol05.state_bytes(optimizer, shape)
+
+    assert lesson05.check_state_bytes(adafactor_full_v, seed=1) is False
+    says("❌", "'adafactor'", "row and column")
+
+    def boom(optimizer, shape):
+        raise KeyError(optimizer)
+
+    assert lesson05.check_state_bytes(boom, seed=1) is False
+    says("❌", "raised KeyError")
+    assert lesson05.check_state_bytes(42, seed=1) is False
+    says("❌", "expected a function")
+    assert lesson05.check_state_bytes(blank) is False
+    says("❌", "not answered")
+
+
+def test_why_small(sol05, says, blank):
+    assert lesson05.check_why_small(sol05.WHY_SMALL) is True
+    says("✅", "6 bytes per value")
+    assert lesson05.check_why_small("a") is False
+    says("❌", "section 2.1")
+    assert lesson05.check_why_small("(C)") is False
+    says("❌", "padded")
+    assert lesson05.check_why_small("d") is False
+    says("❌", "one of")
+    assert lesson05.check_why_small(blank) is False
+    says("❌", "not answered")
