@@ -259,3 +259,53 @@ def test_why_small(sol05, says, blank):
     says("❌", "one of")
     assert lesson05.check_why_small(blank) is False
     says("❌", "not answered")
+
+
+# ---- lesson 06, exercise 3: galore_state(m, n, r) on fresh shapes -------------------------------------------
+def test_galore_state_solution_passes_on_fresh_shapes(sol06, says):
+    assert lesson06.check_galore_state(sol06.galore_state, seed=1) is True
+    says("✅", "fresh matrices")
+    assert lesson06.check_galore_state(sol06.galore_state, seed=2) is True
+    assert lesson06._cases(1) != lesson06._cases(2)
+    assert all(m != n for m, n, _ in lesson06._cases(3))
+
+
+def test_galore_state_slips_fail_with_a_hint(says, blank):
+    def larger_side(m, n, r):  # projector on the larger side
+        return 4 * r * (max(m, n) + 2 * min(m, n))
+
+    assert lesson06.check_galore_state(larger_side, seed=1) is False
+    says("❌", "wrong for", "smaller or the larger")
+
+    def rows_always(m, n, r):  # right for a wide matrix only
+        return 4 * r * (m + 2 * n)
+
+    assert lesson06.check_galore_state(rows_always, seed=1) is False
+    says("❌", "tall matrix")
+
+    def no_projector(m, n, r):
+        return 4 * 2 * r * max(m, n)
+
+    assert lesson06.check_galore_state(no_projector, seed=1) is False
+    says("❌", "projector")
+
+    def boom(m, n, r):
+        raise ZeroDivisionError("oops")
+
+    assert lesson06.check_galore_state(boom, seed=1) is False
+    says("❌", "raised ZeroDivisionError")
+    assert lesson06.check_galore_state(blank) is False
+    says("❌", "not answered")
+
+
+def test_why_rank(sol06, says, blank):
+    assert lesson06.check_why_rank(sol06.WHY_RANK) is True
+    says("✅", "different subspaces")
+    assert lesson06.check_why_rank("a") is False
+    says("❌", "m and v")
+    assert lesson06.check_why_rank("c") is False
+    says("❌", "SVD")
+    assert lesson06.check_why_rank("x") is False
+    says("❌", "one of")
+    assert lesson06.check_why_rank(blank) is False
+    says("❌", "not answered")
