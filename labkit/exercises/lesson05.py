@@ -183,7 +183,7 @@ _HINTS = {
 
 
 def check_state_bytes(fn, seed: int | None = None) -> bool:
-    what = "state_bytes(optimizer, shape)"
+    what = "my_state_bytes(optimizer, shape)"
     if unanswered(fn):
         return not_answered(what)
     if not callable(fn):

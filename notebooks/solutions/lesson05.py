@@ -35,7 +35,7 @@ def step_in_backward_grad_bytes(model) -> int:
 
 
 # ---- exercise 4: the state bytes of four optimizers, as a function -----------------------------------------
-def state_bytes(optimizer: str, shape) -> int:
+def my_state_bytes(optimizer: str, shape) -> int:
     """fp32 state bytes of one tensor: Adam m and v; 8-bit Adam codes + two absmax per block of 256 (fp32 m and v
     under 4096 values); Lion m; Adafactor (beta1=None) row + column averages of a matrix, a full v for a vector."""
     n = math.prod(shape)
