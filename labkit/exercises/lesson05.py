@@ -8,12 +8,14 @@ Expected values come from the library: each optimizer module's own `state_bytes_
 from __future__ import annotations
 
 import math
+import numbers
+import random
 
 from labkit.memory import fmt_bytes
 from labkit.estimate import spec_from
 from labkit.optim import adafactor, adam8bit
 
-from . import close, failed, number, passed
+from . import close, failed, not_answered, number, passed, unanswered
 
 
 # ---- exercise 1: the state of 8-bit Adam ----------------------------------------------------------
@@ -135,3 +137,92 @@ def check_step_in_backward_grad(answer, config, bytes_per_value: int = 4) -> boo
                       "gradient is alive at a time (give or take a bias).")
     return failed(f"{name}: which single parameter tensor is the largest? Its gradient is what must exist at once "
                   "(spec_from(CONFIG).largest_param values).")
+
+
+# ---- exercise 4: a function for the state bytes of four optimizers, checked on fresh shapes ----------------
+
+
+OPTIMIZERS = ("adam", "adam8bit", "lion", "adafactor")
+
+
+def state_bytes(optimizer: str, shape) -> int:
+    """Reference: fp32 state bytes of one tensor under `optimizer`, from each module's own formula (Adam: m and v,
+    the per-tensor step counter not counted; Adafactor with transformers' default beta1=None)."""
+    from labkit.estimate.optim_terms import TORCH_STATES
+    from labkit.optim import lion
+
+    shape = tuple(shape)
+    if optimizer == "adam":
+        return TORCH_STATES["adam"] * 4 * math.prod(shape)
+    if optimizer == "adam8bit":
+        return adam8bit.state_bytes_for(shape)
+    if optimizer == "lion":
+        return lion.state_bytes_for(shape)
+    if optimizer == "adafactor":
+        return adafactor.state_bytes_for(shape)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+
+
+def _shapes(seed: int) -> list[tuple]:
+    """Fresh shapes: a big matrix whose size is not a multiple of 256, a matrix under min_8bit_size, a bias."""
+    rng = random.Random(seed)
+    big = (rng.randint(65, 3000), rng.randint(65, 3000))
+    while math.prod(big) % adam8bit.BLOCKSIZE == 0:
+        big = (big[0], big[1] + 1)
+    small = (rng.randint(2, 40), rng.randint(2, 90))
+    return [big, small, (rng.randint(100, 4000),)]
+
+
+_HINTS = {
+    "adam": "Adam keeps two fp32 tensors of the parameter's shape, m and v (the step counter aside)",
+    "adam8bit": "look at the two rules of 8-bit Adam: the block count (and its last, shorter block), and what "
+                "min_8bit_size decides for small tensors",
+    "lion": "how many states does Lion keep, and at which precision?",
+    "adafactor": "for a matrix, v is kept as row and column averages; what does a vector keep? (beta1=None)",
+}
+
+
+def check_state_bytes(fn, seed: int | None = None) -> bool:
+    what = "my_state_bytes(optimizer, shape)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    shapes = _shapes(random.randrange(1 << 30) if seed is None else seed)
+    for optimizer in OPTIMIZERS:
+        for shape in shapes:
+            try:
+                got = fn(optimizer, shape)
+            except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+                return failed(f"{what} raised {type(e).__name__}: {e} for {optimizer!r}, shape {shape}")
+            want = state_bytes(optimizer, shape)
+            if isinstance(got, bool) or not isinstance(got, numbers.Real) or got != want:
+                return failed(f"{what}: wrong for {optimizer!r} on a tensor of shape {shape} ({_HINTS[optimizer]}).")
+    return passed(f"{what}: right for {', '.join(OPTIMIZERS)} on {len(shapes)} fresh shapes "
+                  f"({', '.join(map(str, shapes))}), as labkit.optim's state_bytes_for formulas count them.")
+
+
+# ---- exercise 5: why small tensors keep fp32 state in 8-bit Adam ----------------------------------------------
+WHY_SMALL = {
+    "a": "the dynamic map has 256 codes for each of 16 decades, so it needs at least 4096 values to be built",
+    "b": "tensors that small (biases, norm gains) hold a tiny share of a model's parameters: 8-bit codes would "
+         "save almost nothing, so bitsandbytes keeps their state exact",
+    "c": "a block of 256 values cannot be quantized unless the tensor has at least 16 full blocks",
+}
+
+
+def check_why_small(answer) -> bool:
+    what = "why 8-bit Adam keeps tensors under min_8bit_size (4096 values) in fp32"
+    if unanswered(answer):
+        return not_answered(what)
+    choice = str(answer).strip().lower().strip("()")
+    if choice not in WHY_SMALL:
+        return failed(f"{what}: answer with one of {', '.join(WHY_SMALL)}")
+    if choice == "b":
+        return passed(f"{what}: right: the saving is 6 bytes per value, and a model's small tensors are a fraction of "
+                      f"a percent of its values; exact state for them costs almost nothing.")
+    if choice == "a":
+        return failed(f"{what}: look at section 2.1: how many codes does the dynamic map have, and does building it "
+                      f"depend on the tensor at all?")
+    return failed(f"{what}: section 2.2's toy quantizes a tensor of any size (the last block is padded); the reason "
+                  f"is the bytes at stake: compare a bias's share of the model's values.")

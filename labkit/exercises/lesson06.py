@@ -8,10 +8,12 @@ r x min(m, n) plus Adam's m and v in the r x max(m, n) projected space).
 from __future__ import annotations
 
 import math
+import numbers
+import random
 
 from labkit.optim import galore
 
-from . import close, failed, integer, number, passed
+from . import close, failed, integer, not_answered, number, passed, unanswered
 
 
 def _matrix(shape) -> tuple[int, int]:
@@ -88,3 +90,72 @@ def check_break_even_rank(answer, shape) -> bool:
         return failed(f"{name}: the sides are swapped: the projector is r x {k} (the smaller side), m and v are r x {K}.")
     return failed(f"{name}: GaLore keeps r(k + 2K) values, AdamW 2mn, with k = {k}, K = {K}: find the smallest whole r "
                   "for which the first is at least the second.")
+
+
+# ---- exercise 3: a function for GaLore's state of an m x n matrix, checked on fresh shapes --------------------
+def galore_state(m: int, n: int, r: int) -> int:
+    """Reference: fp32 GaLore state of one (m, n) matrix at rank r, as the estimator counts it."""
+    from labkit.estimate.optim_terms import galore_matrix_state
+
+    return galore_matrix_state(m, n, r, 4, eight_bit=False)
+
+
+def _cases(seed: int) -> list[tuple[int, int, int]]:
+    """Fresh (m, n, r): a wide matrix, a tall one, and a rank near the smaller side."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(2):
+        a, b = rng.randint(16, 2048), rng.randint(16, 2048)
+        while a == b:
+            b += 1
+        out += [(min(a, b), max(a, b), rng.randint(1, min(a, b) // 2)),
+                (max(a, b), min(a, b), rng.randint(1, min(a, b) // 2))]
+    return out
+
+
+def check_galore_state(fn, seed: int | None = None) -> bool:
+    what = "galore_state(m, n, r)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    cases = _cases(random.randrange(1 << 30) if seed is None else seed)
+    for m, n, r in cases:
+        try:
+            got = fn(m, n, r)
+        except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+            return failed(f"{what} raised {type(e).__name__}: {e} for m={m}, n={n}, r={r}")
+        want = galore_state(m, n, r)
+        if isinstance(got, bool) or not isinstance(got, numbers.Real) or got != want:
+            hint = ("the projector and the moments are sized by different sides: which side does GaLore project "
+                    "onto, the smaller or the larger?" if m < n else
+                    "it was right for a wide matrix? then look at which side is the smaller one for a tall matrix")
+            return failed(f"{what}: wrong for m={m}, n={n}, r={r} (count the projector and each of Adam's moments "
+                          f"as rank x a side, 4 bytes per value; {hint}).")
+    return passed(f"{what}: right on {len(cases)} fresh matrices, wide and tall, as "
+                  f"labkit.estimate.optim_terms.galore_matrix_state counts them.")
+
+
+# ---- exercise 4: why GaLore's weights are not confined to rank r --------------------------------------------
+WHY_RANK = {
+    "a": "Adam's moments m and v are kept at the full m x n size, so the update is full rank",
+    "b": "each step's update is rank r, but the projector is recomputed from a new gradient every "
+         "update_proj_gap steps: successive updates lie in different subspaces, and their sum is not low rank",
+    "c": "the SVD keeps all min(m, n) singular vectors, and only the moments are cut to rank r",
+}
+
+
+def check_why_rank(answer) -> bool:
+    what = "why GaLore's weights can change by more than rank r over a run (where LoRA's B·A cannot)"
+    if unanswered(answer):
+        return not_answered(what)
+    choice = str(answer).strip().lower().strip("()")
+    if choice not in WHY_RANK:
+        return failed(f"{what}: answer with one of {', '.join(WHY_RANK)}")
+    if choice == "b":
+        return passed(f"{what}: right: a sum of rank-r updates from different subspaces can reach full rank, while "
+                      f"LoRA's change B·A is one rank-r product for the whole run.")
+    if choice == "a":
+        return failed(f"{what}: look at exercise 1's count: what shape do GaLore's m and v have?")
+    return failed(f"{what}: look at the projector's shape in exercise 1's count (rank x the smaller side): what is "
+                  f"kept of the SVD?")

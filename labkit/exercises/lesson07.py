@@ -7,12 +7,14 @@ with bits_per_param_nf4, the codes of labkit.quant.quantize_int8, and the buffer
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from labkit.quant import Int4Linear, bits_per_param_nf4, quantize_int8, quantize_nf4
 from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE
 
-from . import close, failed, integer, number, passed
+from . import close, failed, integer, not_answered, number, passed, unanswered
 
 
 # ---- exercise 1: bits per parameter of NF4 with double quantization -------------------------------------
@@ -114,3 +116,104 @@ def check_awq_bytes(answer, d_out: int = 384, d_in: int = 1536, group: int = 128
         return failed(f"{name}: that looks like bits; give bytes.")
     return failed(f"{name}: add up the packed codes (2 per byte), a 2-byte step and a 1-byte zero point per group of "
                   f"{group} weights, and a 2-byte scale per input feature.")
+
+
+# ---- exercise 4: a function for blockwise zero-point int8, checked on fresh tensors ----------------------------
+def zeropoint_blocks(x: torch.Tensor, blocksize: int):
+    """Reference: (uint8 codes of x's shape, fp32 scale per block, uint8 zero point per block) from
+    labkit.quant.quantize_int8(x, "zeropoint", "block", blocksize)."""
+    q = quantize_int8(x, "zeropoint", "block", blocksize)
+    return q.codes, q.scale, q.zero_point
+
+
+def _tensors(seed: int) -> list[tuple[str, torch.Tensor, int]]:
+    """Fresh tensors: a GELU output (lopsided), weights centred on 0, and one with no negative value at all."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for name in ("a GELU output", "a centred tensor", "an all-positive tensor"):
+        blocksize = rng.choice([32, 64, 128])
+        shape = (rng.randint(2, 12), blocksize * rng.randint(1, 4))
+        x = torch.randn(shape, generator=gen) * rng.uniform(0.5, 3)
+        if name == "a GELU output":
+            x = torch.nn.functional.gelu(x)
+        elif name == "an all-positive tensor":
+            x = x.abs() + rng.uniform(0.5, 2)
+        out.append((name, x, blocksize))
+    return out
+
+
+def _flat(t, n: int) -> torch.Tensor | None:
+    """t as a flat tensor of n values, or None when it is not a tensor-like of n values."""
+    try:
+        t = torch.as_tensor(t).detach().cpu().reshape(-1)
+    except Exception:
+        return None
+    return t if t.numel() == n else None
+
+
+def check_zeropoint_blocks(fn, seed: int | None = None) -> bool:
+    what = "zeropoint_blocks(x, blocksize)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    cases = _tensors(random.randrange(1 << 30) if seed is None else seed)
+    for name, x, blocksize in cases:
+        where = f"{name} of shape {tuple(x.shape)}, blocks of {blocksize}"
+        try:
+            got = fn(x.clone(), blocksize)
+        except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+            return failed(f"{what} raised {type(e).__name__}: {e} for {where}")
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            return failed(f"{what}: return three things, (codes, scale, zero), for {where}")
+        codes, scale, zero = zeropoint_blocks(x, blocksize)
+        blocks = x.numel() // blocksize
+        g_codes, g_scale, g_zero = _flat(got[0], x.numel()), _flat(got[1], blocks), _flat(got[2], blocks)
+        if g_codes is None:
+            return failed(f"{what}: the codes must hold one value per element of x ({x.numel()}), for {where}")
+        if g_scale is None or g_zero is None:
+            return failed(f"{what}: one scale and one zero point per block of {blocksize} values ({blocks} blocks), "
+                          f"for {where}")
+        if not torch.allclose(g_scale.double(), scale.double(), rtol=8 * torch.finfo(torch.float32).eps, atol=0):
+            hint = ("no value is negative here: does your range still hold 0, so that 0 stays exact?"
+                    if x.min() > 0 else "the step spreads each block's range over 255 steps")
+            return failed(f"{what}: wrong scale for {where} ({hint}).")
+        if not torch.equal(g_zero.double(), zero.double()):
+            return failed(f"{what}: wrong zero point for {where} (it is the code that 0.0 gets: look at the block's "
+                          "minimum and the step).")
+        # the codes: equal, except by one where x / scale sits on a rounding tie (to a few fp32 ulps)
+        t = x.reshape(-1, blocksize).double() / scale.double().clamp_min(1e-30)[:, None]
+        tie = ((t - t.floor()) - 0.5).abs().reshape(-1) < 1e-4
+        diff = (g_codes.double() - codes.reshape(-1).double()).abs()
+        if bool((diff > 1).any()) or bool(((diff == 1) & ~tie).any()):
+            return failed(f"{what}: wrong codes for {where} (round x / step, add the zero point, and keep the codes "
+                          "inside 0..255).")
+    return passed(f"{what}: right on {len(cases)} fresh tensors (lopsided, centred, all positive), as "
+                  "labkit.quant.quantize_int8(x, \"zeropoint\", \"block\", blocksize) quantizes them.")
+
+
+# ---- exercise 5: why absmax int8 maps the largest magnitude to 127 -----------------------------------------
+WHY_127 = {
+    "a": "dividing by 127 rounds more exactly in fp32 than dividing by 128",
+    "b": "code 128 is kept free to mark a block whose absmax is 0",
+    "c": "the largest magnitude may be negative or positive, and int8 reaches -128 but only +127: mapping it to "
+         "127 gives both signs a code and keeps the grid symmetric around an exact 0",
+}
+
+
+def check_why_127(answer) -> bool:
+    what = "why absmax int8 maps max|x| to 127 (codes -127..127) and not to 128"
+    if unanswered(answer):
+        return not_answered(what)
+    choice = str(answer).strip().lower().strip("()")
+    if choice not in WHY_127:
+        return failed(f"{what}: answer with one of {', '.join(WHY_127)}")
+    if choice == "c":
+        return passed(f"{what}: right: +128 does not fit in an int8, so a positive absmax could not be coded; code "
+                      f"-128 is left unused, 1 of 256.")
+    if choice == "a":
+        return failed(f"{what}: a division rounds to within half an ulp whatever the divisor; look at the range of "
+                      f"an int8 instead.")
+    return failed(f"{what}: an all-zero block gets scale 0 and codes 0 (look at the library's clamp_min); look at "
+                  f"the range of an int8 instead.")

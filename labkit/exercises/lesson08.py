@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import numbers
+import random
 
 import torch
 import torch.nn as nn
@@ -16,7 +18,7 @@ import torch.nn as nn
 from labkit.peft import LISA, apply_lora, count_parameters, find_layers, find_targets, lisa_bound
 from labkit.quant import nbytes_nf4, nf4_bytes_for, quantize_nf4
 
-from . import close, failed, integer, passed
+from . import close, failed, integer, not_answered, passed, unanswered
 
 
 # ---- exercise 1: parameters LoRA trains --------------------------------------------------------------
@@ -124,3 +126,76 @@ def check_lisa_opt_bytes(answer, model: nn.Module, gamma: int = 1) -> bool:
         return failed(f"{name}: AdamW keeps two fp32 moments, m and v: 8 bytes per trained parameter.")
     return failed(f"{name}: 8 bytes per parameter trained at once (outside the layers + {gamma} layer(s)), "
                   "plus 4 per tensor.")
+
+
+# ---- exercise 4: a function for LoRA's trainable parameters, checked on fresh shapes ---------------------------
+def lora_trainable(targets, r: int) -> int:
+    """Reference: trainable parameter elements after apply_lora(..., r) on one nn.Linear(d_in, d_out) (with a bias)
+    per (d_in, d_out) target, counted by count_parameters (built on the meta device: no memory)."""
+    layers = nn.ModuleList([nn.Linear(d_in, d_out, device="meta") for d_in, d_out in targets])
+    apply_lora(layers, "all-linear", r=r)
+    return count_parameters(layers).trainable
+
+
+def _targets(seed: int) -> list[tuple[list[tuple[int, int]], int]]:
+    """Fresh questions: two or three lists of 2-5 (d_in, d_out) targets, never square, and a rank each."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rng.randint(2, 3)):
+        targets = []
+        for _ in range(rng.randint(2, 5)):
+            d_in, d_out = rng.randint(16, 4096), rng.randint(16, 4096)
+            targets.append((d_in, d_out + (d_in == d_out)))
+        out.append((targets, rng.choice([1, 2, 4, 8, 16, 32, 64])))
+    return out
+
+
+def check_lora_trainable(fn, seed: int | None = None) -> bool:
+    what = "lora_trainable(targets, r)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    cases = _targets(random.randrange(1 << 30) if seed is None else seed)
+    for targets, r in cases:
+        try:
+            got = fn(list(targets), r)
+        except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+            return failed(f"{what} raised {type(e).__name__}: {e} for targets={targets}, r={r}")
+        want = lora_trainable(targets, r)
+        if isinstance(got, bool) or not isinstance(got, numbers.Real) or got != want:
+            sides = {r * sum(d for d, _ in targets), r * sum(d for _, d in targets)}
+            hint = ("that is one of the two adapter matrices; look at the shapes of A and B" if got in sides else
+                    "that counts the frozen weights; LoRA trains something smaller beside them"
+                    if got in (sum(a * b for a, b in targets), sum(a * b + b for a, b in targets)) else
+                    "look at the shapes of A and B for one target, then add up over all the targets")
+            return failed(f"{what}: wrong for targets={targets}, r={r} ({hint}).")
+    return passed(f"{what}: right on {len(cases)} fresh lists of targets, as apply_lora + count_parameters count "
+                  "them (the frozen weights and biases train nothing).")
+
+
+# ---- exercise 5: why LISA always trains the embeddings and the head -----------------------------------------
+WHY_LISA = {
+    "a": "PyTorch cannot freeze an embedding whose weight is tied to the head",
+    "b": "their optimizer state is too small to matter, so training them is free",
+    "c": "measuring LoRA fine-tuning, the LISA paper found the embedding and head layers' weight norms far larger "
+         "than the blocks' (they take most of the change), so it keeps them always trained and samples only the "
+         "blocks",
+}
+
+
+def check_why_lisa(answer) -> bool:
+    what = "why LISA trains the embeddings, the final norm and the head at every step"
+    if unanswered(answer):
+        return not_answered(what)
+    choice = str(answer).strip().lower().strip("()")
+    if choice not in WHY_LISA:
+        return failed(f"{what}: answer with one of {', '.join(WHY_LISA)}")
+    if choice == "c":
+        return passed(f"{what}: right: LISA (Pan et al. 2024) starts from that skew of the layer-wise weight norms; "
+                      f"sampling the middle blocks a few at a time is its way of giving them their share of the update.")
+    if choice == "a":
+        return failed(f"{what}: requires_grad is per parameter, tied or not; look at what the LISA paper measured "
+                      f"first, layer by layer.")
+    return failed(f"{what}: exercise 3 counted it: the embeddings and head of a large-vocabulary model are among its "
+                  f"largest tensors; look at what the LISA paper measured first, layer by layer.")

@@ -32,3 +32,23 @@ def step_in_backward_grad_bytes(model) -> int:
 
 
 # In the notebook: step_in_backward_grad_bytes(GPT(CONFIG)), e.g. 4 x 1024 x 256 = 1 MiB on the cpu profile
+
+
+# ---- exercise 4: the state bytes of four optimizers, as a function -----------------------------------------
+def my_state_bytes(optimizer: str, shape) -> int:
+    """fp32 state bytes of one tensor: Adam m and v; 8-bit Adam codes + two absmax per block of 256 (fp32 m and v
+    under 4096 values); Lion m; Adafactor (beta1=None) row + column averages of a matrix, a full v for a vector."""
+    n = math.prod(shape)
+    if optimizer == "adam":
+        return 8 * n
+    if optimizer == "adam8bit":
+        return 8 * n if n < 4096 else 2 * n + 8 * math.ceil(n / 256)
+    if optimizer == "lion":
+        return 4 * n
+    if optimizer == "adafactor":
+        return 4 * (shape[0] + shape[1]) if len(shape) == 2 else 4 * n
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+# ---- exercise 5 --------------------------------------------------------------------------------------------
+WHY_SMALL = "b"

@@ -20,3 +20,13 @@ def break_even_rank(m: int, n: int) -> int:
 
 
 BREAK_EVEN_RANK = break_even_rank(4096, 11008)  # 3,454 of 4,096: GaLore saves memory below about 84 % of full rank
+
+
+# ---- exercise 3: GaLore's state of an m x n matrix, as a function ---------------------------------------------
+def galore_state(m: int, n: int, r: int) -> int:
+    """fp32: the projector r x min(m, n) + Adam's m and v of the projected gradient, r x max(m, n) each."""
+    return galore_state_bytes(m, n, r, 4)
+
+
+# ---- exercise 4 --------------------------------------------------------------------------------------------
+WHY_RANK = "b"

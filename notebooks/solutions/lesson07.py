@@ -27,3 +27,19 @@ def awq_bytes(d_out: int = 384, d_in: int = 1536, group: int = 128) -> int:
 
 
 AWQ_BYTES_W = awq_bytes()  # 311,808 for MiniLM's (384, 1536) output.dense
+
+
+# ---- exercise 4: blockwise zero-point int8, as a function -----------------------------------------------------
+def zeropoint_blocks(x: torch.Tensor, blocksize: int):
+    """Each block of `blocksize` values: its range [min, max], stretched to hold 0, spread over codes 0..255."""
+    g = x.float().reshape(-1, blocksize)
+    lo, hi = g.amin(dim=1).clamp(max=0), g.amax(dim=1).clamp(min=0)
+    scale = (hi - lo) / 255
+    step = scale.clamp_min(1e-30)[:, None]
+    zero = torch.round(-lo[:, None] / step).clamp(0, 255)
+    codes = (torch.round(g / step) + zero).clamp(0, 255)
+    return codes.to(torch.uint8).view(x.shape), scale, zero.view(-1).to(torch.uint8)
+
+
+# ---- exercise 5 --------------------------------------------------------------------------------------------
+WHY_127 = "c"

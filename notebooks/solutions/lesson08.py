@@ -29,3 +29,13 @@ def lisa_opt_bytes(model: nn.Module, gamma: int = 1, layers_attr: str = "blocks"
     n = sum(p.numel() for p in outside.values()) + sum(k for k, _ in per_layer[-gamma:])
     tensors = len(outside) + sum(t for _, t in per_layer[-gamma:])
     return 8 * n + 4 * tensors
+
+
+# ---- exercise 4: LoRA's trainable parameters, as a function ----------------------------------------------------
+def lora_trainable(targets, r: int) -> int:
+    """Per (d_in, d_out) target: A is r x d_in, B is d_out x r; the frozen weight and bias train nothing."""
+    return sum(r * (d_in + d_out) for d_in, d_out in targets)
+
+
+# ---- exercise 5 --------------------------------------------------------------------------------------------
+WHY_LISA = "c"

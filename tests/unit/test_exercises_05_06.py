@@ -196,3 +196,116 @@ def test_break_even_wrong_answers_fail(shape, answer, hint, says):
 def test_galore_checks_refuse_a_vector():
     with pytest.raises(ValueError, match="shape"):
         lesson06.check_break_even_rank(1, (10,))
+
+
+# ---- lesson 05, exercise 4: state_bytes(optimizer, shape) on fresh shapes -----------------------------------
+def test_state_bytes_solution_passes_on_fresh_shapes(sol05, says):
+    assert lesson05.check_state_bytes(sol05.my_state_bytes, seed=1) is True
+    says("✅", "fresh shapes")
+    assert lesson05.check_state_bytes(sol05.my_state_bytes, seed=2) is True
+    assert lesson05._shapes(1) != lesson05._shapes(2)
+
+
+def test_state_bytes_shapes_cover_both_rules():
+    for seed in range(20):
+        big, small, vec = lesson05._shapes(seed)
+        assert math.prod(big) >= 4096 and math.prod(big) % 256 and math.prod(small) < 4096 and len(vec) == 1
+
+
+def test_state_bytes_slips_fail_with_a_hint(sol05, says, blank):
+    def no_min_size(optimizer, shape):  # 8-bit for every tensor
+        if optimizer == "adam8bit":
+            n = math.prod(shape)
+            return 2 * n + 8 * math.ceil(n / 256)
+        return sol05.my_state_bytes(optimizer, shape)
+
+    assert lesson05.check_state_bytes(no_min_size, seed=1) is False
+    says("❌", "'adam8bit'", "min_8bit_size")
+
+    def floor_blocks(optimizer, shape):  # the last, shorter block forgotten
+        n = math.prod(shape)
+        if optimizer == "adam8bit" and n >= 4096:
+            return 2 * n + 8 * (n // 256)
+        return sol05.my_state_bytes(optimizer, shape)
+
+    assert lesson05.check_state_bytes(floor_blocks, seed=1) is False
+    says("❌", "block count")
+
+    def adafactor_full_v(optimizer, shape):
+        return 4 * math.prod(shape) if optimizer == "adafactor" else sol05.my_state_bytes(optimizer, shape)
+
+    assert lesson05.check_state_bytes(adafactor_full_v, seed=1) is False
+    says("❌", "'adafactor'", "row and column")
+
+    def boom(optimizer, shape):
+        raise KeyError(optimizer)
+
+    assert lesson05.check_state_bytes(boom, seed=1) is False
+    says("❌", "raised KeyError")
+    assert lesson05.check_state_bytes(42, seed=1) is False
+    says("❌", "expected a function")
+    assert lesson05.check_state_bytes(blank) is False
+    says("❌", "not answered")
+
+
+def test_why_small(sol05, says, blank):
+    assert lesson05.check_why_small(sol05.WHY_SMALL) is True
+    says("✅", "6 bytes per value")
+    assert lesson05.check_why_small("a") is False
+    says("❌", "section 2.1")
+    assert lesson05.check_why_small("(C)") is False
+    says("❌", "padded")
+    assert lesson05.check_why_small("d") is False
+    says("❌", "one of")
+    assert lesson05.check_why_small(blank) is False
+    says("❌", "not answered")
+
+
+# ---- lesson 06, exercise 3: galore_state(m, n, r) on fresh shapes -------------------------------------------
+def test_galore_state_solution_passes_on_fresh_shapes(sol06, says):
+    assert lesson06.check_galore_state(sol06.galore_state, seed=1) is True
+    says("✅", "fresh matrices")
+    assert lesson06.check_galore_state(sol06.galore_state, seed=2) is True
+    assert lesson06._cases(1) != lesson06._cases(2)
+    assert all(m != n for m, n, _ in lesson06._cases(3))
+
+
+def test_galore_state_slips_fail_with_a_hint(says, blank):
+    def larger_side(m, n, r):  # projector on the larger side
+        return 4 * r * (max(m, n) + 2 * min(m, n))
+
+    assert lesson06.check_galore_state(larger_side, seed=1) is False
+    says("❌", "wrong for", "smaller or the larger")
+
+    def rows_always(m, n, r):  # right for a wide matrix only
+        return 4 * r * (m + 2 * n)
+
+    assert lesson06.check_galore_state(rows_always, seed=1) is False
+    says("❌", "tall matrix")
+
+    def no_projector(m, n, r):
+        return 4 * 2 * r * max(m, n)
+
+    assert lesson06.check_galore_state(no_projector, seed=1) is False
+    says("❌", "projector")
+
+    def boom(m, n, r):
+        raise ZeroDivisionError("oops")
+
+    assert lesson06.check_galore_state(boom, seed=1) is False
+    says("❌", "raised ZeroDivisionError")
+    assert lesson06.check_galore_state(blank) is False
+    says("❌", "not answered")
+
+
+def test_why_rank(sol06, says, blank):
+    assert lesson06.check_why_rank(sol06.WHY_RANK) is True
+    says("✅", "different subspaces")
+    assert lesson06.check_why_rank("a") is False
+    says("❌", "m and v")
+    assert lesson06.check_why_rank("c") is False
+    says("❌", "SVD")
+    assert lesson06.check_why_rank("x") is False
+    says("❌", "one of")
+    assert lesson06.check_why_rank(blank) is False
+    says("❌", "not answered")

@@ -105,3 +105,94 @@ N, GROUPS = 384 * 1536, 384 * 1536 // 128
 def test_awq_bytes_wrong_answers_fail_with_a_hint(answer, hint, says):
     assert lesson07.check_awq_bytes(answer) is False
     says("❌", hint)
+
+
+# ---- exercise 4: zeropoint_blocks(x, blocksize) on fresh tensors --------------------------------------------
+def test_zeropoint_blocks_solution_passes_on_fresh_tensors(sol07, says):
+    assert lesson07.check_zeropoint_blocks(sol07.zeropoint_blocks, seed=1) is True
+    says("✅", "fresh tensors")
+    assert lesson07.check_zeropoint_blocks(sol07.zeropoint_blocks, seed=2) is True
+    a, b = lesson07._tensors(1), lesson07._tensors(2)
+    assert any(x.shape != y.shape or not torch.equal(x, y) for (_, x, _), (_, y, _) in zip(a, b))
+    assert a[2][1].min() > 0 and a[0][1].min() < 0
+
+
+def test_zeropoint_blocks_slips_fail_with_a_hint(sol07, says, blank):
+    def no_zero_in_range(x, blocksize):  # [min, max] not stretched to hold 0
+        g = x.float().reshape(-1, blocksize)
+        lo, hi = g.amin(dim=1), g.amax(dim=1)
+        scale = (hi - lo) / 255
+        zero = torch.round(-lo / scale).clamp(0, 255)
+        codes = (torch.round(g / scale[:, None]) + zero[:, None]).clamp(0, 255)
+        return codes.to(torch.uint8).view(x.shape), scale, zero.to(torch.uint8)
+
+    assert lesson07.check_zeropoint_blocks(no_zero_in_range, seed=1) is False
+    says("❌", "all-positive", "hold 0")
+
+    def per_row(x, blocksize):  # one scale per row instead of per block
+        return sol07.zeropoint_blocks(x, x.shape[-1])
+
+    for seed in (1, 2, 3):
+        if any(x.shape[-1] != bs for _, x, bs in lesson07._tensors(seed)):
+            assert lesson07.check_zeropoint_blocks(per_row, seed=seed) is False
+            says("❌", "one scale and one zero point per block")
+            break
+    else:
+        raise AssertionError("no drawn tensor has rows longer than a block")
+
+    def unclamped(x, blocksize):  # codes wrap around instead of being clamped
+        codes, scale, zero = sol07.zeropoint_blocks(x, blocksize)
+        return (codes.long() + 1) % 256, scale, zero
+
+    assert lesson07.check_zeropoint_blocks(unclamped, seed=1) is False
+    says("❌", "wrong codes")
+
+    def two_things(x, blocksize):
+        return sol07.zeropoint_blocks(x, blocksize)[:2]
+
+    assert lesson07.check_zeropoint_blocks(two_things, seed=1) is False
+    says("❌", "three things")
+
+    def boom(x, blocksize):
+        raise ValueError("oops")
+
+    assert lesson07.check_zeropoint_blocks(boom, seed=1) is False
+    says("❌", "raised ValueError")
+    assert lesson07.check_zeropoint_blocks(blank) is False
+    says("❌", "not answered")
+
+
+def test_zeropoint_blocks_accepts_ties_rounded_up_only_at_ties(sol07, says, monkeypatch):
+    """round-half-up instead of torch's round-half-to-even: one code off, and right, exactly at the ties."""
+    x = torch.cat([torch.tensor([0.0, 255.0]), torch.arange(30) + 0.5]).view(1, 32)  # scale 1, zero 0: x / scale = x
+    monkeypatch.setattr(lesson07, "_tensors", lambda seed: [("a tensor of ties", x, 32)])
+
+    def half_up(x, blocksize):
+        codes, scale, zero = sol07.zeropoint_blocks(x, blocksize)
+        return torch.floor(x.reshape(-1, blocksize) / scale[:, None] + 0.5).clamp(0, 255), scale, zero
+
+    assert not torch.equal(half_up(x, 32)[0].reshape(-1), sol07.zeropoint_blocks(x, 32)[0].reshape(-1).float())
+    assert lesson07.check_zeropoint_blocks(half_up, seed=0) is True
+    says("✅")
+
+    def one_off_off_a_tie(x, blocksize):
+        codes, scale, zero = sol07.zeropoint_blocks(x, blocksize)
+        codes = codes.clone().reshape(-1)
+        codes[1] -= 1  # 255.0 is no tie
+        return codes, scale, zero
+
+    assert lesson07.check_zeropoint_blocks(one_off_off_a_tie, seed=0) is False
+    says("❌", "wrong codes")
+
+
+def test_why_127(sol07, says, blank):
+    assert lesson07.check_why_127(sol07.WHY_127) is True
+    says("✅", "+128 does not fit")
+    assert lesson07.check_why_127("a") is False
+    says("❌", "range of an int8")
+    assert lesson07.check_why_127("B") is False
+    says("❌", "clamp_min")
+    assert lesson07.check_why_127("e") is False
+    says("❌", "one of")
+    assert lesson07.check_why_127(blank) is False
+    says("❌", "not answered")

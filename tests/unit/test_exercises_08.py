@@ -129,3 +129,62 @@ def test_lisa_opt_wrong_answers_fail_with_a_hint(gpt, says):
     for answer, hint in wrong.items():
         assert lesson08.check_lisa_opt_bytes(answer, gpt, 1) is False, answer
         says("❌", hint)
+
+
+# ---- exercise 4: lora_trainable(targets, r) on fresh shapes ------------------------------------------------
+def test_lora_trainable_solution_passes_on_fresh_shapes(sol08, says):
+    assert lesson08.check_lora_trainable(sol08.lora_trainable, seed=1) is True
+    says("✅", "fresh lists")
+    assert lesson08.check_lora_trainable(sol08.lora_trainable, seed=2) is True
+    assert lesson08._targets(1) != lesson08._targets(2)
+
+
+def test_lora_trainable_reference_counts_a_real_model():
+    """The meta-device reference agrees with apply_lora on a real (cpu) model."""
+    from labkit.peft import apply_lora, count_parameters
+
+    targets = [(24, 40), (40, 8)]
+    real = apply_lora(torch.nn.ModuleList([torch.nn.Linear(a, b) for a, b in targets]), "all-linear", r=3)
+    assert lesson08.lora_trainable(targets, 3) == count_parameters(real).trainable == 3 * (64 + 48)
+
+
+def test_lora_trainable_slips_fail_with_a_hint(says, blank):
+    def only_a(targets, r):
+        return sum(r * d_in for d_in, _ in targets)
+
+    assert lesson08.check_lora_trainable(only_a, seed=1) is False
+    says("❌", "one of the two adapter matrices")
+
+    def frozen(targets, r):
+        return sum(d_in * d_out for d_in, d_out in targets)
+
+    assert lesson08.check_lora_trainable(frozen, seed=1) is False
+    says("❌", "frozen weights")
+
+    def first_only(targets, r):
+        d_in, d_out = targets[0]
+        return r * (d_in + d_out)
+
+    assert lesson08.check_lora_trainable(first_only, seed=1) is False
+    says("❌", "add up over all the targets")
+
+    def boom(targets, r):
+        raise TypeError("oops")
+
+    assert lesson08.check_lora_trainable(boom, seed=1) is False
+    says("❌", "raised TypeError")
+    assert lesson08.check_lora_trainable(blank) is False
+    says("❌", "not answered")
+
+
+def test_why_lisa(sol08, says, blank):
+    assert lesson08.check_why_lisa(sol08.WHY_LISA) is True
+    says("✅", "weight norms")
+    assert lesson08.check_why_lisa("a") is False
+    says("❌", "requires_grad")
+    assert lesson08.check_why_lisa("b") is False
+    says("❌", "largest tensors")
+    assert lesson08.check_why_lisa("q") is False
+    says("❌", "one of")
+    assert lesson08.check_why_lisa(blank) is False
+    says("❌", "not answered")
