@@ -77,3 +77,17 @@ def show_guess(what: str, guess, predicted: float, measured: float | None = None
                f"{ratio:.2g}x the prediction: look for the term you {'over' if ratio > 1 else 'under'}-counted")
     print(f"✍️  {line}; your guess {f(value * unit)}: {verdict}.")
     return True
+
+
+def checked_choice(answer, what: str, options: dict, right: str, praise: str, hints: dict | None = None,
+                   otherwise: str = "") -> bool:
+    """A "why" question with lettered options: ✅ `praise` for the right letter; ❌ the wrong letter's hint
+    from `hints` (else `otherwise`), each pointing at what to look at, never at the answer."""
+    if unanswered(answer):
+        return not_answered(what)
+    choice = str(answer).strip().lower().strip("()")
+    if choice not in options:
+        return failed(f"{what}: answer with one of {', '.join(options)}")
+    if choice == right:
+        return passed(praise)
+    return failed((hints or {}).get(choice, otherwise))

@@ -20,7 +20,7 @@ from labkit.estimate.predict import (
 )
 from labkit.estimate.spec import spec_from
 
-from . import close, failed, integer, not_answered, number, passed, unanswered
+from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered
 
 LOGITS_TERM = "log-softmax of the logits"  # the estimator's name for the B x S x V term
 STATES = {"sgd": "no state", "sgd-momentum": "one momentum buffer", "adam": "two moments, m and v",
@@ -212,16 +212,11 @@ WHY_PEAK = {
 
 def check_why_peak(answer) -> bool:
     what = "why the step's peak is smaller than the sum of all its terms"
-    if unanswered(answer):
-        return not_answered(what)
-    choice = str(answer).strip().lower().strip("()")
-    if choice not in WHY_PEAK:
-        return failed(f"{what}: answer with one of {', '.join(WHY_PEAK)}")
-    if choice == "b":
-        return passed(f"{what}: right: memory is a timeline; the peak is the largest moment of it, so what matters "
-                      f"is which tensors overlap.")
-    if choice == "a":
-        return failed(f"{what}: the allocator rounds and caches blocks but never compresses them; look at when "
-                      f"each tensor is created and freed during the step.")
-    return failed(f"{what}: look at the estimator's phases: the gradients are counted, and they are new tensors, "
-                  f"not the activations' storage reused.")
+    return checked_choice(
+        answer, what, WHY_PEAK, right="b",
+        praise=f"{what}: right: memory is a timeline; the peak is the largest moment of it, so what matters "
+                 f"is which tensors overlap.",
+        hints={"a": f"{what}: the allocator rounds and caches blocks but never compresses them; look at when "
+                 f"each tensor is created and freed during the step."},
+        otherwise=f"{what}: look at the estimator's phases: the gradients are counted, and they are new tensors, "
+                 f"not the activations' storage reused.")

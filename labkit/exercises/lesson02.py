@@ -16,7 +16,7 @@ import torch
 from labkit.precision import bytes_per_param, flush_fraction, overflow_fraction
 from labkit.precision.fp8 import FORMATS, AMAX_FLOOR
 
-from . import close, failed, not_answered, number, passed, unanswered
+from . import checked_choice, close, failed, not_answered, number, passed, unanswered
 
 STATES = {"sgd": "no state", "sgd-momentum": "one momentum buffer", "adam": "two moments, m and v",
           "adamw": "two moments, m and v"}
@@ -221,15 +221,10 @@ WHY_SKIP = {
 
 def check_why_skip(answer) -> bool:
     what = "why a dynamic loss scaler skips the optimizer step when a gradient overflows"
-    if unanswered(answer):
-        return not_answered(what)
-    choice = str(answer).strip().lower().strip("()")
-    if choice not in WHY_SKIP:
-        return failed(f"{what}: answer with one of {', '.join(WHY_SKIP)}")
-    if choice == "a":
-        return passed(f"{what}: right: one inf in the gradients would make the update (and soon every weight) inf "
-                      f"or nan; a skipped step is cheap, a corrupted model is not.")
-    if choice == "b":
-        return failed(f"{what}: work out what inf / S and nan / S are, and what the optimizer would do with them.")
-    return failed(f"{what}: speed is not the concern here; think about the weights after a step taken with an inf "
-                  f"in the gradient.")
+    return checked_choice(
+        answer, what, WHY_SKIP, right="a",
+        praise=f"{what}: right: one inf in the gradients would make the update (and soon every weight) inf "
+                 f"or nan; a skipped step is cheap, a corrupted model is not.",
+        hints={"b": f"{what}: work out what inf / S and nan / S are, and what the optimizer would do with them."},
+        otherwise=f"{what}: speed is not the concern here; think about the weights after a step taken with an inf "
+                 f"in the gradient.")

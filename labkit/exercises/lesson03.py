@@ -17,7 +17,7 @@ from labkit.estimate import estimate
 from labkit.estimate.predict import Precision
 from labkit.estimate.spec import spec_from
 
-from . import close, failed, integer, not_answered, number, passed, unanswered
+from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered
 
 
 # ---- exercise 1: what full checkpointing keeps per block ----------------------------------------
@@ -253,16 +253,11 @@ WHY_PINNED = {
 
 def check_why_pinned(answer) -> bool:
     what = "why offloaded activations are copied to pinned host memory"
-    if unanswered(answer):
-        return not_answered(what)
-    choice = str(answer).strip().lower().strip("()")
-    if choice not in WHY_PINNED:
-        return failed(f"{what}: answer with one of {', '.join(WHY_PINNED)}")
-    if choice == "b":
-        return passed(f"{what}: right: the GPU's copy engine reads and writes page-locked memory directly, so a "
-                      f"non_blocking copy on a side stream runs while the next kernels compute.")
-    if choice == "a":
-        return failed(f"{what}: pinning changes whether the OS may move a page, not how much a page holds; think "
-                      f"about what the transfer needs to overlap with compute.")
-    return failed(f"{what}: pinned memory is host RAM; look at what the offload is meant to free and what the copy "
-                  f"must not block.")
+    return checked_choice(
+        answer, what, WHY_PINNED, right="b",
+        praise=f"{what}: right: the GPU's copy engine reads and writes page-locked memory directly, so a "
+                 f"non_blocking copy on a side stream runs while the next kernels compute.",
+        hints={"a": f"{what}: pinning changes whether the OS may move a page, not how much a page holds; think "
+                 f"about what the transfer needs to overlap with compute."},
+        otherwise=f"{what}: pinned memory is host RAM; look at what the offload is meant to free and what the copy "
+                 f"must not block.")

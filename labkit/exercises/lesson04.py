@@ -16,7 +16,7 @@ from labkit.accumulate import micro_shares, split_sizes
 from labkit.memory import fmt_bytes
 from labkit.estimate import estimate
 
-from . import close, failed, integer, not_answered, number, passed, unanswered
+from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered
 
 
 # ---- exercise 1: the weight of a micro-batch's loss ----------------------------------------------
@@ -147,16 +147,11 @@ WHY_NO_SYNC = {
 
 def check_why_no_sync(answer) -> bool:
     what = "why data parallelism can skip the all-reduce on all but the last micro-batch"
-    if unanswered(answer):
-        return not_answered(what)
-    choice = str(answer).strip().lower().strip("()")
-    if choice not in WHY_NO_SYNC:
-        return failed(f"{what}: answer with one of {', '.join(WHY_NO_SYNC)}")
-    if choice == "b":
-        return passed(f"{what}: right: the reduction is linear, so one all-reduce of the accumulated .grad equals "
-                      f"the sum of one per micro-batch, for a fraction of the communication.")
-    if choice == "a":
-        return failed(f"{what}: every micro-batch's gradient is in the step; look at what .grad holds when the last "
-                      f"backward ends.")
-    return failed(f"{what}: an all-reduce replaces a tensor's values with the ranks' sum; it frees nothing. "
-                  f"Compare reducing each micro-batch's gradient with reducing their sum.")
+    return checked_choice(
+        answer, what, WHY_NO_SYNC, right="b",
+        praise=f"{what}: right: the reduction is linear, so one all-reduce of the accumulated .grad equals "
+                 f"the sum of one per micro-batch, for a fraction of the communication.",
+        hints={"a": f"{what}: every micro-batch's gradient is in the step; look at what .grad holds when the last "
+                 f"backward ends."},
+        otherwise=f"{what}: an all-reduce replaces a tensor's values with the ranks' sum; it frees nothing. "
+                 f"Compare reducing each micro-batch's gradient with reducing their sum.")

@@ -15,7 +15,7 @@ from labkit.memory import fmt_bytes
 from labkit.estimate import spec_from
 from labkit.optim import adafactor, adam8bit
 
-from . import close, failed, not_answered, number, passed, unanswered
+from . import checked_choice, close, failed, not_answered, number, passed, unanswered
 
 
 # ---- exercise 1: the state of 8-bit Adam ----------------------------------------------------------
@@ -213,16 +213,11 @@ WHY_SMALL = {
 
 def check_why_small(answer) -> bool:
     what = "why 8-bit Adam keeps tensors under min_8bit_size (4096 values) in fp32"
-    if unanswered(answer):
-        return not_answered(what)
-    choice = str(answer).strip().lower().strip("()")
-    if choice not in WHY_SMALL:
-        return failed(f"{what}: answer with one of {', '.join(WHY_SMALL)}")
-    if choice == "b":
-        return passed(f"{what}: right: the saving is 6 bytes per value, and a model's small tensors are a fraction of "
-                      f"a percent of its values; exact state for them costs almost nothing.")
-    if choice == "a":
-        return failed(f"{what}: look at section 2.1: how many codes does the dynamic map have, and does building it "
-                      f"depend on the tensor at all?")
-    return failed(f"{what}: section 2.2's toy quantizes a tensor of any size (the last block is padded); the reason "
-                  f"is the bytes at stake: compare a bias's share of the model's values.")
+    return checked_choice(
+        answer, what, WHY_SMALL, right="b",
+        praise=f"{what}: right: the saving is 6 bytes per value, and a model's small tensors are a fraction of "
+                 f"a percent of its values; exact state for them costs almost nothing.",
+        hints={"a": f"{what}: look at section 2.1: how many codes does the dynamic map have, and does building it "
+                 f"depend on the tensor at all?"},
+        otherwise=f"{what}: section 2.2's toy quantizes a tensor of any size (the last block is padded); the reason "
+                 f"is the bytes at stake: compare a bias's share of the model's values.")

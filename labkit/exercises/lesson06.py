@@ -13,7 +13,7 @@ import random
 
 from labkit.optim import galore
 
-from . import close, failed, integer, not_answered, number, passed, unanswered
+from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered
 
 
 def _matrix(shape) -> tuple[int, int]:
@@ -147,15 +147,10 @@ WHY_RANK = {
 
 def check_why_rank(answer) -> bool:
     what = "why GaLore's weights can change by more than rank r over a run (where LoRA's B·A cannot)"
-    if unanswered(answer):
-        return not_answered(what)
-    choice = str(answer).strip().lower().strip("()")
-    if choice not in WHY_RANK:
-        return failed(f"{what}: answer with one of {', '.join(WHY_RANK)}")
-    if choice == "b":
-        return passed(f"{what}: right: a sum of rank-r updates from different subspaces can reach full rank, while "
-                      f"LoRA's change B·A is one rank-r product for the whole run.")
-    if choice == "a":
-        return failed(f"{what}: look at exercise 1's count: what shape do GaLore's m and v have?")
-    return failed(f"{what}: look at the projector's shape in exercise 1's count (rank x the smaller side): what is "
-                  f"kept of the SVD?")
+    return checked_choice(
+        answer, what, WHY_RANK, right="b",
+        praise=f"{what}: right: a sum of rank-r updates from different subspaces can reach full rank, while "
+                 f"LoRA's change B·A is one rank-r product for the whole run.",
+        hints={"a": f"{what}: look at exercise 1's count: what shape do GaLore's m and v have?"},
+        otherwise=f"{what}: look at the projector's shape in exercise 1's count (rank x the smaller side): what is "
+                 f"kept of the SVD?")

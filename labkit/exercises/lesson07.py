@@ -14,7 +14,7 @@ import torch
 from labkit.quant import Int4Linear, bits_per_param_nf4, quantize_int8, quantize_nf4
 from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE
 
-from . import close, failed, integer, not_answered, number, passed, unanswered
+from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered
 
 
 # ---- exercise 1: bits per parameter of NF4 with double quantization -------------------------------------
@@ -204,16 +204,11 @@ WHY_127 = {
 
 def check_why_127(answer) -> bool:
     what = "why absmax int8 maps max|x| to 127 (codes -127..127) and not to 128"
-    if unanswered(answer):
-        return not_answered(what)
-    choice = str(answer).strip().lower().strip("()")
-    if choice not in WHY_127:
-        return failed(f"{what}: answer with one of {', '.join(WHY_127)}")
-    if choice == "c":
-        return passed(f"{what}: right: +128 does not fit in an int8, so a positive absmax could not be coded; code "
-                      f"-128 is left unused, 1 of 256.")
-    if choice == "a":
-        return failed(f"{what}: a division rounds to within half an ulp whatever the divisor; look at the range of "
-                      f"an int8 instead.")
-    return failed(f"{what}: an all-zero block gets scale 0 and codes 0 (look at the library's clamp_min); look at "
-                  f"the range of an int8 instead.")
+    return checked_choice(
+        answer, what, WHY_127, right="c",
+        praise=f"{what}: right: +128 does not fit in an int8, so a positive absmax could not be coded; code "
+                 f"-128 is left unused, 1 of 256.",
+        hints={"a": f"{what}: a division rounds to within half an ulp whatever the divisor; look at the range of "
+                 f"an int8 instead."},
+        otherwise=f"{what}: an all-zero block gets scale 0 and codes 0 (look at the library's clamp_min); look at "
+                 f"the range of an int8 instead.")

@@ -18,7 +18,7 @@ import torch.nn as nn
 from labkit.peft import LISA, apply_lora, count_parameters, find_layers, find_targets, lisa_bound
 from labkit.quant import nbytes_nf4, nf4_bytes_for, quantize_nf4
 
-from . import close, failed, integer, not_answered, passed, unanswered
+from . import checked_choice, close, failed, integer, not_answered, passed, unanswered
 
 
 # ---- exercise 1: parameters LoRA trains --------------------------------------------------------------
@@ -186,16 +186,11 @@ WHY_LISA = {
 
 def check_why_lisa(answer) -> bool:
     what = "why LISA trains the embeddings, the final norm and the head at every step"
-    if unanswered(answer):
-        return not_answered(what)
-    choice = str(answer).strip().lower().strip("()")
-    if choice not in WHY_LISA:
-        return failed(f"{what}: answer with one of {', '.join(WHY_LISA)}")
-    if choice == "c":
-        return passed(f"{what}: right: LISA (Pan et al. 2024) starts from that skew of the layer-wise weight norms; "
-                      f"sampling the middle blocks a few at a time is its way of giving them their share of the update.")
-    if choice == "a":
-        return failed(f"{what}: requires_grad is per parameter, tied or not; look at what the LISA paper measured "
-                      f"first, layer by layer.")
-    return failed(f"{what}: exercise 3 counted it: the embeddings and head of a large-vocabulary model are among its "
-                  f"largest tensors; look at what the LISA paper measured first, layer by layer.")
+    return checked_choice(
+        answer, what, WHY_LISA, right="c",
+        praise=f"{what}: right: LISA (Pan et al. 2024) starts from that skew of the layer-wise weight norms; "
+                 f"sampling the middle blocks a few at a time is its way of giving them their share of the update.",
+        hints={"a": f"{what}: requires_grad is per parameter, tied or not; look at what the LISA paper measured "
+                 f"first, layer by layer."},
+        otherwise=f"{what}: exercise 3 counted it: the embeddings and head of a large-vocabulary model are among its "
+                 f"largest tensors; look at what the LISA paper measured first, layer by layer.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from . import close, failed, integer, not_answered, passed, unanswered
+from . import checked_choice, close, failed, integer, not_answered, passed, unanswered
 
 
 # ---- exercise 1: ZeRO-3 model states per rank ----------------------------------------------------------------
@@ -100,15 +100,10 @@ WHY_DP = {
 
 def check_why_dp(answer) -> bool:
     what = "why a second device running plain data parallelism (ZeRO-0) does not make the 65B model fit"
-    if unanswered(answer):
-        return not_answered(what)
-    choice = str(answer).strip().lower().strip("()")
-    if choice not in WHY_DP:
-        return failed(f"{what}: answer with one of {', '.join(WHY_DP)}")
-    if choice == "b":
-        return passed(f"{what}: right: data parallelism divides the rows, so only activations shrink; ZeRO "
-                      f"stages 1-3 (or tensor/pipeline parallelism) divide the model states.")
-    if choice == "a":
-        return failed(f"{what}: labkit's data parallel all-reduces the .grad tensors in place; look at what each "
-                      f"rank keeps whatever the communication.")
-    return failed(f"{what}: the interconnect changes the speed of collectives, not what each device must hold.")
+    return checked_choice(
+        answer, what, WHY_DP, right="b",
+        praise=f"{what}: right: data parallelism divides the rows, so only activations shrink; ZeRO "
+                 f"stages 1-3 (or tensor/pipeline parallelism) divide the model states.",
+        hints={"a": f"{what}: labkit's data parallel all-reduces the .grad tensors in place; look at what each "
+                 f"rank keeps whatever the communication."},
+        otherwise=f"{what}: the interconnect changes the speed of collectives, not what each device must hold.")
