@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -204,30 +203,12 @@ def check_model(text: str) -> tuple[object, int]:
     return model, _guarded(text, layers)
 
 
-@contextlib.contextmanager
-def _shapes_only():
-    """torch.nn.init's in-place fills as no-ops while a model is built on the meta device: there are no values
-    to fill, and filling a meta tensor still costs about a millisecond (most of the time of reading a deep
-    model). transformers' no_init_weights does the same while it loads weights."""
-    import torch
-
-    init = torch.nn.init
-    fills = {n: f for n, f in vars(init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
-    try:
-        for n in fills:
-            setattr(init, n, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for n, f in fills.items():
-            setattr(init, n, f)
-
-
 def read_model(model, text: str):
     """The ModelSpec of a checked model (built on the meta device, shapes only)."""
-    from labkit.estimate.spec import spec_from
+    from labkit.estimate.spec import shapes_only, spec_from
 
     def read():
-        with _shapes_only():
+        with shapes_only():
             return spec_from(model)
 
     return _guarded(text, read)

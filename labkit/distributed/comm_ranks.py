@@ -58,17 +58,6 @@ def _rows(x: torch.Tensor, index: int, parts: int) -> torch.Tensor:
     return x[index * b:(index + 1) * b]
 
 
-def _plain_group():
-    """A process group DDP can be built on: DDP's construction logging segfaults on a group wrapped for
-    TORCH_DISTRIBUTED_DEBUG=DETAIL (which launch sets) in torch 2.13 on gloo, so make one at INFO."""
-    level = dist.get_debug_level()
-    dist.set_debug_level(dist.DebugLevel.INFO)
-    try:
-        return dist.new_group(backend="gloo")
-    finally:
-        dist.set_debug_level(level)
-
-
 def _loop(rank, world, m, opt, steps, batch, seq, seed, text_chars, forward, sync, after=None, ledger_from=None):
     """The shared training loop: per step, this rank's rows, forward + backward, `sync()` (the communication),
     the optimizer step; the wire bytes per step from a CommLog. `ledger_from`: enter a Ledger at that step and
@@ -137,7 +126,7 @@ def dgc_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int
     if path == "hook":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        group = _plain_group()
+        group = comms.plain_group()
         state = DGC(m.named_parameters(), dgc, group=group)
         run = DDP(m, process_group=group)
         run.register_comm_hook(state, DGC.hook)
@@ -164,7 +153,7 @@ def powersgd_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     m = _model(cfg, seed)
-    group = _plain_group()
+    group = comms.plain_group()
     run = DDP(m, process_group=group, bucket_cap_mb=bucket_mb)
     state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=matrix_rank,
                                start_powerSGD_iter=start_iter, use_error_feedback=use_error_feedback,
@@ -248,10 +237,10 @@ def ps_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int,
 
     from labkit.memory import Ledger
 
-    from .param_server import PSConfig, plain_group, serve, work
+    from .param_server import PSConfig, serve, work
 
     ps = ps or PSConfig()
-    group = plain_group()
+    group = comms.plain_group()
     workers = list(range(1, world))
     m = _model(cfg, seed)
     delays, die = delays or {}, die or {}
@@ -292,7 +281,7 @@ def mirrored_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq
                    seed: int = 0, text_chars: int | None = None, lr: float = LR) -> dict | None:
     """Synchronous data parallel ("mirrored") on the ranks of `group_ranks` with plain SGD: an all-reduce (mean)
     of each gradient. Every rank of the world must call it (it makes the group); the others return None."""
-    group = dist.new_group(group_ranks)
+    group = comms.new_group(group_ranks)  # with the run's timeout
     if rank not in group_ranks:
         return None
     i, W = group_ranks.index(rank), len(group_ranks)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Call", "CommLog", "wire_bytes", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
-           "send", "isend", "recv", "barrier", "world", "rank", "new_group"]
+           "send", "isend", "recv", "barrier", "world", "rank", "new_group", "plain_group"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
 
@@ -189,6 +189,20 @@ def new_group(ranks: list[int]):
     LABKIT_PG_TIMEOUT_S; 60 s otherwise), not gloo's default of 30 minutes. Every rank must call it, for
     every group, in the same order."""
     return dist.new_group(sorted(ranks), timeout=timedelta(seconds=float(os.environ.get("LABKIT_PG_TIMEOUT_S", 60))))
+
+
+def plain_group():
+    """A gloo group of every rank without the TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper (which launch sets for
+    readable collective mismatches), with the run's timeout. Two things break under the wrapper in torch 2.13
+    on gloo: DDP's construction logging segfaults, and since the wrapper checks each operation across every
+    rank, one dead worker breaks the others' sends (a parameter server must outlive it)."""
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.INFO)
+    try:
+        return dist.new_group(backend="gloo",
+                              timeout=timedelta(seconds=float(os.environ.get("LABKIT_PG_TIMEOUT_S", 60))))
+    finally:
+        dist.set_debug_level(level)
 
 
 def barrier(group=None) -> None:

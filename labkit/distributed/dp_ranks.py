@@ -106,14 +106,7 @@ def ddp_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     m = _model(cfg, seed + rank)
-    # DDP's construction logging segfaults on a process group wrapped for TORCH_DISTRIBUTED_DEBUG=DETAIL (which
-    # labkit's launch sets, for readable collective mismatches) in torch 2.13 on gloo: give it a plain group.
-    level = dist.get_debug_level()
-    dist.set_debug_level(dist.DebugLevel.INFO)
-    try:
-        group = dist.new_group(backend="gloo")
-    finally:
-        dist.set_debug_level(level)
+    group = comms.plain_group()  # DDP's construction segfaults on a DETAIL-wrapped group (torch 2.13, gloo)
     ddp = DDP(m, bucket_cap_mb=bucket_mb, process_group=group)
     opt = _sgd_or_adamw(ddp.parameters(), optimizer)
     losses = []

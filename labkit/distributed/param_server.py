@@ -37,7 +37,7 @@ import torch.nn as nn
 from . import comms
 
 __all__ = ["PSConfig", "ServerReport", "serve", "work", "flat_params", "load_flat", "check_staleness",
-           "server_state_bytes", "ps_wire_bytes", "plain_group"]
+           "server_state_bytes", "ps_wire_bytes"]
 
 GRAD, DONE = 1.0, 0.0
 HEADER = 3  # kind, step, version
@@ -115,21 +115,10 @@ def _store(run: str):
     return dist.PrefixStore(f"labkit-ps/{run}/", _get_default_store())
 
 
-def plain_group():
-    """A gloo group without TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper (which launch sets): the wrapper checks
-    operations across every rank, so one dead worker would break the others' sends."""
-    level = dist.get_debug_level()
-    dist.set_debug_level(dist.DebugLevel.INFO)
-    try:
-        return dist.new_group(backend="gloo")
-    finally:
-        dist.set_debug_level(level)
-
-
 def serve(model: nn.Module, optimizer: torch.optim.Optimizer, workers: list[int], cfg: PSConfig = PSConfig(),
           group=None, run: str = "0") -> ServerReport:
     """The server loop: send the parameters to every worker, then take gradients until every live worker is
-    done. `group`: the gloo group for the data (see `plain_group`); `run`: a name unique to this run on the
+    done. `group`: the gloo group for the data (see `comms.plain_group`); `run`: a name unique to this run on the
     store (the same on every rank)."""
     rep = ServerReport()
     store = _store(run)

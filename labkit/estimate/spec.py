@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 
@@ -141,3 +142,19 @@ def spec_from(model, **overrides) -> ModelSpec:
         return _hf_spec(model, hf.get_config(model, **overrides))
     raise TypeError(f"cannot read a model from {type(model).__name__}: give a preset name, a path, "
                     "a GPTConfig or a model")
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """torch.nn.init's in-place fills as no-ops while a model is built on the meta device to read its shapes:
+    there are no values to fill, and filling a meta tensor still costs about a millisecond (most of the time of
+    reading a deep model). transformers' no_init_weights does the same while it loads weights."""
+    init = torch.nn.init
+    fills = {n: f for n, f in vars(init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
+    try:
+        for n in fills:
+            setattr(init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, f in fills.items():
+            setattr(init, n, f)

@@ -24,7 +24,6 @@ Ranking: fidelity first (higher first), then predicted step time (faster first).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -419,7 +418,7 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
     (fp32, mixed-bf16, bf16, ...). top: how many plans (None: every family's best). optimizers: those allowed.
     Raises NoPlanError when nothing fits, naming the smallest predicted peak found and the budget.
     """
-    from labkit.estimate.spec import spec_from
+    from labkit.estimate.spec import shapes_only, spec_from
     from labkit.memory.units import parse_bytes
 
     if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_DEVICES:
@@ -439,7 +438,7 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
     device = get_device(device_preset) if device_preset is not None else closest(memory)
     memory = device.memory if memory is None else memory
     dtypes = allowed_dtypes(min_precision, device)
-    with _no_init_fills():
+    with shapes_only():
         spec = spec_from(model)
     batch, seq = _batch_seq(spec, tokens, batch, seq)
     if spec.max_positions and seq > spec.max_positions:
@@ -484,24 +483,6 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
         ranked = ranked[:top]
     fastest = min(s.time(f.best).total for f in ranked)
     return [_make_plan(s, f, fams, fastest) for f in ranked]
-
-
-@contextlib.contextmanager
-def _no_init_fills():
-    """torch.nn.init's in-place initialisers as no-ops while the model is built on the meta device to read its
-    shapes: a meta tensor has no values to fill, yet each call costs about a millisecond, most of the time of
-    reading a deep model (transformers skips them the same way while it loads weights)."""
-    import torch
-
-    init = torch.nn.init
-    saved = {k: f for k, f in vars(init).items() if k.endswith("_") and not k.startswith("_") and callable(f)}
-    try:
-        for k in saved:
-            setattr(init, k, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for k, f in saved.items():
-            setattr(init, k, f)
 
 
 def _fid(f: cost.Fidelity) -> tuple:
