@@ -1,11 +1,13 @@
 """How long each lesson takes to run, per profile: runs notebooks under nbval and records the wall time.
 
-    python bench/lesson_times.py --profile smoke|cpu [--lessons 00,01,...] [--timeout SECONDS]
+    python bench/lesson_times.py --profile smoke|cpu|small-gpu|big-gpu [--lessons 00,01,...] [--timeout SECONDS]
 
 Each notebook runs as CI runs it (`pytest --nbval-lax NOTEBOOK`), with LABKIT_SMOKE=1 for the smoke
-profile and LABKIT_SMOKE=0 for the profile this machine gets (cpu, on a machine without a GPU). Its
-wall time, the pytest outcome and the machine are merged into data/lesson_times.json (other lessons'
-and profiles' entries are kept), which lesson 00 prints. A run that passes --timeout is recorded as
+profile and LABKIT_SMOKE=0 for the others. Outside smoke mode a machine runs the profile
+`labkit.device.profile()` gives it (cpu without a GPU, small-gpu or big-gpu by the GPU's memory), so a
+GPU profile is measured on a machine with such a GPU, and asking for another profile is an error. Its
+wall time, the pytest outcome and the machine (CPU, cores and GPU) are merged into
+data/lesson_times.json (other lessons' and profiles' entries are kept), which lesson 00 prints. A run that passes --timeout is recorded as
 not finished (its time as a lower bound). Times depend on the machine and on what else runs on it: the
 file says which machine, how many cores and the load average when each figure was measured.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "data" / "lesson_times.json"
-PROFILES = ("smoke", "cpu")
+PROFILES = ("smoke", "cpu", "small-gpu", "big-gpu")
 
 
 def cpu_name() -> str:
@@ -49,6 +51,28 @@ def commit() -> str | None:
     return head + ("-dirty" if dirty else "")
 
 
+def machine() -> dict:
+    """This machine: CPU model, cores, Python and, when torch sees one, the GPU."""
+    out = {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            out["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+    except ImportError:
+        pass
+    return out
+
+
+def machine_profile() -> str:
+    """The profile this machine's lessons run at outside smoke mode."""
+    sys.path.insert(0, str(ROOT))
+    from labkit.device import profile
+
+    return profile(smoke_mode=False).name
+
+
 def run_one(notebook: Path, profile: str, timeout: int) -> dict:
     env = dict(os.environ, LABKIT_SMOKE="1" if profile == "smoke" else "0", MPLBACKEND="Agg")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -63,7 +87,7 @@ def run_one(notebook: Path, profile: str, timeout: int) -> dict:
         seconds, finished, passed = float(timeout), False, False
     return {"seconds": round(seconds, 1), "finished": finished, "passed": passed,
             "load_average_at_start": None if load is None else round(load, 2),
-            "date": datetime.date.today().isoformat(), "commit": commit()}
+            "date": datetime.date.today().isoformat(), "commit": commit(), "machine": machine()}
 
 
 def main(argv=None) -> None:
@@ -74,13 +98,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.timeout <= 0:
         ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.profile != "smoke" and machine_profile() != args.profile:
+        ap.error(f"this machine runs the lessons at profile {machine_profile()!r}, not {args.profile!r}: measure "
+                 f"{args.profile!r} on a machine that gets it")
     notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     wanted = {s.strip() for s in args.lessons.split(",") if s.strip()}
     unknown = wanted - {nb.name[:2] for nb in notebooks}
     if unknown:
         ap.error(f"no notebook for lesson(s) {', '.join(sorted(unknown))}")
     data = json.loads(OUT.read_text()) if OUT.is_file() else {"lessons": {}}
-    data["machine"] = {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()}
     for nb in notebooks:
         if wanted and nb.name[:2] not in wanted:
             continue

@@ -92,48 +92,85 @@ def check_break_even_rank(answer, shape) -> bool:
                   "for which the first is at least the second.")
 
 
-# ---- exercise 3: a function for GaLore's state of an m x n matrix, checked on fresh shapes --------------------
-def galore_state(m: int, n: int, r: int) -> int:
-    """Reference: fp32 GaLore state of one (m, n) matrix at rank r, as the estimator counts it."""
-    from labkit.estimate.optim_terms import galore_matrix_state
+# ---- exercise 3: GaLore's state for a whole GPT, as a function, checked on fresh configurations --------------
+def galore_gpt_state(cfg, r: int) -> int:
+    """Reference: bytes of fp32 state GaLoreAdamW(galore_param_groups(GPT(cfg), rank=r)) keeps, counted by
+    labkit.optim.galore.state_bytes_for on every parameter of each group (the model is built on the meta
+    device: no memory)."""
+    import torch
 
-    return galore_matrix_state(m, n, r, 4, eight_bit=False)
+    from labkit.models.gpt import GPT
+    from labkit.optim.galore import galore_param_groups
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return sum(galore.state_bytes_for(tuple(p.shape), g.get("rank"), 4)
+               for g in galore_param_groups(model, rank=r) for p in g["params"])
 
 
-def _cases(seed: int) -> list[tuple[int, int, int]]:
-    """Fresh (m, n, r): a wide matrix, a tall one, and a rank near the smaller side."""
+def _configs(seed: int):
+    """Fresh questions: two or three small GPTConfigs (with and without biases) and a rank below n_embd."""
+    from labkit.models.gpt import GPTConfig
+
     rng = random.Random(seed)
     out = []
-    for _ in range(2):
-        a, b = rng.randint(16, 2048), rng.randint(16, 2048)
-        while a == b:
-            b += 1
-        out += [(min(a, b), max(a, b), rng.randint(1, min(a, b) // 2)),
-                (max(a, b), min(a, b), rng.randint(1, min(a, b) // 2))]
+    for i in range(rng.randint(2, 3)):
+        heads = rng.choice([1, 2, 4])
+        cfg = GPTConfig(vocab_size=rng.randint(50, 600), block_size=rng.choice([32, 64, 128, 256]),
+                        n_layer=rng.randint(1, 6), n_head=heads, n_embd=heads * rng.randint(4, 48),
+                        bias=bool(i % 2) if i < 2 else rng.random() < 0.5)
+        out.append((cfg, rng.randint(1, max(1, cfg.n_embd // 2))))
     return out
 
 
-def check_galore_state(fn, seed: int | None = None) -> bool:
-    what = "galore_state(m, n, r)"
+def _gpt_slips(cfg, r: int) -> dict[int, str]:
+    """What common slips give, and a hint for each that does not say the answer."""
+    import torch
+
+    from labkit.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    d, L = cfg.n_embd, cfg.n_layer
+    mats = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]  # (out, in): c_attn, attn.c_proj, c_fc, mlp.c_proj
+    n_all = sum(p.numel() for p in model.parameters())
+    n_mat = L * sum(a * b for a, b in mats)
+    rest = 8 * (n_all - n_mat)
+    right = L * sum(4 * r * (min(a, b) + 2 * max(a, b)) for a, b in mats)
+    wrong_side = L * sum(4 * r * (max(a, b) + 2 * min(a, b)) for a, b in mats)
+    return {
+        8 * n_all: "that is plain AdamW's m and v for every parameter: which matrices does galore_param_groups "
+                   "hand to GaLore?",
+        right: "that counts the GaLore matrices only: the parameters galore_param_groups leaves out still have "
+               "AdamW's two moments",
+        wrong_side + rest: "the projector is sized by one side of each matrix and the moments by the other: which is "
+                           "which, for a tall (out > in) matrix and for a wide one?",
+        right + rest + 8 * cfg.vocab_size * d: "the head shares its weight with the token embedding (tied): one "
+                                               "tensor, one state",
+    }
+
+
+def check_galore_gpt_state(fn, seed: int | None = None) -> bool:
+    what = "galore_gpt_state(cfg, r)"
     if unanswered(fn):
         return not_answered(what)
     if not callable(fn):
         return failed(f"{what}: expected a function, got {type(fn).__name__}")
-    cases = _cases(random.randrange(1 << 30) if seed is None else seed)
-    for m, n, r in cases:
+    cases = _configs(random.randrange(1 << 30) if seed is None else seed)
+    for cfg, r in cases:
+        short = (f"GPTConfig(n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}, "
+                 f"block_size={cfg.block_size}, bias={cfg.bias})")
         try:
-            got = fn(m, n, r)
+            got = fn(cfg, r)
         except Exception as e:  # the learner's code: say what failed, do not stop the notebook
-            return failed(f"{what} raised {type(e).__name__}: {e} for m={m}, n={n}, r={r}")
-        want = galore_state(m, n, r)
+            return failed(f"{what} raised {type(e).__name__}: {e} for {short}, r={r}")
+        want = galore_gpt_state(cfg, r)
         if isinstance(got, bool) or not isinstance(got, numbers.Real) or got != want:
-            hint = ("the projector and the moments are sized by different sides: which side does GaLore project "
-                    "onto, the smaller or the larger?" if m < n else
-                    "it was right for a wide matrix? then look at which side is the smaller one for a tall matrix")
-            return failed(f"{what}: wrong for m={m}, n={n}, r={r} (count the projector and each of Adam's moments "
-                          f"as rank x a side, 4 bytes per value; {hint}).")
-    return passed(f"{what}: right on {len(cases)} fresh matrices, wide and tall, as "
-                  f"labkit.estimate.optim_terms.galore_matrix_state counts them.")
+            hint = _gpt_slips(cfg, r).get(got, "print(GPT(cfg)) shows every layer's shape; galore_param_groups' "
+                                               "docstring says which weights GaLore gets; 4 bytes per fp32 value")
+            return failed(f"{what}: wrong for {short}, r={r} ({hint}).")
+    return passed(f"{what}: right on {len(cases)} fresh GPT configurations, as GaLoreAdamW's groups and "
+                  f"labkit.optim.galore.state_bytes_for count them.")
 
 
 # ---- exercise 4: why GaLore's weights are not confined to rank r --------------------------------------------

@@ -128,50 +128,81 @@ def check_lisa_opt_bytes(answer, model: nn.Module, gamma: int = 1) -> bool:
                   "plus 4 per tensor.")
 
 
-# ---- exercise 4: a function for LoRA's trainable parameters, checked on fresh shapes ---------------------------
-def lora_trainable(targets, r: int) -> int:
-    """Reference: trainable parameter elements after apply_lora(..., r) on one nn.Linear(d_in, d_out) (with a bias)
-    per (d_in, d_out) target, counted by count_parameters (built on the meta device: no memory)."""
-    layers = nn.ModuleList([nn.Linear(d_in, d_out, device="meta") for d_in, d_out in targets])
-    apply_lora(layers, "all-linear", r=r)
-    return count_parameters(layers).trainable
+# ---- exercise 4: LoRA's trainable parameters on a whole GPT, as a function, checked on fresh configurations ----
+GPT_LINEARS = ("c_attn", "attn.c_proj", "c_fc", "mlp.c_proj", "c_proj", "lm_head")  # names apply_lora matches
 
 
-def _targets(seed: int) -> list[tuple[list[tuple[int, int]], int]]:
-    """Fresh questions: two or three lists of 2-5 (d_in, d_out) targets, never square, and a rank each."""
+def gpt_lora_trainable(cfg, r: int, targets) -> int:
+    """Reference: trainable parameter elements after apply_lora(GPT(cfg), targets, r), counted by count_parameters
+    (built on the meta device: no memory)."""
+    from labkit.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    apply_lora(model, list(targets), r=r)
+    return count_parameters(model).trainable
+
+
+def _gpt_targets(seed: int):
+    """Fresh questions: two or three small GPTConfigs, each with a rank and a non-empty list of target names."""
+    from labkit.models.gpt import GPTConfig
+
     rng = random.Random(seed)
     out = []
-    for _ in range(rng.randint(2, 3)):
-        targets = []
-        for _ in range(rng.randint(2, 5)):
-            d_in, d_out = rng.randint(16, 4096), rng.randint(16, 4096)
-            targets.append((d_in, d_out + (d_in == d_out)))
-        out.append((targets, rng.choice([1, 2, 4, 8, 16, 32, 64])))
+    for i in range(rng.randint(2, 3)):
+        heads = rng.choice([1, 2, 4])
+        cfg = GPTConfig(vocab_size=rng.randint(50, 600), block_size=rng.choice([32, 64, 128]),
+                        n_layer=rng.randint(1, 6), n_head=heads, n_embd=heads * rng.randint(4, 48),
+                        bias=rng.random() < 0.5)
+        names = ["c_attn", "c_proj", "c_fc", "lm_head"] if i == 0 else \
+            rng.sample(GPT_LINEARS, rng.randint(1, 3))
+        if "c_proj" in names:  # it matches both projections: "attn.c_proj" or "mlp.c_proj" beside it adds nothing
+            names = [n for n in names if not n.endswith(".c_proj")]
+        out.append((cfg, rng.choice([1, 2, 4, 8, 16]), names))
     return out
 
 
-def check_lora_trainable(fn, seed: int | None = None) -> bool:
-    what = "lora_trainable(targets, r)"
+def _gpt_lora_slips(cfg, r: int, targets) -> dict[int, str]:
+    """What common slips give, and a hint for each that does not say the answer."""
+    d, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    shape = {"c_attn": (d, 3 * d), "attn.c_proj": (d, d), "c_fc": (d, 4 * d), "mlp.c_proj": (4 * d, d)}
+    layers = [(a, b, L) for n, (a, b) in shape.items() if n in targets or (n.endswith("c_proj") and "c_proj" in targets)]
+    layers += [(d, V, 1)] * ("lm_head" in targets)
+    one_side = {sum(r * a * k for a, b, k in layers), sum(r * b * k for a, b, k in layers)}
+    square = sum(2 * r * d * k for a, b, k in layers)
+    once = sum(r * (a + b) for a, b, k in layers)
+    slips = {s: "that is one of the two adapter matrices; look at the shapes of A and B" for s in one_side}
+    slips[square] = "not every targeted layer is d x d: print(GPT(cfg)) shows each one's in and out features"
+    if L > 1:
+        slips[once] = "every block has its own copy of each targeted layer"
+    if "c_proj" in targets:
+        only_attn = sum(r * (a + b) * k for a, b, k in layers) - L * r * 5 * d
+        slips[only_attn] = "apply_lora matches a name by its ending: which modules end in 'c_proj'?"
+    return slips
+
+
+def check_gpt_lora_trainable(fn, seed: int | None = None) -> bool:
+    what = "gpt_lora_trainable(cfg, r, targets)"
     if unanswered(fn):
         return not_answered(what)
     if not callable(fn):
         return failed(f"{what}: expected a function, got {type(fn).__name__}")
-    cases = _targets(random.randrange(1 << 30) if seed is None else seed)
-    for targets, r in cases:
+    cases = _gpt_targets(random.randrange(1 << 30) if seed is None else seed)
+    for cfg, r, targets in cases:
+        short = (f"GPTConfig(n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}, "
+                 f"bias={cfg.bias}), r={r}, targets={targets}")
         try:
-            got = fn(list(targets), r)
+            got = fn(cfg, r, list(targets))
         except Exception as e:  # the learner's code: say what failed, do not stop the notebook
-            return failed(f"{what} raised {type(e).__name__}: {e} for targets={targets}, r={r}")
-        want = lora_trainable(targets, r)
+            return failed(f"{what} raised {type(e).__name__}: {e} for {short}")
+        want = gpt_lora_trainable(cfg, r, targets)
         if isinstance(got, bool) or not isinstance(got, numbers.Real) or got != want:
-            sides = {r * sum(d for d, _ in targets), r * sum(d for _, d in targets)}
-            hint = ("that is one of the two adapter matrices; look at the shapes of A and B" if got in sides else
-                    "that counts the frozen weights; LoRA trains something smaller beside them"
-                    if got in (sum(a * b for a, b in targets), sum(a * b + b for a, b in targets)) else
-                    "look at the shapes of A and B for one target, then add up over all the targets")
-            return failed(f"{what}: wrong for targets={targets}, r={r} ({hint}).")
-    return passed(f"{what}: right on {len(cases)} fresh lists of targets, as apply_lora + count_parameters count "
-                  "them (the frozen weights and biases train nothing).")
+            hint = _gpt_lora_slips(cfg, r, targets).get(
+                got, "the frozen weights and biases train nothing; for each targeted layer, look at the shapes "
+                     "of A and B, then add up over the layers and the blocks")
+            return failed(f"{what}: wrong for {short} ({hint}).")
+    return passed(f"{what}: right on {len(cases)} fresh GPT configurations and target lists, as apply_lora + "
+                  "count_parameters count them.")
 
 
 # ---- exercise 5: why LISA always trains the embeddings and the head -----------------------------------------

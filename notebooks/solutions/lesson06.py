@@ -22,10 +22,17 @@ def break_even_rank(m: int, n: int) -> int:
 BREAK_EVEN_RANK = break_even_rank(4096, 11008)  # 3,454 of 4,096: GaLore saves memory below about 84 % of full rank
 
 
-# ---- exercise 3: GaLore's state of an m x n matrix, as a function ---------------------------------------------
-def galore_state(m: int, n: int, r: int) -> int:
-    """fp32: the projector r x min(m, n) + Adam's m and v of the projected gradient, r x max(m, n) each."""
-    return galore_state_bytes(m, n, r, 4)
+# ---- exercise 3: GaLore's state for a whole GPT, as a function ------------------------------------------------
+def galore_gpt_state(cfg, r: int) -> int:
+    """GaLore gets the four Linear weights of every block (attention and MLP; torch stores them (out, in)):
+    c_attn (3d, d), attn.c_proj (d, d), c_fc (4d, d), mlp.c_proj (d, 4d). Everything else (token and position
+    embeddings, the tied head, LayerNorms, biases) keeps AdamW's m and v: 8 bytes per value."""
+    d, L, V, P = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
+    mats = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
+    galore = L * sum(galore_state_bytes(a, b, r, 4) for a, b in mats)
+    biases = L * (3 * d + d + 4 * d + d) if cfg.bias else 0  # the four Linear layers' biases
+    norms = (2 * L + 1) * d * (2 if cfg.bias else 1)  # ln_1, ln_2 per block and ln_f: weight (and bias)
+    return galore + 8 * (V * d + P * d + biases + norms)
 
 
 # ---- exercise 4 --------------------------------------------------------------------------------------------

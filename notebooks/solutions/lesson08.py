@@ -31,10 +31,16 @@ def lisa_opt_bytes(model: nn.Module, gamma: int = 1, layers_attr: str = "blocks"
     return 8 * n + 4 * tensors
 
 
-# ---- exercise 4: LoRA's trainable parameters, as a function ----------------------------------------------------
-def lora_trainable(targets, r: int) -> int:
-    """Per (d_in, d_out) target: A is r x d_in, B is d_out x r; the frozen weight and bias train nothing."""
-    return sum(r * (d_in + d_out) for d_in, d_out in targets)
+# ---- exercise 4: LoRA's trainable parameters on a whole GPT, as a function --------------------------------------
+def gpt_lora_trainable(cfg, r: int, targets) -> int:
+    """Each adapted nn.Linear(d_in, d_out) trains A (r x d_in) and B (d_out x r); its weight and bias stay frozen.
+    A block's linears: c_attn (d -> 3d), attn.c_proj (d -> d), c_fc (d -> 4d), mlp.c_proj (4d -> d); lm_head
+    (d -> vocab) once. apply_lora matches a name by its ending, so "c_proj" adapts both projections."""
+    d, V = cfg.n_embd, cfg.vocab_size
+    block = {"c_attn": (d, 3 * d), "attn.c_proj": (d, d), "c_fc": (d, 4 * d), "mlp.c_proj": (4 * d, d)}
+    chosen = {n for n in block if n in targets or (n.endswith(".c_proj") and "c_proj" in targets)}
+    total = cfg.n_layer * sum(r * (block[n][0] + block[n][1]) for n in chosen)
+    return total + (r * (d + V) if "lm_head" in targets else 0)
 
 
 # ---- exercise 5 --------------------------------------------------------------------------------------------

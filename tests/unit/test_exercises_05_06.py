@@ -261,40 +261,70 @@ def test_why_small(sol05, says, blank):
     says("❌", "not answered")
 
 
-# ---- lesson 06, exercise 3: galore_state(m, n, r) on fresh shapes -------------------------------------------
-def test_galore_state_solution_passes_on_fresh_shapes(sol06, says):
-    assert lesson06.check_galore_state(sol06.galore_state, seed=1) is True
-    says("✅", "fresh matrices")
-    assert lesson06.check_galore_state(sol06.galore_state, seed=2) is True
-    assert lesson06._cases(1) != lesson06._cases(2)
-    assert all(m != n for m, n, _ in lesson06._cases(3))
+# ---- lesson 06, exercise 3: galore_gpt_state(cfg, r) on fresh configurations ----------------------------------
+def test_galore_gpt_state_solution_passes_on_fresh_configs(sol06, says):
+    assert lesson06.check_galore_gpt_state(sol06.galore_gpt_state, seed=1) is True
+    says("✅", "fresh GPT configurations")
+    assert lesson06.check_galore_gpt_state(sol06.galore_gpt_state, seed=2) is True
+    assert lesson06._configs(1) != lesson06._configs(2)
+    assert {cfg.bias for seed in range(3) for cfg, _ in lesson06._configs(seed)} == {True, False}
 
 
-def test_galore_state_slips_fail_with_a_hint(says, blank):
-    def larger_side(m, n, r):  # projector on the larger side
-        return 4 * r * (max(m, n) + 2 * min(m, n))
+def test_galore_gpt_state_reference_is_the_optimizers_and_the_estimators():
+    """The meta-device reference equals the state a real GaLoreAdamW holds after a step, and the estimator's count."""
+    import torch
 
-    assert lesson06.check_galore_state(larger_side, seed=1) is False
-    says("❌", "wrong for", "smaller or the larger")
+    from labkit.estimate import spec_from
+    from labkit.estimate.optim_terms import state_bytes
+    from labkit.models.gpt import GPT, GPTConfig
+    from labkit.optim import GaLoreAdamW
+    from labkit.optim.galore import galore_param_groups
 
-    def rows_always(m, n, r):  # right for a wide matrix only
-        return 4 * r * (m + 2 * n)
+    cfg, r = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=12, bias=False), 3
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = GaLoreAdamW(galore_param_groups(model, rank=r), lr=1e-3)
+    x = torch.randint(0, 40, (2, 8))
+    model(x, x).backward()
+    opt.step()
+    held = sum(t.nbytes for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+    assert lesson06.galore_gpt_state(cfg, r) == held == state_bytes(spec_from(cfg), 4, "galore", r)
 
-    assert lesson06.check_galore_state(rows_always, seed=1) is False
-    says("❌", "tall matrix")
 
-    def no_projector(m, n, r):
-        return 4 * 2 * r * max(m, n)
+def test_galore_gpt_state_slips_fail_with_a_hint(says, blank):
+    mats = lambda d: [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
 
-    assert lesson06.check_galore_state(no_projector, seed=1) is False
-    says("❌", "projector")
+    def rest(cfg):
+        d, L = cfg.n_embd, cfg.n_layer
+        lin_b = L * 9 * d if cfg.bias else 0
+        return 8 * (cfg.vocab_size * d + cfg.block_size * d + lin_b + (2 * L + 1) * d * (2 if cfg.bias else 1))
 
-    def boom(m, n, r):
+    def larger_side(cfg, r):  # projector on the larger side
+        return cfg.n_layer * sum(4 * r * (max(a, b) + 2 * min(a, b)) for a, b in mats(cfg.n_embd)) + rest(cfg)
+
+    assert lesson06.check_galore_gpt_state(larger_side, seed=1) is False
+    says("❌", "wrong for", "tall (out > in)")
+
+    def matrices_only(cfg, r):
+        return cfg.n_layer * sum(4 * r * (min(a, b) + 2 * max(a, b)) for a, b in mats(cfg.n_embd))
+
+    assert lesson06.check_galore_gpt_state(matrices_only, seed=1) is False
+    says("❌", "GaLore matrices only")
+
+    def untied(cfg, r):
+        return matrices_only(cfg, r) + rest(cfg) + 8 * cfg.vocab_size * cfg.n_embd
+
+    assert lesson06.check_galore_gpt_state(untied, seed=1) is False
+    says("❌", "tied")
+
+    def boom(cfg, r):
         raise ZeroDivisionError("oops")
 
-    assert lesson06.check_galore_state(boom, seed=1) is False
+    assert lesson06.check_galore_gpt_state(boom, seed=1) is False
     says("❌", "raised ZeroDivisionError")
-    assert lesson06.check_galore_state(blank) is False
+    assert lesson06.check_galore_gpt_state(lambda cfg, r: 7, seed=1) is False
+    says("❌", "print(GPT(cfg))")
+    assert lesson06.check_galore_gpt_state(blank) is False
     says("❌", "not answered")
 
 

@@ -131,49 +131,66 @@ def test_lisa_opt_wrong_answers_fail_with_a_hint(gpt, says):
         says("❌", hint)
 
 
-# ---- exercise 4: lora_trainable(targets, r) on fresh shapes ------------------------------------------------
-def test_lora_trainable_solution_passes_on_fresh_shapes(sol08, says):
-    assert lesson08.check_lora_trainable(sol08.lora_trainable, seed=1) is True
-    says("✅", "fresh lists")
-    assert lesson08.check_lora_trainable(sol08.lora_trainable, seed=2) is True
-    assert lesson08._targets(1) != lesson08._targets(2)
+# ---- exercise 4: gpt_lora_trainable(cfg, r, targets) on fresh configurations ---------------------------------
+def test_gpt_lora_trainable_solution_passes_on_fresh_configs(sol08, says):
+    assert lesson08.check_gpt_lora_trainable(sol08.gpt_lora_trainable, seed=1) is True
+    says("✅", "fresh GPT configurations")
+    assert lesson08.check_gpt_lora_trainable(sol08.gpt_lora_trainable, seed=2) is True
+    assert lesson08._gpt_targets(1) != lesson08._gpt_targets(2)
+    drawn = {n for seed in range(6) for _, _, names in lesson08._gpt_targets(seed) for n in names}
+    assert drawn == set(lesson08.GPT_LINEARS), drawn
 
 
-def test_lora_trainable_reference_counts_a_real_model():
-    """The meta-device reference agrees with apply_lora on a real (cpu) model."""
+def test_gpt_lora_trainable_reference_counts_a_real_model():
+    """The meta-device reference agrees with apply_lora on a real (cpu) GPT, whose adapters get gradients."""
+    from labkit.models.gpt import GPT, GPTConfig
     from labkit.peft import apply_lora, count_parameters
 
-    targets = [(24, 40), (40, 8)]
-    real = apply_lora(torch.nn.ModuleList([torch.nn.Linear(a, b) for a, b in targets]), "all-linear", r=3)
-    assert lesson08.lora_trainable(targets, 3) == count_parameters(real).trainable == 3 * (64 + 48)
+    cfg = GPTConfig(vocab_size=30, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    real = apply_lora(GPT(cfg), ["c_attn", "c_proj"], r=2)
+    x = torch.randint(0, 30, (2, 8))
+    real(x, x).backward()
+    with_grad = sum(p.numel() for p in real.parameters() if p.grad is not None)
+    assert lesson08.gpt_lora_trainable(cfg, 2, ["c_attn", "c_proj"]) == count_parameters(real).trainable \
+        == with_grad == 2 * 2 * ((8 + 24) + (8 + 8) + (32 + 8))
 
 
-def test_lora_trainable_slips_fail_with_a_hint(says, blank):
-    def only_a(targets, r):
-        return sum(r * d_in for d_in, _ in targets)
+def test_gpt_lora_trainable_slips_fail_with_a_hint(says, blank):
+    def square(cfg, r, targets):  # every layer taken as d x d
+        d = cfg.n_embd
+        per = {"c_attn": 1, "attn.c_proj": 1, "c_fc": 1, "mlp.c_proj": 1, "c_proj": 2}
+        n = cfg.n_layer * sum(per.get(t, 0) for t in targets) + ("lm_head" in targets)
+        return n * 2 * r * d
 
-    assert lesson08.check_lora_trainable(only_a, seed=1) is False
-    says("❌", "one of the two adapter matrices")
+    assert lesson08.check_gpt_lora_trainable(square, seed=1) is False
+    says("❌", "print(GPT(cfg))")
 
-    def frozen(targets, r):
-        return sum(d_in * d_out for d_in, d_out in targets)
+    def one_block(cfg, r, targets):  # forgets n_layer
+        d, V = cfg.n_embd, cfg.vocab_size
+        block = {"c_attn": 4 * d, "attn.c_proj": 2 * d, "c_fc": 5 * d, "mlp.c_proj": 5 * d}
+        chosen = {n for n in block if n in targets or (n.endswith(".c_proj") and "c_proj" in targets)}
+        return sum(r * block[n] for n in chosen) + (r * (d + V) if "lm_head" in targets else 0)
 
-    assert lesson08.check_lora_trainable(frozen, seed=1) is False
-    says("❌", "frozen weights")
+    assert lesson08.check_gpt_lora_trainable(one_block, seed=7) is False  # seed 7 draws a model of several blocks
+    says("❌", "own copy")
 
-    def first_only(targets, r):
-        d_in, d_out = targets[0]
-        return r * (d_in + d_out)
+    def c_proj_once(cfg, r, targets):  # "c_proj" taken as the attention projection only
+        d, V = cfg.n_embd, cfg.vocab_size
+        block = {"c_attn": 4 * d, "attn.c_proj": 2 * d, "c_fc": 5 * d, "mlp.c_proj": 5 * d}
+        chosen = {n for n in block if n in targets or (n == "attn.c_proj" and "c_proj" in targets)}
+        return cfg.n_layer * sum(r * block[n] for n in chosen) + (r * (d + V) if "lm_head" in targets else 0)
 
-    assert lesson08.check_lora_trainable(first_only, seed=1) is False
-    says("❌", "add up over all the targets")
+    assert lesson08.check_gpt_lora_trainable(c_proj_once, seed=1) is False
+    says("❌", "ending")
 
-    def boom(targets, r):
+    def boom(cfg, r, targets):
         raise TypeError("oops")
 
-    assert lesson08.check_lora_trainable(boom, seed=1) is False
+    assert lesson08.check_gpt_lora_trainable(boom, seed=1) is False
     says("❌", "raised TypeError")
-    assert lesson08.check_lora_trainable(blank) is False
+    assert lesson08.check_gpt_lora_trainable(lambda cfg, r, t: 3, seed=1) is False
+    says("❌", "frozen weights")
+    assert lesson08.check_gpt_lora_trainable(blank) is False
     says("❌", "not answered")
 
 
