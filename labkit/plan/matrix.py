@@ -8,6 +8,10 @@ each technique of TECHNIQUES (one change to the baseline's Recipe each) and meas
 - time: the median wall-clock time of the training steps after the first two (no Ledger);
 - accuracy: the validation loss after the same number of steps from the same start on the same batches.
 
+Tiled attention (labkit.recompute.tiled_attention) is not a row: the baseline's fused SDPA already runs the
+same algorithm in a kernel and keeps the same bytes (q, k, v, the output and one logsumexp per row), so the row
+would show nothing saved and the Python loops' time; lesson 03 measures it against the textbook attention.
+
 It also classifies the regime: from the baseline's estimate (`labkit.estimate.estimate`), a (batch, seq) is
 activation-bound when activations and temporaries outweigh the model states (parameters, gradients, optimizer
 state) at the estimated peak, state-bound otherwise; a technique whose largest cut is activations wins in
@@ -51,12 +55,14 @@ SIZES = {
               "steps": 4, "val_batches": 2},
 }
 
-# (key, label, options(size) -> the Recipe fields it changes from the fp32 AdamW baseline)
+# (key, label, options(size) -> the Recipe fields it changes from the fp32 AdamW baseline; "model": GPTConfig fields)
 TECHNIQUES = (
     ("bf16", "mixed precision bf16", lambda z: dict(dtype="mixed-bf16")),
     ("ckpt_full", "full checkpointing", lambda z: dict(checkpoint="full")),
     ("ckpt_sqrt", "sqrt checkpointing", lambda z: dict(checkpoint="sqrt")),
     ("ckpt_selective", "selective checkpointing", lambda z: dict(checkpoint="selective")),
+    ("offload_act", "activation offload", lambda z: dict(offload_activations=True)),
+    ("chunked_loss", "chunked cross-entropy", lambda z: dict(model=dict(loss_chunk=max(1, z["batch"] * z["seq"] // 4)))),
     ("accumulation", "gradient accumulation (micro-batch 1/2)", lambda z: dict(micro_batch=z["batch"] // 2)),
     ("adamw8bit", "8-bit Adam", lambda z: dict(optimizer="adamw8bit")),
     ("adafactor", "Adafactor", lambda z: dict(optimizer="adafactor")),
@@ -96,7 +102,8 @@ def technique_recipe(key: str, size="default") -> Recipe:
         if not found:
             raise ValueError(f"unknown technique {key!r}; choose baseline or one of {', '.join(TECHNIQUE_KEYS)}")
         options = found[0][2](z)
-    return Recipe(_config(z), z["batch"], z["seq"], **options)
+    model = _config(dict(z, model={**z["model"], **options.pop("model", {})}))
+    return Recipe(model, z["batch"], z["seq"], **options)
 
 
 def regime(model, batch: int, seq: int, **options) -> dict:
@@ -124,9 +131,9 @@ class _Trainer:
     def __init__(self, recipe: Recipe, lr: float, train, seed: int):
         from labkit.run import LISA_INTERVAL, apply_peft, build_model, make_optimizer
 
-        self.r, self.train = recipe, train
+        self.r, self.train, self.device = recipe, train, torch.device(recipe.device)
         torch.manual_seed(seed)
-        self.m = build_model(recipe.model, recipe.dtype)
+        self.m = build_model(recipe.model, recipe.dtype, self.device)
         apply_peft(self.m, recipe.dtype, recipe.lora_rank, recipe.lora_targets, recipe.quant, recipe.lisa_layers)
         self.opt = make_optimizer(self.m, recipe.optimizer, lr, None, recipe.rank, recipe.optimizer_offload,
                                   recipe.step_in_backward)
@@ -143,23 +150,28 @@ class _Trainer:
         from labkit.run import train_step
 
         r = self.r
-        x, y = get_batch(self.train, r.batch, r.seq, generator=self.gen)
+        x, y = get_batch(self.train, r.batch, r.seq, device=self.device, generator=self.gen)
+        cuda = self.device.type == "cuda"
         wrap = contextlib.nullcontext()
         if r.checkpoint != "none":
             from labkit.recompute import checkpoint_blocks
 
             wrap = checkpoint_blocks(self.m, r.checkpoint)
         with wrap:  # entered outside the timed region
+            if cuda:  # time this step's kernels only: wait for earlier work, then for this step's
+                torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
             if self.before is not None:
                 self.before()
-            train_step(self.m, self.opt, x, y, r.dtype, r.micro_batch)
+            train_step(self.m, self.opt, x, y, r.dtype, r.micro_batch, r.offload_activations)
+            if cuda:
+                torch.cuda.synchronize(self.device)
             self.times.append(time.perf_counter() - t0)
 
     def val_loss(self, val_batches) -> float:
         self.m.eval()
         with torch.no_grad():
-            return statistics.fmean(float(self.m(x, y)) for x, y in val_batches)
+            return statistics.fmean(float(self.m(x.to(self.device), y.to(self.device))) for x, y in val_batches)
 
     def close(self) -> None:
         if hasattr(self.opt, "close"):
@@ -180,9 +192,20 @@ def machine() -> dict:
             "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
-def run_matrix(size="default", steps: int | None = None, seed: int = 0, progress=None) -> dict:
+def run_matrix(size="default", steps: int | None = None, seed: int = 0, progress=None, keys=None,
+               device=None) -> dict:
     """Measure the baseline and every technique (see the module's docstring); returns the matrix as a dict
-    (what data/selection_matrix.json holds). progress: a callable given one line per technique, or None."""
+    (what data/selection_matrix.json holds). progress: a callable given one line per technique, or None.
+    keys: the techniques to measure (TECHNIQUE_KEYS, in that order, by default); a lesson measures a few.
+    device: where to train and time ("cpu" by default, or "cuda")."""
+    kind = torch.device(device or "cpu").type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    chosen = TECHNIQUE_KEYS if keys is None else tuple(keys)
+    unknown = [k for k in chosen if k not in TECHNIQUE_KEYS]
+    if unknown or not chosen:
+        raise ValueError(f"keys: unknown technique(s) {', '.join(map(repr, unknown)) or '(none given)'}; choose from "
+                         f"{', '.join(TECHNIQUE_KEYS)}")
     from labkit.data import get_batch, load_tokens
     from labkit.run import measure_step
 
@@ -194,16 +217,19 @@ def run_matrix(size="default", steps: int | None = None, seed: int = 0, progress
     train, val, _ = load_tokens(max_chars=max_chars)
     vgen = torch.Generator().manual_seed(seed + 1)
     val_batches = [get_batch(val, z["batch"], z["seq"], generator=vgen) for _ in range(z["val_batches"])]
-    keys = [("baseline", "fp32 AdamW (baseline)")] + [(k, lab) for k, lab, _ in TECHNIQUES]
+    keys = [("baseline", "fp32 AdamW (baseline)")] + [(k, lab) for k, lab, _ in TECHNIQUES if k in chosen]
     rows, trainers = [], []
     before = machine()
+    if kind == "cuda":
+        before["gpu"] = torch.cuda.get_device_name()
     try:
         for key, label in keys:  # memory: two steps under the Ledger
             t0 = time.perf_counter()
-            r = technique_recipe(key, z)
+            r = technique_recipe(key, z).replace(device=kind)
             meas = measure_step(r, steps=2, data=train, seed=seed)
             lr = LION_LR if r.optimizer == "lion" else LR
             opts = {k: v for k, v in r.options().items() if v != Recipe(r.model, r.batch, r.seq).options()[k]}
+            opts.update({f"model.{k}": v for k, v in vars(r.model).items() if getattr(_config(z), k) != v})
             rows.append({"key": key, "label": label, "options": opts,
                          "lr": None if r.optimizer == "adafactor" else lr,
                          "peak_bytes": int(meas.peak.total), "peak_phase": meas.peak_phase,
@@ -245,6 +271,7 @@ def run_matrix(size="default", steps: int | None = None, seed: int = 0, progress
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": dict(before, load_average_1min_end=machine()["load_average_1min"]),
         "size": "custom" if isinstance(size, dict) else size,
+        "device": kind,
         "config": {"model": dict(z["model"]), "batch": B, "seq": S, "steps": steps, "seed": seed,
                    "data": "Shakespeare (labkit.data.load_tokens, byte tokens)", "val_batches": z["val_batches"],
                    "memory": "labkit.run.measure_step, 2 steps, Ledger peak (logical bytes)",
@@ -330,6 +357,7 @@ def plot_matrix(matrix: dict | None = None, ax=None):
         ax.annotate(r["label"], (x, y), xytext=(x0, ly), fontsize=8, va="bottom",
                     arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5") if abs(ly - y) > dy else None)
         boxes.append((x0, x1, ly))
+    ax.set_xlim(min(min(xs), 1.0) - 0.05 * xr, max(max(b for _, b, _ in boxes), 1.0) + 0.02 * xr)  # labels inside
     for name in sorted({r["wins_when"] for r in m["techniques"]}, key=str):
         ax.scatter([], [], color=colours[name], label=legend[name])
     ax.axhline(0, color="k", lw=0.6)
@@ -338,7 +366,7 @@ def plot_matrix(matrix: dict | None = None, ax=None):
     ax.set_xlabel("time per step / fp32 AdamW's")
     ax.set_ylabel("peak memory saved (% of fp32 AdamW's)")
     ax.set_title(f"Techniques on a GPT ({cfg['model']['n_layer']} x {cfg['model']['n_embd']}), B={cfg['batch']} "
-                 f"S={cfg['seq']}: {m['regime']['regime']} ({m['machine']['cpu']})", fontsize=9)
+                 f"S={cfg['seq']}: {m['regime']['regime']} ({m['machine'].get('gpu') or m['machine']['cpu']})", fontsize=9)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     ax.grid(alpha=0.3)
     return fig

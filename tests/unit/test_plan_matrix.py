@@ -41,7 +41,7 @@ def _by_key(m):
 def test_smoke_bench_measures_every_technique(smoke):
     assert smoke["size"] == "smoke" and smoke["machine"]["torch_threads"] == 1
     assert [r["key"] for r in smoke["techniques"]] == list(mx.TECHNIQUE_KEYS)
-    assert len(mx.TECHNIQUE_KEYS) == 15 and len(set(mx.TECHNIQUE_KEYS)) == 15
+    assert len(mx.TECHNIQUE_KEYS) == 17 and len(set(mx.TECHNIQUE_KEYS)) == 17
     for r in smoke["techniques"]:
         for k in NUMBERS:
             assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (r["key"], k, r[k])
@@ -58,6 +58,9 @@ def test_checkpointing_saves_activations(smoke):
         assert t[k]["category_max"]["act"] < smoke["baseline"]["category_max"]["act"]
     assert t["ckpt_full"]["cuts"][0] == "act" and t["ckpt_full"]["wins_when"] == "activation-bound"
     assert t["accumulation"]["category_max"]["act"] < smoke["baseline"]["category_max"]["act"]
+    for k in ("offload_act", "chunked_loss"):  # the saved activations leave the device; the loss's B S V tensors go
+        assert t[k]["saved_bytes"] > 0 and t[k]["cuts"][0] == "act", (k, t[k]["cuts"])
+    assert t["chunked_loss"]["options"] == {"model.loss_chunk": 16}  # a GPTConfig change, named as one
 
 
 def test_optimizer_state_techniques_save_state(smoke):
@@ -76,7 +79,7 @@ def test_exact_techniques_train_as_the_baseline(smoke):
     arithmetic: the same loss as the baseline after the same steps (fp32's default closeness)."""
     t = _by_key(smoke)
     base = torch.tensor(smoke["baseline"]["val_loss"])
-    for k in CHECKPOINTING + ("offload_cpu", "step_in_backward"):
+    for k in CHECKPOINTING + ("offload_cpu", "offload_act", "step_in_backward"):
         torch.testing.assert_close(torch.tensor(t[k]["val_loss"]), base, msg=k)
     assert t["adafactor"]["val_loss"] != smoke["baseline"]["val_loss"]  # another optimizer: another loss
 
@@ -98,7 +101,7 @@ def test_committed_matrix_matches_the_bench():
         assert all(math.isfinite(r[k]) for k in NUMBERS)
         assert r["saved_bytes"] == m["baseline"]["peak_bytes"] - r["peak_bytes"]
     rows = mx.matrix_table(m)
-    assert len(rows) == 15 and set(rows[0]) == set(mx.COLUMNS)
+    assert len(rows) == len(mx.TECHNIQUES) and set(rows[0]) == set(mx.COLUMNS)
 
 
 def test_plot_returns_a_labelled_figure(smoke):
@@ -122,6 +125,10 @@ def test_bad_input(tmp_path):
         mx.run_matrix("smoke", steps=2)
     with pytest.raises(ValueError, match="unknown technique"):
         mx.technique_recipe("dropout")
+    with pytest.raises(ValueError, match="unknown technique.*'dropout'"):
+        mx.run_matrix("smoke", keys=["ckpt_full", "dropout"])
+    with pytest.raises(ValueError, match="none given"):
+        mx.run_matrix("smoke", keys=[])
     with pytest.raises(FileNotFoundError, match="bench/selection_matrix.py"):
         mx.load_matrix(tmp_path / "none.json")
     (tmp_path / "x.json").write_text("{}")
