@@ -6,3 +6,16 @@ import torch
 def weight_bytes(model: torch.nn.Module) -> int:
     """fp32 weights: 4 bytes per parameter; parameters() yields a tied (shared) matrix once."""
     return sum(p.numel() for p in model.parameters()) * 4
+
+
+def gpt_params(cfg) -> int:
+    """Token and position tables (V d + P d; the head is tied to the token table), then per block two LayerNorms
+    (2 d each with biases, d without) and four Linear layers, d -> 3d, d -> d, d -> 4d, 4d -> d (12 d^2 weights,
+    9 d biases), and the final LayerNorm."""
+    d, b = cfg.n_embd, cfg.bias
+    norm = 2 * d if b else d
+    block = 2 * norm + 12 * d * d + (9 * d if b else 0)
+    return cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * block + norm
+
+
+WHY_PEAK = "b"

@@ -32,6 +32,58 @@ def test_weight_bytes_wrong_answers_fail_with_a_hint(says):
     says("❌", "expected a number")
 
 
+def test_gpt_params_solution_passes_on_fresh_configs(sol00, says):
+    assert lesson00.check_gpt_params(sol00.gpt_params, seed=1) is True
+    says("✅", "fresh configurations")
+    assert lesson00.check_gpt_params(sol00.gpt_params, seed=2) is True
+    assert lesson00._configs(1) != lesson00._configs(2)
+    assert {c.bias for c in lesson00._configs(1)} == {True, False}
+    assert lesson00.gpt_params(CFG) == sum(p.numel() for p in GPT(CFG).parameters())  # meta == real
+
+
+def test_gpt_params_slips_fail_with_a_hint(sol00, says, blank):
+    def untied(cfg):
+        return sol00.gpt_params(cfg) + cfg.vocab_size * cfg.n_embd
+
+    assert lesson00.check_gpt_params(untied, seed=1) is False
+    says("❌", "tied")
+
+    def no_positions(cfg):
+        return sol00.gpt_params(cfg) - cfg.block_size * cfg.n_embd
+
+    assert lesson00.check_gpt_params(no_positions, seed=1) is False
+    says("❌", "wpe")
+
+    def no_linear_biases(cfg):
+        return sol00.gpt_params(cfg) - (cfg.n_layer * 9 * cfg.n_embd if cfg.bias else 0)
+
+    assert lesson00.check_gpt_params(no_linear_biases, seed=1) is False  # the first config has biases
+    says("❌", "bias of its output size")
+
+    def boom(cfg):
+        raise KeyError("n_embd")
+
+    assert lesson00.check_gpt_params(boom, seed=1) is False
+    says("❌", "raised KeyError")
+    assert lesson00.check_gpt_params(lambda cfg: 12, seed=1) is False
+    says("❌", "print(GPT(cfg))")
+    assert lesson00.check_gpt_params(blank) is False
+    says("❌", "not answered")
+
+
+def test_why_peak(sol00, says, blank):
+    assert lesson00.check_why_peak(sol00.WHY_PEAK) is True
+    says("✅", "lesson 01")
+    assert lesson00.check_why_peak("a") is False
+    says("❌", "categories")
+    assert lesson00.check_why_peak("c") is False
+    says("❌", "logical bytes")
+    assert lesson00.check_why_peak("d") is False
+    says("❌", "one of")
+    assert lesson00.check_why_peak(blank) is False
+    says("❌", "not answered")
+
+
 # ---- lesson 01, exercise 1: bytes per parameter ----------------------------------------------------
 @pytest.mark.parametrize("model", ["gpt2", "llama-tiny"])
 def test_bytes_per_param_solutions_pass(sol01, model, says):
