@@ -10,10 +10,10 @@ becomes a slower step instead.
 labkit does the same by hand, so every byte can be watched:
 
 - All parameters' state is one virtual array per state tensor name ("exp_avg", "exp_avg_sq"),
-  fp32, parameters laid end to end, cut into pages of `page_size` bytes (default 2 MiB, the page
-  bitsandbytes' paged buffers are described with; any multiple of 4 bytes). A page is allocated
-  whole (the last one is padded), so the device holds a whole number of pages and evictions move
-  whole pages.
+  fp32, parameters laid end to end, cut into pages of `page_size` bytes (any multiple of 4; default
+  2 MiB, the CUDA driver's large page of unified memory: bitsandbytes makes one managed buffer per
+  state tensor and leaves the paging to the driver). A page is allocated whole (the last one is
+  padded), so the device holds a whole number of pages and evictions move whole pages.
 - Pages are made at the first step (lazily, like torch.optim) and stay on the device while memory
   allows. A `Ledger` with a budget calls the pager's `relieve(needed)` (`attach(ledger)` registers it
   with `Ledger.on_pressure`) when an allocation would exceed the budget: the pager evicts least
@@ -27,8 +27,9 @@ labkit does the same by hand, so every byte can be watched:
   exactly as a GPU would.
 
 `PagedOptimizer` is the general part: a subclass names its per-element fp32 states and writes the
-update of one segment (`PagedAdamW`, `PagedLion` are 20 lines each). `predict_paging` says what the
-pager will move for a step whose unpaged peak is known.
+update of one segment (`PagedAdamW`, `PagedLion` are 20 lines each); `state_dict` and
+`load_state_dict` save and resume plain per-parameter tensors wherever the pages are. `predict_paging`
+says what the pager will move for a step whose unpaged peak is known.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 
 from .base import check_betas, check_int, check_number, params_with_grads, run_closure
 
-PAGE_SIZE = 2 * 2**20  # bytes; bitsandbytes' paged optimizers use 2 MiB pages of unified memory
+PAGE_SIZE = 2 * 2**20  # bytes: the CUDA driver's large page of unified memory, which bitsandbytes' state lives in
 _ITEM = 4  # every paged state is fp32
 
 
@@ -189,28 +190,40 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _update(self, p, g, states: dict, step: int, group: dict) -> None:
         raise NotImplementedError
 
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "pages"):
+            raise ValueError(f"{type(self).__name__}: parameter groups are fixed at construction (the pages are laid "
+                             f"out then); make a new optimizer instead")
+        super().add_param_group(param_group)
+
+    def _segments(self, p):
+        """(page index, start and end in the page, start and end in p's flat values) for every page p overlaps."""
+        E, off, n = self.page_numel, self._offset[p], p.numel()
+        for k in range(off // E, (off + n - 1) // E + 1):
+            a, b = max(off, k * E), min(off + n, (k + 1) * E)
+            yield k, a - k * E, b - k * E, a - off, b - off
+
+    def _init_state(self, p) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["pages"] = [self.pages[s][k] for k, *_ in self._segments(p) for s in self.state_names]
+        return state
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = run_closure(closure)
-        E = self.page_numel
         for p, group in params_with_grads(self, type(self).__name__):
-            off, n = self._offset[p], p.numel()
-            first, last = off // E, (off + n - 1) // E
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["pages"] = [self.pages[s][k] for k in range(first, last + 1) for s in self.state_names]
+            state = self._init_state(p)
             state["step"] += 1
             flat = p.view(-1) if p.dtype == torch.float32 else p.detach().view(-1).float()  # bytes: 4n for 16-bit p
             grad = p.grad.reshape(-1)
-            for k in range(first, last + 1):
-                a, b = max(off, k * E), min(off + n, (k + 1) * E)
+            for k, a, b, i, j in self._segments(p):
                 try:
                     tensors = self.pager.pin([self.pages[s][k] for s in self.state_names])
-                    segs = {s: t[a - k * E:b - k * E] for s, t in zip(self.state_names, tensors)}
-                    g = grad[a - off:b - off]
-                    self._update(flat[a - off:b - off], g if g.dtype == torch.float32 else g.float(), segs,
-                                 state["step"], group)
+                    segs = {s: t[a:b] for s, t in zip(self.state_names, tensors)}
+                    g = grad[i:j]
+                    self._update(flat[i:j], g if g.dtype == torch.float32 else g.float(), segs, state["step"], group)
                     del tensors, segs
                 finally:
                     self.pager.unpin()
@@ -218,8 +231,66 @@ class PagedOptimizer(torch.optim.Optimizer):
                 p.copy_(flat.view(p.shape))  # rounded to the parameter's dtype
         return loss
 
-    def state_dict(self):
-        raise NotImplementedError(f"{type(self).__name__}.state_dict: the state lives in pages; not implemented")
+    # ---- saving and resuming: plain tensors per parameter, wherever the pages are -------------------------------
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """{"state": {index: {"step", <state name>: fp32 tensor of the parameter's shape}}, "param_groups": [...]}:
+        tensors and numbers only (torch.load(weights_only=True) reads it). Pages stay where they are."""
+        state, groups, index = {}, [], 0
+        for g in self.param_groups:
+            ids = []
+            for p in g["params"]:
+                st = self.state.get(p)
+                if st:
+                    out = {"step": st["step"]}
+                    for s in self.state_names:
+                        t = torch.empty(p.numel(), dtype=torch.float32)
+                        for k, a, b, i, j in self._segments(p):
+                            t[i:j] = self._page_values(self.pages[s][k])[a:b]
+                        out[s] = t.view(p.shape)
+                    state[index] = out
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def _page_values(self, page: Page) -> torch.Tensor:
+        """The page's values as a CPU tensor, without moving the page."""
+        if page.data is not None:
+            return page.data.cpu()
+        host = self.pager._host.get(id(page))
+        if host is None:
+            return torch.zeros(page.numel)
+        return torch.from_numpy(host) if isinstance(host, np.ndarray) else host
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Write saved state into the pages (bringing them to the device) and take the saved hyperparameters."""
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: its param_groups do not match this optimizer's")
+        index = 0
+        for saved, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for p in group["params"]:
+                s = state_dict["state"].get(index)
+                index += 1
+                if s is None:
+                    continue
+                missing = [n for n in self.state_names if n not in s]
+                if missing or tuple(s[self.state_names[0]].shape) != tuple(p.shape):
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: parameter {index - 1} needs "
+                                     f"{', '.join(self.state_names)} of shape {tuple(p.shape)}")
+                st = self._init_state(p)
+                st["step"] = int(s["step"])
+                for k, a, b, i, j in self._segments(p):
+                    try:
+                        tensors = self.pager.pin([self.pages[n][k] for n in self.state_names])
+                        for n, t in zip(self.state_names, tensors):
+                            t[a:b] = s[n].reshape(-1)[i:j].to(t.device, torch.float32)
+                        del tensors
+                    finally:
+                        self.pager.unpin()
 
 
 class PagedAdamW(PagedOptimizer):

@@ -1,6 +1,7 @@
 """labkit.optim.paged: optimizer state in pages that a ledger budget evicts to the host, and the Ledger's pressure hook."""
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -103,6 +104,27 @@ def test_paged_lion_equals_labkit_lion():
     assert opt.stats.faults == 3 and opt.state_page_bytes() == paged_state_bytes(3150, 1, 4096) == 4 * 4096
 
 
+def test_resume_from_state_dict_equals_training_on():
+    """Two steps (half the pages evicted after each), save through torch.save, load into a new optimizer, two
+    more steps: bit-identical to four steps in one go."""
+    params, grads = _tensors(), _grads(_tensors(), 4)
+    ref, _ = _run(PagedAdamW, params, grads, lr=1e-2, page_size=4096)
+    half = lambda o: o.pager.relieve(o.state_page_bytes() // 2)  # noqa: E731
+    ps, opt = _run(PagedAdamW, params, grads[:2], between=half, lr=1e-2, page_size=4096)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    assert opt.pager.host_bytes == 4 * 4096  # saving moved no page
+    again = PagedAdamW(ps, lr=0.5, page_size=4096)  # the saved lr replaces this one
+    again.load_state_dict(saved)
+    for gs in grads[2:]:
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        again.step()
+    assert all(torch.equal(a, b) for a, b in zip(ps, ref)) and again.param_groups[0]["lr"] == 1e-2
+
+
 # ---- the pager --------------------------------------------------------------------------------------------
 def test_least_recently_used_pages_leave_first():
     params, grads = _tensors(), _grads(_tensors(), 1)
@@ -178,7 +200,11 @@ def test_bad_input_is_one_line():
     cases = [
         (lambda: PagedAdamW([torch.zeros(4, 3).t().requires_grad_()]), "is not contiguous"),
         (lambda: Ledger().on_pressure(42), "on_pressure needs a callable"),
-        (lambda: PagedAdamW([torch.zeros(3, requires_grad=True)]).state_dict(), "not implemented"),
+        (lambda: PagedAdamW([torch.zeros(3, requires_grad=True)]).add_param_group({"params": [torch.zeros(2)]}),
+         "parameter groups are fixed at construction"),
+        (lambda: PagedAdamW([torch.zeros(3, requires_grad=True)]).load_state_dict(
+            {"state": {0: {"step": 1, "exp_avg": torch.zeros(4)}}, "param_groups": [{"params": [0]}]}),
+         "needs exp_avg, exp_avg_sq of shape (3,)"),
         (lambda: predict_paging(0, 10), "unpaged_peak must be"),
     ]
     for make, text in cases:
