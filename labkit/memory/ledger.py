@@ -42,7 +42,8 @@ class Ledger(TorchDispatchMode):
     """Count live bytes by category while the `with` block runs any number of training steps.
 
     model, optimizer: their parameters, buffers, gradients and state are tagged from the start.
-    budget: bytes; a new allocation that would exceed it raises `SimulatedOutOfMemoryError`.
+    budget: bytes; a new allocation that would exceed it raises `SimulatedOutOfMemoryError`, unless a callback
+        registered with `on_pressure` frees enough first (labkit.optim.paged evicts optimizer state pages).
     device: count storages on this device type only (default: the model's, else every device).
     """
 
