@@ -42,7 +42,8 @@ class Ledger(TorchDispatchMode):
     """Count live bytes by category while the `with` block runs any number of training steps.
 
     model, optimizer: their parameters, buffers, gradients and state are tagged from the start.
-    budget: bytes; a new allocation that would exceed it raises `SimulatedOutOfMemoryError`.
+    budget: bytes; a new allocation that would exceed it raises `SimulatedOutOfMemoryError`, unless a callback
+        registered with `on_pressure` frees enough first (labkit.optim.paged evicts optimizer state pages).
     device: count storages on this device type only (default: the model's, else every device).
     """
 
@@ -66,6 +67,17 @@ class Ledger(TorchDispatchMode):
         self._handles: list = []
         self._allocator: dict[str, int] | None = None
         self._orig_resize = None
+        self._pressure: list = []  # callbacks(bytes needed) that may free memory before an out-of-memory
+        self._relieving = False
+
+    def on_pressure(self, callback):
+        """Call `callback(needed)` when an allocation would exceed the budget, before raising: it may free
+        device storages (a pager evicts pages to the host). If the allocation then fits, it goes ahead.
+        needed: bytes over the budget. Returns a handle whose `remove()` unregisters the callback."""
+        if not callable(callback):
+            raise ValueError(f"on_pressure needs a callable, got {callback!r}")
+        self._pressure.append(callback)
+        return _Handle(self._pressure, callback)
 
     # ---- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -314,13 +326,27 @@ class Ledger(TorchDispatchMode):
             self._add(st, Category.PARAM if cast_of_param else Category.TEMP, t, name)
 
     def _out_of_memory(self, what, requested: int) -> None:
+        """Over the budget: let the pressure callbacks free memory; raise if the allocation still does not fit."""
+        freed = 0
+        if self._pressure and not self._relieving:
+            before = self._live_bytes
+            self._relieving = True
+            try:
+                for cb in list(self._pressure):
+                    cb(self._live_bytes + requested - self.budget)
+                    if self._live_bytes + requested <= self.budget:
+                        return
+            finally:
+                self._relieving = False
+            freed = before - self._live_bytes
         live = self._live_as_final()
         forward = (f"; activations are what this forward has made and still holds, saved for backward"
                    if self._phase == "forward" and live[Category.ACT] else "")
         raise SimulatedOutOfMemoryError(
             f"out of memory (simulated): {what} tried to allocate {fmt_bytes(requested)} in the "
             f"{self._phase} pass of step {self._step} with {fmt_bytes(live.total)} of the "
-            f"{fmt_bytes(self.budget)} budget in use ({describe_breakdown(live)}{forward})",
+            f"{fmt_bytes(self.budget)} budget in use ({describe_breakdown(live)}{forward})"
+            + (f"; the pressure callbacks freed {fmt_bytes(freed)}, not enough" if self._pressure else ""),
             requested, self.budget, live,
         )
 
@@ -366,6 +392,15 @@ class Ledger(TorchDispatchMode):
         m.trace = Trace(list(self._events), [Allocation(r.tag, r.op, r.shape, str(r.dtype).replace("torch.", ""),
                                                         r.phase, r.step) for r in self._recs])
         return m
+
+
+class _Handle:
+    def __init__(self, hooks: list, callback):
+        self._hooks, self._callback = hooks, callback
+
+    def remove(self) -> None:
+        if self._callback in self._hooks:
+            self._hooks.remove(self._callback)
 
 
 def _freed(ledger_ref, key: int, sid: int) -> None:
