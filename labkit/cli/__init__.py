@@ -1,0 +1,137 @@
+"""Command line: `python -m labkit estimate` prints one step's predicted memory, `wall` which models fit which GPUs
+(for full fine-tuning, LoRA and QLoRA), `plan` which configuration to train with (labkit.plan).
+
+The commands share labkit.cli.common (usage errors, input bounds, reading a model); each has a module of its
+own: labkit.cli.estimate, labkit.cli.wall, labkit.cli.plan. This module builds the parser and runs it."""
+
+from __future__ import annotations
+
+import sys
+
+from labkit.estimate.predict import DTYPES, OPTIMIZERS
+from labkit.estimate.recipe import PROJ_DTYPES
+from labkit.estimate.peft_terms import QUANTS
+from labkit.estimate.moments import POLICIES
+
+from .common import (ADDRESS_SPACE, INT_LIMIT, MAX_LAYERS, MAX_SIZE, MAX_WALL_LAYERS, UNITS_NOTE, UsageError, _Parser,
+                     check_model, integer, parse_gpt_spec, read_model, resolve_model)
+from .estimate import check_estimate_options, cmd_estimate, estimate_dict, format_estimate
+from .plan import PLAN_PRECISIONS, cmd_plan, format_plans
+from .wall import cmd_wall, format_wall
+
+__all__ = ["ADDRESS_SPACE", "INT_LIMIT", "MAX_LAYERS", "MAX_SIZE", "MAX_WALL_LAYERS", "PLAN_PRECISIONS", "UNITS_NOTE",
+           "UsageError", "build_parser", "check_estimate_options", "check_model", "cmd_estimate", "cmd_plan",
+           "cmd_wall", "estimate_dict", "format_estimate", "format_plans", "format_wall", "integer", "main",
+           "parse_gpt_spec", "read_model", "resolve_model"]
+
+
+# ----------------------------------------------------------------------------- entry point
+def build_parser() -> _Parser:
+    parser = _Parser(prog="labkit", description="Predict the memory of training a model.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(p, device_default, dtype_default):
+        p.add_argument("--batch", type=integer, default=1, help="sequences per step (B)")
+        p.add_argument("--seq", type=integer, default=1024, help="tokens per sequence (S)")
+        p.add_argument("--dtype", choices=DTYPES, default=dtype_default,
+                       help="how weights and compute are stored (default mixed-bf16)")
+        p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+        p.add_argument("--device", choices=("cpu", "cuda"), default=device_default,
+                       help="fused attention, dropout masks and Adam's foreach path differ")
+        p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+    e = sub.add_parser("estimate", help="predicted bytes of one training step, by term, category and phase",
+                       description=f"Predict one training step's memory. {UNITS_NOTE}.")
+    e.add_argument("--model", required=True, metavar="NAME_OR_CONFIG",
+                   help="a preset, a local transformers config, a hub id (online), or gpt:KEY=VAL,... "
+                        "for labkit's GPT, e.g. gpt:n_layer=4,n_embd=256,block_size=512; at most "
+                        f"{MAX_LAYERS} layers, sizes up to 2**24")
+    common(e, "cpu", "mixed-bf16")
+    e.add_argument("--checkpoint", choices=POLICIES, default="none",
+                   help="activation checkpointing of the blocks (labkit GPT, transformers GPT-2 and Llama; "
+                        "labkit.recompute)")
+    e.add_argument("--segments", type=integer, default=None, help="segments for --checkpoint full (default: every block)")
+    e.add_argument("--offload-activations", action="store_true", help="keep saved activations in host memory")
+    e.add_argument("--micro-batch", type=integer, default=None, help="rows per micro-batch (gradient accumulation)")
+    e.add_argument("--accumulate", type=integer, default=None, help="micro-batches per step (batch / micro-batch)")
+    e.add_argument("--micro-batches", type=integer, default=None,
+                   help="micro-batches per step on each rank (M; the pipeline's m): --micro-batch = batch / dp / M")
+    e.add_argument("--tp", type=integer, default=1, help="tensor-parallel ranks (labkit's GPT; Megatron-LM split)")
+    e.add_argument("--pp", type=integer, default=1, help="pipeline stages (consecutive blocks per stage)")
+    e.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pipeline schedule (--pp > 1)")
+    e.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp > 1: norms and dropouts split along the sequence (Korthikanti et al. 2022)")
+    e.add_argument("--rank", type=integer, default=None, help="GaLore's rank (--optimizer galore or galore8bit)")
+    e.add_argument("--proj-dtype", choices=PROJ_DTYPES, default=None,
+                   help="8-bit GaLore's projector: param (the weights' dtype, the default), fp32 or int8 "
+                        "(--optimizer galore8bit)")
+    e.add_argument("--optimizer-offload", choices=("cpu", "disk"), default=None,
+                   help="AdamW state and step in host memory or on disk (labkit.optim.OffloadAdamW)")
+    e.add_argument("--step-in-backward", action="store_true", help="step each parameter as its gradient is ready")
+    e.add_argument("--lora-rank", type=integer, default=None, help="LoRA adapters of this rank; every base weight frozen")
+    e.add_argument("--lora-targets", default=None,
+                   help="comma-separated Linear module names or endings (e.g. q_proj,v_proj), "
+                        "or all-linear (every Linear but lm_head; the default); needs --lora-rank")
+    e.add_argument("--quant", choices=QUANTS, default="none",
+                   help="store the frozen base under the adapters in int8, NF4 (nf4 = QLoRA), or group-wise int4: "
+                        "round-to-nearest (int4) or AWQ (int4-awq, its input scale kept per layer); needs --lora-rank")
+    e.add_argument("--quant-group", type=integer, default=None,
+                   help="int4's group size along the input features (default 128; must divide every target's "
+                        "input features); needs --quant int4 or int4-awq")
+    e.add_argument("--lisa-layers", type=integer, default=None,
+                   help="LISA: train embeddings, head and this many sampled layers at a time")
+    e.add_argument("--dp", type=integer, default=1,
+                   help="data-parallel ranks: --batch is the global batch, each rank takes batch / dp rows; per-rank bytes")
+    e.add_argument("--zero", type=integer, default=0, help="ZeRO stage over the dp ranks: 0 (plain), 1 (optimizer "
+                   "state sharded), 2 (+ gradients), 3 (+ parameters)")
+    e.add_argument("--zero-offload", action="store_true", help="ZeRO-Offload: the optimizer state shards in host memory")
+    e.set_defaults(run=cmd_estimate, parser=e)
+    w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
+                       description=f"Which models fit which budgets. {UNITS_NOTE}.")
+    w.add_argument("--models", default=None, help="comma-separated, each as --model of estimate, "
+                   f"{MAX_WALL_LAYERS} layers in all (default: every non-tiny preset)")
+    w.add_argument("--budgets", default="16,24,48,80", help="comma-separated GiB")
+    w.add_argument("--methods", default="full,lora,qlora",
+                   help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")
+    w.add_argument("--lora-rank", type=integer, default=None,
+                   help="LoRA rank for the lora and qlora methods (default 16)")
+    common(w, "cuda", None)
+    w.set_defaults(run=cmd_wall, parser=w)
+    p = sub.add_parser("plan", help="which training configuration fits a model on some devices, ranked",
+                       description=f"Search configurations that fit, ranked by fidelity then predicted time. {UNITS_NOTE}.")
+    p.add_argument("--model", required=True, metavar="NAME_OR_CONFIG", help="as --model of estimate")
+    p.add_argument("--devices", type=integer, default=1, help="devices (GPUs) to use (default 1)")
+    p.add_argument("--memory", default=None, help="memory per device, e.g. 24GiB (default: the preset's)")
+    p.add_argument("--device-preset", default=None,
+                   help="t4, a10, a100-40gb, a100-80gb, h100, h200 or cpu: the speeds times assume "
+                        "(default: the preset closest to --memory)")
+    p.add_argument("--tokens", default=None, metavar="B*S", help="rows x tokens per row per step, e.g. 8*1024")
+    p.add_argument("--batch", type=integer, default=None, help="rows per step, the global batch (default 1)")
+    p.add_argument("--seq", type=integer, default=None, help="tokens per row (default min(1024, the model's))")
+    p.add_argument("--peft", action="store_true", help="also consider LISA, LoRA and QLoRA")
+    p.add_argument("--min-precision", choices=PLAN_PRECISIONS, default="bf16",
+                   help="the least precise dtype allowed (default bf16)")
+    p.add_argument("--optimizers", default=None,
+                   help="comma-separated: adamw, adamw8bit, adafactor, lion, galore, galore8bit (default all)")
+    p.add_argument("--top", type=integer, default=5, help="plans to show (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--verify", action="store_true",
+                   help="run the best plan for real under the ledger (small models only) and compare peaks")
+    p.add_argument("--export", default=None, metavar="DIR", help="write the best plan's launch files to DIR")
+    p.set_defaults(run=cmd_plan, parser=p)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the command line; returns the exit status (2 with one line on stderr for bad input)."""
+    parser = build_parser()
+    prog = "labkit"
+    try:
+        args = parser.parse_args(argv)
+        prog = f"labkit {args.command}"
+        return args.run(args, args.parser)
+    except UsageError as err:
+        print(" ".join(str(err).split()), file=sys.stderr)
+    except (ValueError, TypeError, OSError) as err:  # the library's word on bad input, as one line
+        print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
+    return 2

@@ -1,0 +1,178 @@
+"""`python -m labkit estimate`: one training step's predicted memory, every term with its formula and source,
+each phase's peak by category (and with --tp / --pp, every rank's)."""
+
+from __future__ import annotations
+
+import json
+
+from labkit.memory.report import CATEGORIES, PHASES
+from labkit.memory.units import fmt_bytes
+
+from .common import UNITS_NOTE, _check_peak, _cli_words, _positive, _table, check_model, read_model
+
+
+def estimate_dict(model_text: str, e, args) -> dict:
+    """The --json object: every byte value an int; categories are the breakdown at the peak."""
+    peak = e.peak.as_dict()
+    return {
+        "model": model_text, "n_params": int(e.n_params), "batch": args.batch, "seq": args.seq,
+        "dtype": args.dtype, "optimizer": args.optimizer, "device": args.device,
+        "options": {k: getattr(args, k) for k in ("checkpoint", "segments", "offload_activations", "micro_batch",
+                                                   "accumulate", "rank", "proj_dtype", "optimizer_offload",
+                                                   "step_in_backward",
+                                                   "lora_rank", "lora_targets", "quant", "quant_group", "lisa_layers")
+                    if hasattr(args, k)},
+        "peak_phase": e.peak_phase, "peak": int(e.peak.total),
+        "categories": {k: v for k, v in peak.items() if k != "total"},
+        "phases": {p: e.phases[p].as_dict() for p in PHASES if p in e.phases},
+    }
+
+
+def format_estimate(e, device: str) -> str:
+    """The readable report: every term with its formula and source, then each phase's peak by category."""
+    lines = [f"{e.label} on {device}: {e.n_params:,} parameters", f"units: {UNITS_NOTE}", "", "terms"]
+    rows = [["term", "category", "bytes", "formula", "source"]]
+    rows += [[t.name, str(t.category), fmt_bytes(t.bytes), t.formula, t.source] for t in e.terms]
+    lines += [_table(rows, right={2}), "", "peak of each phase, by category"]
+    rows = [["phase"] + [str(c) for c in CATEGORIES] + ["total"]]
+    for p in PHASES:
+        b = e.phases[p]
+        rows.append([p] + [fmt_bytes(b[c]) for c in CATEGORIES] + [fmt_bytes(b.total)])
+    lines += [_table(rows, right=set(range(1, len(rows[0])))), ""]
+    lines.append(f"peak: {fmt_bytes(e.peak.total)} ({e.peak.total:,} bytes) in the {e.peak_phase} phase")
+    return "\n".join(lines)
+
+
+def check_estimate_options(args, parser) -> int | None:
+    """Refuse what the command line alone shows is wrong: numbers out of range and options that mean
+    something only with another. Returns the micro-batch. (What depends on the model, such as --seq beyond
+    its positions or --lisa-layers beyond its layers, the estimator checks.)"""
+    for name in ("batch", "seq", "segments", "micro_batch", "accumulate", "rank", "lora_rank", "lisa_layers",
+                 "quant_group"):
+        _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
+    for name in ("micro_batches", "tp", "pp", "dp"):
+        _positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
+    if getattr(args, "sequence_parallel", False) and args.tp == 1:
+        parser.error("--sequence-parallel splits what tensor parallelism keeps whole: give --tp > 1 too")
+    dp = getattr(args, "dp", 1)
+    if getattr(args, "zero", 0) not in (0, 1, 2, 3):
+        parser.error(f"--zero must be a ZeRO stage 0, 1, 2 or 3, got {args.zero}")
+    if getattr(args, "zero_offload", False) and not args.zero:
+        parser.error("--zero-offload offloads ZeRO's optimizer state shards: give --zero 1, 2 or 3 too")
+    if args.batch % dp:
+        parser.error(f"--batch {args.batch} is the global batch: it must divide evenly over --dp {dp} ranks")
+    micro = args.micro_batch
+    if getattr(args, "micro_batches", None) is not None:
+        if micro is not None or args.accumulate is not None:
+            parser.error("give one of --micro-batch, --accumulate and --micro-batches")
+        args.accumulate = args.micro_batches
+    if args.accumulate is not None:
+        if micro is not None:
+            parser.error("give --micro-batch or --accumulate, not both")
+        rows = args.batch // dp  # micro-batches are counted on each data-parallel rank
+        per = f"--batch {args.batch}" + (f" / --dp {dp} = {rows} rows per rank" if dp > 1 else "")
+        if rows % args.accumulate:
+            parser.error(f"--accumulate {args.accumulate} must divide {per}")
+        micro = rows // args.accumulate
+    elif micro is not None and (args.batch // dp) % micro:
+        parser.error(f"--micro-batch {micro} must divide --batch {args.batch}"
+                     + (f" / --dp {dp} = {args.batch // dp} rows per rank" if dp > 1 else ""))
+    if args.segments is not None and args.checkpoint != "full":
+        parser.error(f"--segments {args.segments} needs --checkpoint full (sqrt picks its own, none and "
+                     f"selective have none), got --checkpoint {args.checkpoint}")
+    galore = args.optimizer.startswith("galore")
+    if args.rank is not None and not galore:
+        parser.error(f"--rank {args.rank} is GaLore's rank: give it with --optimizer galore or galore8bit, "
+                     f"not {args.optimizer}")
+    if galore and args.rank is None:
+        parser.error(f"--optimizer {args.optimizer} needs --rank R (e.g. --rank 128)")
+    if args.proj_dtype is not None and args.optimizer != "galore8bit":
+        parser.error(f"--proj-dtype {args.proj_dtype} is 8-bit GaLore's projector precision: give it with "
+                     f"--optimizer galore8bit, not {args.optimizer}")
+    if args.lora_rank is None:
+        if args.lora_targets is not None:
+            parser.error(f"--lora-targets {args.lora_targets!r} selects where LoRA adapters go: give --lora-rank too")
+        if args.quant != "none":
+            parser.error(f"--quant {args.quant} stores the frozen base under LoRA adapters: give --lora-rank too")
+    if args.quant_group is not None and not args.quant.startswith("int4"):
+        parser.error(f"--quant-group {args.quant_group} is int4's group size: give it with --quant int4 or int4-awq, "
+                     f"not --quant {args.quant}")
+    if args.lisa_layers is not None and (args.lora_rank is not None or args.quant != "none"):
+        parser.error("--lisa-layers trains whole layers: give it without --lora-rank and --quant")
+    if args.lora_targets is None:
+        args.lora_targets = "all-linear"
+    return micro
+
+
+def cmd_estimate(args, parser) -> int:
+    from labkit.estimate.predict import estimate
+
+    micro = check_estimate_options(args, parser)
+    spec = read_model(check_model(args.model)[0], args.model)
+    if args.tp > 1 or args.pp > 1:
+        return _estimate_layout(args, spec, micro)
+    try:
+        e = estimate(spec, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
+                     checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
+                     micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
+                     optimizer_offload=args.optimizer_offload,
+                     step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
+                     lora_targets=args.lora_targets, quant=args.quant, quant_group=args.quant_group,
+                     lisa_layers=args.lisa_layers, dp=args.dp, zero=args.zero, zero_offload=args.zero_offload)
+    except ValueError as err:
+        raise ValueError(_cli_words(str(err))) from err
+    _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
+    if args.json:
+        print(json.dumps(estimate_dict(args.model, e, args)))
+    else:
+        print(format_estimate(e, args.device))
+    return 0
+
+
+def _estimate_layout(args, spec, micro) -> int:
+    """--tp / --pp: every rank's peak (the largest first in the report), then the largest rank's terms, and
+    the bytes each layout sends per step by the collectives' definitions."""
+    from labkit.estimate.layout_terms import layout_wire_bytes
+    from labkit.estimate.predict import estimate_ranks
+    from labkit.estimate.recipe import Recipe
+
+    try:
+        r = Recipe(spec, args.batch, args.seq, dtype=args.dtype, optimizer=args.optimizer, device=args.device,
+                   checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
+                   micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
+                   optimizer_offload=args.optimizer_offload, step_in_backward=args.step_in_backward,
+                   lora_rank=args.lora_rank, lora_targets=args.lora_targets, quant=args.quant,
+                   lisa_layers=args.lisa_layers, tp=args.tp, pp=args.pp, schedule=args.schedule,
+                   sequence_parallel=args.sequence_parallel, quant_group=args.quant_group, dp=args.dp,
+                   zero=args.zero, zero_offload=args.zero_offload)
+        ranks = estimate_ranks(r)
+        wire = layout_wire_bytes(r)
+    except ValueError as err:
+        raise ValueError(_cli_words(str(err))) from err
+    top = max(ranks, key=lambda e: e.peak.total)
+    _check_peak(top.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
+    if args.json:
+        out = estimate_dict(args.model, top, args)
+        out["layout"] = {"tp": args.tp, "pp": args.pp, "schedule": args.schedule,
+                         "sequence_parallel": args.sequence_parallel, "micro_batches": r.rank_batch // r.micro}
+        out["ranks"] = [{"rank": i, "stage": i // args.tp, "tp_rank": i % args.tp, "label": e.label,
+                         "peak": int(e.peak.total), "peak_phase": e.peak_phase,
+                         "categories": {k: v for k, v in e.peak.as_dict().items() if k != "total"}}
+                        for i, e in enumerate(ranks)]
+        out["wire_bytes_per_step"] = {k: float(v) for k, v in wire.items()}
+        print(json.dumps(out))
+        return 0
+    rows = [["rank", "stage", "tp rank", "peak", "phase"] + [str(c) for c in CATEGORIES]]
+    for i, e in enumerate(ranks):
+        rows.append([str(i), str(i // args.tp), str(i % args.tp), fmt_bytes(e.peak.total), e.peak_phase]
+                    + [fmt_bytes(e.peak[c]) for c in CATEGORIES])
+    lines = [f"per-rank peaks (tp={args.tp} pp={args.pp}"
+             + (f" {args.schedule}" if args.pp > 1 else "") + (" sequence-parallel" if args.sequence_parallel else "")
+             + f", {r.rank_batch // r.micro} micro-batches of {r.micro} rows)"
+             + (f"; each of the dp={args.dp} replicas (ZeRO-{args.zero}) holds the same" if args.dp > 1 else ""),
+             _table(rows, right={3}), ""]
+    lines.append("bytes sent per step (by the collectives' definitions)")
+    lines += [f"  {k}: {fmt_bytes(int(v))}" for k, v in wire.items()]
+    lines += ["", f"the largest rank: {top.label}", format_estimate(top, args.device)]
+    print("\n".join(lines))
+    return 0
