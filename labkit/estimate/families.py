@@ -359,7 +359,9 @@ def attention_tiled(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, n: in
     from labkit.recompute.tiled_attention import scratch_bytes
 
     rg = q.rg or k.rg or v.rg
-    fwd, bwd = scratch_bytes(B, heads, S, n // (B * heads * S), block, q.itemsize)
+    # the model's q, k, v are views of c_attn's (B, S, 3h) output: (B, heads) of a tile merge without a copy
+    # only when one of them is 1 (an fp32 matmul copies the tile otherwise)
+    fwd, bwd = scratch_bytes(B, heads, S, n // (B * heads * S), block, q.itemsize, packed=B > 1 and heads > 1)
     out = w.new(n, q.itemsize, "attention out", rg)
     lse = w.new(B * heads * S, 4, "logsumexp")
     if rg:
