@@ -466,6 +466,12 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
     w.tape.head(final)
     if spec.loss_chunk is not None:  # the head and the loss in one chunked Function: no (r, V) logits
         w.loss_scratch = chunked_loss(w, final, spec, r)
+    # GPT.forward's locals while its loss runs: pos (S int64), x (the last block's output, ln_f's input) and,
+    # for the chunked loss, h (ln_f's output): under offload each is still held though its saved copy left
+    held = [x, final] if spec.loss_chunk is not None else [x]
+    w.loss_locals = (S * 8 + sum(t.nbytes for t in held),
+                     w.forward_locals + sum(t.nbytes for t in held if id(t.root()) not in w.saved))
+    if spec.loss_chunk is not None:
         return
     logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.cross_entropy(logits, r, spec.vocab, upcast=False)
