@@ -419,7 +419,9 @@ def _attention(w: Walk, spec, q: T, k: T, v: T, B: int, S: int, n: int, kv_heads
 def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     """labkit.models.gpt.GPT: learned positions, pre-LN blocks, exact GELU, tied head.
     Python lifetimes (the tape): a block's input is held by the loop until the block returns; ln_1's output
-    until attention returns; c_attn's output (q, k, v) and attention's output until attention returns."""
+    until attention returns; c_attn's output (q, k, v) and attention's output until attention returns; the
+    loss runs inside GPT.forward, so pos, the last block's output (and the chunked loss's input) are held
+    through it (Walk.loss_locals)."""
     r, h = B * S, spec.hidden
     n = r * h
     x = _embeddings(w, spec, S, n, "wte", "wpe")
