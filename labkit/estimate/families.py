@@ -359,7 +359,9 @@ def attention_tiled(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, n: in
     from labkit.recompute.tiled_attention import scratch_bytes
 
     rg = q.rg or k.rg or v.rg
-    fwd, bwd = scratch_bytes(B, heads, S, n // (B * heads * S), block, q.itemsize)
+    # the model's q, k, v are views of c_attn's (B, S, 3h) output: (B, heads) of a tile merge without a copy
+    # only when one of them is 1 (an fp32 matmul copies the tile otherwise)
+    fwd, bwd = scratch_bytes(B, heads, S, n // (B * heads * S), block, q.itemsize, packed=B > 1 and heads > 1)
     out = w.new(n, q.itemsize, "attention out", rg)
     lse = w.new(B * heads * S, 4, "logsumexp")
     if rg:
@@ -417,7 +419,9 @@ def _attention(w: Walk, spec, q: T, k: T, v: T, B: int, S: int, n: int, kv_heads
 def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     """labkit.models.gpt.GPT: learned positions, pre-LN blocks, exact GELU, tied head.
     Python lifetimes (the tape): a block's input is held by the loop until the block returns; ln_1's output
-    until attention returns; c_attn's output (q, k, v) and attention's output until attention returns."""
+    until attention returns; c_attn's output (q, k, v) and attention's output until attention returns; the
+    loss runs inside GPT.forward, so pos, the last block's output (and the chunked loss's input) are held
+    through it (Walk.loss_locals)."""
     r, h = B * S, spec.hidden
     n = r * h
     x = _embeddings(w, spec, S, n, "wte", "wpe")
@@ -464,6 +468,12 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
     w.tape.head(final)
     if spec.loss_chunk is not None:  # the head and the loss in one chunked Function: no (r, V) logits
         w.loss_scratch = chunked_loss(w, final, spec, r)
+    # GPT.forward's locals while its loss runs: pos (S int64), x (the last block's output, ln_f's input) and,
+    # for the chunked loss, h (ln_f's output): under offload each is still held though its saved copy left
+    held = [x, final] if spec.loss_chunk is not None else [x]
+    w.loss_locals = (S * 8 + sum(t.nbytes for t in held),
+                     w.forward_locals + sum(t.nbytes for t in held if id(t.root()) not in w.saved))
+    if spec.loss_chunk is not None:
         return
     logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.cross_entropy(logits, r, spec.vocab, upcast=False)

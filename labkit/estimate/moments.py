@@ -126,6 +126,11 @@ class StepBytes:
     c_frozen_head: int = 0
     locals_saved: int = 0
     final_out: tuple = (0, 0)  # transformers' last_hidden_state through the loss: (bytes, bytes no op saves)
+    loss_locals: tuple = (0, 0)  # labkit GPT's forward locals while its loss runs: (bytes, bytes no op saves)
+    loss_saved: int = _f(T_, "the chunked loss's saved tensors copied back (hidden states, logsumexp, count)",
+                         "r x h x d + r x 4 + 8", "labkit.recompute.offload_activations unpacks them for its backward")
+    loss_lse: int = _f(T_, "the chunked loss's logsumexp, filled chunk by chunk", "r x 4",
+                       "labkit.recompute.chunked_ce: saved (so offloaded) only when its forward returns")
     block0_local: int = 0  # the part of forward_locals that is block 0's input (held as a checkpointed input)
     block_kwargs: tuple = (0, 0)  # (bytes of the tensors every block gets besides its input, the part in `before`)
     # worst moments inside a block's ops (materialised attention, labkit.estimate.attention), block 0's:
@@ -220,6 +225,16 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     final = b.final_out[0] if offload else b.final_out[1]
     held_final = [custom("the final norm's output, held as last_hidden_state", T_, final, "r x h x d",
                          "transformers' CausalLM forward keeps the base model's output until it returns")] if final else []
+    # labkit GPT runs the loss in its forward: its locals pos, x (and the chunked loss's h) are alive, and the
+    # saved ones among them are counted in `outside` unless offloaded (their device storage still held)
+    loss_held = b.loss_locals[0] if offload else b.loss_locals[1]
+    held_final += [custom("GPT.forward's locals while its loss runs (pos, the last block's output x, the chunked "
+                          "loss's input h)", T_, loss_held, "S x 8 + r x h x d (+ r x h x d chunked)",
+                          "labkit.models.gpt.GPT.forward holds them until it returns"
+                          + (" (saved ones offloaded, still held)" if offload else " (the part no op saves)"))
+                   ] if loss_held else []
+    # the chunked loss's logsumexp: under offload it is on the device only while the loss runs
+    held_final += [b.term("loss_lse")] if offload and b.loss_lse else []
     fwd = [Moment("forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
                                                  *held_all, *held_final, b.term("lsm"), b.term("logits")])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
@@ -253,9 +268,16 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                    [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all,
                     *([] if offload else [b.term("lsm")]), *loss_grads])
     head_grad = ([b.term("head_new")] if b.head_new else []) if grads_exist else [b.term("head_grad")]
+    # inside the head's backward the final norm's gradients are not made yet (its backward runs next): the
+    # output matrix's gradient alone
+    in_head = ([b.term("head_new")] if b.head_new else []) if grads_exist else \
+        [custom("output matrix gradient", G_, b.head_new, "V x h x d", "made at the head's backward")] \
+        if b.head_grad else []
+    # the chunked loss's saved tensors (hidden states, logsumexp, count) copied back for its backward
+    loss_back = [b.term("loss_saved")] if offload and b.loss_saved else []
     head = Moment("backward", "the head's backward" + sfx,
-                  [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all, *head_grad,
-                   b.term("head_temp")])
+                  [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all, *in_head,
+                   *loss_back, b.term("head_temp")])
     moments = [*fwd, start, head]
     if b.tail is not None and not step_in_backward and len(b.replays) == n_layer:
         # after the head: a later micro-batch's new head gradient was summed into .grad (a tied one waits)
@@ -275,7 +297,18 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     end = Moment("backward", "the embedding's backward" + sfx,
                  [*base_states, *buffers, b.term("inputs"), *rest, b.term("stream"),
                   b.term("emb_dense") if grads_exist else b.term("emb_temp")])
-    moments += [*block_moments, end]
+    if b.head_held and b.emb_temp == 2 * b.head_held and not grads_exist and not step_in_backward:
+        # a tied matrix: the embedding's node returns (its incoming gradient, the stream, freed) before autograd
+        # sums its dense gradient with the head's part: two moments, not the stream beside both
+        base = [*base_states, *buffers, b.term("inputs"), *rest]
+        moments += [*block_moments,
+                    Moment("backward", "the embedding's backward" + sfx,
+                           [*base, b.term("stream"), custom("dense embedding gradient", T_, b.head_held,
+                                                            "V x h x d", "embedding_dense_backward")]),
+                    Moment("backward", "the tied embedding's gradients summed (the stream's gradient freed)" + sfx,
+                           [*base, b.term("emb_temp")])]
+    else:
+        moments += [*block_moments, end]
     if step_in_backward:
         moments += _steps_in_backward(b, [] if replayed or plain else block_moments, head, end, sfx)
         moments += block_steps or []

@@ -75,6 +75,9 @@ class Walk:
     # sin, the 4-D mask): (their bytes, the part also saved before the first block); a checkpoint holds them
     final_out: tuple = (0, 0)  # transformers: the final norm's output, held by the model's output object while
     # the head and the loss run: (its bytes, the part no op saves)
+    loss_locals: tuple = (0, 0)  # labkit GPT computes its loss inside its forward: what that forward's locals
+    # hold while the loss runs (position ids, the last block's output, the chunked loss's input): (bytes, the part
+    # no op saves)
     saved_total: int = 0  # bytes of `saved`, summed as tensors are saved (read once per layer by `mark`)
     tape: Tape = field(default_factory=Tape)  # allocations, lifetimes and backward nodes, for the replays
     block_end: list = field(default_factory=list)  # tensors a block's locals hold until it returns

@@ -42,20 +42,34 @@ def _causal_fill(s: torch.Tensor, i0: int, j0: int) -> None:
     s.masked_fill_(cols > rows, float("-inf"))
 
 
-def scratch_bytes(B: int, heads: int, S: int, head_dim: int, block: int, itemsize: int) -> tuple[int, int]:
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """A tile in fp32: itself when it is fp32, else one contiguous fp32 copy (a copy that kept the tile's
+    strides, as `.float()` does, would be copied once more by the matmul that reads it)."""
+    return t if t.dtype == torch.float32 else t.to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def scratch_bytes(B: int, heads: int, S: int, head_dim: int, block: int, itemsize: int,
+                  packed: bool = False) -> tuple[int, int]:
     """The most bytes one call's tiles hold at once (beyond the output, the logsumexp and, in backward, the
     gradients and their fp32 accumulators), (forward, backward), for q, k, v of `itemsize` bytes.
+    packed: q, k, v (and the output's gradient) are laid out so that a tile's (B, heads) dims do not merge
+    into one batch dim, as the model's views of one (B, S, 3 x heads x head_dim) projection are: a matmul
+    on an fp32 tile of them copies it first (torch.matmul folds the batch dims into one, by a copy when a
+    view cannot).
 
     With T = B x heads, b = min(block, S) rows per tile, a tile t = T b b x 4 (fp32 scores), a slice
     u = T b head_dim x 4 and a row vector r = T b x 4:
     forward, at `acc += p @ v`: the scores (in place: p), the scaled q slice, acc and p @ v (t + 3u), v's
-    fp32 copy for a 16-bit v (u), and m, l, m_new, alpha (4r);
+    slice in fp32 (u: the copy of a 16-bit v, or the matmul's copy of a packed fp32 v), and m, l, m_new,
+    alpha (4r);
     backward, at `dq += ds @ k`: the probabilities and ds (2t), ds @ k (u), fp32 copies of a 16-bit q, dO,
-    k and v slices (4u) and D = rowsum(dO * O) (r)."""
+    k and v slices (4u) and D = rowsum(dO * O) (r); a packed fp32 call instead copies one slice per matmul
+    (u; at `ds = dO @ v^T` that is dO's and v's, 2t + 2u + r, as much)."""
     b = min(block, S)
     t, u, r = B * heads * b * b * 4, B * heads * b * head_dim * 4, B * heads * b * 4
     low = itemsize != 4
-    return t + 3 * u + (u if low else 0) + 4 * r, 2 * t + u + (4 * u if low else 0) + r
+    return (t + 3 * u + (u if low or packed else 0) + 4 * r,
+            2 * t + u + (4 * u if low else u if packed else 0) + r)
 
 
 class TiledAttention(torch.autograd.Function):
@@ -70,20 +84,20 @@ class TiledAttention(torch.autograd.Function):
             lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
             tiles = _tiles(S, block)
             for i0, i1 in tiles:
-                qi = q[:, :, i0:i1].float() * scale
+                qi = _f32(q[:, :, i0:i1]) * scale
                 m = torch.full((B, H, i1 - i0), float("-inf"), dtype=torch.float32, device=q.device)
                 l = torch.zeros(B, H, i1 - i0, dtype=torch.float32, device=q.device)
                 acc = torch.zeros(B, H, i1 - i0, D, dtype=torch.float32, device=q.device)
                 for j0, j1 in tiles:
                     if j0 >= i1:  # causal: keys after the last query of this block see nothing
                         break
-                    s = qi @ k[:, :, j0:j1].float().transpose(-2, -1)  # (B, H, bq, bk) scores
+                    s = qi @ _f32(k[:, :, j0:j1]).transpose(-2, -1)  # (B, H, bq, bk) scores
                     _causal_fill(s, i0, j0)
                     m_new = torch.maximum(m, s.amax(dim=-1))
                     p = s.sub_(m_new.unsqueeze(-1)).exp_()  # key 0 is in the first tile: m_new is finite
                     alpha = (m - m_new).exp_()  # rescales what was summed under the old maximum
                     l.mul_(alpha).add_(p.sum(dim=-1))
-                    acc.mul_(alpha.unsqueeze(-1)).add_(p @ v[:, :, j0:j1].float())
+                    acc.mul_(alpha.unsqueeze(-1)).add_(p @ _f32(v[:, :, j0:j1]))
                     m = m_new
                     del s, p, alpha, m_new
                 out[:, :, i0:i1] = acc.div_(l.unsqueeze(-1))
@@ -106,14 +120,14 @@ class TiledAttention(torch.autograd.Function):
             dq, dk, dv = acc(), acc(), acc()
             tiles = _tiles(S, block)
             for i0, i1 in tiles:
-                qi = q[:, :, i0:i1].float()
-                doi = dout[:, :, i0:i1].float()
+                qi = _f32(q[:, :, i0:i1])
+                doi = _f32(dout[:, :, i0:i1])
                 delta = (doi * out[:, :, i0:i1].float()).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
                 li = lse[:, :, i0:i1].unsqueeze(-1)
                 for j0, j1 in tiles:
                     if j0 >= i1:
                         break
-                    kj, vj = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
+                    kj, vj = _f32(k[:, :, j0:j1]), _f32(v[:, :, j0:j1])
                     s = (qi @ kj.transpose(-2, -1)).mul_(scale)
                     _causal_fill(s, i0, j0)
                     p = s.sub_(li).exp_()  # the probabilities, rebuilt from the saved logsumexp

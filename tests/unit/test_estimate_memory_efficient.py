@@ -95,3 +95,47 @@ def test_lesson03_exercise4_where_the_s2_term_takes_over():
     assert lesson03.check_scores_crossover(naive, cfg, B, S) is False
     assert lesson03.check_scores_crossover(S, cfg, B, S) is False
     assert lesson03.check_scores_crossover(None, cfg, B, S) is False
+
+
+# ---- with activation offload (labkit.recompute.offload_activations) ------------------------------------------
+# Each case names the smallest allocation the estimate once missed (or counted twice) there; the tolerance is a
+# tenth of it, so an estimate without it fails, while what no moment models (0-dim scalars: the loss, its seed
+# gradient) stays far below. Tiled attention: an fp32 tile of the model's q, k, v views (B x heads x b x
+# head_dim x 4), copied by the matmul that reads it (scratch_bytes(packed=True)); before, a 16-bit tile was
+# cast keeping its strides and copied again (the runtime now casts to a contiguous tile: that copy is gone).
+# Chunked loss: at the loss GPT.forward still holds pos, x and h (saved, offloaded, not freed) and the
+# logsumexp is filled (B S x 4); in the head's backward its saved tensors are copied back (B S h x d + B S x 4
+# + 8); the tied embedding's dense gradient is summed after the stream's gradient is freed (r h x d less).
+def _tile(cfg, B, S, dtype):
+    b = min(cfg.attn_block, S)
+    return B * cfg.n_head * b * (cfg.n_embd // cfg.n_head) * 4
+
+
+def _hidden(cfg, B, S, dtype):
+    return B * S * cfg.n_embd * (2 if dtype == "bf16" else 4)
+
+
+OFFLOAD_CASES = [
+    (TILED, 2, 128, "fp32", "sgd", {}, _tile),
+    (TILED, 2, 128, "mixed-bf16", "adamw", {}, _tile),
+    (TILED, 2, 128, "bf16", "sgd", dict(checkpoint="full"), _tile),
+    (CHUNKED, 4, 64, "fp32", "adamw", {}, _hidden),
+    (CHUNKED, 4, 64, "mixed-bf16", "sgd", dict(checkpoint="full"), _hidden),
+    (CHUNKED, 4, 64, "bf16", "sgd", dict(checkpoint="full"), _hidden),
+    (BOTH, 2, 128, "fp32", "sgd", {}, _tile),
+    (BOTH, 2, 128, "bf16", "sgd", dict(checkpoint="sqrt"), _tile),
+]
+
+
+@pytest.mark.parametrize("case", OFFLOAD_CASES, ids=lambda c: f"{c[0].attention}-chunk{c[0].loss_chunk}-{c[3]}-"
+                         f"{c[4]}-" + "-".join(f"{k}={v}" for k, v in c[5].items()))
+def test_with_activation_offload_each_phase_matches_the_ledger(case):
+    model, B, S, dtype, opt, kw, missing = case
+    kw = dict(kw, offload_activations=True)
+    e = estimate(model, B, S, dtype, opt, **kw)
+    m = measure_step(model, B, S, dtype, opt, steps=2, **kw)
+    tol = missing(model, B, S, dtype) // 10
+    for phase in ("forward", "backward", "optimizer"):
+        assert abs(e.phases[phase].total - m.phases[phase].total) <= tol, (
+            phase, e.phases[phase].total, m.phases[phase].total, tol, e.explain(phase))
+    assert abs(e.peak.total - m.peak.total) <= TOL * m.peak.total

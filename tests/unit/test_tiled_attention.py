@@ -115,18 +115,26 @@ def test_gpt_tiled_matches_sdpa_gpt():
         assert (p.grad - q.grad).abs().max() <= K * EPS32 * p.grad.abs().max(), n
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,H,S,D,block", [(1, 2, 50, 16, 16), (2, 2, 40, 8, 64)])
-def test_scratch_bytes_is_what_the_ledger_sees(dtype, B, H, S, D, block):
+@pytest.mark.parametrize("B,H,S,D,block", [(1, 2, 50, 16, 16), (2, 2, 40, 8, 64), (3, 2, 45, 8, 16)])
+def test_scratch_bytes_is_what_the_ledger_sees(dtype, B, H, S, D, block, packed):
     """The estimator's formula (tiled_attention.scratch_bytes) against one call under the ledger: the forward's
-    peak less the output and the logsumexp; the backward's less those and the three fp32 accumulators."""
+    peak less the output and the logsumexp; the backward's less those and the three fp32 accumulators.
+    packed: q, k, v are views of one (B, S, 3 H D) tensor and the output's gradient is (B, S, H, D) transposed,
+    as in the model (CausalSelfAttention): with B and H over 1 an fp32 matmul copies such a tile."""
     from labkit.recompute.tiled_attention import scratch_bytes
 
-    q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
-    g = torch.randn(B, H, S, D, dtype=dtype)
+    if packed:
+        qkv = torch.randn(B, S, 3 * H * D, dtype=dtype, requires_grad=True)
+        q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
+        g = torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2)
+    else:
+        q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
+        g = torch.randn(B, H, S, D, dtype=dtype)
     with Ledger() as led:
-        tiled_attention(q, k, v, block).backward(g)
+        torch.autograd.grad(tiled_attention(q, k, v, block), (q, k, v), g)  # only the Function's backward runs
     m = led.measurement()
     n, kept = B * H * S * D, B * H * S * D * q.element_size() + B * H * S * 4
     assert (m.phases["forward"].total - kept, m.phases["backward"].total - kept - 3 * n * 4) == \
-        scratch_bytes(B, H, S, D, block, q.element_size())
+        scratch_bytes(B, H, S, D, block, q.element_size(), packed=packed and B > 1 and H > 1)
