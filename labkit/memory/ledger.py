@@ -25,6 +25,14 @@ from .budget import SimulatedOutOfMemoryError, describe_breakdown
 from .units import fmt_bytes
 
 _CAST_OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
+_INSIDE: dict = {}  # custom op -> its Python body, run under the ledger so its inner allocations are counted
+
+
+def count_inside(op, body) -> None:
+    """A custom operator (torch.library.custom_op) is one op to a dispatch mode, whose body runs with the mode
+    switched off: the ledger would see its outputs but not the scratch it makes and frees inside. Registered
+    here, the ledger runs `body(*args, **kwargs)` (the op's implementation) with itself active instead."""
+    _INSIDE[op] = body
 
 
 @dataclass
@@ -227,7 +235,15 @@ class Ledger(TorchDispatchMode):
         elif self.model is None:
             self._set_phase("forward")  # no model hook to say when a forward starts
         # else: ops between phases (loss.item(), gradient clipping) keep the current phase
-        out = func(*args, **kwargs)
+        body = _INSIDE.get(func)
+        if body is None:
+            out = func(*args, **kwargs)
+        else:  # a mode is off while it handles an op: back on (TorchDispatchMode's own push) for the body
+            TorchDispatchMode.__enter__(self)
+            try:
+                out = body(*args, **kwargs)
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
         inputs = {}
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
