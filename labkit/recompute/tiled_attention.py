@@ -13,6 +13,10 @@ Here it is plain PyTorch (the loops run in Python, so it is slower than a fused 
 algorithm's): `tiled_attention(q, k, v, block)` on (B, heads, S, head_dim) tensors, causal, no dropout.
 Each tile is computed in fp32 (a 16-bit q, k, v is cast tile by tile), the output and the logsumexp are
 written into preallocated tensors, and the gradients accumulate in fp32 before one cast to the inputs' dtype.
+The forward and the backward are custom operators (torch.library.custom_op: labkit::tiled_attention, which
+returns (out, logsumexp), and labkit::tiled_attention_backward), so a dispatch mode sees one op and not the
+tiles: selective checkpointing (labkit.recompute.selective, PyTorch's SAC) keeps or recomputes the call as a
+whole, as it does SDPA. The ledger registers their bodies (`count_inside`) to keep counting the tiles' scratch.
 
 What it allocates, for the estimator (labkit.estimate.families.attention_tiled), n = B·heads·S·head_dim:
 forward: the output (n, in the inputs' dtype, laid out (B, S, heads, head_dim) so the model's

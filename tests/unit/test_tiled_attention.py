@@ -130,3 +130,21 @@ def test_scratch_bytes_is_what_the_ledger_sees(dtype, B, H, S, D, block):
     n, kept = B * H * S * D, B * H * S * D * q.element_size() + B * H * S * 4
     assert (m.phases["forward"].total - kept, m.phases["backward"].total - kept - 3 * n * 4) == \
         scratch_bytes(B, H, S, D, block, q.element_size())
+
+
+@pytest.mark.parametrize("policy,kept", [("matmuls", 1), ("attention-core", 0)])
+def test_selective_sees_one_op_not_the_tiles(policy, kept):
+    """Under selective checkpointing's forward mode the attention is one op, whose (out, logsumexp) the policy
+    keeps or not: no tile's scores are cached (16 tiles here), and the gradients are those of a plain call."""
+    from labkit.recompute.selective import selective_checkpoint, selective_contexts
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 8, requires_grad=True) for _ in range(3))
+    keep, _ = selective_contexts(policy)
+    with keep:
+        tiled_attention(q.detach(), k.detach(), v.detach(), 8)
+    assert {str(op): len(c) for op, c in keep.cache.items() if c} == ({"labkit.tiled_attention.default": 1} if kept else {})
+    g = torch.randn(1, 2, 32, 8)
+    ref = torch.autograd.grad(tiled_attention(q, k, v, 8), (q, k, v), g)
+    got = torch.autograd.grad(selective_checkpoint(tiled_attention, q, k, v, 8, policy=policy), (q, k, v), g)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
