@@ -31,7 +31,8 @@ _INSIDE: dict = {}  # custom op -> its Python body, run under the ledger so its 
 def count_inside(op, body) -> None:
     """A custom operator (torch.library.custom_op) is one op to a dispatch mode, whose body runs with the mode
     switched off: the ledger would see its outputs but not the scratch it makes and frees inside. Registered
-    here, the ledger runs `body(*args, **kwargs)` (the op's implementation) with itself active instead."""
+    here, the ledger runs `body(*args, **kwargs)` (the op's implementation) with itself active instead (a mode
+    entered before the ledger then sees the body's ops, not the op: enter the ledger first, as measure_step does)."""
     _INSIDE[op] = body
 
 

@@ -13,10 +13,10 @@ Policies:
 - "attention-core": Korthikanti et al. 2022's selective recompute: keep the linear layers' outputs
   (mm/addmm), the norms and the MLP activation; recompute the attention core (SDPA, labkit's tiled
   attention, or the unfused QK^T bmm, scale, mask, softmax, dropout, .V bmm), the residual adds and the dropouts.
+- a set of ops (OpOverload or OpOverloadPacket): keep exactly those.
 
 Tiled attention (labkit.recompute.tiled_attention) is a custom operator, so these modes see it as one op
 and never its tiles' matmuls: caching those would keep every tile's scores, the s^2 term tiling removes.
-- a set of ops (OpOverload or OpOverloadPacket): keep exactly those.
 
 Rules for every policy: views and in-place ops are never cached (they make no new memory or would
 change a cached value), and random ops (dropout; SDPA with dropout_p > 0) are always recomputed, so
