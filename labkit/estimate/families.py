@@ -352,7 +352,8 @@ def _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, rg) -> T:
 def attention_tiled(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, n: int, block: int) -> T:
     """labkit.recompute.tiled_attention (FlashAttention's algorithm in PyTorch): saves q, k, v (views of
     c_attn's output), its output (in q's dtype, laid out so the model's transpose and contiguous() are
-    views) and one fp32 logsumexp per row: nothing (S, S).
+    views) and one fp32 logsumexp per row: nothing (S, S). One custom op to a dispatch mode, like SDPA:
+    selective checkpointing keeps its output and logsumexp ("matmuls"), never its tiles' scores.
     Tape: the output and the logsumexp, then one tile's scratch (tiled_attention.scratch_bytes) made and
     freed; backward: fp32 accumulators for dq, dk, dv (for fp32 q, k, v they are the gradients; for 16-bit
     ones cast at the end, the accumulators freed when the node returns) beside one tile's scratch."""
@@ -366,7 +367,9 @@ def attention_tiled(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, n: in
     lse = w.new(B * heads * S, 4, "logsumexp")
     if rg:
         w.save(q, k, v, out, lse)
+    w.keep(out), w.keep(lse)
     w.made(out), w.made(lse)
+    w.tape.keep(out), w.tape.keep(lse)
     scratch = w.made(T(fwd, 1, "tiled attention: one tile's scratch"))
     w.drop(scratch)
     if rg:

@@ -162,9 +162,6 @@ def _estimate(r: Recipe) -> Estimate:
     if optimizer.startswith("galore") and spec.galore_shapes and rank > min(min(s) for s in spec.galore_shapes):
         raise ValueError(f"rank {rank} exceeds the smaller side of a GaLore matrix "
                          f"({min(min(s) for s in spec.galore_shapes)})")
-    if spec.attention == "tiled" and checkpoint == "selective":
-        raise ValueError("selective checkpointing caches the matmul outputs inside tiled attention too (every tile's "
-                         "scores: the s^2 term back), which the estimator does not model: use checkpoint='full' or 'sqrt'")
     if spec.loss_chunk is not None and step_in_backward:
         raise ValueError("step_in_backward with the chunked loss (GPTConfig.loss_chunk) is not modelled yet: "
                          "drop one of them")

@@ -25,6 +25,17 @@ from .budget import SimulatedOutOfMemoryError, describe_breakdown
 from .units import fmt_bytes
 
 _CAST_OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
+_INSIDE: dict = {}  # custom op -> its Python body, run under the ledger so its inner allocations are counted
+
+
+def count_inside(op, body) -> None:
+    """A custom operator (torch.library.custom_op) is one op to a dispatch mode, whose body runs with the mode
+    switched off: the ledger would see its outputs but not the scratch it makes and frees inside. Registered
+    here, the ledger runs `body(*args, **kwargs)` (the op's implementation) with itself active instead, without
+    grad and with the dispatch keys of a call from user code, so that composite ops (matmul) show the copies
+    they make (a mode entered before the ledger then sees the body's ops, not the op: enter the ledger first,
+    as measure_step does)."""
+    _INSIDE[op] = body
 
 
 @dataclass
@@ -104,7 +115,15 @@ class Ledger(TorchDispatchMode):
         if torch.cuda.is_available() and self.device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self._patch_resize()
-        return super().__enter__()
+        out = super().__enter__()
+        # the dispatch keys a call from user code sees, for the bodies of count_inside ops (see __torch_dispatch__)
+        # less PythonTLSSnapshot, which would bring back the modes stacked above the ledger (a selective checkpoint),
+        # and less ADInplaceOrView: the op's outputs keep the version counters a custom op gives them
+        keys = torch._C.DispatchKey
+        self._user_keys = (torch._C._dispatch_tls_local_include_set().remove(keys.PythonTLSSnapshot)
+                           .remove(keys.ADInplaceOrView),
+                           torch._C._dispatch_tls_local_exclude_set().add(keys.ADInplaceOrView))
+        return out
 
     def __exit__(self, *exc):
         self._restore_resize()
@@ -239,7 +258,17 @@ class Ledger(TorchDispatchMode):
         elif self.model is None:
             self._set_phase("forward")  # no model hook to say when a forward starts
         # else: ops between phases (loss.item(), gradient clipping) keep the current phase
-        out = func(*args, **kwargs)
+        body = _INSIDE.get(func)
+        if body is None:
+            out = func(*args, **kwargs)
+        else:  # a mode is off while it handles an op: back on (TorchDispatchMode's own push) for the body
+            TorchDispatchMode.__enter__(self)
+            try:  # and the body's ops dispatched as from user code: below the op's kernel autograd is off, so a
+                # composite op (matmul) would reach the ledger whole and hide the copies it makes inside
+                with torch.no_grad(), torch._C._ForceDispatchKeyGuard(*self._user_keys):
+                    out = body(*args, **kwargs)
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
         inputs = {}
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):

@@ -8,12 +8,15 @@ recomputed. The same decision function can drive PyTorch's own selective checkpo
 (`torch_policy`), which is how labkit checks parity.
 
 Policies:
-- "matmuls": keep mm/addmm/bmm/baddbmm/linear and scaled-dot-product attention outputs; recompute
-  LayerNorm, GELU, residual adds, dropout, softmax.
+- "matmuls": keep mm/addmm/bmm/baddbmm/linear and scaled-dot-product attention outputs (SDPA's, and
+  labkit's tiled attention's: out and logsumexp); recompute LayerNorm, GELU, residual adds, dropout, softmax.
 - "attention-core": Korthikanti et al. 2022's selective recompute: keep the linear layers' outputs
-  (mm/addmm), the norms and the MLP activation; recompute the attention core (SDPA, or the unfused
-  QK^T bmm, scale, mask, softmax, dropout, .V bmm), the residual adds and the dropouts.
+  (mm/addmm), the norms and the MLP activation; recompute the attention core (SDPA, labkit's tiled
+  attention, or the unfused QK^T bmm, scale, mask, softmax, dropout, .V bmm), the residual adds and the dropouts.
 - a set of ops (OpOverload or OpOverloadPacket): keep exactly those.
+
+Tiled attention (labkit.recompute.tiled_attention) is a custom operator, so these modes see it as one op
+and never its tiles' matmuls: caching those would keep every tile's scores, the s^2 term tiling removes.
 
 Rules for every policy: views and in-place ops are never cached (they make no new memory or would
 change a cached value), and random ops (dropout; SDPA with dropout_p > 0) are always recomputed, so
@@ -31,13 +34,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from .checkpoint import checkpoint
+from . import tiled_attention as _tiled  # noqa: F401  (registers torch.ops.labkit.tiled_attention)
 
 aten = torch.ops.aten
 _SDPA = [getattr(aten, n) for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
          if hasattr(aten, n)]
 LINEAR_OPS = frozenset([aten.mm, aten.addmm, aten.linear, aten._scaled_mm])  # projections: x W^T (+ b)
-MATMUL_OPS = LINEAR_OPS | frozenset([aten.bmm, aten.baddbmm, *_SDPA])  # + attention's batched matmuls
+TILED = torch.ops.labkit.tiled_attention  # labkit's tiled attention: one op, (out, logsumexp), like SDPA
+MATMUL_OPS = LINEAR_OPS | frozenset([aten.bmm, aten.baddbmm, *_SDPA, TILED])  # + attention's batched matmuls
 NORM_AND_ACTIVATION_OPS = frozenset([aten.native_layer_norm, aten.gelu, aten.silu])
 POLICIES = {
     "matmuls": MATMUL_OPS,

@@ -13,6 +13,10 @@ Here it is plain PyTorch (the loops run in Python, so it is slower than a fused 
 algorithm's): `tiled_attention(q, k, v, block)` on (B, heads, S, head_dim) tensors, causal, no dropout.
 Each tile is computed in fp32 (a 16-bit q, k, v is cast tile by tile), the output and the logsumexp are
 written into preallocated tensors, and the gradients accumulate in fp32 before one cast to the inputs' dtype.
+The forward and the backward are custom operators (torch.library.custom_op: labkit::tiled_attention, which
+returns (out, logsumexp), and labkit::tiled_attention_backward), so a dispatch mode sees one op and not the
+tiles: selective checkpointing (labkit.recompute.selective, PyTorch's SAC) keeps or recomputes the call as a
+whole, as it does SDPA. The ledger registers their bodies (`count_inside`) to keep counting the tiles' scratch.
 
 What it allocates, for the estimator (labkit.estimate.families.attention_tiled), n = B·heads·S·head_dim:
 forward: the output (n, in the inputs' dtype, laid out (B, S, heads, head_dim) so the model's
@@ -26,6 +30,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from labkit.memory.ledger import count_inside
 
 
 def _tiles(S: int, block: int):
@@ -72,73 +79,135 @@ def scratch_bytes(B: int, heads: int, S: int, head_dim: int, block: int, itemsiz
             2 * t + u + (4 * u if low else u if packed else 0) + r)
 
 
-class TiledAttention(torch.autograd.Function):
-    """Causal attention softmax(q k^T * scale) v in (block x block) tiles; saves q, k, v, out and the logsumexp.
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, scale: float):
+    """Causal attention softmax(q k^T * scale) v in (block x block) tiles: (out, logsumexp).
     Ops run in place where they can, so that one tile's scratch is `scratch_bytes`."""
+    B, H, S, D = q.shape
+    with torch.autocast(q.device.type, enabled=False):
+        out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+        lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+        tiles = _tiles(S, block)
+        for i0, i1 in tiles:
+            qi = _f32(q[:, :, i0:i1]) * scale
+            m = torch.full((B, H, i1 - i0), float("-inf"), dtype=torch.float32, device=q.device)
+            l = torch.zeros(B, H, i1 - i0, dtype=torch.float32, device=q.device)
+            acc = torch.zeros(B, H, i1 - i0, D, dtype=torch.float32, device=q.device)
+            for j0, j1 in tiles:
+                if j0 >= i1:  # causal: keys after the last query of this block see nothing
+                    break
+                s = qi @ _f32(k[:, :, j0:j1]).transpose(-2, -1)  # (B, H, bq, bk) scores
+                _causal_fill(s, i0, j0)
+                m_new = torch.maximum(m, s.amax(dim=-1))
+                p = s.sub_(m_new.unsqueeze(-1)).exp_()  # key 0 is in the first tile: m_new is finite
+                alpha = (m - m_new).exp_()  # rescales what was summed under the old maximum
+                l.mul_(alpha).add_(p.sum(dim=-1))
+                acc.mul_(alpha.unsqueeze(-1)).add_(p @ _f32(v[:, :, j0:j1]))
+                m = m_new
+                del s, p, alpha, m_new
+            out[:, :, i0:i1] = acc.div_(l.unsqueeze(-1))
+            lse[:, :, i0:i1] = l.log_().add_(m)
+            del qi, m, l, acc
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, scale: float):
-        B, H, S, D = q.shape
-        with torch.autocast(q.device.type, enabled=False):
-            out = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
-            lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-            tiles = _tiles(S, block)
-            for i0, i1 in tiles:
-                qi = _f32(q[:, :, i0:i1]) * scale
-                m = torch.full((B, H, i1 - i0), float("-inf"), dtype=torch.float32, device=q.device)
-                l = torch.zeros(B, H, i1 - i0, dtype=torch.float32, device=q.device)
-                acc = torch.zeros(B, H, i1 - i0, D, dtype=torch.float32, device=q.device)
-                for j0, j1 in tiles:
-                    if j0 >= i1:  # causal: keys after the last query of this block see nothing
-                        break
-                    s = qi @ _f32(k[:, :, j0:j1]).transpose(-2, -1)  # (B, H, bq, bk) scores
-                    _causal_fill(s, i0, j0)
-                    m_new = torch.maximum(m, s.amax(dim=-1))
-                    p = s.sub_(m_new.unsqueeze(-1)).exp_()  # key 0 is in the first tile: m_new is finite
-                    alpha = (m - m_new).exp_()  # rescales what was summed under the old maximum
-                    l.mul_(alpha).add_(p.sum(dim=-1))
-                    acc.mul_(alpha.unsqueeze(-1)).add_(p @ _f32(v[:, :, j0:j1]))
-                    m = m_new
-                    del s, p, alpha, m_new
-                out[:, :, i0:i1] = acc.div_(l.unsqueeze(-1))
-                lse[:, :, i0:i1] = l.log_().add_(m)
-                del qi, m, l, acc
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.block, ctx.scale = block, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        block, scale = ctx.block, ctx.scale
-        B, H, S, D = q.shape
-        with torch.autocast(q.device.type, enabled=False):
+def _backward(dout, q, k, v, out, lse, block: int, scale: float):
+    """dq, dk, dv (in q's dtype) from the saved q, k, v, output and logsumexp, tile by tile."""
+    B, H, S, D = q.shape
+    with torch.autocast(q.device.type, enabled=False):
 
-            def acc():  # fp32, laid out (B, S, H, D) like the output: the model's reshapes stay views
-                return torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
+        def acc():  # fp32, laid out (B, S, H, D) like the output: the model's reshapes stay views
+            return torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
 
-            dq, dk, dv = acc(), acc(), acc()
-            tiles = _tiles(S, block)
-            for i0, i1 in tiles:
-                qi = _f32(q[:, :, i0:i1])
-                doi = _f32(dout[:, :, i0:i1])
-                delta = (doi * out[:, :, i0:i1].float()).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
-                li = lse[:, :, i0:i1].unsqueeze(-1)
-                for j0, j1 in tiles:
-                    if j0 >= i1:
-                        break
-                    kj, vj = _f32(k[:, :, j0:j1]), _f32(v[:, :, j0:j1])
-                    s = (qi @ kj.transpose(-2, -1)).mul_(scale)
-                    _causal_fill(s, i0, j0)
-                    p = s.sub_(li).exp_()  # the probabilities, rebuilt from the saved logsumexp
-                    dv[:, :, j0:j1] += p.transpose(-2, -1) @ doi
-                    ds = (doi @ vj.transpose(-2, -1)).sub_(delta).mul_(p)  # softmax's backward: P (dP - D)
-                    dq[:, :, i0:i1] += (ds @ kj).mul_(scale)
-                    dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qi).mul_(scale)
-                    del kj, vj, s, p, ds
-                del qi, doi, delta, li
-            grads = tuple(g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
-        return (*grads, None, None)
+        dq, dk, dv = acc(), acc(), acc()
+        tiles = _tiles(S, block)
+        for i0, i1 in tiles:
+            qi = _f32(q[:, :, i0:i1])
+            doi = _f32(dout[:, :, i0:i1])
+            delta = (doi * out[:, :, i0:i1].float()).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
+            li = lse[:, :, i0:i1].unsqueeze(-1)
+            for j0, j1 in tiles:
+                if j0 >= i1:
+                    break
+                kj, vj = _f32(k[:, :, j0:j1]), _f32(v[:, :, j0:j1])
+                s = (qi @ kj.transpose(-2, -1)).mul_(scale)
+                _causal_fill(s, i0, j0)
+                p = s.sub_(li).exp_()  # the probabilities, rebuilt from the saved logsumexp
+                dv[:, :, j0:j1] += p.transpose(-2, -1) @ doi
+                ds = (doi @ vj.transpose(-2, -1)).sub_(delta).mul_(p)  # softmax's backward: P (dP - D)
+                dq[:, :, i0:i1] += (ds @ kj).mul_(scale)
+                dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qi).mul_(scale)
+                del kj, vj, s, p, ds
+            del qi, doi, delta, li
+        return tuple(g.to(t.dtype) for g, t in ((dq, q), (dk, k), (dv, v)))
+
+
+# ---- one operator each way -----------------------------------------------------------------------------
+# Registered as custom operators, the forward and the backward are each ONE op to a TorchDispatchMode (as
+# SDPA is): a selective checkpoint decides about the attention as a whole (keep (out, lse), or recompute
+# the call), instead of caching every tile's scores; PyTorch's selective checkpointing sees the same op.
+# The ledger (labkit.memory.ledger) runs their Python bodies under itself, so it still counts the tiles.
+@torch.library.custom_op("labkit::tiled_attention", mutates_args=())
+def tiled_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, block, scale)
+
+
+@torch.library.custom_op("labkit::tiled_attention_backward", mutates_args=())
+def tiled_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, block: int,
+                                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, block, scale)
+
+
+@tiled_attention_op.register_fake
+def _(q, k, v, block, scale):
+    B, H, S, D = q.shape
+    return q.new_empty(B, S, H, D).transpose(1, 2), q.new_empty(B, H, S, dtype=torch.float32)
+
+
+@tiled_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, block, scale):
+    B, H, S, D = q.shape
+    return tuple(t.new_empty(B, S, H, D).transpose(1, 2) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, block, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.block, ctx.scale = block, scale
+    ctx.set_materialize_grads(False)  # no zeros made for the logsumexp's (absent) gradient
+
+
+def _autograd_backward(ctx, dout, dlse):  # the logsumexp is an internal output: no gradient flows into it
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # the output did not reach the loss
+        return None, None, None, None, None
+    return (*tiled_attention_backward_op(dout, q, k, v, out, lse, ctx.block, ctx.scale), None, None)
+
+
+tiled_attention_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def tile_flops(B: int, heads: int, S: int, head_dim: int, block: int) -> tuple[int, int]:
+    """(forward, backward) FLOPs of the tiles' matmuls: every (query block, key block) pair at or below the
+    diagonal, 2 of them per pair forward (scores, p @ v), 5 backward (scores again, dv, dp, dq, dk)."""
+    tiles = _tiles(S, block)
+    pairs = sum((i1 - i0) * (j1 - j0) for i0, i1 in tiles for j0, j1 in tiles if j0 < i1)
+    one = 2 * B * heads * pairs * head_dim
+    return 2 * one, 5 * one
+
+
+@register_flop_formula(torch.ops.labkit.tiled_attention)
+def _(q_shape, k_shape, v_shape, block, scale, *args, out_shape=None, **kwargs) -> int:
+    return tile_flops(*q_shape, block)[0]
+
+
+@register_flop_formula(torch.ops.labkit.tiled_attention_backward)
+def _(dout_shape, q_shape, *args, out_shape=None, **kwargs) -> int:
+    return tile_flops(*q_shape, args[4])[1]
+count_inside(torch.ops.labkit.tiled_attention.default, _forward)
+count_inside(torch.ops.labkit.tiled_attention_backward.default, _backward)
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 64,
@@ -153,4 +222,4 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: in
         raise ValueError(f"block must be a positive integer, got {block!r}")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    return TiledAttention.apply(q, k, v, block, 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
+    return tiled_attention_op(q, k, v, block, 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))[0]

@@ -17,6 +17,10 @@ BOTH = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=128, vocab_size=2048
 CASES = [
     (TILED, 2, 128, "fp32", "sgd", {}),
     (TILED, 2, 128, "mixed-bf16", "adamw", dict(checkpoint="full")),
+    # selective ("matmuls"): tiled attention is one op that keeps its output and logsumexp, as SDPA does (an
+    # estimate without them is 6 % (fp32) and 3.3 % (mixed-bf16) under the measured forward peak)
+    (TILED, 2, 128, "fp32", "sgd", dict(checkpoint="selective")),
+    (TILED, 2, 128, "mixed-bf16", "adamw", dict(checkpoint="selective")),
     (CHUNKED, 4, 64, "fp32", "adamw", {}),
     (CHUNKED, 4, 64, "mixed-bf16", "sgd", dict(checkpoint="full")),
     (BOTH, 2, 128, "bf16", "sgd", dict(checkpoint="sqrt")),
@@ -63,10 +67,6 @@ def test_the_big_terms_vanish():
 def test_unmodelled_combinations_are_refused():
     with pytest.raises(ValueError, match="loss_chunk"):
         estimate(CHUNKED, 4, 64, step_in_backward=True)
-    # torch's selective checkpointing caches every tile's matmul output inside the Function: measured 64 % more
-    # than the estimate without that cache (B=2, S=128, 2 tiles of 64)
-    with pytest.raises(ValueError, match="caches the matmul outputs inside tiled attention"):
-        estimate(TILED, 2, 128, checkpoint="selective")
     assert "attention=tiled(64)" in estimate(TILED, 2, 128).label
     assert "loss_chunk=32" in estimate(CHUNKED, 4, 64).label
 

@@ -32,7 +32,8 @@ def one_thread():
 
 def _gpt(n_layer=2, attention="sdpa", dropout=0.0, seed=0):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=C, block_size=T, attention=attention, dropout=dropout))
+    return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=C, block_size=T, attention=attention, dropout=dropout,
+                         attn_block=8))  # tiled attention: 4 x 4 tiles at T = 32
 
 
 def _data(seed=1):
@@ -164,7 +165,7 @@ def test_segment_choices_and_reversibility():
 
 
 # ---- 3. selective checkpointing --------------------------------------------------------------------------
-@pytest.mark.parametrize("attention,dropout", [("sdpa", 0.0), ("manual", 0.1)])
+@pytest.mark.parametrize("attention,dropout", [("sdpa", 0.0), ("manual", 0.1), ("tiled", 0.0)])
 @pytest.mark.parametrize("policy", ["matmuls", "attention-core"])
 @pytest.mark.parity
 def test_selective_matches_torch_sac(policy, attention, dropout):
@@ -184,6 +185,8 @@ def test_selective_matches_torch_sac(policy, attention, dropout):
     assert fig["none"].flops <= fig["ours"].flops < fig["full"].flops
     if attention == "manual":  # the s x s scores are what selective recompute is for
         assert fig["ours"].saved < 0.8 * fig["none"].saved
+    if attention == "tiled":  # one op to the policy: its (out, logsumexp) kept or the whole call re-run, no tiles
+        assert fig["none"].flops < fig["ours"].flops if policy == "attention-core" else fig["none"].flops == fig["ours"].flops
 
 
 @pytest.mark.parity

@@ -138,3 +138,45 @@ def test_scratch_bytes_is_what_the_ledger_sees(dtype, B, H, S, D, block, packed)
     n, kept = B * H * S * D, B * H * S * D * q.element_size() + B * H * S * 4
     assert (m.phases["forward"].total - kept, m.phases["backward"].total - kept - 3 * n * 4) == \
         scratch_bytes(B, H, S, D, block, q.element_size(), packed=packed and B > 1 and H > 1)
+
+
+@pytest.mark.parametrize("policy,kept", [("matmuls", 1), ("attention-core", 0)])
+def test_selective_sees_one_op_not_the_tiles(policy, kept):
+    """Under selective checkpointing's forward mode the attention is one op, whose (out, logsumexp) the policy
+    keeps or not: no tile's scores are cached (16 tiles here), and the gradients are those of a plain call."""
+    from labkit.recompute.selective import selective_checkpoint, selective_contexts
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 8, requires_grad=True) for _ in range(3))
+    keep, _ = selective_contexts(policy)
+    with keep:
+        tiled_attention(q.detach(), k.detach(), v.detach(), 8)
+    assert {str(op): len(c) for op, c in keep.cache.items() if c} == ({"labkit.tiled_attention.default": 1} if kept else {})
+    g = torch.randn(1, 2, 32, 8)
+    ref = torch.autograd.grad(tiled_attention(q, k, v, 8), (q, k, v), g)
+    got = torch.autograd.grad(selective_checkpoint(tiled_attention, q, k, v, 8, policy=policy), (q, k, v), g)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ledger_sees_inside_the_op_what_a_direct_call_makes(dtype):
+    """count_inside: the op's body runs under the ledger as from user code, so a composite op in it (matmul of the
+    model's q, k, v views) shows the copy it makes; the op's forward and backward peaks equal a direct call's."""
+    from labkit.memory import Ledger
+    from labkit.recompute import tiled_attention as ta
+
+    B, H, S, D = 2, 2, 40, 8
+    qkv = torch.randn(B, S, 3 * H * D, dtype=dtype)
+    q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
+    g = torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2)
+
+    def peak(fn):
+        with Ledger() as led, torch.no_grad():
+            fn()
+        return led.measurement().peak.total
+
+    fwd = torch.ops.labkit.tiled_attention
+    assert peak(lambda: fwd(q, k, v, 16, 0.3)) == peak(lambda: ta._forward(q, k, v, 16, 0.3))
+    out, lse = ta._forward(q, k, v, 16, 0.3)
+    bwd = torch.ops.labkit.tiled_attention_backward
+    assert peak(lambda: bwd(g, q, k, v, out, lse, 16, 0.3)) == peak(lambda: ta._backward(g, q, k, v, out, lse, 16, 0.3))
