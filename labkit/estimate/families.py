@@ -68,7 +68,7 @@ def _bmm(w: Walk, a: T, b: T, numel: int, name: str, keep: bool = True) -> T:
     rg = a.rg or b.rg
     y = w.made(T(numel, max(a.itemsize, b.itemsize), name, rg=rg))
     if keep:
-        w.tape.keep(y)
+        w.tape.keep(y, "attention")
     if rg:
         w.node(name, [y], [t for t, other in ((a, b), (b, a)) if other.rg],
                [("grad", t) for t in (b, a) if t.rg])
@@ -96,7 +96,7 @@ def sdpa_fused(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, out_numel:
     if rg:  # under autocast an fp32 q/k/v (a quantized base's output) is saved as its 16-bit copy
         w.save(*copies.values(), out, lse)
     if p == 0:
-        w.keep(out), w.keep(lse)
+        w.keep(out, kind="attention"), w.keep(lse, kind="attention")
     # the tape
     ins = []
     for t in (q, k, v):
@@ -109,7 +109,7 @@ def sdpa_fused(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, out_numel:
         ins.append(c)
     w.made(out), w.made(lse)
     if p == 0:
-        w.tape.keep(out), w.tape.keep(lse)
+        w.tape.keep(out, "attention"), w.tape.keep(lse, "attention")
     if rg:
         w.node("scaled_dot_product_attention", [out], [*ins, out, lse], [("grad", t) for t in ins if t.rg])
     w.drop(lse, *[c for c, t in zip(ins, (q, k, v)) if c is not t])
@@ -128,8 +128,8 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
     b = 4 if w.device == "cpu" else w.mm_bytes
     if rg:
         w.point("attention (SDPA math)", materialised("math", _shape(w, B, heads, S, n, b, b), p))
-    w.keep(w.new(B * heads * S * S, b, "attention scores"))  # q @ k^T (bmm)
-    w.keep(w.new(n, b, "probs @ v"))  # bmm
+    w.keep(w.new(B * heads * S * S, b, "attention scores"), kind="attention")  # q @ k^T (bmm)
+    w.keep(w.new(n, b, "probs @ v"), kind="attention")  # bmm
     if rg:
         for part in ("q scaled", "k^T scaled", "v contiguous"):
             w.save(w.new(n, b, part))
@@ -223,7 +223,8 @@ def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: flo
     Tape: q, k, v are views of qkv (their gradients concatenated back); the mask (tril) lives to the end."""
     q, k, v = _views(w, qkv, 3, n, "q,k,v")
     if not qkv.rg:  # nothing is recorded
-        w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores")), w.keep(w.new(n, w.mm_bytes, "probs @ v"))
+        w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores"), kind="attention")
+        w.keep(w.new(n, w.mm_bytes, "probs @ v"), kind="attention")
         return _manual_tape(w, q, k, v, B, heads, S, n, p, w.mm_bytes, [], False)
     sm = 4 if w.autocast and w.device == "cuda" else w.mm_bytes
     saved = [w.new(n, w.mm_bytes, part) for part in ("q contiguous", "k^T contiguous", "v contiguous")]
@@ -231,13 +232,13 @@ def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: flo
     w.point("attention (manual)", materialised("manual", _shape(w, B, heads, S, n, w.mm_bytes, sm), p))
     mask = w.new(S * S, 1, "causal mask")
     w.save(mask)
-    w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores"))  # q @ k^T (bmm)
+    w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores"), kind="attention")  # q @ k^T (bmm)
     probs = w.new(B * heads * S * S, 4 if w.autocast and w.device == "cuda" else w.mm_bytes, "attention probs")
     w.save(probs)
     with w.tape.off():
         dropped = w.dropout(probs, p, "attention dropout")
     w.save(w.as_matmul_input(dropped))  # probs @ v takes a 16-bit copy under autocast
-    w.keep(w.new(n, w.mm_bytes, "probs @ v"))  # bmm
+    w.keep(w.new(n, w.mm_bytes, "probs @ v"), kind="attention")  # bmm
     return _manual_tape(w, q, k, v, B, heads, S, n, p, sm, saved + [mask], True)
 
 
@@ -287,13 +288,14 @@ def attention_eager(w: Walk, q: T, k: T, v: T, B: int, heads: int, kv_heads: int
     sm = 4 if fp32_softmax else max(mm, w.x_bytes)  # 16-bit scores + the model's fp32 mask promote to fp32
     w.forward_extra = max(w.forward_extra, B * S * S * w.x_bytes)  # the (B, 1, S, S) mask, for the whole forward
     if not rg:
-        w.keep(w.new(B * heads * S * S, mm, "attention scores")), w.keep(w.new(n, mm, "probs @ v"))
+        w.keep(w.new(B * heads * S * S, mm, "attention scores"), kind="attention")
+        w.keep(w.new(n, mm, "probs @ v"), kind="attention")
         return _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, False)
     kr = w.new(n, mm, "k repeated") if rep > 1 else k
     vr = w.new(n, mm, "v repeated") if rep > 1 else v
     w.save(w.as_matmul_input(q), w.as_matmul_input(kr))
     w.point("attention (eager)", materialised("eager", _shape(w, B, heads, S, n, mm, sm, rep), p))
-    w.keep(w.new(B * heads * S * S, mm, "attention scores"))  # q @ k^T (bmm)
+    w.keep(w.new(B * heads * S * S, mm, "attention scores"), kind="attention")  # q @ k^T (bmm)
     probs = w.new(B * heads * S * S, sm, "attention probs")
     w.save(probs)
     if sm != mm:
@@ -301,7 +303,7 @@ def attention_eager(w: Walk, q: T, k: T, v: T, B: int, heads: int, kv_heads: int
     with w.tape.off():
         dropped = w.dropout(probs, p, "attention dropout")
     w.save(dropped, w.as_matmul_input(vr))
-    w.keep(w.new(n, mm, "probs @ v"))  # bmm
+    w.keep(w.new(n, mm, "probs @ v"), kind="attention")  # bmm
     return _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, True)
 
 
@@ -367,9 +369,9 @@ def attention_tiled(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, n: in
     lse = w.new(B * heads * S, 4, "logsumexp")
     if rg:
         w.save(q, k, v, out, lse)
-    w.keep(out), w.keep(lse)
+    w.keep(out, kind="attention"), w.keep(lse, kind="attention")
     w.made(out), w.made(lse)
-    w.tape.keep(out), w.tape.keep(lse)
+    w.tape.keep(out, "attention"), w.tape.keep(lse, "attention")
     scratch = w.made(T(fwd, 1, "tiled attention: one tile's scratch"))
     w.drop(scratch)
     if rg:

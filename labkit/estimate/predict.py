@@ -16,7 +16,7 @@ from .moments import StepBytes, step_moments
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
 from labkit.memory.report import Breakdown, Category, Estimate, Term
 from .spec import ModelSpec, spec_from
-from .tape import replay_blocks, replay_tail
+from .tape import Tape, keep_kinds, replay_blocks, replay_tail
 from .walk import Walk
 
 _BLOCK = re.compile(r"\.\d+\.")  # a module inside the block list (its index in the name)
@@ -84,13 +84,17 @@ def input_bytes(batch: int, seq: int) -> int:
     return 2 * batch * seq * 8
 
 
-def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, device: str, peft=None):
+def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, device: str, peft=None,
+                     selective: str = "matmuls"):
     """Bytes saved for backward by the forward walk of the model's family (labkit.estimate.families):
     per layer this reproduces Korthikanti et al.'s sbh(34 + 5as/h) for their layer and precision,
     and adds the logits' log-softmax, B x S x V (4 bytes when the loss runs in fp32).
-    peft (labkit.estimate.peft_terms.Peft): frozen weights save less, adapters save a little more."""
+    peft (labkit.estimate.peft_terms.Peft): frozen weights save less, adapters save a little more.
+    selective: the selective checkpointing policy whose kept outputs the tape marks
+    (labkit.estimate.tape.keep_kinds)."""
     w = Walk(x_bytes=prec.weight, autocast=prec.autocast, device=device,
-             linears={name: (d_in, d_out, bias) for name, d_in, d_out, bias in spec.linears})
+             linears={name: (d_in, d_out, bias) for name, d_in, d_out, bias in spec.linears},
+             tape=Tape(kinds=keep_kinds(selective)))
     peft_terms.setup_walk(w, peft)
     marks: list[int] = []
     WALKS[spec.family](w, spec, batch, seq, marks)
@@ -107,7 +111,8 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
     device: "cpu" or "cuda" (fused attention and dropout masks differ); foreach: Adam's foreach
     path (default: on CUDA only, as torch.optim does).
     checkpoint: "none", "full" (k = `segments` segments, default every block), "sqrt" or
-    "selective" (keep matmul outputs), as labkit.recompute.checkpoint_blocks applies them.
+    "selective" (keep the outputs of `selective_policy`'s ops: "matmuls", the default, or "attention-core"),
+    as labkit.recompute.checkpoint_blocks applies them.
     offload_activations: saved activations live in host memory (labkit.recompute.offload_activations).
     micro_batch: rows per micro-batch, dividing `batch` (gradient accumulation).
     rank: GaLore's rank (optimizer "galore" or "galore8bit"). GaLore's optimizer moments come twice: a
@@ -168,7 +173,8 @@ def _estimate(r: Recipe) -> Estimate:
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
     foreach = (device == "cuda") if r.foreach is None else r.foreach
-    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype)
+    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype,
+                      r.selective_policy)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = b.opt_cast = 0
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
@@ -178,6 +184,7 @@ def _estimate(r: Recipe) -> Estimate:
         moments += step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=True,
                                 tag="micro-batch 2 on")
     extras = [f"checkpoint={checkpoint}"] * (checkpoint != "none") + ["offload"] * offload_activations
+    extras += [f"selective_policy={r.selective_policy}"] * (r.selective_policy != "matmuls")
     extras += [f"micro_batch={micro}"] * (micro < batch) + [f"rank={rank}"] * optimizer.startswith("galore")
     extras += [f"proj_dtype={r.proj_dtype}"] * (r.proj_dtype is not None)
     extras += [f"optimizer_offload={optimizer_offload}"] * bool(optimizer_offload)
@@ -221,12 +228,12 @@ def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):
 
 
 def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, peft=None,
-               proj_dtype=None) -> tuple[StepBytes, Walk]:
+               proj_dtype=None, selective: str = "matmuls") -> tuple[StepBytes, Walk]:
     """Every byte count the phases need, from the model states and the forward walk of a micro-batch.
     peft: LoRA/QLoRA/LISA (labkit.estimate.peft_terms): only the trainable parameters get gradients and
     optimizer state; the frozen base stays in parameters (or in int8/NF4 buffers).
     Each block's ops and the final norm's are replayed (labkit.estimate.tape) for the moments inside them."""
-    w, marks = walk_activations(spec, prec, micro, S, device, peft)
+    w, marks = walk_activations(spec, prec, micro, S, device, peft, selective)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     chunked = w.loss_scratch is not None  # labkit GPT's chunked loss: no (r, V) tensor outlives a chunk
     lsm = 0 if chunked else next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes

@@ -17,6 +17,7 @@ DTYPES = ("fp32", "fp16", "bf16", "mixed-fp16", "mixed-bf16")
 TORCH_OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 OPTIMIZERS = (*TORCH_OPTIMIZERS, "adamw8bit", "adam8bit", "lion", "adafactor", "galore", "galore8bit")
 POLICIES = ("none", "full", "sqrt", "selective")
+SELECTIVE_POLICIES = ("matmuls", "attention-core")  # labkit.recompute.selective.POLICIES
 QUANTS = ("none", "int8", "nf4", "int4", "int4-awq")
 INT4_QUANTS = ("int4", "int4-awq")  # group-wise int4: round-to-nearest, or AWQ (labkit.quant.awq)
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (pp > 1)
@@ -44,6 +45,7 @@ class Recipe:
     foreach: bool | None = None  # Adam's foreach path (None: on CUDA only, as torch.optim does)
     checkpoint: str = "none"  # one of POLICIES (labkit.recompute.checkpoint_blocks)
     segments: int | None = None  # checkpointed segments for "full" (None: one per block)
+    selective_policy: str = "matmuls"  # with checkpoint="selective": one of SELECTIVE_POLICIES
     offload_activations: bool = False  # saved activations live in host memory
     micro_batch: int | None = None  # rows per micro-batch, dividing batch (None: the whole batch)
     rank: int | None = None  # GaLore's rank (optimizer "galore" or "galore8bit")
@@ -77,6 +79,12 @@ class Recipe:
         if self.checkpoint not in POLICIES:
             raise ValueError(f"checkpoint must be one of {', '.join(POLICIES)}, got {self.checkpoint!r}")
         _positive_int("segments", self.segments, optional=True)
+        if self.selective_policy not in SELECTIVE_POLICIES:
+            raise ValueError(f"selective_policy must be one of {', '.join(SELECTIVE_POLICIES)}, "
+                             f"got {self.selective_policy!r}")
+        if self.selective_policy != "matmuls" and self.checkpoint != "selective":
+            raise ValueError(f"selective_policy chooses what checkpoint='selective' keeps: give checkpoint='selective' "
+                             f"too, not {self.checkpoint!r}")
         if self.segments is not None and self.checkpoint != "full":
             raise ValueError("segments sets how many segments checkpoint='full' makes: give checkpoint='full' too")
         for name in ("dp", "tp", "pp"):

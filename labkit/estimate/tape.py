@@ -7,7 +7,8 @@ replay walks those events with its own rule for what stays alive:
 
 - forward, nothing saved (a checkpointed region, or activation offload: saved tensors leave the device):
   a tensor lives until its last Python reference goes;
-- forward, selective checkpointing: the cached matmul outputs stay too;
+- forward, selective checkpointing: the cached outputs stay too (which ops' outputs: the tape's `kinds`,
+  from the runtime's policy, `keep_kinds`);
 - forward with everything saved (the recompute of a checkpointed block);
 - backward with offload: each node copies its saved tensors back to the device (one copy per storage),
   makes its gradients, and the copies go when it returns;
@@ -29,6 +30,35 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+# What made a tensor the walks mark with `keep`: each kind is the set of aten ops (by name) that make it in
+# labkit.recompute.selective. A policy keeps a kind when it keeps every op of it (`keep_kinds`).
+KEEP_KINDS = {
+    "linear": ("mm", "addmm"),  # nn.Linear / Conv1D projections (LoRA's A and B, a dequantized base's matmul)
+    "attention": ("bmm", "_scaled_dot_product_flash_attention_for_cpu", "tiled_attention"),  # the attention core
+    "norm": ("native_layer_norm",),  # LayerNorm: its output, mean and rstd (transformers' RMSNorm is pointwise ops)
+    "activation": ("gelu", "silu"),  # the MLP's activation when it is one kernel (not NewGELU's pointwise ops)
+}
+_MATMULS = frozenset({"linear", "attention"})
+
+
+def keep_kinds(policy: str = "matmuls") -> frozenset:
+    """The kinds of kept outputs selective checkpointing with `policy` ("matmuls" or "attention-core") holds,
+    derived from labkit.recompute.selective.POLICIES: a kind is kept when every op that makes it is."""
+    from labkit.recompute.selective import POLICIES
+
+    if policy not in POLICIES:
+        raise ValueError(f"selective_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    names = {getattr(op, "__name__", str(op)).split(".")[0] for op in POLICIES[policy]}
+    kinds = set()
+    for kind, ops in KEEP_KINDS.items():
+        hit = [op in names for op in ops]
+        if all(hit):
+            kinds.add(kind)
+        elif any(hit):
+            raise ValueError(f"selective policy {policy!r} keeps some of the {kind} ops {ops} but not all: "
+                             "the estimator cannot model it")
+    return frozenset(kinds)
+
 
 @dataclass(eq=False)
 class Node:
@@ -48,6 +78,7 @@ class Tape:
     """Events of the walk: ("new", t, cached), ("drop", t), ("node", Node), ("keep", t), ("block", i, x)."""
 
     events: list = field(default_factory=list)
+    kinds: frozenset = _MATMULS  # the kinds of outputs selective checkpointing keeps (keep_kinds)
     paused: bool = False  # the walk's own bookkeeping (not ops of the model): nothing recorded
 
     def _add(self, ev) -> None:
@@ -77,9 +108,13 @@ class Tape:
     def node(self, op: str, outs, saved=(), steps=()) -> None:
         self._add(("node", Node(op, tuple(outs), tuple(s for s in saved if s is not None), tuple(steps))))
 
-    def keep(self, t) -> None:
-        """Selective checkpointing caches this output (a matmul's) until backward."""
-        self._add(("keep", t))
+    def keep(self, t, kind: str) -> None:
+        """Selective checkpointing caches this output until backward when its policy keeps `kind` (KEEP_KINDS).
+        Record it right after the op makes t (before any drop of t)."""
+        if kind not in KEEP_KINDS:
+            raise ValueError(f"unknown kept-output kind {kind!r}")
+        if kind in self.kinds:
+            self._add(("keep", t))
 
     def block(self, i: int, x) -> None:
         """Block i starts; x is its input (held by the caller until the block returns)."""
@@ -139,7 +174,7 @@ class Worst:
 
 
 def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, int]:
-    """Replay a block's forward. mode: "free" (nothing saved), "kept" (selective: matmul outputs cached),
+    """Replay a block's forward. mode: "free" (nothing saved), "kept" (selective: the policy's outputs cached),
     "saved" (everything autograd saves stays: a recompute, whose autocast weight copies are made again),
     "all" (everything saved stays, as in a step with no activation policy; autocast's cached weight copies
     counted apart, in `Worst.cached`, as in "free").

@@ -174,7 +174,7 @@ class Walk:
                 self.node("autocast input cast", [xc], (), [("grad", x)])
         _, bsteps = self._weight_copy(bias, trains, f"{module} bias (16-bit copy)") if bias and trains else (None, [])
         y = self.made(self.new(rows * d_out, out_itemsize or self.mm_bytes, name, x.rg or trains))
-        self.tape.keep(y)
+        self.tape.keep(y, "linear")
         if x.rg or trains:
             steps = [*wsteps, *bsteps] + ([("grad", xc)] if x.rg else [])
             saved = ([xc] if trains else []) + ([w16] if w16 is not None and x.rg else [])
@@ -200,7 +200,7 @@ class Walk:
         w = self.made(self.new(n, cb, f"{module} dequantized weight"))
         self.drop(scratch)
         out = self.made(self.new(rows * d_out, cb, name, x.rg))
-        self.tape.keep(out)
+        self.tape.keep(out, "linear")
         self.drop(w)
         if x.rg:
             self.node(f"{module} dequant matmul", [out], (), [
@@ -226,14 +226,14 @@ class Walk:
             if h.rg:
                 self.node("autocast input cast", [a_in], (), [("grad", h)])
         self.made(a_out)
-        self.tape.keep(a_out)
+        self.tape.keep(a_out, "linear")
         self.node(f"{module}.lora_A matmul", [a_out], [a_in] + ([a16] if h.rg and a16 else []),
                   asteps + ([("grad", a_in)] if h.rg else []))
         if a_in is not h:
             self.drop(a_in)
         b16, bsteps = self._weight_copy(d_out * r, True, f"{module}.lora_B (16-bit copy)")
         b = self.made(self.new(rows * d_out, self.mm_bytes, f"{name} lora_B out"))
-        self.tape.keep(b)
+        self.tape.keep(b, "linear")
         self.node(f"{module}.lora_B matmul", [b], [a_out] + ([b16] if b16 else []), bsteps + [("grad", a_out)])
         self.drop(a_out)
         delta = self.made(self.new(b.numel, b.itemsize, f"{name} lora delta"))
@@ -277,7 +277,7 @@ class Walk:
         y = self._lora_path(x, module, r, rows, out_features, name, adapter_in, a_out, base) if r else base
         y.rg = x.rg or trains or r > 0
         assert y.itemsize == itemsize, (name, y.itemsize, itemsize)
-        return self.keep(self.new(rows * out_features, itemsize, name, rg=y.rg), y)
+        return self.keep(self.new(rows * out_features, itemsize, name, rg=y.rg), y, "linear")
 
     def _count_copies(self, module: str, trains: bool, x_rg: bool, r: int) -> None:
         """Autocast's 16-bit copies that outlive the op: a trained weight and bias are cached until
@@ -291,10 +291,12 @@ class Walk:
             self.copy_frozen[module] = self.low_bytes * d_in * d_out
         self.copy_bytes += self.low_bytes * r * (d_in + d_out)
 
-    def keep(self, t: T, result: T | None = None) -> T:
-        """Note a matmul-like op's output (selective checkpointing may keep it instead of recomputing);
-        returns `result` (the tape's tensor) when given, else t."""
-        self.kept_bytes += t.nbytes
+    def keep(self, t: T, result: T | None = None, kind: str = "linear") -> T:
+        """Note an op's output that selective checkpointing may keep instead of recomputing: counted when the
+        policy keeps `kind` (labkit.estimate.tape.KEEP_KINDS); returns `result` (the tape's tensor) when given,
+        else t."""
+        if kind in self.tape.kinds:
+            self.kept_bytes += t.nbytes
         return t if result is None else result
 
     def mark(self) -> tuple[int, int, int]:
@@ -305,7 +307,7 @@ class Walk:
         """Record an op's worst forward and backward moments (an AttnPoints) at the walk's position."""
         for phase, (op, saved, temp) in (("forward", pts.forward), ("backward", pts.backward)):
             self.points.append((phase, f"{what}: {op}", self.saved_bytes, saved, temp, self.trained,
-                                self.kept_bytes + pts.kept))
+                                self.kept_bytes + (pts.kept if "attention" in self.tape.kinds else 0)))
 
     def layer_norm(self, x: T, rows: int, name: str, module: str = "") -> T:
         """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the
@@ -319,6 +321,8 @@ class Walk:
             self.save(x, stats)
         out = self.made(self.new(x.numel, 4 if self.autocast else x.itemsize, f"{name} out", rg))
         self.made(stats)
+        self.keep(out, kind="norm"), self.keep(stats, kind="norm")  # native_layer_norm's (out, mean, rstd)
+        self.tape.keep(out, "norm"), self.tape.keep(stats, "norm")
         if rg:
             h = x.numel // max(rows, 1)
             self.node(f"{name} layer_norm", [out], [x, stats],
@@ -386,6 +390,7 @@ class Walk:
         if x.rg:
             self.save(x)
         y = self.made(self.new(x.numel, x.itemsize, name, x.rg))
+        self.keep(y, kind="activation"), self.tape.keep(y, "activation")  # aten.gelu
         if x.rg:
             self.node(name, [y], [x], [("grad", x)])
         return y
@@ -434,6 +439,7 @@ class Walk:
         if gate.rg:
             self.save(gate)
         s = self.made(self.new(gate.numel, gate.itemsize, f"{name} silu", gate.rg))
+        self.keep(s, kind="activation"), self.tape.keep(s, "activation")  # aten.silu
         if gate.rg:
             self.node(f"{name} silu", [s], [gate], [("grad", gate)])
         return s

@@ -190,8 +190,8 @@ def measure_step(model, batch: int | None = None, seq: int | None = None, dtype:
     steps - 1, or 1 for a single step). By default the gap is 200 and only the first step refreshes, while
     its state is still being made: the later steps are the estimate's steady moments (compare
     `measure_step(...).of_step(steps)` with `estimate(...).without("projector refresh")`).
-    The recipe: checkpoint, segments: labkit.recompute.checkpoint_blocks; offload_activations, micro_batch:
-    as in `train_step`; rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload: a
+    The recipe: checkpoint, segments, selective_policy: labkit.recompute.checkpoint_blocks; offload_activations,
+    micro_batch: as in `train_step`; rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload: a
     temporary folder in data_dir()); lora_rank, lora_targets, quant, quant_group, lisa_layers: see `apply_peft`
     (int4-awq calibrates on one batch of the same shape as the step's, drawn with seed + 1; LISA
     switches layers every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires);
@@ -250,14 +250,16 @@ def measure_step(model, batch: int | None = None, seq: int | None = None, dtype:
             before = LISA(m, opt, gamma=lisa_layers, interval=LISA_INTERVAL, seed=seed).step
         try:
             return _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device, data, seed,
-                            progress, checkpoint, segments, offload_activations, micro_batch, before)
+                            progress, checkpoint, segments, offload_activations, micro_batch, before,
+                            r.selective_policy)
         finally:
             if hasattr(opt, "close"):
                 opt.close()
 
 
 def _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device, data, seed, progress,
-             checkpoint, segments, offload_activations, micro_batch, before_step=None) -> Measurement:
+             checkpoint, segments, offload_activations, micro_batch, before_step=None,
+             selective: str = "matmuls") -> Measurement:
     vocab = m.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
 
@@ -275,7 +277,7 @@ def _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device,
     if checkpoint != "none":
         from labkit.recompute import checkpoint_blocks
 
-        wrap = checkpoint_blocks(m, checkpoint, segments)
+        wrap = checkpoint_blocks(m, checkpoint, segments, selective=selective)
     with wrap, cuda_limit(budget if real else None, device), \
             Ledger(m, opt, budget=None if real else budget, label=label, device=device) as led:
         for _ in tqdm(range(steps), desc=label, disable=not (steps >= 10 if progress is None else progress)):

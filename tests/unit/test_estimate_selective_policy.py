@@ -1,0 +1,79 @@
+"""Selective checkpointing's "attention-core" policy (Korthikanti et al. 2022): the estimate against the ledger.
+
+The runtime (labkit.recompute.selective) keeps the linear layers' outputs, LayerNorm's (output, mean, rstd) and
+the MLP's GELU/SiLU output, and recomputes the attention core; the estimator marks each kept output with the
+kind of op that made it and holds the kinds the policy keeps (labkit.estimate.tape.keep_kinds)."""
+
+import pytest
+
+from labkit.estimate import Recipe, estimate
+from labkit.estimate.tape import KEEP_KINDS, Tape, keep_kinds
+from labkit.models.gpt import GPTConfig
+from labkit.run import measure_step
+
+TOL = 0.03  # of the measured peak, as test_estimate_memory_efficient.py and every lesson state it
+
+
+def _gpt(attention):
+    return GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=128, vocab_size=64, attention=attention, attn_block=64)
+
+
+CASES = [(_gpt(a), 2, 128, dtype, opt) for a in ("sdpa", "manual", "tiled")
+         for dtype, opt in (("fp32", "sgd"), ("mixed-bf16", "adamw"))]
+CASES += [("gpt2-tiny", 2, 64, "mixed-bf16", "adamw"), ("llama-tiny", 2, 64, "fp32", "sgd")]
+
+
+def _id(c):
+    return f"{getattr(c[0], 'attention', c[0])}-{c[3]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_attention_core_within_3_percent_of_the_ledger(case):
+    model, B, S, dtype, opt = case
+    kw = dict(checkpoint="selective", selective_policy="attention-core")
+    e = estimate(model, B, S, dtype, opt, **kw)
+    m = measure_step(model, B, S, dtype, opt, steps=2, **kw)
+    for phase in ("forward", "backward", "optimizer"):
+        assert abs(e.phases[phase].total - m.phases[phase].total) <= TOL * m.peak.total, (
+            phase, e.phases[phase].total, m.phases[phase].total, e.explain(phase))
+    assert abs(e.peak.total - m.peak.total) <= TOL * m.peak.total, (e.label, e.peak.total, m.peak.total)
+    assert "selective_policy=attention-core" in e.label
+
+
+def test_the_policy_changes_the_estimate_as_it_changes_the_step():
+    """The comparison above can fail: the "matmuls" estimate misses attention-core's measured peak by more than
+    the tolerance (SDPA: attention-core keeps the two LayerNorms' outputs and GELU's, 6h per row, instead of
+    SDPA's output, h; manual: it no longer keeps the (s, s) scores of q @ k^T)."""
+    for attention in ("sdpa", "manual"):
+        cfg = _gpt(attention)
+        m = measure_step(cfg, 2, 128, "fp32", "sgd", steps=2, checkpoint="selective", selective_policy="attention-core")
+        wrong = estimate(cfg, 2, 128, "fp32", "sgd", checkpoint="selective")
+        assert abs(wrong.peak.total - m.peak.total) > TOL * m.peak.total, (attention, wrong.peak.total, m.peak.total)
+
+
+def test_matmuls_is_the_default_and_unchanged():
+    cfg = _gpt("manual")
+    for dtype in ("fp32", "mixed-bf16"):
+        a = estimate(cfg, 2, 128, dtype, "sgd", checkpoint="selective")
+        b = estimate(cfg, 2, 128, dtype, "sgd", checkpoint="selective", selective_policy="matmuls")
+        assert [(t.name, t.bytes) for t in a.terms] == [(t.name, t.bytes) for t in b.terms]
+        assert a.peak.total == b.peak.total and a.label == b.label
+    assert Recipe(cfg, 2, 128).selective_policy == "matmuls"
+
+
+def test_kinds_follow_the_runtime_policies():
+    """Derived from labkit.recompute.selective.POLICIES: the tape's default is what "matmuls" keeps."""
+    assert keep_kinds("matmuls") == Tape().kinds == {"linear", "attention"}
+    assert keep_kinds("attention-core") == {"linear", "norm", "activation"}
+    with pytest.raises(ValueError, match="kind"):
+        Tape().keep(object(), "softmax")
+    assert set(KEEP_KINDS) == {"linear", "attention", "norm", "activation"}
+
+
+def test_bad_selective_policy_is_refused():
+    with pytest.raises(ValueError, match="selective_policy must be one of matmuls, attention-core"):
+        Recipe(_gpt("sdpa"), 2, 128, checkpoint="selective", selective_policy="everything")
+    with pytest.raises(ValueError, match="give checkpoint='selective' too"):
+        Recipe(_gpt("sdpa"), 2, 128, checkpoint="full", selective_policy="attention-core")
+    with pytest.raises(ValueError, match="give checkpoint='selective' too"):
+        estimate(_gpt("sdpa"), 2, 128, selective_policy="attention-core")
