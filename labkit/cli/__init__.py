@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from labkit.estimate.predict import DTYPES, OPTIMIZERS
-from labkit.estimate.recipe import PROJ_DTYPES
+from labkit.estimate.recipe import PROJ_DTYPES, SELECTIVE_POLICIES
 from labkit.estimate.peft_terms import QUANTS
 from labkit.estimate.moments import POLICIES
 
@@ -51,6 +51,9 @@ def build_parser() -> _Parser:
                    help="activation checkpointing of the blocks (labkit GPT, transformers GPT-2 and Llama; "
                         "labkit.recompute)")
     e.add_argument("--segments", type=integer, default=None, help="segments for --checkpoint full (default: every block)")
+    e.add_argument("--selective-policy", choices=SELECTIVE_POLICIES, default=None,
+                   help="what --checkpoint selective keeps: matmuls (default) or attention-core (Korthikanti et al. "
+                        "2022: linear outputs, norms and the MLP activation; labkit.recompute.selective)")
     e.add_argument("--offload-activations", action="store_true", help="keep saved activations in host memory")
     e.add_argument("--micro-batch", type=integer, default=None, help="rows per micro-batch (gradient accumulation)")
     e.add_argument("--accumulate", type=integer, default=None, help="micro-batches per step (batch / micro-batch)")

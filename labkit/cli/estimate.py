@@ -21,7 +21,9 @@ def estimate_dict(model_text: str, e, args) -> dict:
                                                    "accumulate", "rank", "proj_dtype", "optimizer_offload",
                                                    "step_in_backward",
                                                    "lora_rank", "lora_targets", "quant", "quant_group", "lisa_layers")
-                    if hasattr(args, k)},
+                    if hasattr(args, k)}
+                   # given only: a default run's JSON is unchanged
+                   | ({"selective_policy": args.selective_policy} if getattr(args, "selective_policy", None) else {}),
         "peak_phase": e.peak_phase, "peak": int(e.peak.total),
         "categories": {k: v for k, v in peak.items() if k != "total"},
         "phases": {p: e.phases[p].as_dict() for p in PHASES if p in e.phases},
@@ -80,6 +82,9 @@ def check_estimate_options(args, parser) -> int | None:
     if args.segments is not None and args.checkpoint != "full":
         parser.error(f"--segments {args.segments} needs --checkpoint full (sqrt picks its own, none and "
                      f"selective have none), got --checkpoint {args.checkpoint}")
+    if getattr(args, "selective_policy", None) is not None and args.checkpoint != "selective":
+        parser.error(f"--selective-policy {args.selective_policy} chooses what --checkpoint selective keeps: give "
+                     f"--checkpoint selective too, not --checkpoint {args.checkpoint}")
     galore = args.optimizer.startswith("galore")
     if args.rank is not None and not galore:
         parser.error(f"--rank {args.rank} is GaLore's rank: give it with --optimizer galore or galore8bit, "
@@ -114,7 +119,7 @@ def cmd_estimate(args, parser) -> int:
     try:
         e = estimate(spec, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
                      checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
-                     micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
+                     selective_policy=args.selective_policy or "matmuls", micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
                      optimizer_offload=args.optimizer_offload,
                      step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
                      lora_targets=args.lora_targets, quant=args.quant, quant_group=args.quant_group,
@@ -139,7 +144,7 @@ def _estimate_layout(args, spec, micro) -> int:
     try:
         r = Recipe(spec, args.batch, args.seq, dtype=args.dtype, optimizer=args.optimizer, device=args.device,
                    checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
-                   micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
+                   selective_policy=args.selective_policy or "matmuls", micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
                    optimizer_offload=args.optimizer_offload, step_in_backward=args.step_in_backward,
                    lora_rank=args.lora_rank, lora_targets=args.lora_targets, quant=args.quant,
                    lisa_layers=args.lisa_layers, tp=args.tp, pp=args.pp, schedule=args.schedule,

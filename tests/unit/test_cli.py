@@ -141,3 +141,24 @@ def test_optimizer_options(capsys):
     assert offload["phases"]["optimizer"]["opt"] == 0 < galore["phases"]["optimizer"]["opt"]
     assert main(base + ["--optimizer", "galore"]) == 2  # no rank
     assert "rank" in capsys.readouterr().err
+
+
+def test_selective_policy_option(capsys):
+    from labkit.cli import main
+    from labkit.estimate import estimate
+    from labkit.models.gpt import GPTConfig
+
+    base = ["estimate", "--model", "gpt:n_layer=2,n_embd=64,block_size=64", "--batch", "2", "--seq", "64",
+            "--dtype", "fp32", "--checkpoint", "selective", "--json"]
+    assert main(base + ["--selective-policy", "attention-core"]) == 0
+    core = json.loads(capsys.readouterr().out)
+    e = estimate(GPTConfig(n_layer=2, n_embd=64, block_size=64), 2, 64, "fp32", "adamw", checkpoint="selective",
+                 selective_policy="attention-core")
+    assert core["peak"] == e.peak.total and core["options"]["selective_policy"] == "attention-core"
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "selective_policy" not in plain["options"] and plain["peak"] != core["peak"]
+    for argv in (["--selective-policy", "attention-core", "--checkpoint", "full"], ["--selective-policy", "most"]):
+        assert main(base[:-3] + argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and "selective-policy" in err
