@@ -14,17 +14,20 @@ from labkit.run import measure_step
 TOL = 0.03  # of the measured peak, as test_estimate_memory_efficient.py and every lesson state it
 
 
-def _gpt(attention):
-    return GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=128, vocab_size=64, attention=attention, attn_block=64)
+def _gpt(attention, dropout=0.0):
+    return GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=128, vocab_size=64, attention=attention, attn_block=64,
+                     dropout=dropout)
 
 
 CASES = [(_gpt(a), 2, 128, dtype, opt) for a in ("sdpa", "manual", "tiled")
          for dtype, opt in (("fp32", "sgd"), ("mixed-bf16", "adamw"))]
+# dropout: random ops are recomputed, never kept (and SDPA with dropout on CPU is its math fallback: bmm's)
+CASES += [(_gpt("sdpa", 0.1), 2, 128, "fp32", "sgd")]
 CASES += [("gpt2-tiny", 2, 64, "mixed-bf16", "adamw"), ("llama-tiny", 2, 64, "fp32", "sgd")]
 
 
 def _id(c):
-    return f"{getattr(c[0], 'attention', c[0])}-{c[3]}"
+    return f"{getattr(c[0], 'attention', c[0])}-{c[3]}" + (f"-dropout{c[0].dropout}" if getattr(c[0], "dropout", 0) else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -77,3 +80,29 @@ def test_bad_selective_policy_is_refused():
         Recipe(_gpt("sdpa"), 2, 128, checkpoint="full", selective_policy="attention-core")
     with pytest.raises(ValueError, match="give checkpoint='selective' too"):
         estimate(_gpt("sdpa"), 2, 128, selective_policy="attention-core")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "manual", "tiled"])
+@pytest.mark.parametrize("dtype", ["fp32", "mixed-bf16"])
+@pytest.mark.parametrize("policy", ["matmuls", "attention-core"])
+def test_kept_bytes_are_what_the_runtime_caches(attention, dtype, policy):
+    """Exactly: the bytes one block's replay holds for selective checkpointing are the storages labkit's
+    KeepOutputs caches running that block (LayerNorm's mean and rstd included: too small for the 3 % above)."""
+    import torch
+
+    from labkit.estimate.predict import Precision, step_bytes
+    from labkit.estimate.spec import spec_from
+    from labkit.recompute.selective import selective_contexts
+    from labkit.run.step import build_model
+
+    cfg, B, S = _gpt(attention), 2, 128
+    b, _ = step_bytes(spec_from(cfg), Precision.of(dtype), B, B, S, "sgd", "cpu", False, selective=policy)
+    model = build_model(cfg, dtype)
+    keep, _ = selective_contexts(policy)
+    x = torch.randn(B, S, cfg.n_embd, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=dtype.startswith("mixed")), keep:
+        model.blocks[0](x)
+    storages = {t.tensor.untyped_storage().data_ptr(): t.tensor.untyped_storage().nbytes()
+                for entries in keep.cache.values() for e in entries
+                for t in (e if isinstance(e, (tuple, list)) else (e,))}
+    assert b.replays[0].kept_bytes == sum(storages.values()) > 0
