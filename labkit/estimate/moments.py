@@ -404,7 +404,7 @@ def _units(sizes: list[int]) -> list[tuple[int, int]]:
 
 def _held(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
     """What the first `units` checkpointed units hold until their backward: each one's input (the
-    checkpoint keeps it) and, under selective checkpointing, the matmul outputs its blocks cached. Activation
+    checkpoint keeps it) and, under selective checkpointing, the outputs its blocks cached (the policy's ops). Activation
     offload does not touch them (a region's inputs are not saved tensors; inside a region its own hooks win)."""
     if policy == "none" or units == 0:
         return []
@@ -414,8 +414,9 @@ def _held(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int
                   "r x h x d each", "labkit.recompute.checkpoint keeps a region's inputs")]
     if policy == "selective":
         kept = sum(b.replays[i].kept_bytes for s, e in spans for i in range(s, e))
-        out.append(custom(f"matmul outputs kept in {units} block(s)", A_, kept,
-                          "replay: outputs of mm/addmm/bmm/sdpa in the block",
+        out.append(custom(f"outputs selective checkpointing keeps in {units} block(s)", A_, kept,
+                          "replay: the outputs of the policy's ops in the block (matmuls: mm/addmm/bmm/sdpa; "
+                          "attention-core: the linears, norms and MLP activation)",
                           "labkit.recompute.selective (torch SAC policy MUST_SAVE)"))
     return out
 
@@ -556,8 +557,9 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
         rec = last.recompute_sel if sel else last.recompute
         # its input: the unit's own (held) or the block before's output (counted in `earlier` when saved)
         rec_live = rec.live - (last.input_bytes if e - 1 == s else last.input_saved)
-        cached = [custom(f"matmul outputs kept in {unit}", A_, sum(b.replays[i].kept_bytes for i in range(s, e - 1)),
-                         "replay: outputs of mm/addmm/bmm/sdpa", "labkit.recompute.selective")] if sel and e - s > 1 else []
+        cached = [custom(f"outputs selective checkpointing keeps in {unit}", A_,
+                         sum(b.replays[i].kept_bytes for i in range(s, e - 1)),
+                         "replay: the outputs of the policy's ops", "labkit.recompute.selective")] if sel and e - s > 1 else []
         terms = [*base, *kwargs, *unit_held, *cached, *grads_terms(0),
                  custom("gradients made before the recompute (the unit's output's and those of the ops that "
                         "save nothing)", T_, last.offload.trigger, "replay: the backward up to the first node "
