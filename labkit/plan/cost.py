@@ -203,6 +203,17 @@ def optimizer_bytes_and_flops(recipe, spec) -> tuple[float, float]:
     return nbytes, fl
 
 
+def host_link_bytes(recipe, spec, act_bytes: float = 0.0) -> float:
+    """Bytes one device sends and receives over its host link per step (part 2): an offloaded optimizer's gradients
+    down and parameters up, offloaded activations down in forward and up in backward, ZeRO-Offload's shards."""
+    n, d = trained_params(recipe, spec), weight_bytes(recipe)
+    m = recipe.rank_batch // recipe.micro
+    b = 2 * n * d if recipe.optimizer_offload else 0.0
+    b += m * 2 * act_bytes if recipe.offload_activations else 0.0
+    b += 2 * n * d / recipe.dp if recipe.dp > 1 and recipe.zero_offload else 0.0
+    return float(b)
+
+
 def step_time(recipe, device: Device, spec, act_bytes: float = 0.0, selective_bytes: float = 0.0) -> StepTime:
     """Predicted seconds of one step of `recipe` on each of its devices (the module docstring).
 
@@ -223,14 +234,12 @@ def step_time(recipe, device: Device, spec, act_bytes: float = 0.0, selective_by
         recompute += m * 2 * selective_bytes / device.hbm_bw
     d = weight_bytes(recipe)
     n_train = trained_params(recipe, spec)
-    host = 0.0
+    host = host_link_bytes(recipe, spec, act_bytes) / device.host_bw  # the host step's own time is added below
     opt_bytes, opt_flops = optimizer_bytes_and_flops(recipe, spec)
     optimizer = opt_bytes / share / device.hbm_bw + opt_flops / share / peak
     if recipe.optimizer_offload:
-        host += 2 * n_train * d / device.host_bw + opt_bytes / min(HOST_MEM_BW, device.hbm_bw)
+        host += opt_bytes / min(HOST_MEM_BW, device.hbm_bw)
         optimizer = 0.0
-    if recipe.offload_activations:
-        host += m * 2 * act_bytes / device.host_bw
     comm = 0.0
     if recipe.dp > 1:
         psi = n_train * d  # gradient bytes
@@ -241,7 +250,7 @@ def step_time(recipe, device: Device, spec, act_bytes: float = 0.0, selective_by
         if recipe.zero:
             optimizer /= recipe.dp
         if recipe.zero_offload:
-            host += 2 * n_train * d / recipe.dp / device.host_bw + opt_bytes / recipe.dp / min(HOST_MEM_BW, device.hbm_bw)
+            host += opt_bytes / recipe.dp / min(HOST_MEM_BW, device.hbm_bw)
             optimizer = 0.0
     if recipe.tp > 1 or recipe.pp > 1:
         from labkit.estimate.layout_terms import layout_wire_bytes
