@@ -46,9 +46,9 @@ def build_parser() -> _Parser:
                    help="a preset, a local transformers config, a hub id (online), or gpt:KEY=VAL,... "
                         "for labkit's GPT, e.g. gpt:n_layer=4,n_embd=256,block_size=512; at most "
                         f"{MAX_LAYERS} layers, sizes up to 2**24")
-    common(e, "cpu", "mixed-bf16", "whose kernels to model (default cpu on every machine, with or without a GPU: CPU kernels; "
-           "give --device cuda for a GPU's, whose fused attention, dropout masks and Adam's foreach path differ, so "
-           "a GPU-sized model's peak differs)")
+    common(e, "cpu", "mixed-bf16", "whose kernels to model (default cpu on every machine, with or without a GPU: "
+           "CPU kernels; give --device cuda for a GPU's, whose fused attention, dropout masks and Adam's foreach "
+           "path differ, so a GPU-sized model's peak differs)")
     e.add_argument("--checkpoint", choices=POLICIES, default="none",
                    help="activation checkpointing of the blocks (labkit GPT, transformers GPT-2 and Llama; "
                         "labkit.recompute)")

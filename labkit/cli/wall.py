@@ -62,7 +62,8 @@ def _recipe_words(args) -> str:
                                     if args.micro_batch < args.batch else "")
     whose = (f"the QLoRA paper's ({WALL_SOURCE})" if mine == WALL_RECIPE else
              "given; the QLoRA paper's is --batch 16 --micro-batch 4 --seq 512 --lora-rank 64 --checkpoint full")
-    return f"recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, {args.optimizer}, {args.device} kernels"
+    return (f"recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, {args.optimizer}, "
+            f"{args.device} kernels")
 
 
 def format_wall(rows: list[dict], args) -> str:
@@ -76,7 +77,8 @@ def format_wall(rows: list[dict], args) -> str:
     table = [["model", "method", "params", "peak", "peak phase"] + budgets]
     for r in rows:
         rank = r.get("lora_rank", args.lora_rank)
-        table.append([r["model"], r["method"] + (f" r={rank}" if rank != args.lora_rank else ""), _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
+        method = r["method"] + (f" r={rank}" if rank != args.lora_rank else "")
+        table.append([r["model"], method, _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
                      + ["fits" if r["fits"][b] else "no" for b in budgets])
     return "\n".join(head) + _table(table, right={2, 3})
 

@@ -37,8 +37,9 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, batch: int = 1, seq:
     a model fits a budget when its predicted peak is at most budget x 2**30 bytes. methods: some of
     METHODS ("full" fine-tuning in `dtype`, "lora", "qlora"). LoRA and QLoRA keep their frozen base
     in `peft_dtype` (bf16, as peft loads models; None: `dtype`) with adapters of rank `lora_rank` on
-    `lora_targets`. checkpoint and micro_batch as estimate() takes them, for every row. Nothing is allocated: every model is read on the meta device. Errors from
-    `estimate` (say, seq beyond a model's positions) are raised, not hidden in the table.
+    `lora_targets`; checkpoint and micro_batch as estimate() takes them, for every row. Nothing is allocated:
+    every model is read on the meta device. Errors from `estimate` (say, seq beyond a model's positions) are
+    raised, not hidden in the table.
     """
     models = default_models() if models is None else list(models)
     if not models:

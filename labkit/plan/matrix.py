@@ -319,7 +319,9 @@ COLUMNS = ("technique", "memory saved", "saved %", "time x", "loss delta", "cuts
 def measured_on(matrix: dict) -> str:
     """The device the matrix's times were measured on, in words ("cpu (AMD EPYC, 2 cores)", "cuda (NVIDIA ...)")."""
     kind, mach = matrix.get("device", "cpu"), matrix["machine"]
-    return f"cuda ({mach['gpu']})" if kind == "cuda" and mach.get("gpu") else f"cpu ({mach['cpu']}, {mach['cores']} cores)"
+    if kind == "cuda" and mach.get("gpu"):
+        return f"cuda ({mach['gpu']})"
+    return f"cpu ({mach['cpu']}, {mach['cores']} cores)"
 
 
 def predicted_gpu(matrix: dict, preset: str = "a10") -> dict[str, dict]:
@@ -342,7 +344,8 @@ def predicted_gpu(matrix: dict, preset: str = "a10") -> dict[str, dict]:
         s = _Search(r.model, spec, dev.memory, dev, r.batch, r.seq)
         act = s.act_row(r, r.checkpoint) * r.micro if r.offload_activations else 0.0
         t = s.time(r)
-        out[key] = {"parts": t.parts(), "total": t.total, "host_bytes": cost.host_link_bytes(r.replace(model=spec), spec, act)}
+        out[key] = {"parts": t.parts(), "total": t.total,
+                    "host_bytes": cost.host_link_bytes(r.replace(model=spec), spec, act)}
     base = out["baseline"]
     for key, v in out.items():
         v["time_x"] = v["total"] / base["total"]
