@@ -17,7 +17,7 @@ from .common import (ADDRESS_SPACE, INT_LIMIT, MAX_LAYERS, MAX_SIZE, MAX_WALL_LA
                      check_model, integer, parse_gpt_spec, read_model, resolve_model)
 from .estimate import check_estimate_options, cmd_estimate, estimate_dict, format_estimate
 from .plan import PLAN_PRECISIONS, cmd_plan, format_plans
-from .wall import cmd_wall, format_wall
+from .wall import WALL_RECIPE, WALL_SOURCE, cmd_wall, format_wall
 
 __all__ = ["ADDRESS_SPACE", "INT_LIMIT", "MAX_LAYERS", "MAX_SIZE", "MAX_WALL_LAYERS", "PLAN_PRECISIONS", "UNITS_NOTE",
            "UsageError", "build_parser", "check_estimate_options", "check_model", "cmd_estimate", "cmd_plan",
@@ -30,23 +30,25 @@ def build_parser() -> _Parser:
     parser = _Parser(prog="labkit", description="Predict the memory of training a model.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    def common(p, device_default, dtype_default):
+    def common(p, device_default, dtype_default, device_help):
         p.add_argument("--batch", type=integer, default=1, help="sequences per step (B)")
         p.add_argument("--seq", type=integer, default=1024, help="tokens per sequence (S)")
         p.add_argument("--dtype", choices=DTYPES, default=dtype_default,
                        help="how weights and compute are stored (default mixed-bf16)")
         p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
-        p.add_argument("--device", choices=("cpu", "cuda"), default=device_default,
-                       help="fused attention, dropout masks and Adam's foreach path differ")
+        p.add_argument("--device", choices=("cpu", "cuda"), default=device_default, help=device_help)
         p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
     e = sub.add_parser("estimate", help="predicted bytes of one training step, by term, category and phase",
-                       description=f"Predict one training step's memory. {UNITS_NOTE}.")
+                       description=f"Predict one training step's memory, with CPU kernels unless --device cuda. "
+                                   f"{UNITS_NOTE}.")
     e.add_argument("--model", required=True, metavar="NAME_OR_CONFIG",
                    help="a preset, a local transformers config, a hub id (online), or gpt:KEY=VAL,... "
                         "for labkit's GPT, e.g. gpt:n_layer=4,n_embd=256,block_size=512; at most "
                         f"{MAX_LAYERS} layers, sizes up to 2**24")
-    common(e, "cpu", "mixed-bf16")
+    common(e, "cpu", "mixed-bf16", "whose kernels to model (default cpu on every machine, with or without a GPU: "
+           "CPU kernels; give --device cuda for a GPU's, whose fused attention, dropout masks and Adam's foreach "
+           "path differ, so a GPU-sized model's peak differs)")
     e.add_argument("--checkpoint", choices=POLICIES, default="none",
                    help="activation checkpointing of the blocks (labkit GPT, transformers GPT-2 and Llama; "
                         "labkit.recompute)")
@@ -90,21 +92,34 @@ def build_parser() -> _Parser:
     e.add_argument("--zero-offload", action="store_true", help="ZeRO-Offload: the optimizer state shards in host memory")
     e.set_defaults(run=cmd_estimate, parser=e)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
-                       description=f"Which models fit which budgets. {UNITS_NOTE}.")
+                       description=f"Which models fit which budgets, by default under the QLoRA paper's recipe "
+                                   f"({WALL_SOURCE}). {UNITS_NOTE}.")
     w.add_argument("--models", default=None, help="comma-separated, each as --model of estimate, "
                    f"{MAX_WALL_LAYERS} layers in all (default: every non-tiny preset)")
-    w.add_argument("--budgets", default="16,24,48,80", help="comma-separated GiB")
+    w.add_argument("--budgets", default="16,24,48,80",
+                   help="comma-separated sizes: a bare number is GiB (2**30 bytes), or give the unit: 24GB (10**9 "
+                        "bytes), 24GiB")
     w.add_argument("--methods", default="full,lora,qlora",
                    help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")
     w.add_argument("--lora-rank", type=integer, default=None,
-                   help="LoRA rank for the lora and qlora methods (default 16)")
-    common(w, "cuda", None)
+                   help="LoRA rank for the lora and qlora methods (default 64, QLoRA's)")
+    common(w, "cuda", None, "whose kernels to model (default cuda: a GPU's fused attention, dropout masks and "
+           "Adam's foreach path; cpu for CPU kernels)")
+    w.add_argument("--checkpoint", choices=POLICIES, default="full",
+                   help="activation checkpointing of the blocks (default full: QLoRA's gradient checkpointing)")
+    w.add_argument("--micro-batch", type=integer, default=None,
+                   help="rows per micro-batch (default 4, QLoRA's, when it divides --batch; else the whole batch)")
+    w.set_defaults(batch=WALL_RECIPE["batch"], seq=WALL_RECIPE["seq"])
     w.set_defaults(run=cmd_wall, parser=w)
     p = sub.add_parser("plan", help="which training configuration fits a model on some devices, ranked",
                        description=f"Search configurations that fit, ranked by fidelity then predicted time. {UNITS_NOTE}.")
     p.add_argument("--model", required=True, metavar="NAME_OR_CONFIG", help="as --model of estimate")
     p.add_argument("--devices", type=integer, default=1, help="devices (GPUs) to use (default 1)")
-    p.add_argument("--memory", default=None, help="memory per device, e.g. 24GiB (default: the preset's)")
+    p.add_argument("--memory", default=None,
+                   help="memory per device: 24GiB = 24 x 2**30 bytes, 24GB = 24 x 10**9 bytes (default: the preset's)")
+    p.add_argument("--headroom", type=float, default=10.0, metavar="PERCENT",
+                   help="flag plans whose peak is within this share of --memory (default 10: the allocator's cache "
+                        "and the CUDA context are not in the predicted bytes)")
     p.add_argument("--device-preset", default=None,
                    help="t4, a10, a100-40gb, a100-80gb, h100, h200 or cpu: the speeds times assume "
                         "(default: the preset closest to --memory)")

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import re
 
-UNITS_NOTE = "GiB = 2**30 bytes, MiB = 2**20, KiB = 2**10"
+UNITS_NOTE = "GiB = 2**30 bytes, MiB = 2**20, KiB = 2**10; GB = 10**9 bytes, MB = 10**6"
 
 
 class UsageError(Exception):
@@ -32,6 +32,7 @@ MAX_SIZE = 2**24  # widths, heads, vocabulary, positions: 16,777,216, far above 
 #                   that every weight is a tensor PyTorch can describe (its byte count fits in int64)
 MAX_WALL_LAYERS = 2 * MAX_LAYERS  # layers of all the models of one `wall` together (the default presets: 288)
 INT_LIMIT = 2**63  # an integer option must fit in int64, as PyTorch's sizes do
+GPU_SIZED = 2**30  # a predicted step of 1 GiB or more is a GPU's job: estimate on cpu also states cuda's peak
 ADDRESS_SPACE = 2**64  # bytes a 64-bit machine can address: a larger predicted peak has no meaning
 _INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: no '1_000', no other scripts' digits
 

@@ -8,7 +8,7 @@ import json
 from labkit.memory.report import CATEGORIES, PHASES
 from labkit.memory.units import fmt_bytes
 
-from .common import UNITS_NOTE, _check_peak, _cli_words, _positive, _table, check_model, read_model
+from .common import GPU_SIZED, UNITS_NOTE, _check_peak, _cli_words, _positive, _table, check_model, read_model
 
 
 def estimate_dict(model_text: str, e, args) -> dict:
@@ -116,22 +116,39 @@ def cmd_estimate(args, parser) -> int:
     spec = read_model(check_model(args.model)[0], args.model)
     if args.tp > 1 or args.pp > 1:
         return _estimate_layout(args, spec, micro)
-    try:
-        e = estimate(spec, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
-                     checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
-                     selective_policy=args.selective_policy or "matmuls", micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
-                     optimizer_offload=args.optimizer_offload,
-                     step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
-                     lora_targets=args.lora_targets, quant=args.quant, quant_group=args.quant_group,
-                     lisa_layers=args.lisa_layers, dp=args.dp, zero=args.zero, zero_offload=args.zero_offload)
-    except ValueError as err:
-        raise ValueError(_cli_words(str(err))) from err
+    def run(device):
+        try:
+            return estimate(spec, args.batch, args.seq, args.dtype, args.optimizer, device=device,
+                            checkpoint=args.checkpoint, segments=args.segments,
+                            offload_activations=args.offload_activations,
+                            selective_policy=args.selective_policy or "matmuls", micro_batch=micro, rank=args.rank,
+                            proj_dtype=args.proj_dtype, optimizer_offload=args.optimizer_offload,
+                            step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
+                            lora_targets=args.lora_targets, quant=args.quant, quant_group=args.quant_group,
+                            lisa_layers=args.lisa_layers, dp=args.dp, zero=args.zero, zero_offload=args.zero_offload)
+        except ValueError as err:
+            raise ValueError(_cli_words(str(err))) from err
+
+    e = run(args.device)
     _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
+    gpu = run("cuda") if args.device == "cpu" and e.peak.total >= GPU_SIZED else None
     if args.json:
-        print(json.dumps(estimate_dict(args.model, e, args)))
+        out = estimate_dict(args.model, e, args)
+        if gpu is not None:
+            out["cuda_peak"] = int(gpu.peak.total)
+        print(json.dumps(out))
     else:
-        print(format_estimate(e, args.device))
+        print(format_estimate(e, args.device) + ("" if gpu is None else "\n" + cpu_note(e, gpu)))
     return 0
+
+
+def cpu_note(e, gpu) -> str:
+    """What --device cpu (the default) modelled, and the peak a GPU's kernels give (--device cuda)."""
+    diff = gpu.peak.total / e.peak.total - 1
+    return (f"note: this modelled CPU kernels (--device cpu, the default on every machine); a GPU's kernels (fused "
+            f"attention, dropout masks, Adam's foreach path) give "
+            + (f"{fmt_bytes(gpu.peak.total)} ({diff:+.1%})" if diff else "the same peak")
+            + f" in the {gpu.peak_phase} phase: add --device cuda for a GPU")
 
 
 def _estimate_layout(args, spec, micro) -> int:

@@ -4,7 +4,9 @@ fidelity then predicted step time (labkit.plan)."""
 from __future__ import annotations
 
 import json
+import math
 import re
+import shlex
 import sys
 
 from labkit.memory.units import fmt_bytes
@@ -24,6 +26,8 @@ def _plan_inputs(args, parser) -> dict:
     if args.devices > MAX_DEVICES:
         parser.error(f"--devices must be at most {MAX_DEVICES}, got {args.devices}")
     _positive(parser, "--top", args.top)
+    if not (math.isfinite(args.headroom) and 0 <= args.headroom < 100):
+        parser.error(f"--headroom is a percentage of --memory from 0 to below 100, got {args.headroom:g}")
     if args.memory is None and args.device_preset is None:
         parser.error("give --memory (e.g. 24GiB) or --device-preset (one of " + ", ".join(names()) + ")")
     memory = None
@@ -52,7 +56,7 @@ def _plan_inputs(args, parser) -> dict:
     model, _ = check_model(args.model)
     return dict(model=model, devices=args.devices, memory=memory, device_preset=args.device_preset,
                 batch=args.batch, seq=args.seq, peft="allow" if args.peft else False,
-                min_precision=args.min_precision, top=args.top, optimizers=optimizers)
+                min_precision=args.min_precision, top=args.top, optimizers=optimizers, headroom=args.headroom / 100)
 
 
 def format_plans(plans, args, device) -> str:
@@ -69,9 +73,24 @@ def format_plans(plans, args, device) -> str:
                   f"binding term: {p.binding} ({fmt_bytes(p.binding_bytes)})",
                   f"   step {p.seconds * 1e3:.1f} ms predicted, {p.relative:.2f}x the fastest ({parts})",
                   f"   fidelity: {p.fidelity.describe()}"]
+        if p.tight:
+            lines[-4] += f"  [tight: within {p.headroom:.0%} of the budget]"
         lines += [f"   - {w}" for w in p.why]
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def export_command(args) -> str:
+    """The shell command that writes plan 1's launch files: this search again, with --export."""
+    opts = [("--model", args.model), ("--devices", args.devices if args.devices != 1 else None),
+            ("--memory", args.memory), ("--device-preset", args.device_preset),
+            ("--batch", args.batch), ("--seq", args.seq), ("--min-precision", args.min_precision
+                                                          if args.min_precision != "bf16" else None),
+            ("--optimizers", args.optimizers), ("--top", args.top if args.top != 5 else None),
+            ("--headroom", f"{args.headroom:g}" if args.headroom != 10 else None)]
+    words = ["python", "-m", "labkit", "plan"] + [w for k, v in opts if v is not None for w in (k, str(v))]
+    words += ["--peft"] if args.peft else []
+    return " ".join(shlex.quote(w) for w in words + ["--export", args.export or "plan-1"])
 
 
 def cmd_plan(args, parser) -> int:
@@ -112,7 +131,7 @@ def cmd_plan(args, parser) -> int:
     if args.json:
         out = {"model": args.model, "devices": args.devices, "memory": int(plans[0].memory),
                "device": device.name, "batch": plans[0].recipe.batch, "seq": plans[0].recipe.seq,
-               "plans": [p.as_dict() for p in plans]}
+               "plans": [p.as_dict() for p in plans], "export_command": export_command(args)}
         if checked is not None:
             out["verify"] = checked if isinstance(checked, str) else checked.as_dict()
         if exported is not None:
@@ -124,5 +143,7 @@ def cmd_plan(args, parser) -> int:
         text += "\n\n" + str(checked)
     if exported is not None:
         text += "\n\nexported plan 1:\n" + "\n".join(f"  {k}: {v}" for k, v in exported.items())
+    else:
+        text += f"\n\nto export plan 1 (training_args.json, accelerate and torchrun files):\n  {export_command(args)}"
     print(text)
     return rc

@@ -1,4 +1,5 @@
-"""`python -m labkit wall`: which models fit which GPU budgets, for full fine-tuning, LoRA and QLoRA."""
+"""`python -m labkit wall`: which models fit which GPU budgets, for full fine-tuning, LoRA and QLoRA, by default
+under the QLoRA paper's recipe (every row the same batch, sequence, checkpointing and adapters)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,18 @@ import json
 import math
 import re
 
-from labkit.memory.units import fmt_bytes
+from labkit.memory.units import GiB, fmt_bytes
 
 from .common import (MAX_WALL_LAYERS, UNITS_NOTE, _check_peak, _cli_words, _items, _positive, _table, check_model,
                      read_model)
 
+# Dettmers et al. 2023 (QLoRA, arXiv 2305.14314): LLaMA-65B fine-tuned on one 48 GB GPU, with artidoro/qlora's
+# scripts/finetune_guanaco_65b.sh: --per_device_train_batch_size 4 --gradient_accumulation_steps 4
+# --target_max_len 512 --lora_r 64 --lora_modules all --bits 4 --quant_type nf4 --double_quant --bf16
+# --gradient_checkpointing, and qlora.py's paged 32-bit AdamW (fp32 states: adamw here). LoRA is the paper's
+# 16-bit baseline under the same recipe; full fine-tuning the same batch in mixed bf16.
+WALL_RECIPE = {"batch": 16, "micro_batch": 4, "seq": 512, "lora_rank": 64, "checkpoint": "full", "optimizer": "adamw"}
+WALL_SOURCE = "Dettmers et al. 2023, LLaMA-65B on one 48 GB GPU; artidoro/qlora scripts/finetune_guanaco_65b.sh"
 _NUMBER = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")  # no nan, inf or hex
 
 
@@ -21,32 +29,66 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _budgets(parser, text: str) -> list:
-    """--budgets: GiB, each at least one byte and at most 2**64 bytes (2**34 GiB)."""
+def _budgets(parser, text: str) -> list[tuple[str, int]]:
+    """--budgets: (label, bytes) each; a bare number is GiB, else a size with its unit (24GB = 24 x 10**9 bytes,
+    24GiB = 24 x 2**30); each at least one byte and at most 2**64 bytes (2**34 GiB)."""
+    from labkit.memory.units import GiB, parse_bytes
+
     out = []
     for item in _items(parser, "--budgets", text):
-        b = float(item) if _NUMBER.fullmatch(item) else math.nan
-        if not (2**-30 <= b <= 2**34):
-            parser.error(f"--budgets must be numbers of GiB from 2**-30 (one byte) to 2**34 (2**64 bytes), "
-                         f"got {item!r}")
-        out.append(int(b) if b.is_integer() else b)
-    if len(set(out)) < len(out):
+        if _NUMBER.fullmatch(item):
+            b = float(item) * GiB
+            label = f"{float(item):g} GiB"
+        else:
+            try:
+                b = parse_bytes(item) if re.fullmatch(r"[0-9.eE+-]+ ?[A-Za-z]+", item) else math.nan
+            except ValueError:
+                b = math.nan
+            label = re.sub(r"(?<=[0-9.])(?=[A-Za-z])", " ", item)
+        if not (1 <= b <= 2**64):
+            parser.error(f"--budgets must be numbers of GiB or sizes such as 24GB (10**9 bytes) or 24GiB, from one "
+                         f"byte to 2**64 bytes, got {item!r}")
+        out.append((label, b))
+    if len({b for _, b in out}) < len(out):
         parser.error(f"--budgets gives one budget twice in {text!r}")
     return out
+
+
+def _recipe_words(args) -> str:
+    """The recipe every row uses, and whether it is the QLoRA paper's (WALL_RECIPE)."""
+    mine = {"batch": args.batch, "micro_batch": args.micro_batch, "seq": args.seq, "lora_rank": args.lora_rank,
+            "checkpoint": args.checkpoint, "optimizer": args.optimizer}
+    rows = f"batch {args.batch}" + (f" = {args.batch // args.micro_batch} micro-batches of {args.micro_batch}"
+                                    if args.micro_batch < args.batch else "")
+    whose = (f"the QLoRA paper's ({WALL_SOURCE})" if mine == WALL_RECIPE else
+             "given; the QLoRA paper's is --batch 16 --micro-batch 4 --seq 512 --lora-rank 64 --checkpoint full")
+    return (f"recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, {args.optimizer}, "
+            f"{args.device} kernels")
 
 
 def format_wall(rows: list[dict], args) -> str:
     budgets = list(rows[0]["fits"]) if rows else []
     methods = getattr(args, "methods", "full")
-    head = [f"B={args.batch} S={args.seq} {args.optimizer} on {args.device}; full fine-tuning in {args.dtype}"
-            + (f"; LoRA/QLoRA: rank {args.lora_rank} on all linear layers but the head, frozen base in bf16 "
-               "(QLoRA: NF4 with double quantization)" if methods != "full" else "")
+    head = [_recipe_words(args),
+            "; ".join(([f"full fine-tuning in {args.dtype}"] if "full" in methods else [])
+                      + ([f"LoRA/QLoRA: rank {args.lora_rank} on all linear layers but the head, frozen base in bf16 "
+               "(QLoRA: NF4 with double quantization)"] if methods != ["full"] else []))
             + f": predicted peak vs budget ({UNITS_NOTE})", ""]
-    table = [["model", "method", "params", "peak", "peak phase"] + [f"{b:g} GiB" for b in budgets]]
+    table = [["model", "method", "params", "peak", "peak phase"] + budgets]
     for r in rows:
-        table.append([r["model"], r["method"], _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
+        rank = r.get("lora_rank", args.lora_rank)
+        method = r["method"] + (f" r={rank}" if rank != args.lora_rank else "")
+        table.append([r["model"], method, _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
                      + ["fits" if r["fits"][b] else "no" for b in budgets])
     return "\n".join(head) + _table(table, right={2, 3})
+
+
+def _rank_for(spec, rank: int) -> int:
+    """The default rank, or a model's smallest LoRA target side where that is smaller (a tiny model)."""
+    from labkit.estimate.peft_terms import peft_of
+
+    sides = [min(d_in, d_out) for _, d_in, d_out, _ in peft_of(spec, 1).targets]
+    return min([rank] + sides)
 
 
 def cmd_wall(args, parser) -> int:
@@ -69,7 +111,13 @@ def cmd_wall(args, parser) -> int:
     if args.optimizer.startswith("galore"):
         parser.error(f"--optimizer {args.optimizer} needs a rank, which wall does not take: use "
                      "`labkit estimate --optimizer galore --rank R`")
-    args.lora_rank = 16 if args.lora_rank is None else args.lora_rank
+    default_rank = args.lora_rank is None and methods != ["full"]
+    args.lora_rank = WALL_RECIPE["lora_rank"] if args.lora_rank is None else args.lora_rank
+    _positive(parser, "--micro-batch", args.micro_batch)
+    if args.micro_batch is None:
+        args.micro_batch = WALL_RECIPE["micro_batch"] if args.batch % WALL_RECIPE["micro_batch"] == 0 else args.batch
+    elif args.batch % args.micro_batch:
+        parser.error(f"--micro-batch {args.micro_batch} must divide --batch {args.batch}")
     args.dtype = "mixed-bf16" if args.dtype is None else args.dtype
     models = models or default_models()
     checked = [check_model(text) for text in models]
@@ -79,19 +127,27 @@ def cmd_wall(args, parser) -> int:
     rows = []
     for text, (model, _) in zip(models, checked):  # each model read once for all its methods
         spec = read_model(model, text)
+        rank = _rank_for(spec, args.lora_rank) if default_rank else args.lora_rank
         try:
-            new = fit_table([spec], budgets, args.batch, args.seq, args.dtype, args.optimizer, args.device,
-                            methods=methods, lora_rank=args.lora_rank)
+            new = fit_table([spec], [b / GiB for _, b in budgets], args.batch, args.seq, args.dtype, args.optimizer,
+                            args.device, methods=methods, lora_rank=rank, checkpoint=args.checkpoint,
+                            micro_batch=args.micro_batch)
         except ValueError as err:  # fit_table names the model by its spec: name it as typed
             raise ValueError(f"{text}: {_cli_words(str(err.__cause__ or err))}") from err
         for r in new:
             _check_peak(r["peak"], f"{text} ({r['method']}) with --batch {args.batch} --seq {args.seq}")
             r["model"] = text
+            if r["method"] != "full":
+                r["lora_rank"] = rank
+            r["fits"] = {label: ok for (label, _), ok in zip(budgets, r["fits"].values())}
         rows += new
     if args.json:
-        print(json.dumps({"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
-                          "device": args.device, "budgets_gib": budgets, "methods": methods,
-                          "lora_rank": args.lora_rank, "rows": rows}))
+        print(json.dumps({"batch": args.batch, "micro_batch": args.micro_batch, "seq": args.seq,
+                          "checkpoint": args.checkpoint, "dtype": args.dtype, "optimizer": args.optimizer,
+                          "device": args.device, "budgets": [label for label, _ in budgets],
+                          "budgets_gib": [b / GiB for _, b in budgets],
+                          "budgets_bytes": [int(b) for _, b in budgets], "methods": methods,
+                          "lora_rank": args.lora_rank, "recipe": _recipe_words(args), "rows": rows}))
     else:
         print(format_wall(rows, args))
     return 0

@@ -29,15 +29,17 @@ def method_options(method: str, lora_rank: int = 16, lora_targets="all-linear") 
 
 def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, batch: int = 1, seq: int = 1024,
               dtype: str = "mixed-bf16", optimizer: str = "adamw", device: str = "cuda", methods=("full",),
-              lora_rank: int = 16, lora_targets="all-linear", peft_dtype: str | None = "bf16") -> list[dict]:
+              lora_rank: int = 16, lora_targets="all-linear", peft_dtype: str | None = "bf16",
+              checkpoint: str = "none", micro_batch: int | None = None) -> list[dict]:
     """One row per model and method: its predicted peak for one training step and whether it fits each budget.
 
     A row is {"model", "method", "n_params", "peak" (bytes), "peak_phase", "fits": {budget in GiB: bool}};
     a model fits a budget when its predicted peak is at most budget x 2**30 bytes. methods: some of
     METHODS ("full" fine-tuning in `dtype`, "lora", "qlora"). LoRA and QLoRA keep their frozen base
     in `peft_dtype` (bf16, as peft loads models; None: `dtype`) with adapters of rank `lora_rank` on
-    `lora_targets`. Nothing is allocated: every model is read on the meta device. Errors from
-    `estimate` (say, seq beyond a model's positions) are raised, not hidden in the table.
+    `lora_targets`; checkpoint and micro_batch as estimate() takes them, for every row. Nothing is allocated:
+    every model is read on the meta device. Errors from `estimate` (say, seq beyond a model's positions) are
+    raised, not hidden in the table.
     """
     models = default_models() if models is None else list(models)
     if not models:
@@ -54,7 +56,8 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, batch: int = 1, seq:
         for method in methods:
             kind = dtype if method == "full" or peft_dtype is None else peft_dtype
             try:
-                e = estimate(model, batch, seq, kind, optimizer, device=device, **options[method])
+                e = estimate(model, batch, seq, kind, optimizer, device=device, checkpoint=checkpoint,
+                             micro_batch=micro_batch, **options[method])
             except ValueError as err:  # name the model that failed
                 raise ValueError(f"{model}: {err}") from err
             peak = e.peak.total  # bytes

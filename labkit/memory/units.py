@@ -1,4 +1,5 @@
-"""Byte units: binary (GiB = 2**30) everywhere, because that is what devices and allocators report."""
+"""Byte units: sizes are printed in binary units (GiB = 2**30), what devices and allocators report; read in
+binary (GiB) or decimal (GB = 10**9) units, as written."""
 
 from __future__ import annotations
 
@@ -14,15 +15,22 @@ def fmt_bytes(n: float, digits: int = 2) -> str:
     return f"{int(n)} B"
 
 
+# unit -> bytes: binary units (KiB, MiB, GiB, TiB; K, M, G, T alone are read as binary too, as PyTorch and
+# nvidia-smi print them) and decimal SI units (kB/KB, MB, GB, TB: 10**3, 10**6, 10**9, 10**12 bytes, as
+# vendors sell memory and disks, IEC 80000-13)
+UNITS = {"tib": 2**40, "gib": GiB, "mib": MiB, "kib": KiB, "t": 2**40, "g": GiB, "m": MiB, "k": KiB,
+         "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+
+
 def parse_bytes(text: str | float | int) -> int:
-    """'8GiB', '8 GB' (read as GiB), '512MiB', 1e9 -> bytes. Raises ValueError on nonsense."""
+    """'8GiB' (8 x 2**30), '8 GB' (8 x 10**9), '512MiB', '1.5G' (binary), 1e9 -> bytes. Raises ValueError on
+    nonsense."""
     if isinstance(text, (int, float)):
         if text <= 0:
             raise ValueError(f"a memory size must be positive, got {text!r}")
         return int(text)
     s = str(text).strip().replace(" ", "")
-    units = {"gib": GiB, "gb": GiB, "g": GiB, "mib": MiB, "mb": MiB, "m": MiB, "kib": KiB, "kb": KiB, "k": KiB, "b": 1}
-    for u in sorted(units, key=len, reverse=True):
+    for u in sorted(UNITS, key=len, reverse=True):
         if s.lower().endswith(u):
             num = s[: -len(u)]
             break
@@ -31,7 +39,8 @@ def parse_bytes(text: str | float | int) -> int:
     try:
         value = float(num)
     except ValueError:
-        raise ValueError(f"cannot read a memory size from {text!r} (try '8GiB' or '512MiB')") from None
-    if value <= 0:
-        raise ValueError(f"a memory size must be positive, got {text!r}")
-    return int(value * units[u])
+        raise ValueError(f"cannot read a memory size from {text!r} (try '24GiB' = 24 x 2**30 bytes or '24GB' = "
+                         "24 x 10**9 bytes)") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"a memory size must be positive and finite, got {text!r}")
+    return int(value * UNITS[u])

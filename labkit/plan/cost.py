@@ -38,9 +38,16 @@ model is conservative for plans that communicate or offload):
    x MFU (an SVD is in fact less efficient than a GEMM: this part is a lower bound), amortised over the gap.
 
 Fidelity (higher is closer to plain full-precision training), compared as a tuple, in this order:
-method (full training 4 > LISA 3 > LoRA on a 16-bit base 2 > LoRA on an int8 base 1 > QLoRA / 4-bit base 0),
-then precision (fp32 master weights, fp32 or mixed-*, 1 > pure bf16/fp16 0), then optimizer (AdamW 1 >
+precision first (fp32 master weights, fp32 or mixed-*, 1 > pure bf16/fp16 0), then method (full training 4 >
+LISA 3 > LoRA on a 16-bit base 2 > LoRA on an int8 base 1 > QLoRA / 4-bit base 0), then optimizer (AdamW 1 >
 every approximation or other algorithm 0: 8-bit states, low-rank projection, factored moments, sign updates).
+Precision comes first because without fp32 master weights the trained weights themselves are 16-bit, and
+round-to-nearest drops every update smaller than half the spacing of the weight's format: below
+LOST_UPDATE[dtype] x |w| (2**-9 in bf16, whose significand has 8 bits, 2**-12 in fp16) an update is always lost,
+so at a fine-tuning learning rate most small weights never move (stale weights), unless the optimizer rounds
+stochastically or keeps a compensation buffer (Kahan summation), which labkit's optimizers do not (Zamirai et al.
+2020, "Revisiting BFloat16 Training", arXiv 2010.06192). A full fine-tuning whose updates are lost is not
+closer to full training than LoRA or QLoRA whose trained adapters keep fp32 weights.
 Checkpointing, micro-batching, offload, step-in-backward and ZeRO change no arithmetic: they have no rank.
 """
 
@@ -56,6 +63,9 @@ MFU = 0.40  # model FLOPs utilisation of dense matmuls (sources above)
 GALORE_GAP = 200  # GaLore's update_proj_gap (Zhao et al. 2024; labkit.optim.galore.GALORE_DEFAULTS)
 HOST_MEM_BW = 204.8e9  # host DRAM for an offloaded optimizer step: 8 channels DDR4-3200 x 25.6 GB/s (JEDEC JESD79-4)
 STATE_BYTES_8BIT = 18  # per 8-bit state element and step: 1+4 dequantize, 4+4 update, 4+1 requantize
+# an update below LOST_UPDATE x |w| always rounds away: half the spacing of the format at |w|, at least
+# 2**-(stored significand bits + 2) x |w| (torch.finfo(dtype).eps / 4: bf16 eps 2**-7, fp16 2**-10)
+LOST_UPDATE = {"bf16": 2.0**-9, "fp16": 2.0**-12}
 METHODS = {"full": 4, "lisa": 3, "lora": 2, "lora-int8": 1, "qlora": 0}
 METHOD_TITLES = {"full": "full training", "lisa": "LISA", "lora": "LoRA", "lora-int8": "LoRA on an int8 base",
                  "qlora": "QLoRA (4-bit base)"}
@@ -72,20 +82,20 @@ def method_of(recipe) -> str:
 
 @dataclass(frozen=True, order=True)
 class Fidelity:
-    """(method, precision, optimizer) levels, compared in that order (the module docstring)."""
+    """(precision, method, optimizer) levels, compared in that order (the module docstring)."""
 
-    method: int
     precision: int
+    method: int
     optimizer: int
 
     @classmethod
     def of(cls, recipe) -> "Fidelity":
-        return cls(METHODS[method_of(recipe)], int(recipe.dtype in ("fp32", "mixed-bf16", "mixed-fp16")),
-                   int(recipe.optimizer in ("adamw", "adam")))
+        return cls(precision=int(recipe.dtype in ("fp32", "mixed-bf16", "mixed-fp16")),
+                   method=METHODS[method_of(recipe)], optimizer=int(recipe.optimizer in ("adamw", "adam")))
 
     def describe(self) -> str:
         method = next(METHOD_TITLES[k] for k, v in METHODS.items() if v == self.method)
-        return (f"{method}, {'fp32 master weights' if self.precision else '16-bit weights'}, "
+        return (f"{method}, {'fp32 master weights' if self.precision else '16-bit weights, no fp32 master copy'}, "
                 f"{'AdamW' if self.optimizer else 'an approximate or other optimizer'}")
 
 
@@ -193,6 +203,17 @@ def optimizer_bytes_and_flops(recipe, spec) -> tuple[float, float]:
     return nbytes, fl
 
 
+def host_link_bytes(recipe, spec, act_bytes: float = 0.0) -> float:
+    """Bytes one device sends and receives over its host link per step (part 2): an offloaded optimizer's gradients
+    down and parameters up, offloaded activations down in forward and up in backward, ZeRO-Offload's shards."""
+    n, d = trained_params(recipe, spec), weight_bytes(recipe)
+    m = recipe.rank_batch // recipe.micro
+    b = 2 * n * d if recipe.optimizer_offload else 0.0
+    b += m * 2 * act_bytes if recipe.offload_activations else 0.0
+    b += 2 * n * d / recipe.dp if recipe.dp > 1 and recipe.zero_offload else 0.0
+    return float(b)
+
+
 def step_time(recipe, device: Device, spec, act_bytes: float = 0.0, selective_bytes: float = 0.0) -> StepTime:
     """Predicted seconds of one step of `recipe` on each of its devices (the module docstring).
 
@@ -213,14 +234,12 @@ def step_time(recipe, device: Device, spec, act_bytes: float = 0.0, selective_by
         recompute += m * 2 * selective_bytes / device.hbm_bw
     d = weight_bytes(recipe)
     n_train = trained_params(recipe, spec)
-    host = 0.0
+    host = host_link_bytes(recipe, spec, act_bytes) / device.host_bw  # the host step's own time is added below
     opt_bytes, opt_flops = optimizer_bytes_and_flops(recipe, spec)
     optimizer = opt_bytes / share / device.hbm_bw + opt_flops / share / peak
     if recipe.optimizer_offload:
-        host += 2 * n_train * d / device.host_bw + opt_bytes / min(HOST_MEM_BW, device.hbm_bw)
+        host += opt_bytes / min(HOST_MEM_BW, device.hbm_bw)
         optimizer = 0.0
-    if recipe.offload_activations:
-        host += m * 2 * act_bytes / device.host_bw
     comm = 0.0
     if recipe.dp > 1:
         psi = n_train * d  # gradient bytes
@@ -231,7 +250,7 @@ def step_time(recipe, device: Device, spec, act_bytes: float = 0.0, selective_by
         if recipe.zero:
             optimizer /= recipe.dp
         if recipe.zero_offload:
-            host += 2 * n_train * d / recipe.dp / device.host_bw + opt_bytes / recipe.dp / min(HOST_MEM_BW, device.hbm_bw)
+            host += opt_bytes / recipe.dp / min(HOST_MEM_BW, device.hbm_bw)
             optimizer = 0.0
     if recipe.tp > 1 or recipe.pp > 1:
         from labkit.estimate.layout_terms import layout_wire_bytes

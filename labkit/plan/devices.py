@@ -1,9 +1,9 @@
 """Device presets for the planner: memory, peak FLOP/s and the bandwidths a step's time depends on.
 
-Memory is the vendor's "GB" as sold, read as GiB (2**30 bytes), as `labkit.memory.units.parse_bytes` reads
-"24GB" and as `labkit.estimate.wall` lists its budgets: the DRAM of these boards comes in power-of-two GiB
-stacks and chips (an A100 80GB has five 16 GiB HBM2e stacks). What a program can allocate is a little less
-(ECC, the driver's reserve, the CUDA context), so a plan within a few per cent of the limit is tight.
+A preset's memory is the vendor's "GB" read as GiB (2**30 bytes), because the DRAM of these boards comes in
+power-of-two GiB stacks and chips (an A100 80GB has five 16 GiB HBM2e stacks); a size the user types is read as
+written ("24GB" is 24 x 10**9 bytes, labkit.memory.units.parse_bytes). What a program can allocate is a little
+less (ECC, the driver's reserve, the CUDA context), so a plan within a few per cent of the limit is tight.
 FLOP/s are dense (no 2:4 sparsity). Bandwidths are bytes per second in ONE direction: a datasheet's
 bidirectional figure is halved. Every figure names the datasheet it comes from.
 """

@@ -19,7 +19,11 @@ the first regime, one whose largest cut is a model state in the second (`regime`
 
 bench/selection_matrix.py runs it and writes data/selection_matrix.json (committed: a real run with its machine
 and date); `load_matrix()` reads that file, `matrix_table()` makes one row per technique and `plot_matrix()`
-draws memory saved against time cost. Times are this machine's: compare ratios, never the seconds.
+draws memory saved against time cost. Times are this machine's: compare ratios, never the seconds; the table and
+the plot name the device they were measured on. A CPU's times are not a GPU's costs (offload moves nothing on a
+CPU: its "host" is the same memory), so `predicted_gpu(matrix, preset)` adds what the planner's cost model
+(labkit.plan.cost) predicts on a GPU preset for the same recipes, marked predicted, with what each cost is made
+of (bytes over the host link / its bandwidth, recompute FLOPs, the optimizer's memory traffic).
 """
 
 from __future__ import annotations
@@ -312,6 +316,51 @@ def load_matrix(path=None) -> dict:
 COLUMNS = ("technique", "memory saved", "saved %", "time x", "loss delta", "cuts", "wins when")
 
 
+def measured_on(matrix: dict) -> str:
+    """The device the matrix's times were measured on, in words ("cpu (AMD EPYC, 2 cores)", "cuda (NVIDIA ...)")."""
+    kind, mach = matrix.get("device", "cpu"), matrix["machine"]
+    if kind == "cuda" and mach.get("gpu"):
+        return f"cuda ({mach['gpu']})"
+    return f"cpu ({mach['cpu']}, {mach['cores']} cores)"
+
+
+def predicted_gpu(matrix: dict, preset: str = "a10") -> dict[str, dict]:
+    """Per technique (and "baseline"), labkit.plan.cost's predicted step on a GPU preset for the matrix's recipes:
+    {"time_x": over the baseline's predicted step, "parts": seconds by part, "host_bytes": bytes over the host
+    link, "made_of": the largest part that differs from the baseline's, in words}. Predicted, not measured."""
+    from labkit.estimate.spec import spec_from
+    from labkit.memory.units import fmt_bytes
+
+    from . import cost
+    from .devices import get_device
+    from .search import _Search
+
+    dev = get_device(preset)
+    z = {k: matrix["config"][k] for k in ("model", "batch", "seq")}
+    out = {}
+    for key in ("baseline",) + tuple(r["key"] for r in matrix["techniques"]):
+        r = technique_recipe(key, z).replace(device="cuda")
+        spec = spec_from(r.model)
+        s = _Search(r.model, spec, dev.memory, dev, r.batch, r.seq)
+        act = s.act_row(r, r.checkpoint) * r.micro if r.offload_activations else 0.0
+        t = s.time(r)
+        out[key] = {"parts": t.parts(), "total": t.total,
+                    "host_bytes": cost.host_link_bytes(r.replace(model=spec), spec, act)}
+    base = out["baseline"]
+    for key, v in out.items():
+        v["time_x"] = v["total"] / base["total"]
+        diff = {k: v["parts"][k] - base["parts"][k] for k in v["parts"]}
+        k = max(diff, key=lambda k: abs(diff[k]))
+        if k == "host" and v["host_bytes"]:
+            link = v["host_bytes"] / dev.host_bw
+            v["made_of"] = (f"host {v['parts']['host'] * 1e3:.2f} ms: {fmt_bytes(v['host_bytes'])} / "
+                            f"{dev.host_bw / 1e9:.0f} GB/s ({dev.host_link}) = {link * 1e3:.2f} ms"
+                            + (" + the step in host memory" if v["parts"]["host"] > link * 1.001 else ""))
+        else:
+            v["made_of"] = f"{k} {diff[k] * 1e3:+.3f} ms" if abs(diff[k]) > 0 else "-"
+    return out
+
+
 def matrix_table(matrix: dict | None = None) -> list[dict]:
     """One row per technique: {technique, memory saved (bytes), saved % of the baseline's peak, time x (step time
     over the baseline's), loss delta (val loss minus the baseline's), cuts (categories), wins when (regime)}."""
@@ -321,13 +370,28 @@ def matrix_table(matrix: dict | None = None) -> list[dict]:
              "cuts": ", ".join(r["cuts"]) or "-", "wins when": r["wins_when"] or "-"} for r in m["techniques"]]
 
 
-def format_table(matrix: dict | None = None) -> str:
-    """matrix_table as aligned text."""
-    rows = matrix_table(matrix)
-    lines = [f"{'technique':42s} {'saved':>9s} {'saved %':>8s} {'time x':>7s} {'loss d':>7s}  {'cuts':30s} wins when"]
-    for r in rows:
-        lines.append(f"{r['technique']:42s} {r['memory saved'] / 2**20:7.2f}Mi {r['saved %']:7.1f}% {r['time x']:7.2f} "
-                     f"{r['loss delta']:+7.3f}  {r['cuts']:30s} {r['wins when']}")
+def format_table(matrix: dict | None = None, gpu: str | None = None) -> str:
+    """matrix_table as aligned text, its time column measured on the matrix's device (named above the table); with
+    gpu (a labkit.plan.devices preset) two more columns: the predicted time x on that GPU and what it is made of."""
+    from .devices import get_device
+
+    m = load_matrix() if matrix is None else matrix
+    rows = matrix_table(m)
+    pred = predicted_gpu(m, gpu) if gpu else None
+    head = f"memory: the Ledger's logical bytes; time x: measured on {measured_on(m)}"
+    if pred:
+        head += f"; GPU x: PREDICTED for {get_device(gpu).title} by labkit.plan.cost (not measured)"
+    lines = [head, f"{'technique':42s} {'saved':>9s} {'saved %':>8s} {'time x':>7s} {'loss d':>7s}  {'cuts':30s} "
+             + ("wins when" if not pred else f"{'wins when':17s} {'GPU x':>6s}  GPU cost made of")]
+    for r, t in zip(rows, m["techniques"]):
+        line = (f"{r['technique']:42s} {r['memory saved'] / 2**20:7.2f}Mi {r['saved %']:7.1f}% {r['time x']:7.2f} "
+                f"{r['loss delta']:+7.3f}  {r['cuts']:30s} ")
+        if pred:
+            p = pred[t["key"]]
+            line += f"{r['wins when']:17s} {p['time_x']:6.2f}  {p['made_of']}"
+        else:
+            line += r["wins when"]
+        lines.append(line.rstrip())
     return "\n".join(lines)
 
 
@@ -363,10 +427,11 @@ def plot_matrix(matrix: dict | None = None, ax=None):
     ax.axhline(0, color="k", lw=0.6)
     ax.axvline(1, color="k", lw=0.6, ls=":")
     cfg = m["config"]
-    ax.set_xlabel("time per step / fp32 AdamW's")
+    ax.set_xlabel(f"time per step / fp32 AdamW's, measured on {measured_on(m)}"
+                  + (": offload moves nothing on a CPU (not a GPU's cost)" if m.get("device", "cpu") == "cpu" else ""))
     ax.set_ylabel("peak memory saved (% of fp32 AdamW's)")
     ax.set_title(f"Techniques on a GPT ({cfg['model']['n_layer']} x {cfg['model']['n_embd']}), B={cfg['batch']} "
-                 f"S={cfg['seq']}: {m['regime']['regime']} ({m['machine'].get('gpu') or m['machine']['cpu']})", fontsize=9)
+                 f"S={cfg['seq']}: {m['regime']['regime']}; times measured on {measured_on(m)}", fontsize=9)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     ax.grid(alpha=0.3)
     return fig

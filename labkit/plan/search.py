@@ -19,13 +19,16 @@ than one that already failed; the family's most memory-saving setting is tried f
 not fit the family is out. Families are searched by fidelity class, best first (labkit.plan.cost.Fidelity),
 and the search stops after the class where it has `top` plans.
 
-Ranking: fidelity first (higher first), then predicted step time (faster first).
+Ranking: fidelity first (higher first: fp32 master weights above pure 16-bit weights, then the method, then the
+optimizer; labkit.plan.cost), then predicted step time (faster first). A plan whose peak is within `headroom`
+(default 10 %) of the budget is flagged (Plan.tight and a why-line): the estimate counts logical bytes, and the
+caching allocator's rounding and fragmentation and the CUDA context (a few hundred MiB) come on top.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from labkit.estimate.recipe import Recipe
 from labkit.memory.report import Category
@@ -42,6 +45,7 @@ LISA_LAYERS = 2  # LISA's gamma (Pan et al. 2024)
 MAX_MICRO_CHOICES = 6  # micro-batch sizes tried per family (a geometric subset of the divisors)
 MAX_TRIES = 16  # estimates per family before it is given up
 MAX_DEVICES = 4096
+HEADROOM = 0.10  # the default share of the budget a plan should leave free (the module docstring)
 
 
 class NoPlanError(ValueError):
@@ -64,6 +68,8 @@ class Plan:
     why: tuple[str, ...]
     memory: int  # the budget per device, bytes
     device: str  # the device preset whose speeds the times assume
+    headroom: float = HEADROOM  # the share of the budget a plan should leave free
+    tight: bool = False  # the peak is within `headroom` of the budget
 
     @property
     def seconds(self) -> float:
@@ -90,6 +96,7 @@ class Plan:
             "time_parts": self.time.parts(), "fidelity": [self.fidelity.method, self.fidelity.precision,
                                                           self.fidelity.optimizer],
             "fidelity_text": self.fidelity.describe(), "why": list(self.why), "device": self.device,
+            "headroom": self.headroom, "tight": self.tight,
         }
 
 
@@ -161,6 +168,7 @@ class _Search:
     device: Device
     batch: int
     seq: int
+    headroom: float = HEADROOM
     cache: dict = field(default_factory=dict)
     act_cache: dict = field(default_factory=dict)
 
@@ -407,7 +415,7 @@ def _families(s: _Search, devices: int, peft, dtypes, optimizers) -> list[_Famil
 
 def plan(model, devices: int = 1, memory: int | str | None = None, device_preset=None, tokens=None,
          batch: int | None = None, seq: int | None = None, peft=False, min_precision: str = "bf16",
-         top: int | None = 5, optimizers=OPTIMIZERS) -> list[Plan]:
+         top: int | None = 5, optimizers=OPTIMIZERS, headroom: float = HEADROOM) -> list[Plan]:
     """Plans that fit `memory` bytes per device on `devices` devices, best first (fidelity, then time).
 
     model: a preset name, config path or hub id (as labkit.estimate takes it). memory: bytes or a size such as
@@ -416,6 +424,8 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
     (default batch 1, seq min(1024, the model's positions)); batch is the global batch. peft: False (full training
     only), True (PEFT only: LISA, LoRA, QLoRA) or "allow" (both). min_precision: the least precise dtype allowed
     (fp32, mixed-bf16, bf16, ...). top: how many plans (None: every family's best). optimizers: those allowed.
+    memory as a string: "24GiB" is 24 x 2**30 bytes, "24GB" 24 x 10**9 (labkit.memory.units.parse_bytes).
+    headroom: a plan whose peak is above (1 - headroom) x memory is flagged tight (default 0.10).
     Raises NoPlanError when nothing fits, naming the smallest predicted peak found and the budget.
     """
     from labkit.estimate.spec import shapes_only, spec_from
@@ -431,6 +441,8 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
     bad = [o for o in optimizers if o not in OPTIMIZERS]
     if bad or not optimizers:
         raise ValueError(f"optimizers must name some of {', '.join(OPTIMIZERS)}, got {bad or optimizers!r}")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be a fraction of the budget from 0 to below 1 (e.g. 0.1), got {headroom!r}")
     if memory is None and device_preset is None:
         raise ValueError("give the memory per device, a device preset, or both")
     if memory is not None:
@@ -443,7 +455,7 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
     batch, seq = _batch_seq(spec, tokens, batch, seq)
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
-    s = _Search(model, spec, memory, device, batch, seq)
+    s = _Search(model, spec, memory, device, batch, seq, headroom)
     fams = _families(s, devices, peft, dtypes, optimizers)
     if not fams:
         raise NoPlanError(f"no configuration to try for {devices} device(s) with batch {batch}: each layout's "
@@ -478,15 +490,11 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
         p, r = min(seen, key=lambda x: x[0])
         raise NoPlanError(f"no plan fits {fmt_bytes(memory)} per device: the smallest predicted peak found is "
                           f"{fmt_bytes(p)} ({describe_recipe(r)})")
-    ranked = sorted(found, key=lambda f: (tuple(-x for x in _fid(f.fidelity)), s.time(f.best).total))
+    ranked = sorted(found, key=lambda f: (tuple(-x for x in astuple(f.fidelity)), s.time(f.best).total))
     if top is not None:
         ranked = ranked[:top]
     fastest = min(s.time(f.best).total for f in ranked)
     return [_make_plan(s, f, fams, fastest) for f in ranked]
-
-
-def _fid(f: cost.Fidelity) -> tuple:
-    return (f.method, f.precision, f.optimizer)
 
 
 def _make_plan(s: _Search, fam: _Family, fams: list[_Family], fastest: float) -> Plan:
@@ -497,7 +505,11 @@ def _make_plan(s: _Search, fam: _Family, fams: list[_Family], fastest: float) ->
     t = s.time(r)
     return Plan(r, e.peak.total, e.peak_phase, top.where if top else e.peak_phase,
                 biggest.name if biggest else "", biggest.bytes if biggest else 0, t, t.total / fastest,
-                fam.fidelity, tuple(_why(s, fam, fams)), s.memory, s.device.name)
+                fam.fidelity, tuple(_why(s, fam, fams)), s.memory, s.device.name, s.headroom, _tight(s, e.peak.total))
+
+
+def _tight(s: _Search, peak: int) -> bool:
+    return peak > (1 - s.headroom) * s.memory
 
 
 def _smallest(fams, pred) -> tuple[int, str] | None:
@@ -520,7 +532,11 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
     if better:
         for m in better:
             sm = _smallest(fams, lambda f: cost.method_of(f.base) == m and f.key[:4] == fam.key[:4])
-            if sm is not None and sm[0] > s.memory:
+            fit = [f for f in fams if f.best is not None and cost.method_of(f.base) == m and f.key[:4] == fam.key[:4]]
+            if fit:
+                lines.append(f"{cost.METHOD_TITLES[m]}: fits only with lower fidelity here: "
+                             f"{max(f.fidelity for f in fit).describe()}")
+            elif sm is not None and sm[0] > s.memory:
                 lines.append(f"{cost.METHOD_TITLES[m]}: does not fit: {sm[1]} > {budget}")
             elif any(cost.method_of(f.base) == m for f in fams):
                 lines.append(f"{cost.METHOD_TITLES[m]}: fits in another layout or ranks elsewhere (see the other plans)")
@@ -528,10 +544,12 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
     if r.dtype in ("bf16", "fp16"):
         sm = _smallest(fams, lambda f: f.key[:5] == fam.key[:5] and f.key[6] == fam.key[6]
                        and f.key[5] != r.dtype)
-        lines.append(f"precision: pure {r.dtype}" + (f": with fp32 master weights {sm[1]} > {budget}"
-                                                     if sm and sm[0] > s.memory
-                                                     else " (higher precision not allowed, not estimated or ranked "
-                                                          "elsewhere)"))
+        lost = cost.LOST_UPDATE[r.dtype]
+        lines.append(f"precision: pure {r.dtype}, no fp32 master weights: an update below 2**{math.log2(lost):.0f} "
+                     f"of its weight rounds away, so small updates are lost (stale weights: a step of 1e-5 moves no "
+                     f"weight above {1e-5 / lost:.2g}) and labkit's optimizers do not round stochastically"
+                     + (f"; with fp32 master weights {sm[1]} > {budget}" if sm and sm[0] > s.memory
+                        else " (higher precision not allowed, not estimated or ranked elsewhere)"))
     else:
         lines.append(f"precision: {r.dtype}: fp32 master weights" + (", matmuls in 16 bits under autocast"
                                                                    if r.dtype.startswith("mixed") else ""))
@@ -582,6 +600,10 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
                     f"stage {r.zero}", "this plan is faster overall")
         else:
             lines.append("ZeRO: not needed (plain data parallel)")
+    if _tight(s, s.peak(r)):
+        lines.append(f"headroom: tight: the peak is within {s.headroom:.0%} of the budget "
+                     f"({fmt_bytes(s.memory - s.peak(r))} left of {budget}); the allocator's rounding and "
+                     "fragmentation and the CUDA context are not in these logical bytes: verify it on the device")
     if r.world_size > 1:
         lines.append(f"layout: dp={r.dp} tp={r.tp} pp={r.pp} on {r.world_size} devices; communication "
                      f"{s.time(r).comm * 1e3:.1f} ms of the step")

@@ -126,7 +126,8 @@ class PlanPanel:
         best = plans[0]
         self.verdict.value = self._say(
             f"best: {best.summary()}: {fmt_bytes(best.peak)} per device ({best.peak_phase}), bound by "
-            f"{best.binding}; {best.fidelity.describe()}", FITS)
+            f"{best.binding}; {best.fidelity.describe()}"
+            + (f"; tight: within {best.headroom:.0%} of the budget" if best.tight else ""), FITS)
         try:
             check_runnable(best.recipe)
             self.button.disabled = False

@@ -169,6 +169,18 @@ def _change_a_control(page, panel) -> str:
     raise AssertionError(f"no control change redrew the panel (tried {tried or 'nothing: no control found'})")
 
 
+def _final_13(panels) -> None:
+    """Lesson 13 ends on a plan that fits and can be verified here (not on the 7B "no plan" its asserts visit)."""
+    assert len(panels) == 1, f"lesson 13 has one planner panel, found {len(panels)}"
+    text = panels[0].inner_text()
+    assert "best:" in text and "no plan" not in text and "verify is off" not in text, text
+    assert panels[0].locator(".widget-button", has_text="Measure").first.is_enabled(), text
+
+
+# what a lesson's panels show after Run All, before a control is touched: lesson stem -> check(panels)
+FINAL_STATE = {"13_planner": _final_13}
+
+
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson_runs_and_its_panels_respond(lab, lesson):
     browser, url = lab
@@ -189,6 +201,8 @@ def test_lesson_runs_and_its_panels_respond(lab, lesson):
         views = sum(1 for c in cells for o in c["outputs"]
                     if "application/vnd.jupyter.widget-view+json" in o.get("data", {}))
         assert page.locator(".jp-OutputArea-output .jupyter-widgets").count() >= views  # each view rendered
+        if stem in FINAL_STATE:
+            FINAL_STATE[stem](_panels(page))
         SHOTS.mkdir(exist_ok=True)
         for i, panel in enumerate(_panels(page)):
             panel.scroll_into_view_if_needed()

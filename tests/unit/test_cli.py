@@ -64,7 +64,8 @@ def test_wall_command(capsys):
     assert code == 0
     rows = json.loads(out)["rows"]
     assert [r["model"] for r in rows] == ["gpt2", "llama2-70b"]
-    assert rows[0]["fits"] == {"24": True, "141": True} and rows[1]["fits"] == {"24": False, "141": False}
+    assert rows[0]["fits"] == {"24 GiB": True, "141 GiB": True}
+    assert rows[1]["fits"] == {"24 GiB": False, "141 GiB": False}
     code, out, _ = run(capsys, "wall", "--models", "gpt2", "--budgets", "1,24")
     assert code == 0 and "GiB = 2**30 bytes" in out and "24 GiB" in out
 
@@ -162,3 +163,56 @@ def test_selective_policy_option(capsys):
         assert main(base[:-3] + argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err and "selective-policy" in err
+
+
+def test_wall_states_its_recipe_and_defaults_to_qlora_s(capsys):
+    """QLoRA (Dettmers et al. 2023): LLaMA-65B on one 48 GB GPU with its recipe (artidoro/qlora
+    scripts/finetune_guanaco_65b.sh: 4 x 4 rows, 512 tokens, r=64, NF4, gradient checkpointing). wall's defaults
+    are that recipe, its header says so, and its QLoRA-65B peak is estimate's for the same options; without
+    checkpointing it does not fit, and the header says the recipe is not the paper's."""
+    code, out, _ = run(capsys, "wall", "--models", "llama-65b", "--methods", "qlora", "--budgets", "48,48GB", "--json")
+    d = json.loads(out)
+    row = d["rows"][0]
+    e = estimate("llama-65b", 16, 512, "bf16", "adamw", device="cuda", checkpoint="full", micro_batch=4,
+                 lora_rank=64, quant="nf4")
+    assert code == 0 and row["peak"] == e.peak.total and row["fits"] == {"48 GiB": True, "48 GB": True}
+    assert d["budgets_bytes"] == [48 * 2**30, 48 * 10**9]
+    assert (d["batch"], d["micro_batch"], d["seq"], d["lora_rank"], d["checkpoint"]) == (16, 4, 512, 64, "full")
+    assert "the QLoRA paper's" in d["recipe"] and "finetune_guanaco_65b.sh" in d["recipe"]
+    code, out, _ = run(capsys, "wall", "--models", "llama-65b", "--methods", "qlora", "--budgets", "48",
+                       "--checkpoint", "none")
+    head, last = out.splitlines()[0], out.splitlines()[-1]
+    assert code == 0 and "checkpoint none" in head and "given; the QLoRA paper's is" in head
+    assert last.split()[-1] == "no"
+
+
+def test_sizes_read_gb_as_decimal_and_gib_as_binary(capsys):
+    code, out, _ = run(capsys, "wall", "--models", "gpt2", "--methods", "full", "--budgets", "3.3GB,3.3GiB,3", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["budgets_bytes"] == [int(3.3e9), int(3.3 * 2**30), 3 * 2**30]
+    peak = d["rows"][0]["peak"]
+    assert 3.3e9 < peak <= 3.3 * 2**30  # between the two readings of "3.3 G": the units decide
+    assert d["rows"][0]["fits"] == {"3.3 GB": False, "3.3 GiB": True, "3 GiB": False}
+    code, _, err = run(capsys, "wall", "--models", "gpt2", "--budgets", "3GiB,3")
+    assert code == 2 and "twice" in err
+    code, _, err = run(capsys, "wall", "--models", "gpt2", "--budgets", "24XB")
+    assert code == 2 and "--budgets" in err
+
+
+def test_estimate_help_and_the_cpu_note(capsys):
+    """--device defaults to cpu on every machine: --help says so and how sizes are read; a GPU-sized step on cpu
+    ends with a note that gives cuda's peak and the option."""
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    out, _ = capsys.readouterr()
+    flat = " ".join(out.split())
+    assert "default cpu on every machine" in flat and "--device cuda" in flat and "GB = 10**9 bytes" in flat
+    code, out, _ = run(capsys, "estimate", "--model", "gpt2", "--batch", "1", "--seq", "128")
+    gpu = estimate("gpt2", 1, 128, device="cuda").peak.total
+    note = out.rstrip().splitlines()[-1]
+    assert code == 0 and note.startswith("note: this modelled CPU kernels") and "--device cuda" in note
+    assert f"{gpu / 2**30:.2f} GiB" in note or "the same peak" in note
+    code, out, _ = run(capsys, "estimate", "--model", "gpt2", "--batch", "1", "--seq", "128", "--device", "cuda")
+    assert "note:" not in out
+    code, out, _ = run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8")
+    assert "note:" not in out  # a tiny step is not GPU-sized

@@ -58,7 +58,7 @@ def test_full_finetuning_7b_on_8x80gb_with_zero3():
                  optimizers="adamw", min_precision="mixed-bf16", top=None)
     z3 = [p for p in plans if p.recipe.zero == 3 and p.recipe.dp == 8]
     assert z3 and z3[0].peak <= 80 * GiB and z3[0].method == "full"
-    assert z3[0].fidelity == cost.Fidelity(4, 1, 1)
+    assert z3[0].fidelity == cost.Fidelity(precision=1, method=4, optimizer=1)
     assert z3[0].time.comm > 0
     # ZeRO-3 sends 3 psi (N-1)/N per rank, stages 0-2 2 psi (N-1)/N: 1.5x the communication
     z0 = [p for p in plans if p.recipe.zero in (1, 2)]
@@ -69,7 +69,7 @@ def test_full_finetuning_7b_on_8x80gb_with_zero3():
 # ----------------------------------------------------------------------------- ranking, monotonicity, why
 def test_ranking_is_fidelity_then_time():
     plans = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128, peft="allow", top=None)
-    keys = [((p.fidelity.method, p.fidelity.precision, p.fidelity.optimizer), -p.seconds) for p in plans]
+    keys = [((p.fidelity.precision, p.fidelity.method, p.fidelity.optimizer), -p.seconds) for p in plans]
     assert keys == sorted(keys, key=lambda k: (k[0], k[1]), reverse=True)
     assert min(p.relative for p in plans) == 1.0
 
@@ -139,11 +139,79 @@ def test_flops_full_lora_and_recompute():
 
 
 def test_fidelity_order():
+    """Precision first (fp32 master weights above pure 16-bit weights), then the method, then the optimizer."""
     f = lambda **kw: cost.Fidelity.of(Recipe("gpt2-tiny", 1, 8, **kw))  # noqa: E731
     assert f(dtype="mixed-bf16") > f(dtype="bf16") > f(dtype="bf16", optimizer="adamw8bit")
-    assert f(dtype="bf16", optimizer="lion") > f(dtype="fp32", lisa_layers=1) > f(lora_rank=4) > \
-        f(lora_rank=4, quant="int8") > f(lora_rank=4, quant="nf4")
+    assert f(dtype="fp32", lisa_layers=1) > f(lora_rank=4) > f(lora_rank=4, quant="int8") > \
+        f(lora_rank=4, quant="nf4") > f(dtype="bf16", optimizer="lion")
+    assert f(dtype="mixed-bf16", lora_rank=4, quant="nf4") > f(dtype="bf16") > f(dtype="bf16", lora_rank=4)
     assert f(dtype="fp32") == f(dtype="mixed-bf16")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_lost_update_is_half_a_step_of_the_format(dtype):
+    """cost.LOST_UPDATE: an update below LOST_UPDATE x |w| leaves a 16-bit weight unchanged (round to nearest), and
+    one of 4x that always moves it; checked on weights across the binades."""
+    import torch
+
+    dt = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
+    w = (torch.rand(4096, dtype=torch.float64) * 1.99 + 0.01) * 2.0 ** torch.randint(-12, 4, (4096,))
+    w = w.to(dt)
+    lost = cost.LOST_UPDATE[dtype]
+    assert torch.equal((w.double() + 0.999 * lost * w.double().abs()).to(dt), w)
+    assert not torch.equal((w.double() + 4 * lost * w.double().abs()).to(dt), w)
+    assert lost == torch.finfo(dt).eps / 4
+
+
+def _pair():
+    """A synthetic pair: gpt2-tiny with room for both mixed-bf16 (fp32 master weights) and pure bf16 plans."""
+    return plan("gpt2-tiny", memory="64MiB", device_preset="cpu", batch=4, seq=64, peft="allow", top=None)
+
+
+def test_pure_16bit_ranks_below_an_equally_fitting_plan_with_fp32_master_weights():
+    plans = _pair()
+    kinds = [p.fidelity.precision for p in plans]
+    assert 0 in kinds and 1 in kinds and kinds == sorted(kinds, reverse=True)  # every fp32-master plan first
+    for p in plans:
+        says = any("no fp32 master weights" in w and "updates are lost" in w for w in p.why)
+        assert says == (p.recipe.dtype in ("bf16", "fp16")), (p.summary(), p.why)
+    # the same family in both precisions: the fp32-master one ranks first although slower or bigger
+    full_mixed = next(i for i, p in enumerate(plans) if p.method == "full" and p.recipe.dtype == "mixed-bf16")
+    full_bf16 = next(i for i, p in enumerate(plans) if p.method == "full" and p.recipe.dtype == "bf16")
+    assert full_mixed < full_bf16
+
+
+def test_7b_on_24gb_first_answer_keeps_fp32_master_weights():
+    """The issue's case: llama2-7b on one 24 GB card with PEFT allowed. Pure bf16 full training fits, and so does
+    QLoRA with fp32 adapters; the fp32-master plan ranks first, the pure-bf16 ones say what they lose."""
+    plans = plan("llama2-7b", memory="24GB", batch=1, seq=512, peft="allow", top=3)
+    assert plans[0].fidelity.precision == 1 and plans[0].memory == 24 * 10**9
+    assert any(p.recipe.dtype == "bf16" and p.method == "full" for p in plans)
+    assert any(w.startswith("full training: fits only with lower fidelity") for w in plans[0].why)
+
+
+def test_headroom_flag():
+    plans = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128, top=None)
+    assert {p.headroom for p in plans} == {0.10}
+    for p in plans:
+        assert p.tight == (p.peak > 0.9 * p.memory)
+        assert p.tight == any(w.startswith("headroom: tight") for w in p.why)
+        assert p.as_dict()["tight"] == p.tight
+    assert any(p.tight for p in plans)
+    loose = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128, top=None, headroom=0.0)
+    assert not any(p.tight for p in loose)
+    with pytest.raises(ValueError, match="headroom must be"):
+        plan("gpt2-tiny", memory="2MiB", device_preset="cpu", headroom=1.0)
+
+
+def test_memory_units():
+    from labkit.memory.units import parse_bytes
+
+    assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("24 GiB") == 24 * GiB and parse_bytes("24gib") == 24 * GiB
+    assert parse_bytes("512MB") == 512 * 10**6 and parse_bytes("512MiB") == 512 * MiB
+    assert parse_bytes("1.5G") == int(1.5 * GiB)
+    p = plan("gpt2-tiny", memory="3MB", device_preset="cpu", batch=4, seq=64, top=1)[0]
+    assert p.memory == 3 * 10**6
 
 
 def test_devices():
@@ -178,6 +246,26 @@ def test_cli_json(capsys):
 def test_cli_text(capsys):
     rc, out, _ = _run(capsys, "--model", "gpt2-tiny", "--memory", "2MiB", "--device-preset", "cpu", "--top", "1")
     assert rc == 0 and out.startswith("gpt2-tiny: 1 device(s), 2.00 MiB each") and "binding term:" in out
+
+
+def test_cli_headroom_and_the_export_command(capsys, tmp_path):
+    """--headroom flags plans within that share of --memory; the text ends with the command that exports plan 1,
+    and that command, run, writes plan 1's files."""
+    import shlex
+
+    args = ["--model", "gpt2-tiny", "--memory", "2MiB", "--device-preset", "cpu", "--tokens", "8*128", "--top", "2"]
+    rc, out, _ = _run(capsys, *args, "--headroom", "40", "--json")
+    d = json.loads(out)
+    assert rc == 0 and all(p["tight"] == (p["peak"] > 0.6 * d["memory"]) and p["headroom"] == 0.4 for p in d["plans"])
+    rc, out, _ = _run(capsys, *args)
+    command = out.rstrip().splitlines()[-1].strip()
+    assert rc == 0 and command.startswith("python -m labkit plan --model gpt2-tiny") and "--export" in command
+    words = shlex.split(command)[4:]
+    words[words.index("--export") + 1] = str(tmp_path / "p1")
+    rc, out, _ = _run(capsys, *words)
+    assert rc == 0 and (tmp_path / "p1" / "training_args.json").is_file()
+    rc, _, err = _run(capsys, *args, "--headroom", "100")
+    assert rc == 2 and "--headroom" in err
 
 
 @pytest.mark.parametrize("argv,match", [

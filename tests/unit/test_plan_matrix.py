@@ -134,3 +134,25 @@ def test_bad_input(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(ValueError, match="not a selection matrix"):
         mx.load_matrix(tmp_path / "x.json")
+
+
+def test_times_name_their_device_and_gpu_costs_are_predicted():
+    """The committed matrix was timed on a CPU, where offload moves nothing: the table and the plot say where it was
+    measured, and the GPU columns are labkit.plan.cost's prediction, made of bytes over the host link / its
+    bandwidth: an offloaded fp32 optimizer sends every gradient down and every parameter up, 2 x 4 B per parameter."""
+    from labkit.estimate.spec import spec_from
+    from labkit.plan.devices import get_device
+
+    m = mx.load_matrix()
+    head = mx.format_table(m, gpu="a10").splitlines()[0]
+    assert f"measured on {mx.measured_on(m)}" in head and "PREDICTED for NVIDIA A10" in head
+    assert mx.measured_on(m).startswith("cpu (")
+    pred, dev = mx.predicted_gpu(m, "a10"), get_device("a10")
+    n = spec_from(mx.technique_recipe("offload_cpu", m["config"]).model).n_params
+    off = pred["offload_cpu"]
+    assert off["host_bytes"] == 2 * 4 * n and off["parts"]["host"] > off["host_bytes"] / dev.host_bw
+    act = pred["offload_act"]
+    assert act["host_bytes"] > 0 and act["parts"]["host"] == act["host_bytes"] / dev.host_bw
+    assert "PCIe" in act["made_of"] and pred["baseline"]["time_x"] == 1.0
+    fig = mx.plot_matrix(m)
+    assert "measured on cpu" in fig.axes[0].get_xlabel() and "measured on cpu" in fig.axes[0].get_title()
