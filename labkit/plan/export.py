@@ -10,6 +10,11 @@ and a torchrun + FSDP2 script.
 - accelerate_config.yaml: an `accelerate launch --config_file` config (FSDP2 when ZeRO is on).
 - train_fsdp2.py + plan_config.json: a torchrun script (FSDP2's `fully_shard` per block, as lesson 09's
   labkit/distributed/scripts/train_fsdp2.py) that reads the plan from the JSON next to it.
+- ds_config.json, only for plans that use ZeRO-1/2/3 or offload the optimizer state (to the host or to disk): a
+  DeepSpeed config (field names of DeepSpeed's config schema, as `deepspeed.runtime.config.DeepSpeedConfig`
+  reads them: `zero_optimization.stage`, `zero_optimization.offload_optimizer`, `bf16`/`fp16`,
+  `gradient_accumulation_steps`, `train_micro_batch_size_per_gpu`, `optimizer`). No labkit recipe offloads the
+  parameters themselves, so `zero_optimization.offload_param` (ZeRO-3 only) is never written.
 - plan.json and README.txt: the recipe's fields, the notes and the launch commands.
 
 Every recipe field that no engine option reproduces (labkit's selective or sqrt recompute policies, disk
@@ -30,7 +35,9 @@ HF_OPTIM = {"adamw": "adamw_torch", "adam": "adamw_torch", "sgd": "sgd", "sgd-mo
             "lion": "lion_32bit", "galore": "galore_adamw", "galore8bit": "galore_adamw_8bit"}
 GALORE_TARGETS = ["attn", "mlp"]  # module-name substrings, as labkit.optim.galore_param_groups chooses
 TORCH_SCRIPT_OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")  # the script's own; others come from labkit.optim
-FILES = ("training_args", "accelerate_config", "train_fsdp2", "plan_config", "plan", "readme")
+FILES = ("training_args", "accelerate_config", "train_fsdp2", "plan_config", "plan", "readme")  # always written
+DS_OPTIMIZER = {"adamw": "AdamW", "adam": "Adam"}  # DeepSpeed optimizer types (CPU Adam when the state is offloaded)
+NVME_PATH = "/local_nvme"  # a placeholder: the folder on a fast local disk that holds the offloaded state
 
 
 def _model_entry(recipe: Recipe) -> dict:
@@ -169,12 +176,12 @@ def training_arguments(recipe: Recipe, devices: int = 1) -> dict:
     if recipe.optimizer_offload == "cpu":
         notes.append("optimizer_offload 'cpu' (the AdamW state and step on the host, weights on the device) is "
                      "DeepSpeed ZeRO-Offload's stage-0/1 setting; TrainingArguments' nearest option is FSDP's "
-                     "cpu_offload, which also moves the parameters: not set, use a DeepSpeed config "
+                     "cpu_offload, which also moves the parameters: not set here; ds_config.json has it "
                      "(zero_optimization.offload_optimizer.device='cpu')")
     elif recipe.optimizer_offload == "disk":
         notes.append("optimizer_offload 'disk' (labkit.optim.OffloadAdamW's state in files) has no "
                      "TrainingArguments option; DeepSpeed ZeRO-Infinity (offload_optimizer.device='nvme') is "
-                     "the engine analogue: not exported")
+                     "the engine analogue: ds_config.json has it")
     # layout
     if fsdp:
         kw["fsdp"] = True
@@ -240,6 +247,57 @@ def accelerate_config(recipe: Recipe, devices: int = 1) -> dict:
     else:
         cfg["distributed_type"] = "NO"
     return cfg
+
+
+def wants_deepspeed(recipe: Recipe) -> bool:
+    """Whether the plan gets a ds_config.json: it uses ZeRO-1/2/3 or offloads the optimizer state."""
+    return recipe.zero >= 1 or recipe.zero_offload or recipe.optimizer_offload is not None
+
+
+def deepspeed_config(recipe: Recipe, devices: int = 1) -> dict:
+    """{"config": a DeepSpeed config dict, "notes": [...]} for the recipe on `devices` data-parallel processes.
+
+    train_batch_size is left out: DeepSpeed derives it as micro-batch x accumulation x world size (giving it
+    too makes DeepSpeed check that product against the world size it runs with)."""
+    notes: list[str] = []
+    micro, accum = _per_device(recipe, devices, notes)
+    stage = recipe.zero
+    zero: dict = {}
+    if recipe.optimizer_offload == "disk":
+        # DeepSpeed swaps optimizer state to NVMe only under stage 3 (stage 1/2 treat 'nvme' as host memory)
+        stage = 3
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": NVME_PATH, "pin_memory": True}
+        notes.append(f"ds_config.json: optimizer_offload 'disk' is ZeRO-Infinity's offload_optimizer "
+                     f"device 'nvme' (stage 3; DeepSpeed swaps to NVMe only there); set nvme_path "
+                     f"(now {NVME_PATH!r}) to a folder on a fast local disk")
+    elif recipe.optimizer_offload == "cpu" or recipe.zero_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if stage == 0:  # offload_optimizer is valid with stage 1, 2 and 3 only
+            stage = 1
+            notes.append("ds_config.json: optimizer_offload 'cpu' is ZeRO-Offload, which DeepSpeed runs under a "
+                         "ZeRO stage: exported as stage 1 (on one device it shards nothing)")
+    zero = {"stage": stage, **zero}
+    cfg: dict = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+                 "zero_optimization": zero}
+    if recipe.dtype.endswith("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    elif recipe.dtype.endswith("fp16"):
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0}  # 0: dynamic loss scaling
+    if recipe.dtype in ("bf16", "fp16"):
+        notes.append(f"ds_config.json: DeepSpeed's {recipe.dtype[-4:]} mode keeps fp32 master weights in its "
+                     f"optimizer (4 more bytes per trained parameter than the plan's pure {recipe.dtype} weights)")
+    if recipe.optimizer in DS_OPTIMIZER:
+        cfg["optimizer"] = {"type": DS_OPTIMIZER[recipe.optimizer],
+                            "params": {"lr": 1e-3, "weight_decay": 0.01 if recipe.optimizer == "adamw" else 0.0}}
+    else:
+        notes.append(f"ds_config.json has no optimizer section: DeepSpeed has no built-in {recipe.optimizer}; "
+                     "pass labkit.optim's to deepspeed.initialize(optimizer=...)"
+                     + ("; an offloaded state needs DeepSpeed's CPU Adam (or zero_force_ds_cpu_optimizer=false)"
+                        if "offload_optimizer" in zero else ""))
+    if recipe.checkpoint != "none":
+        notes.append("ds_config.json: activation checkpointing is the model's own (e.g. transformers' "
+                     "gradient_checkpointing_enable()), not a DeepSpeed config section")
+    return {"config": cfg, "notes": notes}
 
 
 def script_config(recipe: Recipe, devices: int = 1, steps: int = 10) -> dict:
@@ -421,8 +479,9 @@ def _check(recipe, out_dir, devices) -> pathlib.Path:
 
 def export_plan(recipe, out_dir, devices: int = 1) -> dict[str, pathlib.Path]:
     """Write the recipe as training_args.json, accelerate_config.yaml, train_fsdp2.py (+ plan_config.json),
-    plan.json and README.txt in `out_dir` (made if missing) for `devices` processes; returns
-    {"training_args", "accelerate_config", "train_fsdp2", "plan_config", "plan", "readme"} -> path."""
+    plan.json and README.txt in `out_dir` (made if missing) for `devices` processes, and ds_config.json for a plan
+    that uses ZeRO or optimizer offload; returns {"training_args", "accelerate_config", "train_fsdp2",
+    "plan_config", "plan", "readme"[, "deepspeed"]} -> path."""
     import yaml
 
     out = _check(recipe, out_dir, devices)
@@ -433,6 +492,10 @@ def export_plan(recipe, out_dir, devices: int = 1) -> dict[str, pathlib.Path]:
     paths = {k: out / n for k, n in zip(FILES, ("training_args.json", "accelerate_config.yaml", "train_fsdp2.py",
                                                  "plan_config.json", "plan.json", "README.txt"))}
     notes = list(ta["notes"])
+    ds = deepspeed_config(recipe, devices) if wants_deepspeed(recipe) else None
+    if ds is not None:
+        paths["deepspeed"] = out / "ds_config.json"
+        notes += ds["notes"]
     if sc["peft"]:
         notes.append("train_fsdp2.py trains every parameter: for this adapter plan it stops with a message; use "
                      "training_args.json (transformers.Trainer + peft)")
@@ -447,16 +510,22 @@ def export_plan(recipe, out_dir, devices: int = 1) -> dict[str, pathlib.Path]:
     paths["accelerate_config"].write_text(yaml.safe_dump(acc, sort_keys=True))
     paths["plan_config"].write_text(json.dumps(sc, indent=2) + "\n")
     paths["train_fsdp2"].write_text(_SCRIPT.format(devices=devices))
+    if ds is not None:
+        paths["deepspeed"].write_text(json.dumps(ds["config"], indent=2) + "\n")
     commands = {"torchrun": f"torchrun --standalone --nproc-per-node {devices} train_fsdp2.py",
                 "accelerate": "accelerate launch --config_file accelerate_config.yaml your_trainer_script.py "
                               "(build transformers.TrainingArguments(**kwargs from training_args.json, output_dir=...))"}
+    if ds is not None:
+        commands["deepspeed"] = (f"deepspeed --num_gpus {devices} your_trainer_script.py (deepspeed.initialize("
+                                 "model=..., config='ds_config.json'), or transformers.TrainingArguments("
+                                 "deepspeed='ds_config.json'))")
     plan = {"recipe": _describe(recipe), "devices": devices, "per_device_train_batch_size": ta["kwargs"][
         "per_device_train_batch_size"], "gradient_accumulation_steps": ta["kwargs"]["gradient_accumulation_steps"],
         "notes": notes, "commands": commands, "files": {k: p.name for k, p in paths.items()}}
     paths["plan"].write_text(json.dumps(plan, indent=2) + "\n")
     lines = ["labkit plan export", "", "Recipe:"]
     lines += [f"  {k}: {v}" for k, v in plan["recipe"].items()]
-    lines += ["", f"Devices: {devices}", "", "Launch:", f"  {commands['torchrun']}", f"  {commands['accelerate']}",
+    lines += ["", f"Devices: {devices}", "", "Launch:", *[f"  {c}" for c in commands.values()],
               "", "Files:"]
     lines += [f"  {p.name}" for p in paths.values()]
     lines += ["", "Using training_args.json (its peft, model and notes keys are not TrainingArguments' own):",

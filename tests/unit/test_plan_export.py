@@ -15,7 +15,7 @@ import yaml
 
 from labkit.estimate import Recipe
 from labkit.models.gpt import GPTConfig
-from labkit.plan.export import FILES, export_plan
+from labkit.plan.export import FILES, export_plan, wants_deepspeed
 
 transformers = pytest.importorskip("transformers")
 from transformers import TrainingArguments  # noqa: E402
@@ -40,7 +40,8 @@ RECIPES = {
 def _export(recipe, tmp_path, devices=None):
     devices = recipe.world_size if devices is None else devices
     paths = export_plan(recipe, tmp_path / "plan", devices)
-    assert set(paths) == set(FILES) and all(p.is_file() for p in paths.values())
+    assert set(paths) - {"deepspeed"} == set(FILES) and all(p.is_file() for p in paths.values())
+    assert ("deepspeed" in paths) == wants_deepspeed(recipe)
     return paths, json.loads(paths["training_args"].read_text())
 
 
@@ -170,3 +171,61 @@ def test_bad_input(tmp_path):
         export_plan(r, f)
     with pytest.raises(ValueError, match="8 devices"):
         export_plan(RECIPES["zero3 x8"], tmp_path / "p", devices=4)
+
+
+# DeepSpeed: ds_config.json for the plans that use ZeRO or optimizer offload, loaded by DeepSpeed's own config class
+DS_RECIPES = {
+    "zero3 x8 + offload": (RECIPES["zero3 x8"], 8),
+    "zero1 x2 fp16": (Recipe.of("gpt2-tiny", 8, 16, dtype="mixed-fp16", dp=2, zero=1, device="cuda"), 2),
+    "zero2 x4 lion": (Recipe.of("gpt2-tiny", 16, 16, optimizer="lion", dp=4, zero=2, micro_batch=2, device="cuda"), 4),
+    "optimizer offload cpu": (Recipe.of("gpt2-tiny", 4, 16, dtype="mixed-bf16", optimizer_offload="cpu",
+                                        device="cuda"), 1),
+    "optimizer offload disk": (Recipe.of("gpt2-tiny", 4, 16, optimizer_offload="disk", micro_batch=2,
+                                         device="cuda"), 1),
+}
+
+
+def _ds_config(path):
+    """DeepSpeed's own parser of the config (pydantic models of its schema; unknown keys are rejected)."""
+    deepspeed_config = pytest.importorskip("deepspeed.runtime.config")
+    return deepspeed_config.DeepSpeedConfig(str(path))
+
+
+@pytest.mark.parametrize("name", list(DS_RECIPES))
+def test_deepspeed_config_loads_in_deepspeed(name, tmp_path):
+    recipe, devices = DS_RECIPES[name]
+    paths, doc = _export(recipe, tmp_path, devices)
+    raw = json.loads(paths["deepspeed"].read_text())
+    c = _ds_config(paths["deepspeed"])
+    assert c.train_micro_batch_size_per_gpu == recipe.micro
+    assert c.gradient_accumulation_steps == doc["gradient_accumulation_steps"] == recipe.rank_batch // recipe.micro
+    # no process group here: DeepSpeed's world size is 1, so its train batch is one rank's rows
+    assert c.train_batch_size == recipe.rank_batch
+    assert c.bfloat16_config.enabled == recipe.dtype.endswith("bf16")
+    assert c.float16_config.enabled == recipe.dtype.endswith("fp16")
+    off = c.zero_config.offload_optimizer
+    if recipe.optimizer_offload == "disk":
+        assert c.zero_config.stage == 3 and off.device == "nvme" and off.nvme_path is not None
+    elif recipe.optimizer_offload == "cpu" or recipe.zero_offload:
+        assert c.zero_config.stage == max(recipe.zero, 1) and off.device == "cpu"
+    else:
+        assert c.zero_config.stage == recipe.zero and off is None
+    assert c.zero_config.offload_param is None  # no labkit recipe offloads the parameters themselves
+    assert ("optimizer" in raw) == (recipe.optimizer in ("adamw", "adam"))
+    plan = json.loads(paths["plan"].read_text())
+    assert plan["files"]["deepspeed"] == "ds_config.json" and "deepspeed" in plan["commands"]
+    assert "ds_config.json" in paths["readme"].read_text()
+
+
+def test_deepspeed_config_only_for_zero_or_offload(tmp_path):
+    paths, _ = _export(RECIPES["full adamw bf16 + checkpointing"], tmp_path)
+    assert "deepspeed" not in paths and not (tmp_path / "plan" / "ds_config.json").exists()
+
+
+def test_deepspeed_notes_name_what_differs(tmp_path):
+    _, doc = _export(DS_RECIPES["zero2 x4 lion"][0], tmp_path, 4)
+    assert any("no optimizer section" in n and "lion" in n for n in doc["notes"])
+    _, doc = _export(DS_RECIPES["optimizer offload cpu"][0], tmp_path, 1)
+    assert any("exported as stage 1" in n for n in doc["notes"])
+    _, doc = _export(DS_RECIPES["optimizer offload disk"][0], tmp_path, 1)
+    assert any("nvme_path" in n for n in doc["notes"])
