@@ -144,6 +144,7 @@ def cmd_plan(args, parser) -> int:
     if exported is not None:
         text += "\n\nexported plan 1:\n" + "\n".join(f"  {k}: {v}" for k, v in exported.items())
     else:
-        text += f"\n\nto export plan 1 (training_args.json, accelerate and torchrun files; ds_config.json for ZeRO/offload plans):\n  {export_command(args)}"
+        text += ("\n\nto export plan 1 (training_args.json, accelerate and torchrun files; ds_config.json for "
+                 f"ZeRO/offload plans):\n  {export_command(args)}")
     print(text)
     return rc
