@@ -5,6 +5,8 @@
 #   make test   same environment; unit + widget + distributed tests and every notebook under nbval (smoke mode)
 #   make test-browser every lesson run in JupyterLab in a real browser (Chromium + Playwright); screenshots of each panel
 #   make test-parity  the `parity` tests again on PyTorch's portable CPU kernels (ATEN_CPU_CAPABILITY=default)
+#   make gpu-check    the CUDA tier in one command, under 10 minutes (bench/gpu_check.py); without CUDA a dry run:
+#                     the same plan, every CUDA step a recorded skip, the time budget checked (seconds)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -30,7 +32,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab check test test-parity test-browser test-gpu bench clean
+.PHONY: env lab colab check test test-parity test-browser test-gpu gpu-check bench clean
 
 env: $(STAMP)
 
@@ -100,6 +102,12 @@ test-gpu: env
 	else \
 	  echo ">> no tests/gpu yet"; \
 	fi
+
+# One script, one report: tests/gpu, every lesson at the device's GPU profile (a per-lesson limit), the estimator
+# against max_memory_allocated, real budgets, the allocator recording for lesson 01, NCCL, FP8. Writes report.json,
+# summary.md (and allocator_recording.json) under $OUT if set, else data/gpu_check/. Exit 1 on any failure.
+gpu-check: env
+	$(PY) bench/gpu_check.py
 
 bench: env
 	@for f in bench/*.py; do \

@@ -18,7 +18,7 @@ from .compression import DGC, DGCConfig
 
 __all__ = ["VARIANTS", "LR", "batch_of", "dense_train", "dgc_train", "powersgd_train", "compare", "ps_train",
            "mirrored_train", "ps_suite", "ps_dies", "compression_suite",
-           "plan_bytes", "explore"]
+           "plan_bytes", "explore", "collectives_check"]
 
 LR = 0.05
 MOMENTUM = 0.9
@@ -386,3 +386,27 @@ def _ps_explore(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: i
 
     return ps_train(rank, world, cfg, steps, batch, seq, PSConfig("async", staleness), text_chars=text_chars,
                     delays={2: slow_worker_s} if slow_worker_s else None, run="explore")
+
+
+def collectives_check(rank: int, world: int, n: int) -> dict:
+    """labkit.distributed.comms' collectives on known values, on this rank's device (its CUDA device under NCCL,
+    the CPU under gloo): {"device", "backend", "ok": {collective: equal to the expected values}}."""
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    f32 = dict(dtype=torch.float32, device=device)
+    ok = {}
+    shard = torch.arange(n, **f32) + 100 * rank
+    full = torch.empty(n * world, **f32)
+    comms.all_gather(full, shard)
+    ok["all_gather"] = torch.equal(full.cpu(), torch.cat([torch.arange(n) + 100.0 * r for r in range(world)]))
+    out = torch.empty(n, **f32)
+    comms.reduce_scatter(out, torch.arange(n * world, **f32) * (rank + 1))
+    scale = world * (world + 1) / 2  # sum over ranks of (rank + 1)
+    ok["reduce_scatter"] = torch.equal(out.cpu(), torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) * scale)
+    b = torch.full((3,), float(rank), **f32)
+    comms.broadcast(b, src=world - 1)
+    ok["broadcast"] = torch.equal(b.cpu(), torch.full((3,), float(world - 1)))
+    m = torch.tensor([float(rank)], **f32)
+    comms.all_reduce(m, op="avg")
+    ok["all_reduce_avg"] = abs(m.item() - (world - 1) / 2) < 1e-6
+    return {"device": str(device), "backend": backend, "world": world, "ok": ok}
