@@ -117,13 +117,18 @@ def lesson_estimate(entry: dict, profile: str) -> tuple[float, str]:
 
 
 def step_estimates(last_report: dict | None) -> dict[str, tuple[float, str]]:
-    """{step: (seconds, basis)}: the last real run's seconds per fixed step where there is one, else the allotment."""
+    """{step: (seconds, basis)}: the fixed steps' allotments, replaced by the last real run's seconds for every step
+    it ran (fixed steps and lessons; a step it cut at its limit gives a lower bound)."""
     out = {name: (float(est), "allotment (not yet measured on a GPU)") for name, _, _, est in FIXED}
     if last_report and not last_report.get("dry_run"):
         dev = last_report.get("device", {}).get("name", "?")
         for r in last_report.get("steps", []):
-            if r["name"] in out and r.get("status") in ("passed", "failed") and r.get("seconds") is not None:
+            if r.get("seconds") is None:
+                continue
+            if r.get("status") in ("passed", "failed"):
                 out[r["name"]] = (float(r["seconds"]), f"measured by gpu_check on {dev}")
+            elif r.get("status") == "timeout":
+                out[r["name"]] = (float(r["seconds"]), f"lower bound: cut at its limit by gpu_check on {dev}")
     return out
 
 
@@ -143,8 +148,8 @@ def make_plan(profile: str, lesson_times: dict, last_report: dict | None = None,
     if limit <= 0:
         raise ValueError(f"no time left for the lessons: the fixed steps' limits take {budget_s - left - MARGIN_S:.0f} "
                          f"of {budget_s:.0f} s")
-    steps = fixed + [Step(f"lesson {k}", entry.get("notebook", k), float(limit), *lesson_estimate(entry, profile))
-                     for k, entry in lessons]
+    steps = fixed + [Step(f"lesson {k}", entry.get("notebook", k), float(limit),
+                          *est.get(f"lesson {k}", lesson_estimate(entry, profile))) for k, entry in lessons]
     return Plan(profile, float(budget_s), workers, float(limit), tuple(steps))
 
 
@@ -352,8 +357,8 @@ def device_and_versions() -> tuple[dict, dict]:
     p = torch.cuda.get_device_properties(0)
     from labkit.device import profile
 
-    return ({"kind": "cuda", "name": p.name, "total_bytes": p.total_memory, "capability": list(p.major_minor)
-             if hasattr(p, "major_minor") else [p.major, p.minor], "gpus": torch.cuda.device_count(),
+    return ({"kind": "cuda", "name": p.name, "total_bytes": p.total_memory, "capability": [p.major, p.minor],
+             "gpus": torch.cuda.device_count(),
              "profile": profile(smoke_mode=False).name}, versions)
 
 
@@ -473,9 +478,11 @@ def child_budgets() -> dict:
     torch.cuda.empty_cache()
     after_alloc, after_free = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
     r = run_within_budget(lambda: measure_step(*args, device="cuda", budget=roomy), roomy)
-    probe = torch.empty(int(0.6 * torch.cuda.get_device_properties(0).total_memory), dtype=torch.uint8,
-                        device="cuda")  # the fraction is lifted again: more than any budget above fits
-    del probe
+    try:  # the fraction is lifted again: more than either budget above fits
+        probe = torch.empty(max(3 * peak, int(0.6 * torch.cuda.mem_get_info()[0])), dtype=torch.uint8, device="cuda")
+        del probe
+    except torch.OutOfMemoryError as e:
+        failures.append(f"the memory fraction was not lifted after the budgets: {str(e).splitlines()[0]}")
     if t.fits:
         failures.append(f"a budget of half the peak ({tight} B) fitted: {t.message}")
     if after_alloc != base_alloc:
@@ -491,46 +498,20 @@ def child_budgets() -> dict:
 
 
 def child_allocator(out_dir: Path) -> dict:
-    """The context first (nothing else has touched CUDA in this process), then rounding and workspaces, then a
-    churn workload in two fresh processes (expandable_segments off and on). Writes allocator_recording.json."""
+    """labkit.memory.allocator.record(): the context first (nothing else has touched CUDA in this process), then
+    rounding and workspaces, then a churn workload in two fresh processes (expandable_segments off and on).
+    Writes allocator_recording.json, the file lesson 01 replays."""
     from labkit.memory import allocator as al
 
-    context = al.measure_context()
-    import torch
-
-    rounding = al.measure_rounding()
-    workspaces = al.measure_workspaces()
-    churn, failures = {}, []
-    for name, conf in (("default", "expandable_segments:False"), ("expandable_segments", "expandable_segments:True")):
-        with tempfile.TemporaryDirectory() as tmp:
-            res = Path(tmp) / "churn.json"
-            rc, secs, tail = run_limited([sys.executable, __file__, "--child", "churn", "--result", str(res)], 20,
-                                         _env(PYTORCH_CUDA_ALLOC_CONF=conf))
-            if rc == 0 and res.is_file():
-                churn[name] = json.loads(res.read_text())["figures"]
-            else:
-                failures.append(f"churn {name}: {'timed out' if rc is None else f'exit {rc}'} {tail[-300:]}")
-    p = torch.cuda.get_device_properties(0)
-    rec = {"format": al.FORMAT, "device": {"name": p.name, "total_bytes": p.total_memory,
-                                           "capability": [p.major, p.minor]},
-           "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
-           "recorded": {"date": datetime.date.today().isoformat(), "commit": _commit()},
-           "context_bytes": context, "rounding": rounding, "workspaces": workspaces, "churn": churn}
-    wrong = [r for r in al.rounding_gap(rec) if r["gap"] < 0]
-    failures += [f"a {r['request']} B tensor took {r['block']} B, less than its 512 B block" for r in wrong]
-    if not failures:
-        al.check_recording(rec)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / al.RECORDING_FILE).write_text(json.dumps(rec, indent=1) + "\n")
+    rec = al.record(_commit())
+    failures = [f"a {r['request']} B tensor took {r['block']} B, less than its 512 B block"
+                for r in al.rounding_gap(rec) if r["gap"] < 0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / al.RECORDING_FILE).write_text(json.dumps(rec, indent=1) + "\n")
     summary = {k: rec[k] for k in ("context_bytes", "rounding", "workspaces")}
-    summary["churn"] = {k: al.churn_summary(v) for k, v in churn.items()}
+    summary["churn"] = {k: al.churn_summary(v) for k, v in rec["churn"].items()}
+    summary["recording"] = str(out_dir / al.RECORDING_FILE)
     return {"figures": summary, "failures": failures}
-
-
-def child_churn() -> dict:
-    from labkit.memory.allocator import churn_sizes, run_churn
-
-    return {"figures": run_churn(churn_sizes(400)), "failures": []}
 
 
 def child_nccl() -> dict:
@@ -594,7 +575,7 @@ def run_child(name: str, result: Path) -> int:
     """Run one CUDA step in this process and write {"figures", "failures"[, "skip"]} to `result`."""
     out_dir = Path(os.environ.get("OUT") or ROOT / "data" / "gpu_check")
     steps = {"estimator": child_estimator, "budgets": child_budgets, "allocator": lambda: child_allocator(out_dir),
-             "churn": child_churn, "nccl": child_nccl, "fp8": child_fp8}
+             "nccl": child_nccl, "fp8": child_fp8}
     try:
         got = steps[name]()
     except Exception as e:  # the step's own crash is its failure, reported

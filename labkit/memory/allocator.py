@@ -11,16 +11,22 @@ allocator's blocks, and the GPU's used memory adds what the allocator never sees
 - fragmentation: freed blocks stay cached (reserved >= allocated); when sizes keep changing, cached blocks of
   the old sizes may not fit the new requests. `expandable_segments:True` grows a segment in place instead.
 
-`make gpu-check` (bench/gpu_check.py) measures these on the GPU at hand with the functions below, each in a
-fresh process, and writes the recording (RECORDING_FILE, format FORMAT, checked by `check_recording`). Lesson
-01 reads it with `load_recording` and shows it with `describe_recording`; on a machine without CUDA it says it is
-a recording and from which device, or, when none exists, how to make one.
+`record()` measures them all in a fresh process (`python -m labkit.memory.allocator record FILE`: the context is
+only what CUDA's start-up takes there, and PYTORCH_CUDA_ALLOC_CONF is read at start, so each churn run is a
+process of its own). `make gpu-check` (bench/gpu_check.py) writes the recording (RECORDING_FILE, format FORMAT,
+checked by `check_recording`); lesson 01 measures it live on CUDA, and elsewhere reads it with `load_recording`
+and shows it with `describe_recording`, saying it is a recording and from which device, or, when none exists,
+how to make one.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 BLOCK = 512  # bytes: the caching allocator's smallest block and its rounding unit (c10 kMinBlockSize)
@@ -235,3 +241,56 @@ def measure_workspaces() -> dict:
     torch.cuda.synchronize()
     out["cudnn_conv"] = int(torch.cuda.max_memory_allocated() - base - block_bytes(y.untyped_storage().nbytes()))
     return out
+
+
+def _churn_in_fresh_process(conf: str, steps: int, timeout: float) -> dict:
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
+    out = subprocess.run([sys.executable, "-m", "labkit.memory.allocator", "churn", str(steps)], env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"the churn run ({conf}) failed: "
+                           f"{out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def record(commit: str | None = None, churn_steps: int = 400, timeout: float = 60) -> dict:
+    """The recording, measured in this process (call it first thing after start: the context is measured here)
+    and, for the churn workload, in one fresh process per allocator setting."""
+    context = measure_context()
+    import torch
+
+    rounding, workspaces = measure_rounding(), measure_workspaces()
+    churn = {name: _churn_in_fresh_process(conf, churn_steps, timeout)
+             for name, conf in zip(CHURN_SETTINGS, ("expandable_segments:False", "expandable_segments:True"))}
+    p = torch.cuda.get_device_properties(0)
+    rec = {"format": FORMAT, "device": {"name": p.name, "total_bytes": p.total_memory, "capability": [p.major, p.minor]},
+           "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+           "recorded": {"date": datetime.date.today().isoformat(), "commit": commit},
+           "context_bytes": context, "rounding": rounding, "workspaces": workspaces, "churn": churn}
+    return check_recording(rec)
+
+
+def record_in_fresh_process(timeout: float = 180) -> dict:
+    """`record()` in a new Python process (what a notebook calls: its own kernel's context is already in use)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / RECORDING_FILE
+        out = subprocess.run([sys.executable, "-m", "labkit.memory.allocator", "record", str(path)],
+                             capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0 or not path.is_file():
+            raise RuntimeError(f"the allocator recording failed: {out.stderr.strip()[-500:] or out.returncode}")
+        return check_recording(json.loads(path.read_text()))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in ("record", "churn"):
+        sys.exit("usage: python -m labkit.memory.allocator record FILE | churn [STEPS]")
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("labkit.memory.allocator measures the CUDA allocator: it needs CUDA")
+    if sys.argv[1] == "churn":
+        print(json.dumps(run_churn(churn_sizes(int(sys.argv[2]) if len(sys.argv) > 2 else 400))))
+    else:
+        Path(sys.argv[2]).write_text(json.dumps(record(os.environ.get("LABKIT_COMMIT")), indent=1) + "\n")

@@ -73,6 +73,10 @@ def test_estimates_name_their_basis(gc):
     assert est["estimator"] == (33.0, "measured by gpu_check on FIXTURE GPU")
     assert est["budgets"][1].startswith("allotment")
     assert gc.step_estimates(dict(fixture, dry_run=True))["estimator"][1].startswith("allotment")
+    fixture["steps"].append({"name": "lesson 07", "status": "timeout", "seconds": 37.0})
+    assert gc.step_estimates(fixture)["lesson 07"] == (37.0, "lower bound: cut at its limit by gpu_check on FIXTURE GPU")
+    plan = gc.make_plan("big-gpu", {"lessons": {"07": {"notebook": "07_x.ipynb", "cpu": {"seconds": 5.0}}}}, fixture)
+    assert plan.lessons()[0].estimate_s == 37.0
 
 
 def test_random_configurations_are_reproducible_and_valid(gc):
