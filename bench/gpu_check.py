@@ -287,7 +287,7 @@ def run_limited(cmd: list[str], limit_s: float, env: dict | None = None) -> tupl
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         rc = None
-    return rc, time.perf_counter() - start, (out or "")[-3000:]
+    return rc, time.perf_counter() - start, out or ""
 
 
 def _env(**extra) -> dict:
@@ -312,20 +312,31 @@ def run_child_step(step: Step) -> dict:
 
 
 def parse_pytest_tail(tail: str) -> dict:
-    """Counts from pytest's last line ("3 passed, 1 failed, 2 skipped in 4.5s") and the FAILED lines."""
+    """Counts from pytest's last line ("3 passed, 1 failed, 2 skipped in 4.5s") and the FAILED lines; without a
+    last line (stopped at its limit), the counts of the verbose per-test lines ("path::test PASSED") so far."""
     import re
 
-    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|xfailed)", tail)}
-    failed = [line.strip() for line in tail.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    lines = tail.splitlines()
+    last = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)), "")
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|xfailed)", last)}
+    failed = [line.strip() for line in lines if line.startswith(("FAILED", "ERROR"))]
+    if not counts:
+        for line in lines:
+            m = re.match(r"\S+::\S+ (PASSED|FAILED|SKIPPED|ERROR)", line)
+            if m:
+                counts[m.group(1).lower()] = counts.get(m.group(1).lower(), 0) + 1
+                if m.group(1) in ("FAILED", "ERROR") and line.strip() not in failed:
+                    failed.append(line.strip())
     return {"counts": counts, "failed": failed}
 
 
 def run_tests_gpu(step: Step) -> dict:
-    rc, secs, tail = run_limited([sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rfE",
+    rc, secs, tail = run_limited([sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-v", "-rfE",
                                   "-p", "no:cacheprovider"], step.limit_s, _env())
-    if rc is None:
-        return step_result(step, "timeout", secs, failures=[f"stopped at its {step.limit_s:.0f} s limit"])
     got = parse_pytest_tail(tail)
+    if rc is None:  # what finished before the limit is still reported
+        return step_result(step, "timeout", secs, {"pytest (until the limit)": got["counts"]},
+                           got["failed"] + [f"stopped at its {step.limit_s:.0f} s limit"])
     failures = got["failed"] or ([f"pytest exited {rc}: {tail[-800:]}"] if rc not in (0, 5) else [])
     return step_result(step, "failed" if failures else "passed", secs, {"pytest": got["counts"]}, failures)
 

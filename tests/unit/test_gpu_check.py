@@ -106,6 +106,11 @@ def test_pytest_tail_is_parsed(gc):
     got = gc.parse_pytest_tail(tail)
     assert got["counts"] == {"failed": 1, "passed": 12, "skipped": 3}
     assert got["failed"] == ["FAILED tests/gpu/test_x.py::test_a - assert 1 == 2"]
+    cut = ("tests/gpu/test_x.py::test_a PASSED [ 10%]\ntests/gpu/test_x.py::test_b FAILED [ 20%]\n"
+           "tests/gpu/test_x.py::test_c SKIPPED (needs two GPUs) [ 30%]\n")  # stopped before its last line
+    got = gc.parse_pytest_tail(cut)
+    assert got["counts"] == {"passed": 1, "failed": 1, "skipped": 1} and got["failed"] == [
+        "tests/gpu/test_x.py::test_b FAILED [ 20%]"]
 
 
 def fake_run(gc):
@@ -170,3 +175,15 @@ def test_run_limited_stops_a_command_at_its_limit(gc):
     assert rc is None
     rc, _, tail = gc.run_limited(["python3", "-c", "print('done')"], 30)
     assert rc == 0 and "done" in tail
+
+
+def test_the_tests_gpu_runner_reports_pytest_counts(gc, lesson_times):
+    """The real tests-gpu runner, here where every GPU test skips: a pass with the skip count, no failure."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA this would run the whole GPU tier")
+    step = next(s for s in gc.make_plan("small-gpu", lesson_times).fixed() if s.name == "tests-gpu")
+    r = gc.run_tests_gpu(step)
+    assert r["status"] == "passed" and r["failures"] == [], r
+    assert r["figures"]["pytest"]["skipped"] >= 13 and "passed" not in r["figures"]["pytest"]
