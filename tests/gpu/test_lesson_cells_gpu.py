@@ -19,6 +19,14 @@ pytestmark = [
 SMALL = GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256)
 
 
+def _gpt_and_batch(seq: int):
+    """SMALL on CUDA from seed 0 and one batch of 4 random token rows (inputs, targets)."""
+    torch.manual_seed(0)
+    model = GPT(SMALL).cuda()
+    x, y = (torch.randint(0, SMALL.vocab_size, (4, seq), device="cuda") for _ in range(2))
+    return model, x, y
+
+
 def test_lesson01_allocator_view():
     """Lesson 01 section 9: max_memory_allocated within 10 % of the ledger's peak, reserved >= allocated, and the
     device's used memory >= reserved (the rest is the CUDA context and other processes)."""
@@ -49,10 +57,7 @@ def test_lesson03_offload_on_a_side_stream_keeps_the_gradients():
     the plain forward + backward (it times the three; only the results are tested)."""
     from labkit.recompute import offload_activations
 
-    torch.manual_seed(0)
-    model = GPT(SMALL).cuda()
-    x = torch.randint(0, SMALL.vocab_size, (4, 128), device="cuda")
-    y = torch.randint(0, SMALL.vocab_size, (4, 128), device="cuda")
+    model, x, y = _gpt_and_batch(128)
 
     def grads(hooks):
         m = copy.deepcopy(model)
@@ -84,10 +89,7 @@ def test_lesson05_offload_adamw_on_cuda_matches_adamw():
     """Lesson 05 section 8 on CUDA: OffloadAdamW (state on the host or on disk) follows torch's AdamW to 1e-6."""
     from labkit.optim import OffloadAdamW
 
-    torch.manual_seed(0)
-    base = GPT(SMALL).cuda()
-    x = torch.randint(0, SMALL.vocab_size, (4, 64), device="cuda")
-    y = torch.randint(0, SMALL.vocab_size, (4, 64), device="cuda")
+    base, x, y = _gpt_and_batch(64)
 
     def train(make):
         m = copy.deepcopy(base)
