@@ -76,6 +76,29 @@ def test_lesson03_offload_on_a_side_stream_keeps_the_gradients():
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(ref, got))
 
 
+def test_lesson04_accumulation_under_a_real_budget():
+    """Lesson 04's budget cell on CUDA (a real limit): under a budget between the predicted peaks of half the
+    batch and the whole batch, the whole batch fails, two micro-batches of half fit, and so does the whole batch
+    with every block checkpointed."""
+    from labkit.estimate import estimate
+    from labkit.memory import run_within_budget
+
+    b, s, half = 8, 256, 4
+
+    def peak(policy, m):
+        return estimate(SMALL, b, s, "fp32", "adamw", device="cuda", checkpoint=policy, micro_batch=m).peak.total
+
+    roomy = (peak("none", half) + peak("none", b)) // 2
+
+    def run(policy, m):
+        torch.cuda.empty_cache()  # a real limit bites only when the allocator asks for new memory
+        return run_within_budget(lambda: measure_step(SMALL, b, s, "fp32", "adamw", steps=2, budget=roomy,
+                                                      device="cuda", checkpoint=policy, micro_batch=m), roomy)
+
+    whole, halves, whole_ckpt = run("none", b), run("none", half), run("full", b)
+    assert not whole.fits and halves.fits and whole_ckpt.fits, (whole.message, halves.message, whole_ckpt.message)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "lion", "adafactor"])
 def test_lesson05_ledger_and_allocator_agree_per_optimizer(optimizer):
     """Lesson 05's CUDA cell prints the ledger's peak beside max_memory_allocated for each optimizer; lesson 01's

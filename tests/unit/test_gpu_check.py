@@ -187,3 +187,47 @@ def test_the_tests_gpu_runner_reports_pytest_counts(gc, lesson_times):
     r = gc.run_tests_gpu(step)
     assert r["status"] == "passed" and r["failures"] == [], r
     assert r["figures"]["pytest"]["skipped"] >= 13 and "passed" not in r["figures"]["pytest"]
+
+
+# Every lesson cell that branches on CUDA -> the GPU tests that run its CUDA branch (file::test), or why none is
+# needed. A new CUDA-only cell fails test_every_cuda_only_cell_has_a_gpu_test until it is listed here with a test.
+LESSON_CELL_TESTS = {
+    ("01", "cell-25"): ["test_cuda_memory.py::test_real_budget_out_of_memory_is_a_result"],
+    ("01", "cell-27"): ["test_lesson_cells_gpu.py::test_lesson01_allocator_view"],
+    ("01", "cell-34-allocator-code"): [
+        "test_lesson_cells_gpu.py::test_lesson01_allocator_recording_is_measured_in_a_fresh_process"],
+    ("02", "cell-30"): ["test_fp8_gpu.py::test_scaled_mm_matches_emulation",
+                        "test_fp8_gpu.py::test_fp8_linear_real_and_emulated_agree"],
+    ("03", "cell-19"): ["test_lesson_cells_gpu.py::test_lesson03_offload_on_a_side_stream_keeps_the_gradients"],
+    ("04", "cell-13"): ["test_lesson_cells_gpu.py::test_lesson04_accumulation_under_a_real_budget"],
+    ("05", "cell-28"): ["test_lesson_cells_gpu.py::test_lesson05_ledger_and_allocator_agree_per_optimizer"],
+    ("07", "738dfcd6"): ["test_lesson_cells_gpu.py::test_lesson07_bitsandbytes_linear4bit_on_cuda"],
+    ("08", "2ebefe53"): ["test_lesson_cells_gpu.py::test_lesson08_bitsandbytes_paging_under_a_cap"],
+    ("08", "05c46f24"): ["test_cuda_memory.py::test_peft_estimate_within_5_percent_of_max_memory_allocated"],
+    ("12", "cell-34"): ["test_cnn_allocator.py::test_allocator_reserves_at_least_the_peak"],
+    ("13", "4138e6cc"): "not CUDA-only: the guard only adds use_cpu=True on a CPU; the export runs the same on both",
+}
+CUDA_GUARD = r'^(if|elif) .*(KIND [!=]= "cuda"|torch\.cuda\.is_available\(\)|fp8_gemm_available)'
+
+
+def test_every_cuda_only_cell_has_a_gpu_test():
+    import re
+
+    found = set()
+    for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for cell in json.loads(nb.read_text())["cells"]:
+            if cell["cell_type"] == "code" and re.search(CUDA_GUARD, "".join(cell["source"]), re.M):
+                found.add((nb.name[:2], cell["id"]))
+    assert found == set(LESSON_CELL_TESTS), (found - set(LESSON_CELL_TESTS), set(LESSON_CELL_TESTS) - found)
+    for tests in LESSON_CELL_TESTS.values():
+        for t in ([] if isinstance(tests, str) else tests):
+            file, name = t.split("::")
+            text = (ROOT / "tests" / "gpu" / file).read_text()
+            assert f"def {name}(" in text and "pytest.mark.gpu" in text, t
+
+
+def test_no_gpu_test_asserts_a_wall_clock_number():
+    for f in sorted((ROOT / "tests" / "gpu").glob("test_*.py")):
+        text = f.read_text()
+        for clock in ("perf_counter", "time.time(", "time.monotonic", "elapsed_time", "enable_timing"):
+            assert clock not in text, f"{f.name} reads a clock ({clock}): GPU tests assert results, not times"
