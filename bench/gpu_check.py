@@ -168,9 +168,10 @@ def check_plan(plan: Plan) -> dict:
 
 # ---- random configurations for the estimator (pure) --------------------------------------------------------------
 
-def draw_configs(n: int, seed: int = 0, big: bool = True) -> list[dict]:
+def draw_configs(n: int, seed: int = 0, big: bool = True, bf16: bool = True) -> list[dict]:
     """`n` configurations for estimate vs max_memory_allocated, drawn at random from a fixed seed: labkit GPTs
-    (layers, width, heads), llama-tiny and gpt2; batch, sequence, dtype, optimizer and recompute policy."""
+    (layers, width, heads; width 1024 only when `big`), llama-tiny and gpt2; batch, sequence, dtype (fp16 in place
+    of bf16 on a GPU without bf16, e.g. a T4), optimizer and recompute policy."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     rng = random.Random(seed)
@@ -186,7 +187,7 @@ def draw_configs(n: int, seed: int = 0, big: bool = True) -> list[dict]:
         else:
             model = kind
         out.append({"model": model, "batch": rng.choice((1, 2, 4, 8)), "seq": seq,
-                    "dtype": rng.choice(("fp32", "mixed-bf16", "bf16")),
+                    "dtype": rng.choice(("fp32", "mixed-bf16", "bf16") if bf16 else ("fp32", "mixed-fp16", "fp16")),
                     "optimizer": rng.choice(("adamw", "sgd", "adafactor", "lion")),
                     "checkpoint": rng.choice(("none", "none", "full"))})
     return out
@@ -425,7 +426,8 @@ def child_estimator(n: int = MIN_CONFIGS, seed: int = 0) -> dict:
     from labkit.models.gpt import GPTConfig
     from labkit.run import measure_step
 
-    for dtype in (torch.float32, torch.bfloat16):  # create cuBLAS's workspaces now: held before every step below
+    bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+    for dtype in (torch.float32, torch.bfloat16 if bf16 else torch.float16):  # cuBLAS's workspaces, made now
         a = torch.randn(64, 64, device="cuda", dtype=dtype, requires_grad=True)
         (a @ a).sum().backward()
         del a
@@ -434,7 +436,7 @@ def child_estimator(n: int = MIN_CONFIGS, seed: int = 0) -> dict:
     workspace = torch.cuda.memory_allocated()
     big = torch.cuda.get_device_properties(0).total_memory >= 40 * 2**30
     rows, failures = [], []
-    for i, c in enumerate(draw_configs(n, seed, big)):
+    for i, c in enumerate(draw_configs(n, seed, big, bf16)):
         model = GPTConfig(**c["model"]) if isinstance(c["model"], dict) else c["model"]
         kw = dict(checkpoint=c["checkpoint"], device="cuda")
         label = f"#{i} {c}"

@@ -44,7 +44,7 @@ SPEC = {
     "recorded": "{'date': 'YYYY-MM-DD', 'commit': str or None}",
     "context_bytes": "int: device used memory right after CUDA initialised, with nothing allocated",
     "rounding": "[{'request': int, 'block': int}]: memory_allocated growth for one uint8 tensor of `request` bytes",
-    "workspaces": "{name: int}: allocator bytes that no tensor owns (cublas_fp32, cublas_bf16, cudnn_conv)",
+    "workspaces": "{name: int}: allocator bytes no tensor owns (cublas_fp32, cublas_bf16 or _fp16, cudnn_conv)",
     "churn": "{'default' | 'expandable_segments': {'allocated': [int], 'reserved': [int], 'conf': str}}",
 }
 CHURN_SETTINGS = ("default", "expandable_segments")
@@ -220,12 +220,14 @@ def measure_rounding(requests=REQUESTS) -> list[dict]:
 
 
 def measure_workspaces() -> dict:
-    """Allocator bytes no tensor owns: left held after the first fp32 and bf16 matmuls (cuBLAS, per handle),
+    """Allocator bytes no tensor owns: left held after the first fp32 and bf16 (else fp16) matmuls (cuBLAS),
     and the transient of a convolution above its tensors' blocks (cuDNN)."""
     import torch
 
     out = {}
-    for name, dtype in (("cublas_fp32", torch.float32), ("cublas_bf16", torch.bfloat16)):
+    half = ("cublas_bf16", torch.bfloat16) if torch.cuda.is_bf16_supported(including_emulation=False) else (
+        "cublas_fp16", torch.float16)  # a T4 has no bf16 tensor cores
+    for name, dtype in (("cublas_fp32", torch.float32), half):
         a = torch.randn(256, 256, device="cuda", dtype=dtype)
         before = torch.cuda.memory_allocated()
         c = a @ a

@@ -91,6 +91,7 @@ def test_random_configurations_are_reproducible_and_valid(gc):
                   device="cuda")  # raises on an invalid combination
     assert len({c["dtype"] for c in a}) > 1 and len({c["optimizer"] for c in a}) > 1
     assert all(c["model"]["n_embd"] <= 768 for c in gc.draw_configs(50, big=False) if isinstance(c["model"], dict))
+    assert {c["dtype"] for c in gc.draw_configs(50, bf16=False)} <= {"fp32", "mixed-fp16", "fp16"}
     with pytest.raises(ValueError):
         gc.draw_configs(0)
 
