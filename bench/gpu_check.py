@@ -353,6 +353,18 @@ def run_lesson(step: Step) -> dict:
     return step_result(step, "failed" if failures else "passed", secs, {"cells": got["counts"]}, failures)
 
 
+def device_and_versions_in_child() -> tuple[dict, dict]:
+    """device_and_versions() read in a child process: this one never starts CUDA, so its context takes no device
+    memory while the steps measure (the allocator step's context figure, the lessons' used memory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        res = Path(tmp) / "device.json"
+        rc, _, tail = run_limited([sys.executable, __file__, "--child", "device", "--result", str(res)], 120, _env())
+        if rc != 0 or not res.is_file():
+            raise RuntimeError(f"reading the device failed: {tail[-800:]}")
+        got = json.loads(res.read_text())["figures"]
+    return got["device"], got["versions"]
+
+
 def device_and_versions() -> tuple[dict, dict]:
     import platform
 
@@ -397,7 +409,7 @@ def execute(plan: Plan, skip: str = "", run=run_step) -> list[dict]:
     for step in plan.fixed():
         if step.name == "device":
             t0 = time.perf_counter()
-            dev, _ = device_and_versions()
+            dev, _ = device_and_versions_in_child() if not skip else device_and_versions()
             results.append(step_result(step, "passed", time.perf_counter() - t0, {"device": dev}))
         elif skip:
             results.append(step_result(step, "skipped", reason=skip))
@@ -588,9 +600,12 @@ def run_child(name: str, result: Path) -> int:
     """Run one CUDA step in this process and write {"figures", "failures"[, "skip"]} to `result`."""
     out_dir = Path(os.environ.get("OUT") or ROOT / "data" / "gpu_check")
     steps = {"estimator": child_estimator, "budgets": child_budgets, "allocator": lambda: child_allocator(out_dir),
-             "nccl": child_nccl, "fp8": child_fp8}
+             "nccl": child_nccl, "fp8": child_fp8,
+             "device": lambda: dict(zip(("device", "versions"), device_and_versions()))}
     try:
         got = steps[name]()
+        if name == "device":
+            got = {"figures": got, "failures": []}
     except Exception as e:  # the step's own crash is its failure, reported
         import traceback
 
@@ -611,6 +626,7 @@ def main(argv=None) -> int:
         return run_child(args.child, Path(args.result))
     if args.budget_s <= MARGIN_S:
         ap.error(f"--budget-s must exceed the {MARGIN_S} s margin, got {args.budget_s}")
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() via NVML: no CUDA start-up here
     import torch
 
     out = Path(args.out or os.environ.get("OUT") or ROOT / "data" / "gpu_check")
@@ -619,7 +635,7 @@ def main(argv=None) -> int:
     lesson_times = json.loads(times_path.read_text()) if times_path.is_file() else {"lessons": {}}
     last = out / "report.json"
     last_report = json.loads(last.read_text()) if last.is_file() else None
-    device, versions = device_and_versions()
+    device, versions = device_and_versions_in_child() if cuda else device_and_versions()
     mine = device.get("profile")
     profiles = [mine] + [p for p in GPU_PROFILES if p != mine] if mine in GPU_PROFILES else list(GPU_PROFILES)
     try:

@@ -232,3 +232,9 @@ def test_no_gpu_test_asserts_a_wall_clock_number():
         text = f.read_text()
         for clock in ("perf_counter", "time.time(", "time.monotonic", "elapsed_time", "enable_timing"):
             assert clock not in text, f"{f.name} reads a clock ({clock}): GPU tests assert results, not times"
+
+
+def test_the_device_is_read_in_a_child_process(gc):
+    """A real run reads the device in a child, so the parent never starts CUDA (its context would sit in the
+    measurements); here the child's answer equals this process's."""
+    assert gc.device_and_versions_in_child() == gc.device_and_versions()
