@@ -292,7 +292,7 @@ def run_limited(cmd: list[str], limit_s: float, env: dict | None = None) -> tupl
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, MPLBACKEND="Agg", **extra)
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1", **extra)  # unbuffered: a cut run keeps its lines
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -323,7 +323,7 @@ def parse_pytest_tail(tail: str) -> dict:
     failed = [line.strip() for line in lines if line.startswith(("FAILED", "ERROR"))]
     if not counts:
         for line in lines:
-            m = re.match(r"\S+::\S+ (PASSED|FAILED|SKIPPED|ERROR)", line)
+            m = re.match(r"\S+::.+? (PASSED|FAILED|SKIPPED|ERROR)\b", line)  # nbval's items: "x.ipynb::Cell 3"
             if m:
                 counts[m.group(1).lower()] = counts.get(m.group(1).lower(), 0) + 1
                 if m.group(1) in ("FAILED", "ERROR") and line.strip() not in failed:
@@ -338,19 +338,27 @@ def run_tests_gpu(step: Step) -> dict:
     if rc is None:  # what finished before the limit is still reported
         return step_result(step, "timeout", secs, {"pytest (until the limit)": got["counts"]},
                            got["failed"] + [f"stopped at its {step.limit_s:.0f} s limit"])
-    failures = got["failed"] or ([f"pytest exited {rc}: {tail[-800:]}"] if rc not in (0, 5) else [])
-    return step_result(step, "failed" if failures else "passed", secs, {"pytest": got["counts"]}, failures)
+    failures = got["failed"] or ([f"pytest exited {rc}"] if rc not in (0, 5) else [])
+    figures = {"pytest": got["counts"]}
+    if failures:
+        figures["output_tail"] = tail[-3000:]  # the failures' tracebacks (pytest prints them before its summary)
+    return step_result(step, "failed" if failures else "passed", secs, figures, failures)
 
 
 def run_lesson(step: Step) -> dict:
+    """One notebook under nbval at the device's profile (-v: the cells reached are known if the limit cuts it)."""
     nb = ROOT / "notebooks" / step.what
-    rc, secs, tail = run_limited([sys.executable, "-m", "pytest", "--nbval-lax", str(nb), "-q", "-p",
-                                  "no:cacheprovider"], step.limit_s, _env(LABKIT_SMOKE="0"))
+    rc, secs, out = run_limited([sys.executable, "-m", "pytest", "--nbval-lax", str(nb), "-v", "-rfE", "-p",
+                                 "no:cacheprovider"], step.limit_s, _env(LABKIT_SMOKE="0"))
+    got = parse_pytest_tail(out)
     if rc is None:
-        return step_result(step, "timeout", secs, failures=[f"cut at the per-lesson limit of {step.limit_s:.0f} s"])
-    got = parse_pytest_tail(tail)
-    failures = got["failed"] or ([f"nbval exited {rc}: {tail[-800:]}"] if rc != 0 else [])
-    return step_result(step, "failed" if failures else "passed", secs, {"cells": got["counts"]}, failures)
+        return step_result(step, "timeout", secs, {"cells (until the limit)": got["counts"]},
+                           got["failed"] + [f"cut at the per-lesson limit of {step.limit_s:.0f} s"])
+    failures = got["failed"] or ([f"nbval exited {rc}"] if rc != 0 else [])
+    figures = {"cells": got["counts"]}
+    if failures:
+        figures["output_tail"] = out[-2000:]  # the failing cell's traceback
+    return step_result(step, "failed" if failures else "passed", secs, figures, failures)
 
 
 def device_and_versions_in_child() -> tuple[dict, dict]:

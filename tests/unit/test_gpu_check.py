@@ -112,6 +112,8 @@ def test_pytest_tail_is_parsed(gc):
     got = gc.parse_pytest_tail(cut)
     assert got["counts"] == {"passed": 1, "failed": 1, "skipped": 1} and got["failed"] == [
         "tests/gpu/test_x.py::test_b FAILED [ 20%]"]
+    nbval = "notebooks/01_x.ipynb::Cell 0 PASSED [  3%]\nnotebooks/01_x.ipynb::Cell 1 PASSED [  6%]\n"
+    assert gc.parse_pytest_tail(nbval)["counts"] == {"passed": 2}
 
 
 def fake_run(gc):
