@@ -190,6 +190,8 @@ def test_the_tests_gpu_runner_reports_pytest_counts(gc, lesson_times):
     r = gc.run_tests_gpu(step)
     assert r["status"] == "passed" and r["failures"] == [], r
     assert r["figures"]["pytest"]["skipped"] >= 13 and "passed" not in r["figures"]["pytest"]
+    files = gc.gpu_test_files()
+    assert files[-1] == "tests/gpu/test_cuda_memory.py" and len(files) == len(list((ROOT / "tests/gpu").glob("test_*.py")))
 
 
 # Every lesson cell that branches on CUDA -> the GPU tests that run its CUDA branch (file::test), or why none is
