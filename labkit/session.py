@@ -100,6 +100,8 @@ class Lesson(NamedTuple):
 def setup() -> Lesson:
     """Start a lesson: hide the known third-party noise, read LABKIT_SMOKE, pick the profile and the device.
 
+    On a CUDA GPU below compute capability 8.0 (a Colab T4) it prints why the profile's mixed precision
+    is fp16 with loss scaling rather than bf16 (labkit.device.mixed_precision).
     On Apple's MPS the lessons measure on the CPU: the estimator models CPU and CUDA kernels, and the
     profile for MPS is the CPU's anyway (its memory is the system's).
     """
@@ -113,4 +115,9 @@ def setup() -> Lesson:
     device = dev.pick_device()
     if device.type == "mps":
         device = torch.device("cpu")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        choice = dev.mixed_precision(props.name, (props.major, props.minor))
+        if profile.dtype == choice.dtype == "mixed-fp16":  # a T4, V100: say why mixed precision is not bf16
+            print(choice.why)
     return Lesson(smoke, profile, device, device.type)
