@@ -88,6 +88,24 @@ def quiet_known_warnings() -> None:
             logger.addFilter(_HideKnownRecords(tuple(k for k in KNOWN_LOGS if k.logger == name)))
 
 
+def optional_import(module: str, skipped: str):
+    """`module` imported, or None after printing that `skipped` does not run without it.
+
+    For the production tools a lesson compares with but does not need (bitsandbytes: labkit's Colab install
+    cell adds it only where a CUDA GPU is present). A module that is installed but fails to import raises.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module.split(".")[0]:
+            raise
+        colab = "; the Colab install cell installs it only on a GPU runtime" if module == "bitsandbytes" else ""
+        print(f"{module} is not installed here, so {skipped} is skipped (pip install {module} runs it{colab}).")
+        return None
+
+
 class Lesson(NamedTuple):
     """What a lesson's first cell needs; every size and step count follows from it."""
 
