@@ -18,6 +18,7 @@ It prints the clone's folder; the Makefile then runs the widget tests from there
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.metadata as md
 import importlib.util
 import json
@@ -75,8 +76,9 @@ def main() -> int:
           f"ipywidgets {md.version('ipywidgets')}, bitsandbytes: none")
     sha = snapshot(tmp / "course.git")
     block = install_block(colab)
-    sys.modules["google"] = types.ModuleType("google")
-    sys.modules["google.colab"] = types.ModuleType("google.colab")  # what the cell looks for
+    for name in ("google", "google.colab"):  # what the cell looks for (with a spec, as importlib expects)
+        sys.modules[name] = types.ModuleType(name)
+        sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
 
     try:  # 1. as stored: the placeholder URL stops the cell before anything is installed
         exec(compile(block, "install-cell", "exec"), {"__name__": "__main__"})
@@ -112,6 +114,7 @@ def main() -> int:
 
     CheckpointPanel(profile.gpt_config(), batch=2, seq=32, budget=2**30)
     rerun = 'import sys, types; sys.modules["google.colab"] = types.ModuleType("google.colab")\n' + cell
+    rerun += "\nimport labkit; assert labkit.__file__.startswith(LABKIT_DIR), labkit.__file__"
     again = subprocess.run([sys.executable, "-c", rerun], text=True, capture_output=True)  # a restarted runtime
     assert again.returncode == 0 and "already installed" in again.stdout, again.stdout + again.stderr
     print(f">> install cell: {took:.0f} s (under this machine's load), snapshot {sha[:12]}; added "
