@@ -269,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             ref = args[i + 1]
             del args[i:i + 2]
     if len(args) not in (1, 2):
-        print("usage: python -m labkit.colab URL [NOTEBOOK_FOLDER] [--ref BRANCH]   (e.g. https://github.com/ORG/labkit)",
-              file=sys.stderr)
+        print("usage: python -m labkit.colab URL [NOTEBOOK_FOLDER] [--ref BRANCH]"
+              "   (e.g. https://github.com/ORG/labkit)", file=sys.stderr)
         return 2
     try:
         url = check_url(args[0])

@@ -90,7 +90,8 @@ class OptimizerPanel(RecipePanel):
                  device=None, data=None, optimizers=_OPTIMIZERS):
         self.optimizer = widgets.Dropdown(options=list(optimizers), value="adamw", description="optimizer", style=STYLE)
         self.in_backward = widgets.Checkbox(value=False, description="step in backward", style=STYLE)
-        self.offload = with_tooltip(widgets.Dropdown(options=_OFFLOAD, value="none", description="offload", style=STYLE),
+        self.offload = with_tooltip(widgets.Dropdown(options=_OFFLOAD, value="none", description="offload",
+                                                     style=STYLE),
                                     "where AdamW's state lives: on the device, in host memory or on disk")
         super().__init__([self.optimizer, self.in_backward, self.offload], budget,
                          fixed=_fixed(config, batch, seq, dtype), kind=kind, device=device, data=data)

@@ -1,8 +1,9 @@
 """Run a lesson's install cell as Colab runs it, in a fresh venv that stands in for Colab's image (make test-colab).
 
 The venv (made by the Makefile) has what Colab ships that matters here: a preinstalled torch, ipywidgets
-7.7.1 with the classic notebook 6 (not JupyterLab), numpy, pytest, and no bitsandbytes. This script, run by that venv's Python (`--root REPO`, from outside the
-repository so that nothing imports the working tree's labkit):
+7.7.1 with the classic notebook 6 (not JupyterLab), numpy, pytest, and no bitsandbytes. This script, run
+by that venv's Python (`--root REPO`, from outside the repository, so that nothing imports the working
+tree's labkit):
 
 1. snapshots the working tree (committed and uncommitted tracked files) as a branch of a throwaway bare
    repository, so the install cell can `git clone` it by a file:// URL, as Colab clones the course's;

@@ -30,7 +30,8 @@ def url_lines(path):
 
 def link_lines(path):
     nb = json.loads(path.read_text(encoding="utf-8"))
-    return [m for c in nb["cells"] if c["cell_type"] == "markdown" for m in colab.LINK_LINE.findall("".join(c["source"]))]
+    return [m for c in nb["cells"] if c["cell_type"] == "markdown"
+            for m in colab.LINK_LINE.findall("".join(c["source"]))]
 
 
 def test_every_lesson_has_one_install_line():
@@ -46,7 +47,7 @@ def test_every_lesson_has_the_generated_install_block_and_a_link_place_under_its
         first = next("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
         url = colab.URL_LINE.search(first)[1]
         ref = colab.REF_LINE.search(first)[1]
-        assert colab.BLOCK.search(first)[0] == colab.install_block(url, ref), p.name  # no hand edits: make colab owns it
+        assert colab.BLOCK.search(first)[0] == colab.install_block(url, ref), p.name  # make colab owns it
         assert first.startswith(colab.install_block(url, ref)), p.name
         title = "".join(nb["cells"][0]["source"]).splitlines()
         assert title[0].startswith("# ") and colab.LINK_LINE.fullmatch(title[2]), p.name
@@ -59,7 +60,8 @@ def test_sets_the_url_in_every_notebook_and_changes_nothing_else(copies):
     assert sorted(p.name for p in done) == sorted(before)
     for p in done:
         assert url_lines(p) == [f'LABKIT_GIT_URL = "{URL}"  {colab.COMMENT}']
-        badge = f"[![Open In Colab]({colab.BADGE})](https://colab.research.google.com/github/some-course/labkit/blob/main/notebooks/{p.name})"
+        target = f"https://colab.research.google.com/github/some-course/labkit/blob/main/notebooks/{p.name}"
+        badge = f"[![Open In Colab]({colab.BADGE})]({target})"
         assert link_lines(p) == [badge]
         after = json.loads(p.read_text(encoding="utf-8"))
         old = before[p.name]
