@@ -1,12 +1,15 @@
 # labkit: one environment for the lab, the tests and the benchmarks.
 #   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/ (as root too: containers, cloud VMs)
-#   make colab URL=https://github.com/ORG/labkit   set the repository URL in every notebook's Colab install cell
-#   make check  every test: make test, then make test-parity, then make test-browser (what CI runs)
+#   make colab URL=https://github.com/ORG/labkit [REF=main]   the repository (and branch) every notebook's Colab
+#               install cell clones, and each lesson's "Open in Colab" link (a GitHub URL)
+#   make check  every test: make test, make test-parity, make test-browser, then make test-colab (what CI runs)
 #   make test   same environment; unit + widget + distributed tests and every notebook under nbval (smoke mode)
 #   make test-browser every lesson run in JupyterLab in a real browser (Chromium + Playwright); screenshots of each panel
 #   make test-parity  the `parity` tests again on PyTorch's portable CPU kernels (ATEN_CPU_CAPABILITY=default)
 #   make gpu-check    the CUDA tier in one command, under 10 minutes (bench/gpu_check.py); without CUDA a dry run:
 #                     the same plan, every CUDA step a recorded skip, the time budget checked (seconds)
+#   make test-colab   the Colab install cell in a fresh venv like Colab's image (its torch kept, ipywidgets 7.7.1,
+#                     no bitsandbytes), then the widget tests on ipywidgets 7.7.1 there
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -32,7 +35,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab check test test-parity test-browser test-gpu gpu-check bench clean
+.PHONY: env lab colab check test test-parity test-browser test-colab test-gpu gpu-check bench clean
 
 env: $(STAMP)
 
@@ -68,9 +71,9 @@ colab:
 	@if [ -z "$(URL)" ]; then \
 	  echo "make colab: give the repository's URL, e.g. make colab URL=https://github.com/ORG/labkit" >&2; exit 2; \
 	fi
-	$(PYTHON) -m labkit.colab "$(URL)" notebooks
+	$(PYTHON) -m labkit.colab "$(URL)" notebooks --ref "$(or $(REF),main)"
 
-check: test test-parity test-browser
+check: test test-parity test-browser test-colab
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 test: env
@@ -95,6 +98,23 @@ test-browser: env
 	  for i in 1 2 3; do $(PIP) install --quiet -e ".[browser]" && break; echo ">> pip failed, retrying"; sleep 5; done
 	@$(PY) -c "import playwright.sync_api" || { echo "make test-browser: playwright did not install" >&2; exit 2; }
 	LABKIT_SMOKE=1 $(PY) -m pytest tests/browser -m browser -p no:cacheprovider -rs -v
+
+# Colab's image stood in for by a fresh venv: Colab runs Python 3.13 with its own CUDA torch; here torch's
+# wheel on disk is for $(PYTHON) (3.11), so COLAB_PYTHON defaults to it (COLAB_PYTHON=python3.13 downloads
+# a CUDA torch of several GB). What is checked does not depend on the versions: the preinstalled torch is
+# kept, ipywidgets stays 7.7.1, bitsandbytes is not installed without CUDA, labkit imports without a restart.
+COLAB_PYTHON ?= $(PYTHON)
+COLAB_TORCH  ?= $(TORCH_CPU_VERSION)
+COLAB_VENV    = build/colab-sim
+test-colab:
+	rm -rf $(COLAB_VENV)
+	$(COLAB_PYTHON) -m venv $(COLAB_VENV)
+	$(COLAB_VENV)/bin/python -m pip install --quiet "torch==$(COLAB_TORCH)" "ipywidgets==7.7.1" "notebook<7" numpy pytest
+	cd $(COLAB_VENV) && mkdir -p content && LABKIT_COLAB_DIR=$(CURDIR)/$(COLAB_VENV)/content/labkit \
+	  bin/python $(CURDIR)/tests/colab/simulate.py --root $(CURDIR)
+	cd $(COLAB_VENV)/content/labkit && LABKIT_SMOKE=1 MPLBACKEND=Agg $(CURDIR)/$(COLAB_VENV)/bin/python -m pytest \
+	  tests/widgets tests/unit/test_colab.py -p no:cacheprovider -rs \
+	  -W "ignore:The \`ipykernel.comm.Comm\` class has been deprecated:DeprecationWarning"
 
 test-gpu: env
 	@if [ -d tests/gpu ]; then \

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -103,6 +103,35 @@ def _mps_bf16() -> bool:
         return False
 
 
+class MixedPrecision(NamedTuple):
+    """The mixed-precision scheme a CUDA GPU gets, and why."""
+
+    dtype: str  # "mixed-bf16" or "mixed-fp16" (fp16 autocast with loss scaling: a GradScaler)
+    why: str  # one sentence a lesson prints
+
+
+def mixed_precision(name: str, capability: tuple[int, int]) -> MixedPrecision:
+    """bf16 from compute capability 8.0 on (Ampere and later: bf16 tensor cores), fp16 with loss scaling below.
+
+    A pure function of what the GPU is, not of `torch.cuda.is_bf16_supported()`: torch may answer True
+    on a T4 (7.5), which runs bf16 only emulated, many times slower than its fp16 tensor cores. fp16's
+    5 exponent bits underflow small gradients, so below 8.0 the step scales the loss (torch.amp.GradScaler,
+    or labkit.precision.scaler's) and unscales the gradients before the optimizer.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"mixed_precision: the GPU's name must be a non-empty string, got {name!r}")
+    if (not isinstance(capability, tuple) or len(capability) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in capability)):
+        raise ValueError(f"mixed_precision: compute capability must be (major, minor) ints, got {capability!r}")
+    cc = f"{capability[0]}.{capability[1]}"
+    if capability >= (8, 0):
+        return MixedPrecision("mixed-bf16", f"{name} (compute capability {cc}) has bf16 tensor cores: mixed bf16.")
+    return MixedPrecision(
+        "mixed-fp16",
+        f"{name} has compute capability {cc} < 8.0: no bf16 in hardware (only emulated, slowly), so mixed "
+        "precision here is fp16 with loss scaling (a GradScaler), not bf16.")
+
+
 def describe(device: str | torch.device | None = None) -> DeviceInfo:
     """What the device is and can do; `device` defaults to pick_device()."""
     device = pick_device() if device is None else torch.device(device)
@@ -110,8 +139,7 @@ def describe(device: str | torch.device | None = None) -> DeviceInfo:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         cc = (props.major, props.minor)
-        # including_emulation=False: a T4 (7.5) can emulate bf16, but slowly; fp16 is its format
-        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        bf16 = mixed_precision(props.name, cc).dtype == "mixed-bf16"  # not torch's answer: a T4 may emulate bf16
         return DeviceInfo("cuda", props.name, props.total_memory, bf16, cc >= (8, 9), cc, cores)
     if device.type == "mps":  # unified memory: the GPU shares system RAM
         return DeviceInfo("mps", f"Apple GPU ({_cpu_name()})", _system_memory(), _mps_bf16(), False, None, cores)
@@ -172,7 +200,7 @@ def profile(device: str | torch.device | DeviceInfo | None = None, smoke_mode: b
         # MPS uses it too: its unified memory is shared with everything else on the machine.
         return Profile("cpu", _gpt(4, 4, 256, 256), batch=8, seq=256, steps=50, dtype="fp32",
                        hf_preset="gpt2-tiny", budget_gib=_budget(2.0, info))
-    mixed = "mixed-bf16" if info.bf16 else "mixed-fp16"  # T4 / V100: fp16 with loss scaling
+    mixed = "mixed-bf16" if info.bf16 else "mixed-fp16"  # T4 / V100: fp16 with loss scaling (mixed_precision)
     if info.total_memory is None or info.total_memory < 40 * GiB:
         # GPT-2-small shape (86M params with a byte vocab): weights, grads and fp32 Adam take
         # ~1.4 GB and batch 8 x 512 activations ~1.5 GB, so a 16 GiB T4 has room for the lessons

