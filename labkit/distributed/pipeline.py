@@ -33,7 +33,8 @@ from labkit.distributed import comms
 from labkit.memory.report import Category
 
 __all__ = ["split_layers", "Stage", "build_stage", "schedule", "gpipe", "one_f_one_b", "run_step", "StepRun",
-           "sync_tied_grads", "p2p_group", "simulate", "durations_of", "bubble_fraction", "measured_bubble", "max_in_flight",
+           "sync_tied_grads", "p2p_group", "simulate", "durations_of", "bubble_fraction", "measured_bubble",
+           "max_in_flight",
            "pipeline_wire_bytes"]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -269,7 +270,8 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                 if stage.is_first:
                     x = xs[i]
                 else:
-                    x = comms.recv(torch.empty(shape, dtype=dtype), src=ranks[s - 1], group=group, tag=f"activation {i}")
+                    x = comms.recv(torch.empty(shape, dtype=dtype), src=ranks[s - 1], group=group,
+                                   tag=f"activation {i}")
                     x.requires_grad_(True)
                     if ledger is not None:
                         ledger.track(x, Category.ACT)

@@ -210,7 +210,8 @@ def estimate_ranks(recipe) -> list[Estimate]:
         if not first:
             b.before, b.emb_temp, b.emb_dense = 0, 0, 0
         if not last:
-            b.after, b.lsm, b.logits, b.head_grad, b.head_new = rh * mm, 0, 0, 0, 0  # the stage's output, the root of its backward
+            # the stage's output (the root of its backward); no head, so no output-matrix gradient either
+            b.after, b.lsm, b.logits, b.head_grad, b.head_new = rh * mm, 0, 0, 0, 0
             b.head_temp = rh * mm  # the gradient received for it
             b.head_copy = 0
         elif not first and spec.tied:

@@ -60,7 +60,8 @@ def test_zero_stages_on_a_drawn_layout(seed):
 FSDP2_CASES = [("reported", dict(vocab_size=512, block_size=32, n_layer=3, n_head=3, n_embd=96), 64, 2, 32)]
 for _s in SEEDS_FAKE:
     _r = random.Random(100 + _s)
-    FSDP2_CASES.append((f"seed {100 + _s}", draw_model(_r), _r.randint(2, 64), _r.randint(1, 2), _r.choice([8, 16, 32])))
+    FSDP2_CASES.append((f"seed {100 + _s}", draw_model(_r), _r.randint(2, 64), _r.randint(1, 2),
+                        _r.choice([8, 16, 32])))
 
 
 @pytest.mark.parametrize("name, cfg, world, rows, seq", FSDP2_CASES, ids=[c[0] for c in FSDP2_CASES])
