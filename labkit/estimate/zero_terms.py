@@ -317,7 +317,7 @@ def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward:
       backward) and nothing is gathered in backward;
     - either way a block's post-backward reshards it (frees its gathered parameters) before its reduce-scatter;
     - the reduce-scatter input: a block's gradients copied into one padded buffer, held until the next
-      reduce-scatter starts (inside block k's backward, block k + 1's)."""
+      reduce-scatter starts (inside block k's backward, block k + 1's; in the embedding's, block 0's)."""
     d, L = lay.d, lay.n_blocks
     unit = _t("all-gather output buffer (freed at the next all-gather)", T_, d * lay.world * lay.s_block,
               "N s_block x d B")
@@ -339,6 +339,8 @@ def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward:
                 terms = _regather(terms, lay, 0 if reshard_after_forward else L if k is None else k + 1 - ends)
             if k is not None and k < L - 1 and not ends:
                 terms.append(rs)
+        elif L and m.phase == "backward" and not ends:  # the embedding's backward: block 0's input still held
+            terms.append(rs)
         out.append(Moment(m.phase, m.where, terms))
     return out
 

@@ -58,10 +58,11 @@ def test_zero_stages_on_a_drawn_layout(seed):
 
 
 FSDP2_CASES = [("reported", dict(vocab_size=512, block_size=32, n_layer=3, n_head=3, n_embd=96), 64, 2, 32)]
-for _s in SEEDS_FAKE:
-    _r = random.Random(100 + _s)
-    FSDP2_CASES.append((f"seed {100 + _s}", draw_model(_r), _r.randint(2, 64), _r.randint(1, 2),
-                        _r.choice([8, 16, 32])))
+# 504: a draw from a wider sweep that found the block-0 reduce-scatter input still held at the embedding's backward
+# (2 ranks, a large vocabulary: the peak is there), kept
+for _s in [111, 112, 113, 504]:
+    _r = random.Random(_s)
+    FSDP2_CASES.append((f"seed {_s}", draw_model(_r), _r.randint(2, 64), _r.randint(1, 2), _r.choice([8, 16, 32])))
 
 
 @pytest.mark.parametrize("name, cfg, world, rows, seq", FSDP2_CASES, ids=[c[0] for c in FSDP2_CASES])
