@@ -62,7 +62,8 @@ def pipeline_parity(rank, world_size, family, cfg, batch, seq, m, schedules=("gp
         if out["reference"] is None:
             out["reference"] = {stage.origin[n]: ref[stage.origin[n]] for n, _ in stage.named_parameters()}
         actions = pl.schedule(name, m, world_size, rank)
-        run = pl.run_step(stage, actions, x if stage.is_first else None, y if stage.is_last else None, m)
+        run = pl.run_step(stage, actions, x if stage.is_first else None, y if stage.is_last else None, m,
+                          batch_shape=tuple(x.shape))
         pl.sync_tied_grads(stage, group)
         res = {"grads": _stage_grads(stage), "loss": run.loss, "in_flight": max(run.in_flight),
                "wire": run.wire_bytes}
@@ -76,7 +77,7 @@ def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stage = pl.build_stage(model, rank, world_size)
-    ps = PipelineStage(stage, rank, world_size, torch.device("cpu"))
+    ps = PipelineStage(stage, rank, world_size, torch.device("cpu"), group=pl.p2p_group())
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
@@ -121,7 +122,7 @@ def pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name, optimize
         x, y = (x if stage.is_first else None), (y if stage.is_last else None)
         for _ in range(steps):
             comms.barrier()
-            run = pl.run_step(stage, actions, x, y, m, ledger=led)
+            run = pl.run_step(stage, actions, x, y, m, ledger=led, batch_shape=(batch, seq))
             pl.sync_tied_grads(stage, group)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -126,7 +126,7 @@ def train_step_memory(rank: int, world: int, recipe, steps: int = 2, seed: int =
             if r.pp > 1:
                 first, last = mesh.part == 0, mesh.part == r.pp - 1
                 run_ = pl.run_step(part, actions, x if first else None, y if last else None, m, ledger=led,
-                                   ranks=mesh.stage_ranks)
+                                   ranks=mesh.stage_ranks, batch_shape=tuple(x.shape))
                 pl.sync_tied_grads(part, mesh.tied_group)
                 losses.append(run_.loss)
             else:

@@ -5,6 +5,8 @@ from stage to stage with send/recv, run under GPipe or 1F1B.
     stage = build_stage(model, rank, n_stages)              # embeddings + blocks 0-1, or blocks 2-3 + head
     actions = schedule("1f1b", m=4, n_stages=2, stage=rank) # [("F", 0), ("F", 1), ("B", 0), ...]
     run = run_step(stage, actions, x, y, m)                 # loss, per-action timestamps, in-flight counts
+    # (a middle stage of 3 or more has neither ids nor targets: run_step(stage, actions, None, None, m,
+    #  batch_shape=(B, T)) sizes what it receives)
     sync_tied_grads(stage)                                  # the embedding shared by the first and last stage
 
 Schedules (Huang et al. 2019, GPipe; Narayanan et al. 2021, PipeDream-Flush / Megatron's 1F1B): with p
@@ -31,7 +33,8 @@ from labkit.distributed import comms
 from labkit.memory.report import Category
 
 __all__ = ["split_layers", "Stage", "build_stage", "schedule", "gpipe", "one_f_one_b", "run_step", "StepRun",
-           "sync_tied_grads", "simulate", "durations_of", "bubble_fraction", "measured_bubble", "max_in_flight",
+           "sync_tied_grads", "p2p_group", "simulate", "durations_of", "bubble_fraction", "measured_bubble",
+           "max_in_flight",
            "pipeline_wire_bytes"]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -163,6 +166,24 @@ def tied_group(n_stages: int):
     return comms.new_group([0, n_stages - 1]) if n_stages > 1 else None
 
 
+_P2P: dict = {}
+
+
+def p2p_group():
+    """The process group the stages' sends and receives go on: every rank, without the DETAIL wrapper
+    (comms.plain_group), made once per default group. On the default group the wrapper counts each send and
+    receive in its sequence number: a middle stage (p >= 3) sends and receives twice as often as the first and
+    last, so the next collective there (a barrier, the optimizer's all-reduce) would fail its cross-rank check.
+    run_step makes it on its first call (every rank calls run_step, so every rank makes it, in the same order)."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _P2P:
+        _P2P.clear()
+        _P2P[key] = comms.plain_group()
+    return _P2P[key]
+
+
 # ---- schedules: the order of forwards (F) and backwards (B) of micro-batches on one stage -----------------
 def gpipe(m: int, n_stages: int, stage: int) -> list[tuple[str, int]]:
     """All m forwards, then all m backwards (Huang et al. 2019)."""
@@ -214,7 +235,7 @@ class StepRun:
 
 def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor | None,
              targets: torch.Tensor | None, m: int, ledger=None, clock=time.perf_counter,
-             ranks: list[int] | None = None) -> StepRun:
+             ranks: list[int] | None = None, batch_shape: tuple[int, int] | None = None) -> StepRun:
     """Run one stage's actions for one training step; gradients accumulate in the stage's parameters.
 
     inputs: token ids (B, T) on the first stage; targets: (B, T) on the last; both split into m micro-batches
@@ -224,6 +245,8 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
     with recv. `ledger` (labkit.memory.Ledger), if given, is told that a received input is an activation.
     `ranks`: the global rank of each stage (default 0 .. p - 1; one pipeline of several, beside data
     parallelism, has its own, see labkit.distributed.mesh).
+    `batch_shape`: (B, T) of the whole batch, for a middle stage (p >= 3), which holds neither the token ids
+    nor the targets but must size the activations it receives; the first and last stage read it from theirs.
     """
     s, p = stage.index, stage.n_stages
     ranks = list(range(p)) if ranks is None else list(ranks)
@@ -238,7 +261,8 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
         raise ValueError(f"pipeline: the last stage needs targets whose batch divides into {m} micro-batches")
     held: dict[int, tuple] = {}  # micro-batch -> (its input, its output or loss, the send of its output)
     grad_send, losses = None, []
-    shape = _hidden_shape(stage, xs, ys)
+    shape = _hidden_shape(stage, xs, ys, batch_shape, m)
+    group = p2p_group() if p > 1 else None
     dtype = next(stage.parameters()).dtype
     with comms.CommLog() as log:
         for kind, i in actions:
@@ -246,7 +270,8 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                 if stage.is_first:
                     x = xs[i]
                 else:
-                    x = comms.recv(torch.empty(shape, dtype=dtype), src=ranks[s - 1], tag=f"activation {i}")
+                    x = comms.recv(torch.empty(shape, dtype=dtype), src=ranks[s - 1], group=group,
+                                   tag=f"activation {i}")
                     x.requires_grad_(True)
                     if ledger is not None:
                         ledger.track(x, Category.ACT)
@@ -259,7 +284,8 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                 t1 = clock()
                 # the send holds the output until it completes: it is waited on (done, since its gradient
                 # came back) at this micro-batch's backward
-                sent = None if stage.is_last else comms.isend(out.detach(), dst=ranks[s + 1], tag=f"activation {i}")
+                sent = None if stage.is_last else comms.isend(out.detach(), dst=ranks[s + 1], group=group,
+                                                                  tag=f"activation {i}")
                 held[i] = (x, out, sent)
             else:
                 x, out, sent = held.pop(i)
@@ -267,7 +293,7 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                     t0 = clock()
                     out.backward()
                 else:
-                    grad = comms.recv(torch.empty_like(out), src=ranks[s + 1], tag=f"grad {i}")
+                    grad = comms.recv(torch.empty_like(out), src=ranks[s + 1], group=group, tag=f"grad {i}")
                     sent.wait()
                     t0 = clock()
                     torch.autograd.backward(out, grad)
@@ -279,7 +305,7 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
                 if not stage.is_first:
                     if grad_send is not None:  # one gradient in flight at a time
                         grad_send.wait()
-                    grad_send = comms.isend(x.grad, dst=ranks[s - 1], tag=f"grad {i}")
+                    grad_send = comms.isend(x.grad, dst=ranks[s - 1], group=group, tag=f"grad {i}")
                 del x
             run.times.append((kind, i, t0, t1))
             run.in_flight.append(len(held))
@@ -292,12 +318,20 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
     return run
 
 
-def _hidden_shape(stage: Stage, xs, ys) -> tuple[int, int, int]:
+def _hidden_shape(stage: Stage, xs, ys, batch_shape, m: int) -> tuple[int, int, int]:
     """(rows per micro-batch, T, C) of what passes between stages."""
-    ref = xs[0] if xs is not None else ys[0]
     blk = stage.blocks[0]
     C = next(p for n, p in blk.named_parameters() if n.endswith("weight")).shape[-1]
-    return (ref.shape[0], ref.shape[1], C)
+    if xs is not None or ys is not None:
+        ref = xs[0] if xs is not None else ys[0]
+        return (ref.shape[0], ref.shape[1], C)
+    if batch_shape is None or len(batch_shape) != 2:
+        raise ValueError(f"pipeline: stage {stage.index} of {stage.n_stages} is a middle stage (no token ids, no "
+                         f"targets): give batch_shape=(B, T) of the whole batch so it can size what it receives")
+    B, T = batch_shape
+    if B % m:
+        raise ValueError(f"pipeline: a batch of {B} rows does not divide into {m} micro-batches")
+    return (B // m, T, C)
 
 
 # ---- the bubble ---------------------------------------------------------------------------------------------

@@ -16,14 +16,14 @@ import multiprocessing as mp
 __all__ = ["fsdp2_rank_memory", "zero_rank_memory"]
 
 
-def _child(cfg: dict, worlds: list, batch: int, seq: int, out) -> None:
+def _child(cfg: dict, worlds: list, batch: int, seq: int, reshard: bool, out) -> None:
     try:
-        out.put(("ok", [_measure(cfg, w, batch, seq) for w in worlds]))
+        out.put(("ok", [_measure(cfg, w, batch, seq, reshard) for w in worlds]))
     except BaseException as e:  # report it: the parent raises it
         out.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def _measure(cfg: dict, world: int, batch: int, seq: int) -> dict:
+def _measure(cfg: dict, world: int, batch: int, seq: int, reshard_after_forward: bool = True) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -40,8 +40,8 @@ def _measure(cfg: dict, world: int, batch: int, seq: int) -> dict:
         m = GPT(GPTConfig(**cfg))
         mesh = init_device_mesh("cpu", (world,))
         for b in m.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(m, mesh=mesh)
+            fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
         x = torch.randint(0, cfg["vocab_size"], (batch, seq))
         tracker = FSDPMemTracker(m, opt)
@@ -60,21 +60,23 @@ def _measure(cfg: dict, world: int, batch: int, seq: int) -> dict:
         dist.destroy_process_group()
 
 
-def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float = 300):
+def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float = 300,
+                      reshard_after_forward: bool = True):
     """Rank 0's peak bytes under FSDP2 (every block, then the root, fully_shard-ed; AdamW) for a labkit GPT
     config (a dict of GPTConfig fields), `batch` rows of `seq` tokens per rank, on `world` simulated ranks:
     {"world", "peak", "by_category": FSDPMemTracker's categories at the peak}. A list of world sizes gives a
-    list (one child process for all of them)."""
+    list (one child process for all of them). reshard_after_forward: fully_shard's (True: parameters
+    gathered again for backward, ZeRO-3; False: each block keeps them from its forward to its backward)."""
     worlds = list(world) if isinstance(world, (list, tuple)) else [world]
     for w in worlds:
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
             raise ValueError(f"world must be an integer >= 1, got {w!r}")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(dict(cfg), worlds, batch, seq, q), daemon=True)
+    p = ctx.Process(target=_child, args=(dict(cfg), worlds, batch, seq, bool(reshard_after_forward), q), daemon=True)
     p.start()
     try:
-        kind, value = q.get(timeout=timeout_s)
+        kind, value = _result(q, p, timeout_s)
     finally:
         p.join(timeout=10)
         if p.is_alive():
@@ -83,6 +85,25 @@ def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float =
     if kind != "ok":
         raise RuntimeError(f"fsdp2_rank_memory at world {world}: {value}")
     return value if isinstance(world, (list, tuple)) else value[0]
+
+
+def _result(q, p, timeout_s: float):
+    """The child's ("ok" | "error", value), or an error at once if it died without one (an import of the
+    caller's __main__ failing under spawn, a crash) instead of waiting out the whole timeout."""
+    import queue
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            return q.get(timeout=1)
+        except queue.Empty:
+            if not p.is_alive():
+                try:
+                    return q.get(timeout=1)
+                except queue.Empty:
+                    return "error", f"the child process exited (code {p.exitcode}) without a result"
+    return "error", f"no result within {timeout_s} s"
 
 
 def zero_rank_memory(recipe, steps: int = 2, seed: int = 0):

@@ -210,13 +210,16 @@ def estimate_ranks(recipe) -> list[Estimate]:
         if not first:
             b.before, b.emb_temp, b.emb_dense = 0, 0, 0
         if not last:
-            b.after, b.lsm, b.logits, b.head_grad = rh * mm, 0, 0, 0  # the stage's output, the root of its backward
+            # the stage's output (the root of its backward); no head, so no output-matrix gradient either
+            b.after, b.lsm, b.logits, b.head_grad, b.head_new = rh * mm, 0, 0, 0, 0
             b.head_temp = rh * mm  # the gradient received for it
             b.head_copy = 0
         elif not first and spec.tied:
             b.emb_temp = 0  # the head's copy gets its gradient in place of the embedding's
         if first and not last and spec.tied:
-            b.emb_temp = spec.vocab * spec.hidden * d  # the embedding's dense gradient alone
+            # the first micro-batch's dense embedding gradient becomes .grad itself (AccumulateGrad takes it, and
+            # "gradients" counts it): no head's part to sum with on this stage, nothing beside it
+            b.emb_temp = 0
         a_s = b.before + n_blocks * b.layer + b.after  # one micro-batch's activations on this stage
         acts = _actions(r.schedule if p > 1 else "gpipe", m, p, s) if p > 1 else None
         k_first, k_later = _others_in_flight(acts) if acts else (0, 0)

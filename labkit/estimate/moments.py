@@ -307,6 +307,16 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                                                             "V x h x d", "embedding_dense_backward")]),
                     Moment("backward", "the tied embedding's gradients summed (the stream's gradient freed)" + sfx,
                            [*base, b.term("emb_temp")])]
+    elif b.head_held and b.emb_temp == 2 * b.head_held and grads_exist and not step_in_backward:
+        # a tied matrix, gradients already there: the head's part, held since the head's backward, and the
+        # embedding's dense part are summed into a new tensor before AccumulateGrad adds it in place (the stream's
+        # gradient freed by then): three V x h tensors at once
+        base = [*base_states, *buffers, b.term("inputs"), *rest]
+        moments += [*block_moments, end,
+                    Moment("backward", "the tied embedding's gradients summed (the stream's gradient freed)" + sfx,
+                           [*base, b.term("head_held"),
+                            custom("dense embedding gradient and the tied sum", T_, 2 * b.head_held,
+                                   "2 x V x h x d", "embedding_dense_backward; autograd's sum of the two parts")])]
     else:
         moments += [*block_moments, end]
     if step_in_backward:

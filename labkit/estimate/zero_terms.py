@@ -60,14 +60,24 @@ class RankLayout:
     state_per_elem: int  # optimizer-state values per element (2 for Adam, 1 momentum, 0 SGD)
     counters: bool  # Adam's 4-byte step per tensor (one per unit shard)
     offload: bool
+    # FSDP2 (fully_shard) shards each parameter on its own along dim 0, padded to N chunks: rank 0's chunk of
+    # each tensor (ceil(d0 / N) x the other dims), block's and root's; empty: labkit's Zero (flat units)
+    per_param: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     @property
     def s_block(self) -> int:
-        return math.ceil(self.block / self.world)
+        return sum(self.per_param[0]) if self.per_param[0] else math.ceil(self.block / self.world)
 
     @property
     def s_root(self) -> int:
-        return math.ceil(self.root / self.world)
+        return sum(self.per_param[1]) if self.per_param[1] else math.ceil(self.root / self.world)
+
+    @property
+    def tensors(self) -> int:
+        """Optimizer tensors: one per unit shard (labkit's Zero), one per parameter (FSDP2's DTensors)."""
+        if self.per_param[0] or self.per_param[1]:
+            return self.n_blocks * len(self.per_param[0]) + len(self.per_param[1])
+        return self.units
 
     @property
     def units(self) -> int:
@@ -96,14 +106,17 @@ class RankLayout:
     def opt(self) -> int:
         if self.offload:
             return 0
-        return self.state_per_elem * self.d * self.shard + (4 * self.units if self.counters else 0)
+        return self.state_per_elem * self.d * self.shard + (4 * self.tensors if self.counters else 0)
 
     def opt_temp(self, optimizer: str) -> int:
         """AdamW (single tensor) on the unit shards: the largest shard's sqrt(v) and quotient beside the
         previous shard's (optim_terms.step_bytes); 0 offloaded (the host does it)."""
         if self.offload:
             return 0
-        shapes = [(self.s_block,)] * self.n_blocks + ([(self.s_root,)] if self.root else [])
+        if self.per_param[0] or self.per_param[1]:
+            shapes = [(n,) for n in self.per_param[0]] * self.n_blocks + [(n,) for n in self.per_param[1]]
+        else:
+            shapes = [(self.s_block,)] * self.n_blocks + ([(self.s_root,)] if self.root else [])
         return optim_terms.step_bytes(SimpleNamespace(param_shapes=shapes), self.d, optimizer, False)[1]
 
 
@@ -262,3 +275,102 @@ def stages(recipe) -> dict:
     from .predict import estimate
 
     return {z: estimate(recipe.replace(zero=z, zero_offload=recipe.zero_offload and z > 0)) for z in (0, 1, 2, 3)}
+
+
+# ---- FSDP2 (torch.distributed.fsdp.fully_shard on every block, then the root) ----------------------------------
+FSDP2_SOURCE = ("torch.distributed.fsdp.fully_shard (FSDP2): per-parameter dim-0 shards; all-gather output and "
+                "reduce-scatter input buffers, measured with FSDPMemTracker (torch 2.13)")
+
+
+def fsdp2_layout(spec, d: int, world: int, optimizer: str = "adamw") -> RankLayout:
+    """Rank 0's shards under FSDP2: each parameter cut along dim 0 in N chunks of ceil(d0 / N) rows (the last
+    chunks padded, rank 0's always full), so a unit's all-gather moves N x sum of its chunks, not its elements
+    padded once to N (labkit's Zero flattens a unit first)."""
+    import re
+
+    base = rank_layout(spec, d, 3, world, optimizer)
+    block, root = [], []
+    for name, shape in zip(spec.param_names, spec.param_shapes):
+        hit = re.search(r"(?:blocks|h|layers)\.(\d+)\.", name)
+        if hit and int(hit.group(1)) != 0:
+            continue
+        rest = 1
+        for x in shape[1:]:
+            rest *= x
+        chunk = math.ceil(shape[0] / world) * rest if shape else 1
+        (block if hit else root).append(chunk)
+    return RankLayout(3, world, d, base.block, base.root, base.n_blocks, base.state_per_elem, base.counters,
+                      False, (tuple(block), tuple(root)))
+
+
+def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward: bool = True) -> list[Moment]:
+    """FSDP2's moments from labkit's ZeRO-3 moments on its layout (rank_moments with fsdp2_layout), with what
+    FSDP2 holds beside them:
+
+    - the all-gather output: a unit is gathered into one flat buffer and copied out into its parameters; the
+      buffer is freed only at the next all-gather (one unit's, N s_unit x d, at every forward moment, the
+      root's before the first block);
+    - reshard_after_forward=True (ZeRO-3): backward gathers again, each block prefetching the one before it,
+      so inside block k's backward (and in the head's, for the last block) the next block's buffer is alive;
+    - reshard_after_forward=False: a block keeps its gathered parameters from its forward to the end of its
+      backward (blocks 0..k gathered at block k, every block between the forward's end and the first
+      backward) and nothing is gathered in backward;
+    - either way a block's post-backward reshards it (frees its gathered parameters) before its reduce-scatter;
+    - the reduce-scatter input: a block's gradients copied into one padded buffer, held until the next
+      reduce-scatter starts (inside block k's backward, block k + 1's; in the embedding's, block 0's)."""
+    d, L = lay.d, lay.n_blocks
+    unit = _t("all-gather output buffer (freed at the next all-gather)", T_, d * lay.world * lay.s_block,
+              "N s_block x d B")
+    rs = _t("the previous block's reduce-scatter input (freed at the next reduce-scatter)", T_,
+            d * lay.world * lay.s_block, "N s_block x d B")
+    out = []
+    for m in moments:
+        k, terms = _block_of(m.where), list(m.terms)
+        ends = m.where.endswith("reduce-scatter")  # rank_moments' flat copy: the reduce-scatter input itself
+        head_side = k is None and not ends and "embedding" not in m.where  # the loss, the head, the final norm
+        if L and m.phase == "forward":  # inside the last block or after it: the last block's buffer
+            terms.append(unit)
+            if not reshard_after_forward:
+                terms = _regather(terms, lay, L if k is None else k + 1)
+        elif L and m.phase == "backward" and (head_side or k is not None):
+            if reshard_after_forward and (head_side or k >= 1):
+                terms.append(unit)  # the block about to run backward (or block k - 1) prefetched
+            if ends or not reshard_after_forward:  # post-backward reshards block k before its reduce-scatter
+                terms = _regather(terms, lay, 0 if reshard_after_forward else L if k is None else k + 1 - ends)
+            if k is not None and k < L - 1 and not ends:
+                terms.append(rs)
+        elif L and m.phase == "backward" and not ends:  # the embedding's backward: block 0's input still held
+            terms.append(rs)
+        out.append(Moment(m.phase, m.where, terms))
+    return out
+
+
+def _regather(terms: list[Term], lay: RankLayout, blocks: int) -> list[Term]:
+    """The terms with `blocks` blocks gathered in place of rank_moments' one-at-a-time block."""
+    kept = [t for t in terms if not t.name.endswith("block(s) gathered")]
+    return kept + _gathered(lay, False, blocks)
+
+
+def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
+    """Rank 0's Estimate under FSDP2 (fully_shard on every block, then the root; torch AdamW on the DTensor
+    shards) for a data-parallel recipe (its dp is the world size; its zero is ignored): labkit's per-rank
+    ZeRO-3 moments on FSDP2's per-parameter layout, with FSDP2's buffers (fsdp2_moments)."""
+    from labkit.memory.report import Estimate
+
+    from .predict import Precision, _estimate
+    from .spec import spec_from
+
+    r = recipe.replace(zero=3, zero_offload=False)
+    if r.dp < 2:
+        raise ValueError(f"fsdp2_estimate needs dp >= 2 ranks, got dp={r.dp}")
+    d = Precision.of(r.dtype).weight
+    spec = spec_from(r.model, **r.config)
+    single = _estimate(r.replace(dp=1, batch=r.rank_batch, zero=0))
+    lay = fsdp2_layout(spec, d, r.dp, r.optimizer)
+    moments = fsdp2_moments(rank_moments(single.moments, lay, r.optimizer, spec.n_layer), lay, reshard_after_forward)
+    terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
+        _t("parameter shards", P_, lay.params(), "rank 0's dim-0 chunk of every parameter"),
+        _t("gradient shards", G_, lay.grads_shard(), "the same chunks, after the reduce-scatter"),
+        _t("optimizer state shards", O_, lay.opt(), f"{lay.state_per_elem} x s x {d} B + 4 B step per tensor")]
+    tag = f" dp={r.dp} FSDP2 reshard_after_forward={reshard_after_forward} (rank 0)"
+    return Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
