@@ -77,12 +77,12 @@ check: test test-parity test-browser test-colab
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 test: env
-	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --ignore=tests/browser --nbval-lax -p no:cacheprovider -rs
+	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --ignore=tests/browser --nbval-lax -p no:cacheprovider -rs --durations=20
 
 # The tests marked `parity` (numbers compared with a reference library or a torch kernel) once more, on
 # ATen's portable kernels, as a CPU without AVX2/AVX-512 runs them: their tolerances must not depend on the CPU.
 test-parity: env
-	ATEN_CPU_CAPABILITY=default LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests -m parity --ignore=tests/browser -p no:cacheprovider -rs
+	ATEN_CPU_CAPABILITY=default LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests -m parity --ignore=tests/browser -p no:cacheprovider -rs --durations=20
 
 # Chromium from the system (Debian: apt-get install chromium; as root this target installs it, with retries);
 # Playwright from pip. Then every lesson runs in JupyterLab in headless Chromium (tests/browser).
@@ -97,7 +97,7 @@ test-browser: env
 	@$(PY) -c "import playwright" 2>/dev/null || \
 	  for i in 1 2 3; do $(PIP) install --quiet -e ".[browser]" && break; echo ">> pip failed, retrying"; sleep 5; done
 	@$(PY) -c "import playwright.sync_api" || { echo "make test-browser: playwright did not install" >&2; exit 2; }
-	LABKIT_SMOKE=1 $(PY) -m pytest tests/browser -m browser -p no:cacheprovider -rs -v
+	LABKIT_SMOKE=1 $(PY) -m pytest tests/browser -m browser -p no:cacheprovider -rs -v --durations=20
 
 # Colab's image stood in for by a fresh venv: Colab runs Python 3.13 with its own CUDA torch; here torch's
 # wheel on disk is for $(PYTHON) (3.11), so COLAB_PYTHON defaults to it (COLAB_PYTHON=python3.13 downloads

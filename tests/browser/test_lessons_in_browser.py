@@ -98,6 +98,19 @@ DONE = """() => { const w = window.jupyterapp.shell.currentWidget;
   return cells.every(c => c.model.executionCount !== null) && w.sessionContext.session.kernel.status === 'idle'; }"""
 
 
+# true once `views` widget views have rendered, or one has failed to (the asserts that follow say which)
+VIEWS_SETTLED = """views => document.querySelectorAll('.jp-OutputArea-output .jupyter-widgets').length >= views
+  || document.body.innerText.includes('Error displaying widget')"""
+
+
+def _wait_for_widget_views(page, views: int) -> None:
+    """Wait (at most 30 s) for the lesson's widget views to render, instead of sleeping a fixed time."""
+    try:
+        page.wait_for_function(VIEWS_SETTLED, arg=views, timeout=30_000, polling=100)
+    except sync_api.TimeoutError:
+        pass  # the asserts below report what did not render
+
+
 def _errors(cells: list[dict]) -> list[str]:
     return [f"cell [{c['n']}]: {o.get('ename')}: {o.get('evalue')}" for c in cells for o in c["outputs"]
             if o["output_type"] == "error"]
@@ -196,10 +209,10 @@ def test_lesson_runs_and_its_panels_respond(lab, lesson):
         cells = page.evaluate(CELLS)
         assert not _errors(cells), _errors(cells)
         assert all(c["n"] is not None for c in cells), "some cells did not run"
-        page.wait_for_timeout(1000)  # let the last widget views render
-        assert page.get_by_text("Error displaying widget").count() == 0
         views = sum(1 for c in cells for o in c["outputs"]
                     if "application/vnd.jupyter.widget-view+json" in o.get("data", {}))
+        _wait_for_widget_views(page, views)
+        assert page.get_by_text("Error displaying widget").count() == 0
         assert page.locator(".jp-OutputArea-output .jupyter-widgets").count() >= views  # each view rendered
         if stem in FINAL_STATE:
             FINAL_STATE[stem](_panels(page))
