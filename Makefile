@@ -5,6 +5,7 @@
 #   make test   same environment; unit + widget + distributed tests and every notebook under nbval (smoke mode)
 #   make test-browser every lesson run in JupyterLab in a real browser (Chromium + Playwright); screenshots of each panel
 #   make test-parity  the `parity` tests again on PyTorch's portable CPU kernels (ATEN_CPU_CAPABILITY=default)
+#   make release  release/student/ (no solutions, answer stubs, checks kept) and release/grader/ (nbgrader course)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -30,7 +31,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab check test test-parity test-browser test-gpu bench clean
+.PHONY: env lab colab check test test-parity test-browser test-gpu bench release clean
 
 env: $(STAMP)
 
@@ -101,6 +102,10 @@ test-gpu: env
 	  echo ">> no tests/gpu yet"; \
 	fi
 
+# Two builds from one source, in nbgrader's layout (labkit/course/release.py); LESSONS=00,09 builds only those.
+release: env
+	$(PY) -m labkit.course release --out release $(if $(LESSONS),--lessons $(LESSONS))
+
 bench: env
 	@for f in bench/*.py; do \
 	  [ -e "$$f" ] || { echo ">> no benchmarks in bench/"; break; }; \
@@ -108,6 +113,6 @@ bench: env
 	done
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info labkit.egg-info .pytest_cache
+	rm -rf $(VENV) build dist release *.egg-info labkit.egg-info .pytest_cache
 	find . -path ./.git -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -print \
 	  | xargs rm -rf
