@@ -6,6 +6,7 @@ Small on purpose: lesson 11's exercise cells only (a code exercise checked again
 why-question), and lesson 09's exercise module for the stubs.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -14,12 +15,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-pytest.importorskip("nbgrader")
-
-from labkit.course import grade, release, stubs  # noqa: E402
-from labkit.course.exercises import answer_names, check_calls  # noqa: E402
-from labkit.exercises import recorded  # noqa: E402
-from labkit.paths import REPO_ROOT  # noqa: E402
+from labkit.course import grade, release, stubs
+from labkit.course.exercises import answer_names, check_calls
+from labkit.exercises import recorded
+from labkit.paths import REPO_ROOT
 
 SOLUTIONS = REPO_ROOT / "notebooks" / "solutions"
 
@@ -72,7 +71,6 @@ def test_grading_scores_each_exercise(course, tmp_path):
                    ("wrong", "dgc_bytes"): 0, ("wrong", "why_memory"): 0,
                    ("raises", "dgc_bytes"): 1, ("raises", "why_memory"): 0}
     assert (tmp_path / "out" / "scores.csv").read_text().splitlines()[0] == ",".join(grade.FIELDS)
-    import json
     totals = json.loads((tmp_path / "out" / "scores.json").read_text())["students"]
     assert {s: (t["score"], t["max_score"]) for s, t in totals.items()} == {
         "right": (2, 2), "wrong": (0, 2), "raises": (1, 2)}
