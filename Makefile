@@ -10,6 +10,7 @@
 #                     the same plan, every CUDA step a recorded skip, the time budget checked (seconds)
 #   make test-colab   the Colab install cell in a fresh venv like Colab's image (its torch kept, ipywidgets 7.7.1,
 #                     no bitsandbytes), then the widget tests on ipywidgets 7.7.1 there
+#   make release  release/student/ (no solutions, answer stubs, checks kept) and release/grader/ (nbgrader course)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -35,7 +36,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab check test test-parity test-browser test-colab test-gpu gpu-check bench clean
+.PHONY: env lab colab check test test-parity test-browser test-colab test-gpu gpu-check bench release clean
 
 env: $(STAMP)
 
@@ -128,6 +129,9 @@ test-gpu: env
 # summary.md (and allocator_recording.json) under $OUT if set, else data/gpu_check/. Exit 1 on any failure.
 gpu-check: env
 	$(PY) bench/gpu_check.py
+# Two builds from one source, in nbgrader's layout (labkit/course/release.py); LESSONS=00,09 builds only those.
+release: env
+	$(PY) -m labkit.course release --out release $(if $(LESSONS),--lessons $(LESSONS))
 
 bench: env
 	@for f in bench/*.py; do \
@@ -136,6 +140,6 @@ bench: env
 	done
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info labkit.egg-info .pytest_cache
+	rm -rf $(VENV) build dist release *.egg-info labkit.egg-info .pytest_cache
 	find . -path ./.git -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -print \
 	  | xargs rm -rf

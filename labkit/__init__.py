@@ -2,5 +2,5 @@
 
 from labkit.session import optional_import, quiet_known_warnings, setup
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # = pyproject.toml's [project] version (tests/unit/test_version.py)
 __all__ = ["optional_import", "quiet_known_warnings", "setup"]

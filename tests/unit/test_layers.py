@@ -17,7 +17,7 @@ ROOT = pathlib.Path(labkit.__file__).parent
 TECHNIQUES = {"models", "data", "precision", "recompute", "optim", "quant", "peft", "accumulate", "device", "paths",
               "distributed"}
 LAYER = {"session": 4, "memory": 0, **{t: 1 for t in TECHNIQUES}, "estimate": 2, "run": 3,
-         "viz": 4, "exercises": 4, "cli": 4, "colab": 4, "plan": 4, "__main__": 5, "__init__": 0}
+         "viz": 4, "exercises": 4, "cli": 4, "colab": 4, "plan": 4, "course": 5, "__main__": 5, "__init__": 0}
 
 
 def _layer_of(module: str) -> int:

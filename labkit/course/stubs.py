@@ -1,0 +1,190 @@
+"""The student build's exercise modules: each answer function a lesson's checks can do without is replaced by
+a stub that raises NotImplementedError with a hint, and the checks compare with its recorded values.
+
+Rule. An answer function is a public function of labkit/exercises/lessonNN.py that is not a check. It is
+stubbed when every check that reaches it (directly or through the module's helpers) is called by the lessons
+only with inputs that can be recorded when the build runs: literals, the learner's answers (a number, or for
+a code exercise the reference solution from notebooks/solutions/), and a fixed seed (`STUDENT_SEED`: in the
+student build a code exercise is checked on the cases that seed draws; the grader's hidden checks draw
+afresh). An answer whose check gets the lesson's own objects (its model, its tensors: profile-dependent)
+stays, since no recording could cover every learner's device; `plan()` names both sets.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from labkit.exercises import recorded
+
+from .exercises import answer_names, check_calls
+
+STUDENT_SEED = 2026  # the code exercises' cases in the student build
+
+
+@dataclass
+class ModulePlan:
+    module: str  # "lesson09"
+    stubbed: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # answer -> why it stays
+    table: dict[str, object] = field(default_factory=dict)  # fingerprint -> recorded value
+
+
+def _defs(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def _reach(defs: dict[str, ast.FunctionDef]) -> dict[str, set[str]]:
+    """{function: every function of the module it calls, directly or through others}."""
+    direct = {name: {n.id for n in ast.walk(d) if isinstance(n, ast.Name) and n.id in defs} - {name}
+              for name, d in defs.items()}
+    closure = {}
+    for name in defs:
+        seen, todo = set(), list(direct[name])
+        while todo:
+            f = todo.pop()
+            if f not in seen:
+                seen.add(f)
+                todo.extend(direct[f])
+        closure[name] = seen
+    return closure
+
+
+def _literal(node: ast.expr):
+    return ast.literal_eval(node)  # ValueError for anything but a literal
+
+
+def _call_inputs(call, answers: set[str], solutions, check_fn):
+    """The check's arguments as the recording passes them: literals as written, the learner's answers as a
+    dummy number (a numeric exercise) or the reference solution (a code exercise); ValueError otherwise."""
+    params = list(check_fn.__code__.co_varnames[:check_fn.__code__.co_argcount])
+    code_exercise = params[:1] == ["fn"]
+
+    def value(node):
+        if isinstance(node, ast.Name) and node.id in answers:
+            if code_exercise:
+                ref = getattr(solutions, node.id, None)
+                if not callable(ref):
+                    raise ValueError(f"no reference solution named {node.id}")
+                return ref
+            return 0
+        return _literal(node)
+
+    args = [value(a) for a in call.args]
+    kwargs = {k.arg: value(k.value) for k in call.keywords}
+    if "seed" in params and "seed" not in kwargs and len(args) <= params.index("seed"):
+        kwargs["seed"] = STUDENT_SEED
+    return args, kwargs
+
+
+def _load_solutions(path: Path):
+    spec = importlib.util.spec_from_file_location(f"_solutions_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def plan(module: str, notebooks, solutions: Path) -> ModulePlan:
+    """Record the answer functions of labkit.exercises.<module> on the calls the lessons' checks make, and
+    decide which ones the student build can stub (the rule in this module's docstring)."""
+    mod = importlib.import_module(f"labkit.exercises.{module}")
+    defs = _defs(ast.parse(Path(mod.__file__).read_text()))
+    reach = _reach(defs)
+    answers = [n for n in defs if not n.startswith(("_", "check_"))]
+    out = ModulePlan(module)
+    originals = {n: getattr(mod, n) for n in answers}
+
+    def recorder(name, fn):
+        def wrapper(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            with contextlib.suppress(recorded.Unrecordable):
+                out.table[recorded.fingerprint(f"labkit.exercises.{module}.{name}", args, kwargs)] = result
+            return result
+        return wrapper
+
+    sols = _load_solutions(solutions) if solutions.is_file() else None
+    fully_recorded: dict[str, bool] = {}
+    try:
+        for n, fn in originals.items():
+            setattr(mod, n, recorder(n, fn))
+        for nb in notebooks:
+            names = answer_names(nb)
+            for call in check_calls(nb):
+                if call.module != module:
+                    continue
+                ok = False
+                with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()):
+                    args, kwargs = _call_inputs(call.node.value, names, sols, getattr(mod, call.check))
+                    getattr(mod, call.check)(*args, **kwargs)
+                    ok = True
+                fully_recorded[call.check] = fully_recorded.get(call.check, True) and ok
+    finally:
+        for n, fn in originals.items():
+            setattr(mod, n, fn)
+
+    stubbed = set(answers)
+    changed = True
+    while changed:  # an answer stays if a kept answer or a check that cannot be recorded reaches it
+        changed = False
+        for f in sorted(stubbed):
+            users = [c for c in defs if f in reach[c] and (c.startswith("check_") or c in answers)]
+            checks = [c for c in users if c.startswith("check_")]
+            why = None
+            if not checks:
+                why = "no lesson's check uses it"
+            elif any(c not in fully_recorded for c in checks):
+                why = "a check that uses it is not called by a lesson"
+            elif not all(fully_recorded[c] for c in checks):
+                why = "its check gets the lesson's own objects (profile-dependent)"
+            elif any(g not in stubbed for g in users if g in answers):
+                why = "a kept answer uses it"
+            if why:
+                stubbed.discard(f)
+                out.kept[f] = why
+                changed = True
+    out.stubbed = sorted(stubbed)
+    return out
+
+
+def _hint(fn: ast.FunctionDef) -> str:
+    doc = ast.get_docstring(fn) or "see the lesson's section this exercise follows"
+    first = doc.split("\n\n")[0].replace("\n", " ")
+    return first.removeprefix("Reference: ").strip()
+
+
+def stub_source(source: str, module: str, stubbed: list[str]) -> str:
+    """The module's source with each stubbed answer's body replaced by a lookup of its recorded values (for
+    the module's own checks) that raises NotImplementedError with a hint for anyone else, and the code
+    exercises' `seed` defaulting to STUDENT_SEED."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    edits = []  # (first line, last line, replacement), 1-based, applied bottom-up
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in stubbed:
+            indent = " " * (node.col_offset + 4)
+            doc = ast.get_docstring(node)
+            body = [f'{indent}"""{doc}"""\n' if doc else "",
+                    f"{indent}import sys\n\n",
+                    f"{indent}from labkit.exercises.recorded import lookup\n\n",
+                    f"{indent}return lookup(__name__ + {'.' + node.name!r}, {_hint(node)!r}, "
+                    f"sys._getframe(1).f_code.co_filename, args, kwargs)\n"]
+            head = f"{' ' * node.col_offset}def {node.name}(*args, **kwargs):  # the answer is not shipped here\n"
+            first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+            edits.append((first, node.end_lineno, head + "".join(body)))
+        elif isinstance(node, ast.FunctionDef) and node.name.startswith("check_"):
+            a = node.args
+            for arg, default in zip(a.args[len(a.args) - len(a.defaults):], a.defaults):
+                if arg.arg == "seed" and isinstance(default, ast.Constant) and default.value is None:
+                    line = lines[default.lineno - 1]
+                    start, end = default.col_offset, default.end_col_offset
+                    lines[default.lineno - 1] = line[:start] + str(STUDENT_SEED) + line[end:]
+    for first, last, text in sorted(edits, reverse=True):
+        lines[first - 1:last] = [text]
+    header = (f"# Student build of labkit/exercises/{module}.py (labkit.course.stubs): the answers marked "
+              f"'not shipped here' are stubs.\n")
+    return header + "".join(lines)

@@ -1,0 +1,126 @@
+"""The course release (labkit/course): nbgrader's own tool accepts the grader build and grades submissions
+(wrong answers 0, the reference solutions full marks, a notebook that raises mid-way keeps the score of the
+cells before it), and the student build's stubs raise NotImplementedError while its checks still pass or fail.
+
+Small on purpose: lesson 11's exercise cells only (a code exercise checked again on inputs drawn afresh, and a
+why-question), and lesson 09's exercise module for the stubs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.course import grade, release, stubs
+from labkit.course.exercises import answer_names, check_calls
+from labkit.exercises import recorded
+from labkit.paths import REPO_ROOT
+
+SOLUTIONS = REPO_ROOT / "notebooks" / "solutions"
+
+
+def _answer(nb, name: str, source: str):
+    """The submission: the answer cell that first assigns or defines `name` gets `source`."""
+    for cell in nb.cells:
+        if cell.cell_type == "code" and name in answer_names(nbformat.v4.new_notebook(cells=[
+                nbformat.v4.new_markdown_cell("## Exercises"), cell])):
+            cell.source = source
+            return
+    raise AssertionError(f"no answer cell for {name}")
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    root = tmp_path_factory.mktemp("release") / "grader"
+    root.mkdir()
+    assert release.build_grader(root, lessons=["11"], exercises_only=True) == ["11_communication"]
+    return root
+
+
+def test_grader_build_is_an_nbgrader_course(course):
+    released = nbformat.read(course / "release" / "11_communication" / "11_communication.ipynb", as_version=4)
+    source = nbformat.read(course / "source" / "11_communication" / "11_communication.ipynb", as_version=4)
+    graded = [c for c in source.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    assert [c.metadata["nbgrader"]["grade_id"] for c in graded] == ["dgc_bytes", "why_memory"]
+    assert all("BEGIN HIDDEN TESTS" in c.source for c in graded)
+    assert "randrange" in graded[0].source  # the code exercise is checked again on fresh inputs
+    text = "\n".join(c.source for c in released.cells)
+    assert "HIDDEN" not in text and "randrange" not in text and "lesson11.check_dgc_bytes(dgc_bytes)" in text
+
+
+def test_grading_scores_each_exercise(course, tmp_path):
+    released = nbformat.read(course / "release" / "11_communication" / "11_communication.ipynb", as_version=4)
+    sol = (SOLUTIONS / "lesson11.py").read_text()
+    right_fn = sol.split("# ---- exercise 2")[0]  # the reference solution's imports and dgc_bytes
+    cases = {"right": (right_fn, 'why = "b"'),
+             "wrong": ("def dgc_bytes(numels, density, world):\n    return 0", 'why = "a"'),
+             "raises": (right_fn, 'raise RuntimeError("the learner stopped here")')}
+    for student, (fn_src, why_src) in cases.items():
+        nb = nbformat.from_dict(released)
+        _answer(nb, "dgc_bytes", fn_src)
+        _answer(nb, "why", why_src)
+        (tmp_path / "in" / student).mkdir(parents=True)
+        nbformat.write(nb, tmp_path / "in" / student / "11_communication.ipynb")
+    rows = grade.grade(tmp_path / "in", course, tmp_path / "out")
+    got = {(r["student"], r["exercise"]): r["score"] for r in rows}
+    assert got == {("right", "dgc_bytes"): 1, ("right", "why_memory"): 1,
+                   ("wrong", "dgc_bytes"): 0, ("wrong", "why_memory"): 0,
+                   ("raises", "dgc_bytes"): 1, ("raises", "why_memory"): 0}
+    assert (tmp_path / "out" / "scores.csv").read_text().splitlines()[0] == ",".join(grade.FIELDS)
+    totals = json.loads((tmp_path / "out" / "scores.json").read_text())["students"]
+    assert {s: (t["score"], t["max_score"]) for s, t in totals.items()} == {
+        "right": (2, 2), "wrong": (0, 2), "raises": (1, 2)}
+
+
+STUDENT_SCRIPT = r'''
+import importlib.util, sys
+from labkit.exercises import lesson00, lesson09
+assert lesson09.__file__.startswith(sys.argv[2]), lesson09.__file__  # the student build's labkit
+spec = importlib.util.spec_from_file_location("sol", sys.argv[1] + "/lesson00.py"); sol00 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sol00)
+for call in (lambda: lesson09.zero3_wire_bytes(1e9, 8, 2), lambda: lesson00.gpt_params(None)):
+    try:
+        call()
+        raise SystemExit("a stub returned an answer")
+    except NotImplementedError as e:
+        assert "Hint:" in str(e), e
+assert lesson09.check_zero3_wire_bytes(3 * 7 / 8 * 2e9, n_params=1e9, world=8, bytes_per_param=2) is True
+assert lesson09.check_zero3_wire_bytes(2 * 7 / 8 * 2e9, n_params=1e9, world=8, bytes_per_param=2) is False
+assert lesson00.check_gpt_params(sol00.gpt_params) is True
+assert lesson00.check_gpt_params(lambda cfg: 7) is False
+print("student build ok")
+'''
+
+
+def test_student_build_stubs_answers_and_keeps_checks(tmp_path):
+    notebooks = [nbformat.read(p, as_version=4) for p in release.lesson_notebooks(lessons=["00", "09"])]
+    assert {c.module for nb in notebooks for c in check_calls(nb)} == {"lesson00", "lesson09"}
+    student = tmp_path / "student"
+    release._copy_common(student, REPO_ROOT)
+    table = {}
+    for module in ("lesson00", "lesson09"):
+        plan = stubs.plan(module, notebooks, SOLUTIONS / f"{module}.py")
+        target = student / "labkit" / "exercises" / f"{module}.py"
+        target.write_text(stubs.stub_source(target.read_text(), module, plan.stubbed))
+        table.update(plan.table)
+        assert plan.kept == {}, plan.kept
+    assert "zero3_wire_bytes" in stubs.plan("lesson09", notebooks, SOLUTIONS / "lesson09.py").stubbed
+    recorded.dump(table, student / "labkit" / "exercises" / recorded.TABLE_FILE)
+    stubbed = (student / "labkit" / "exercises" / "lesson09.py").read_text()
+    assert "wire_bytes(\"all_gather\"" not in stubbed and "def check_zero3_wire_bytes" in stubbed
+    done = subprocess.run([sys.executable, "-c", STUDENT_SCRIPT, str(SOLUTIONS), str(student)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(student)), cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "✅" in done.stdout and "❌" in done.stdout and "student build ok" in done.stdout
+
+
+def test_the_stub_rule_keeps_answers_whose_checks_get_the_lessons_objects():
+    nb = nbformat.read(release.lesson_notebooks(lessons=["05"])[0], as_version=4)
+    plan = stubs.plan("lesson05", [nb], SOLUTIONS / "lesson05.py")
+    assert "state_bytes" in plan.stubbed  # a code exercise: recorded on STUDENT_SEED's cases
+    assert "adam8bit_state_bytes" in plan.stubbed  # called with literal shapes
+    assert "step_in_backward_grad_bytes" in plan.kept  # called with the lesson's CONFIG (profile-dependent)
