@@ -21,12 +21,15 @@ forward's start to the end of backward and one block gathered while it runs (no 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from labkit.memory.report import Category, Moment, Term
+from labkit.memory.report import Category, Estimate, Moment, Term
 
 from . import optim_terms
+from .predict import Precision, single_estimate
+from .spec import spec_from
 
 SOURCE = "ZeRO, Rajbhandari et al. 2020 (arXiv 1910.02054), section 5; labkit.distributed.Zero"
 P_, G_, O_, T_ = Category.PARAM, Category.GRAD, Category.OPT, Category.TEMP
@@ -180,8 +183,6 @@ def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer
 
 
 def _block_of(where: str) -> int | None:
-    import re
-
     hit = re.search(r"\bblock (\d+)", where)
     return int(hit.group(1)) if hit else None
 
@@ -241,14 +242,28 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
     return out
 
 
-def per_rank_estimate(single, spec, r, prec_weight: int):
-    """The per-rank Estimate of a data-parallel recipe from the single-device estimate of one rank's batch."""
-    from labkit.memory.report import Estimate
-
+def data_parallel_estimate(r) -> Estimate:
+    """One data-parallel rank of a recipe: the single-device estimate of its batch (batch / dp rows), its model
+    states as ZeRO stage `r.zero` keeps them."""
+    if r.tp > 1 or r.pp > 1:
+        raise ValueError("data_parallel_estimate takes dp and zero only: use labkit.estimate.estimate for tp/pp")
+    if r.zero:
+        why = [("lora_rank/lisa_layers", r.lora_rank is not None or r.lisa_layers is not None),
+               ("optimizer_offload (use zero_offload)", r.optimizer_offload is not None),
+               ("step_in_backward", r.step_in_backward), ("micro_batch", r.micro < r.rank_batch),
+               ("checkpoint", r.checkpoint != "none" and r.zero >= 2),
+               (f"optimizer {r.optimizer!r}", r.optimizer not in optim_terms.TORCH_STATES)]
+        bad = [w for w, b in why if b]
+        if bad:
+            raise ValueError(f"per-rank ZeRO estimates do not model {', '.join(bad)} yet")
+        if r.zero_offload and r.optimizer != "adamw":
+            raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
+    single = single_estimate(r.replace(dp=1, batch=r.rank_batch, zero=0, zero_offload=False))
     tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + " (per rank)"
     if r.zero == 0:  # labkit's data parallel: all-reduce in place on the .grad tensors, nothing more
         return Estimate(single.label + tag, single.n_params, terms=list(single.terms), moments=list(single.moments))
-    lay = rank_layout(spec, prec_weight, r.zero, r.dp, r.optimizer, r.zero_offload)
+    spec = spec_from(r.model, **r.config)
+    lay = rank_layout(spec, Precision.of(r.dtype).weight, r.zero, r.dp, r.optimizer, r.zero_offload)
     moments = rank_moments(single.moments, lay, r.optimizer, spec.n_layer)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
         _t("parameters" if r.zero < 3 else "parameter shards", P_, lay.params(), "per rank"),
@@ -258,7 +273,7 @@ def per_rank_estimate(single, spec, r, prec_weight: int):
 
 
 def stages(recipe) -> dict:
-    """{stage: the per-rank Estimate} of a recipe at ZeRO stages 0 to 3 (its dp, zero_offload for stages 1-3)."""
-    from .predict import estimate
-
-    return {z: estimate(recipe.replace(zero=z, zero_offload=recipe.zero_offload and z > 0)) for z in (0, 1, 2, 3)}
+    """{stage: the per-rank Estimate} of a data-parallel recipe at ZeRO stages 0 to 3 (its dp, zero_offload for
+    stages 1-3)."""
+    return {z: data_parallel_estimate(recipe.replace(zero=z, zero_offload=recipe.zero_offload and z > 0))
+            for z in (0, 1, 2, 3)}

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the type only; memviz imports this module
-    from .memviz import Trace
 
 
 class Category(str, enum.Enum):
@@ -178,7 +174,7 @@ class Measurement:
     baseline: Breakdown  # live bytes when tracking started
     allocator: dict[str, int] | None = None  # CUDA only: allocated, reserved, max_allocated, ...
     final: Breakdown | None = None  # live bytes when the ledger stopped (e.g. all optimizer state after the last step)
-    trace: "Trace | None" = None  # the ledger's raw events, for `to_memory_viz` (labkit.memory.memviz)
+    trace: object = None  # the ledger's raw events, a labkit.memory.memviz.Trace (memviz imports this module)
 
     @property
     def peak_phase(self) -> str:
