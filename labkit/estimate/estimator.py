@@ -3,9 +3,10 @@ parallelism and ZeRO (zero_terms) and tensor and pipeline parallelism (layout_te
 
 from __future__ import annotations
 
-from labkit.memory.report import Estimate
+from labkit.memory.report import Estimate, Term
 
-from . import layout_terms, zero_terms
+from . import layout_terms, peft_terms, textbook, zero_terms
+from .spec import spec_from
 from .predict import single_estimate
 from .recipe import Recipe, as_recipe
 
@@ -46,10 +47,23 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
     else:
         recipe = Recipe.of(model, batch, seq, dtype=dtype, optimizer=optimizer, **options)
     if recipe.tp > 1 or recipe.pp > 1:
-        return max(layout_terms.estimate_ranks(recipe), key=lambda e: e.peak.total)  # the rank that needs the most
-    if recipe.dp > 1 or recipe.zero:
-        return zero_terms.data_parallel_estimate(recipe)
-    return single_estimate(recipe)
+        est = max(layout_terms.estimate_ranks(recipe), key=lambda e: e.peak.total)  # the rank that needs the most
+    elif recipe.dp > 1 or recipe.zero:
+        est = zero_terms.data_parallel_estimate(recipe)
+    else:
+        est = single_estimate(recipe)
+    est.textbook = textbook_figure(recipe)
+    return est
+
+
+def textbook_figure(r: Recipe) -> list[Term]:
+    """The textbook layer's terms for a recipe (labkit.estimate.textbook.figure), with the counts it needs."""
+    spec = spec_from(r.model, **r.config)
+    peft = peft_terms.peft_of(spec, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers, r.quant_group)
+    if peft is None:
+        return textbook.figure(spec, r, spec.n_params)
+    n_train = peft_terms.trainable_spec(spec, peft).n_params
+    return textbook.figure(spec, r, n_train, peft_terms.quantized_weights(spec, peft))
 
 
 def estimate_ranks(model, batch: int | None = None, seq: int | None = None, **options) -> list[Estimate]:

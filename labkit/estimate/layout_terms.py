@@ -21,6 +21,7 @@ from labkit.memory.report import Category, Estimate, Moment, Term
 from . import predict, zero_terms
 from .moments import custom, step_moments
 from .spec import spec_from
+from .textbook import in_flight, korthikanti_layer_bytes  # noqa: F401 (lesson 10 quotes them from here)
 
 SPLIT_BY_T = ("qkv", "q contiguous", "k^T contiguous", "v contiguous", "attention out", "logsumexp",
               "attention probs", "attention dropout", "attention scores", "fc.", "gelu.")  # walk names, per head / ffn
@@ -34,20 +35,7 @@ def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
     return split(n_layer, n_stages)
 
 
-def in_flight(schedule: str, m: int, n_stages: int, stage: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B)."""
-    if schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
-    return m if schedule == "gpipe" else min(n_stages - stage, m)
-
-
 # ---- Korthikanti et al.'s per-layer formula and what labkit's layer adds ------------------------------------------
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
-    """Activation bytes per transformer layer and tensor-parallel rank (16-bit activations, 1-byte dropout masks,
-    attention scores kept): sbh(10 + 24/t + 5as/(ht)), with sequence parallelism sbh(34/t + 5as/(ht))."""
-    return s * b * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
-
-
 def labkit_layer_extras(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, e: int = 2,
                         device: str = "cpu", dropout: bool = True, manual: bool = True) -> list[Term]:
     """What labkit's layer saves beyond the formula, term by term (e = bytes per activation element):

@@ -7,14 +7,14 @@ never their sum. Every term is a small function whose docstring gives its formul
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from .families import WALKS
-from . import optim_terms, peft_terms
+from . import optim_terms, peft_terms, textbook
 from .moments import StepBytes, step_moments
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
 from labkit.memory.report import Category, Estimate, Term
 from .spec import ModelSpec, spec_from
+from .textbook import Precision
 from .tape import Tape, keep_kinds, replay_blocks, replay_tail
 from .walk import Walk
 
@@ -22,39 +22,25 @@ _BLOCK = re.compile(r"\.\d+\.")  # a module inside the block list (its index in 
 
 
 
-@dataclass(frozen=True)
-class Precision:
-    """How a dtype scheme stores things. mixed-*: fp32 master weights in the model + autocast."""
-
-    weight: int  # bytes per parameter element (and per gradient and optimizer-state element)
-    autocast: bool  # matmuls on 16-bit copies of weights and inputs
-
-    @classmethod
-    def of(cls, dtype: str) -> "Precision":
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        return cls(4 if dtype in ("fp32", "mixed-fp16", "mixed-bf16") else 2, dtype.startswith("mixed"))
-
-
 # ---- model states ------------------------------------------------------------------------------
 def param_bytes(spec: ModelSpec, prec: Precision) -> int:
     """N x bytes per weight: 4 in fp32 and in mixed precision (the fp32 master copy is the model's own
     weights), 2 in pure fp16/bf16. Source: every predictor (ZeRO, Rajbhandari et al. 2020, section 3.1; the
     Hugging Face docs' model-memory anatomy)."""
-    return spec.n_params * prec.weight
+    return textbook.param_bytes(spec.n_params, prec.weight)
 
 
 def autocast_copy_bytes(spec: ModelSpec, prec: Precision) -> int:
     """2 x (parameters that enter a matmul): autocast casts each Linear weight and bias to 16-bit
     once per forward and the matmul keeps the copy until backward. This is the '2 bytes of fp16
     weights' of the 18 bytes/parameter in the Hugging Face docs (transformers' "Model training anatomy")."""
-    return 2 * spec.matmul_params if prec.autocast else 0
+    return textbook.copy16_bytes(spec.matmul_params) if prec.autocast else 0
 
 
 def grad_bytes(spec: ModelSpec, prec: Precision) -> int:
     """N x bytes per weight: gradients take the parameters' dtype, so fp32 under mixed precision
     (4N, the term Playbook discussion #104 says is missing from 16N; ml-engineering #23)."""
-    return spec.n_params * prec.weight
+    return textbook.grad_bytes(spec.n_params, prec.weight)
 
 
 def optimizer_state_bytes(spec: ModelSpec, prec: Precision, optimizer: str, rank: int | None = None,

@@ -8,7 +8,7 @@ parameters, N data-parallel ranks and K bytes of optimizer state per parameter:
     stage 2 (P_os+g)     2 Psi + (2 + K) Psi / N
     stage 3 (P_os+g+p)   (2 + 2 + K) Psi / N
 
-`paper_bytes` is exactly that table (mixed precision: 2 B fp16 weights, 2 B fp16 gradients, K = 12: fp32
+`paper_bytes` (labkit.estimate.textbook) is exactly that table (mixed precision: 2 B fp16 weights, 2 B fp16 gradients, K = 12: fp32
 master weights, m and v). `rank_layout` gives the same rules for labkit's own ZeRO (labkit.distributed.Zero),
 which is what the per-rank estimate and the per-rank measurement run: fp32 weights (d bytes each) in flat
 units (each block, and the root: everything else), each padded to a multiple of N and cut in N equal shards
@@ -30,24 +30,14 @@ from labkit.memory.report import Category, Estimate, Moment, Term
 from . import optim_terms
 from .predict import Precision, single_estimate
 from .spec import spec_from
+from .textbook import paper_bytes, zero_shares  # noqa: F401 (lessons 9 and 13 quote paper_bytes from here)
 
 SOURCE = "ZeRO, Rajbhandari et al. 2020 (arXiv 1910.02054), section 5; labkit.distributed.Zero"
 P_, G_, O_, T_ = Category.PARAM, Category.GRAD, Category.OPT, Category.TEMP
 
 
-def paper_bytes(n_params: float, world: int, stage: int, k: int = 12) -> float:
-    """Bytes per rank of the model states in the paper's Figure 1: 2 B weights + 2 B gradients + K B state per
-    parameter, the parts stage `stage` shards divided by N = world."""
-    _check(world, stage)
-    p, g, o = 2 * n_params, 2 * n_params, k * n_params
-    return {0: p + g + o, 1: p + g + o / world, 2: p + (g + o) / world, 3: (p + g + o) / world}[stage]
-
-
 def _check(world: int, stage: int) -> None:
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"the number of data-parallel ranks must be an integer >= 1, got {world!r}")
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {stage!r}")
+    zero_shares(0, 0, 0, world, stage)  # raises on a bad world or stage
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class Estimate:
     phases: dict[str, Breakdown] | None = None  # phase name -> breakdown at that phase's peak (from moments)
     terms: list[Term] = field(default_factory=list)  # the step's main terms, each once (a summary table)
     moments: list[Moment] = field(default_factory=list)
+    textbook: list[Term] = field(default_factory=list)  # the published formulas' figure (labkit.estimate.textbook)
 
     def __post_init__(self) -> None:
         if self.phases is None:
@@ -144,7 +145,37 @@ class Estimate:
             raise ValueError(f"no moment in phase {phase!r}; phases: {', '.join(self.phases)}")
         top = max(pool, key=lambda m: m.total)
         head = f"{self.label}: {'peak' if phase is None else phase + ' peak'} at {top.phase}, {top.where}"
-        return head + "\n" + top.explain()
+        if not self.textbook:
+            return head + "\n" + top.explain()
+        from .units import fmt_bytes
+
+        fixes = corrections(self.textbook, top.terms)
+        book = sum(t.bytes for t in self.textbook)
+        lines = [head, Moment("textbook", "the published formulas (labkit.estimate.textbook)", self.textbook).explain(),
+                 Moment("corrections", "what the exact layer's ops add or take away at this moment", fixes).explain(),
+                 f"exact: {fmt_bytes(top.total)} = {fmt_bytes(book)} (textbook) + {fmt_bytes(top.total - book)} "
+                 f"({len(fixes)} corrections); the textbook is {100 * (book - top.total) / top.total:+.1f} % off",
+                 top.explain()]
+        return "\n".join(lines)
+
+
+def corrections(textbook: list[Term], exact: list[Term]) -> list[Term]:
+    """What turns the textbook terms into a moment's exact terms, category by category: an exact term the textbook
+    has by name, its difference; one it lacks (an op's transient, a tensor the formula omits), the term itself; a
+    textbook term the moment lacks by name, minus it. The corrections sum to exact - textbook."""
+    book = {t.name: t for t in textbook}
+    out = []
+    for t in exact:
+        b = book.get(t.name)
+        if b is None:
+            out.append(t)
+        elif t.bytes != b.bytes:
+            out.append(Term(f"{t.name}: exact - textbook", t.category, t.bytes - b.bytes,
+                            f"{t.formula} - ({b.formula})", t.source))
+    names = {t.name for t in exact}
+    out += [Term(f"{t.name}: textbook's formula, not in this moment's terms", t.category, -t.bytes, t.formula,
+                 t.source) for t in textbook if t.name not in names]
+    return [t for t in out if t.bytes]
 
 
 def _phase_order(p: str) -> int:

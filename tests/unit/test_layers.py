@@ -24,7 +24,7 @@ ORDER = ["memory", "paths", "quant", "precision", "recompute", "data", "models",
          "accumulate", "peft", "estimate", "run", "session", "plan", "viz", "exercises", "cli", "colab", "__main__"]
 MODULE_ORDER = {
     "memory": ["units", "state", "report", "memviz", "replay", "budget", "ledger"],
-    "estimate": ["recipe", "attention", "tape", "spec", "optim_terms", "peft_terms", "walk", "families",
+    "estimate": ["recipe", "textbook", "attention", "tape", "spec", "optim_terms", "peft_terms", "walk", "families",
                  "moments", "predict", "zero_terms", "layout_terms", "estimator", "wall"],
 }
 
