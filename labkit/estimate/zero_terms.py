@@ -36,10 +36,6 @@ SOURCE = "ZeRO, Rajbhandari et al. 2020 (arXiv 1910.02054), section 5; labkit.di
 P_, G_, O_, T_ = Category.PARAM, Category.GRAD, Category.OPT, Category.TEMP
 
 
-def _check(world: int, stage: int) -> None:
-    zero_shares(0, 0, 0, world, stage)  # raises on a bad world or stage
-
-
 @dataclass(frozen=True)
 class RankLayout:
     """What one rank of labkit's Zero keeps, in elements (d bytes each) unless named bytes."""
@@ -102,7 +98,7 @@ class RankLayout:
 
 def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", offload: bool = False) -> RankLayout:
     """labkit.distributed.Zero's units for a model spec: its blocks, and the root (every other parameter)."""
-    _check(world, stage)
+    zero_shares(0, 0, 0, world, stage)  # raises on a bad world or stage
     L = max(spec.n_layer, 0)
     block = spec.layer_params
     root = spec.n_params - L * block

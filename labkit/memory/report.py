@@ -91,8 +91,20 @@ class Moment:
         return "\n".join(line.rstrip() for line in lines)
 
 
+class _Phases:
+    """The peak of a result with `phases` (phase -> Breakdown): its largest phase."""
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: self.phases[p].total)
+
+    @property
+    def peak(self) -> Breakdown:
+        return self.phases[self.peak_phase]
+
+
 @dataclass
-class Estimate:
+class Estimate(_Phases):
     """The estimator's prediction for one training step: candidate moments made of terms; the peak is the
     largest moment. `phases` holds each phase's largest moment as a breakdown by category."""
 
@@ -114,14 +126,6 @@ class Estimate:
             self.phases = {p: best[p].breakdown() for p in sorted(best, key=_phase_order)}
 
     @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=lambda p: self.phases[p].total)
-
-    @property
-    def peak(self) -> Breakdown:
-        return self.phases[self.peak_phase]
-
-    @property
     def peak_moment(self) -> Moment | None:
         """The largest moment (the first of equals, in step order); None for an estimate built from phases."""
         return max(self.moments, key=lambda m: m.total) if self.moments else None
@@ -134,7 +138,7 @@ class Estimate:
         kept = [m for m in self.moments if text not in m.where]
         if not kept:
             raise ValueError(f"every moment's where contains {text!r}: nothing would be left")
-        return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept)
+        return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept, textbook=list(self.textbook))
 
     def explain(self, phase: str | None = None) -> str:
         """Where every byte of the peak (or of `phase`'s largest moment) comes from: term, formula, source."""
@@ -196,7 +200,7 @@ class Timeline:
 
 
 @dataclass
-class Measurement:
+class Measurement(_Phases):
     """What the ledger saw: the peak of each phase by category, the timeline, and what was live at the end."""
 
     label: str
@@ -206,14 +210,6 @@ class Measurement:
     allocator: dict[str, int] | None = None  # CUDA only: allocated, reserved, max_allocated, ...
     final: Breakdown | None = None  # live bytes when the ledger stopped (e.g. all optimizer state after the last step)
     trace: object = None  # the ledger's raw events, a labkit.memory.memviz.Trace (memviz imports this module)
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=lambda p: self.phases[p].total)
-
-    @property
-    def peak(self) -> Breakdown:
-        return self.phases[self.peak_phase]
 
     def of_step(self, step: int) -> "Measurement":
         """The same measurement with each phase's peak taken over one step only (steps count from 1, as the
