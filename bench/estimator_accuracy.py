@@ -6,7 +6,8 @@ For each configuration it predicts one step, measures two real steps on the CPU 
 prints predicted vs measured peak, the error as a percentage of the measured peak, both peak phases
 and the category with the largest error (also in % of the measured peak). Configurations over the
 tolerance are then shown category by category. The last line is the summary:
-`estimator: configs=N max_error=X% median_error=Y%`.
+`estimator: configs=N max_error=X% median_error=Y%`, after the textbook layer's own errors (its figure from the
+published formulas alone, labkit.estimate.textbook) on the line before it.
 
 GaLore's estimate holds two optimizer moments: a projector-refresh step (an SVD per matrix) and a steady
 step. A GaLore configuration is measured one of two ways: "refresh" (measure_step's galore_refresh: the
@@ -296,8 +297,10 @@ def run_one(c: Config) -> dict:
     meas = m.peak.total
     cat_err = {cat: 100 * (e.peak[cat] - m.peak[cat]) / meas for cat in CATEGORIES}
     worst = max(cat_err, key=lambda cat: abs(cat_err[cat]))
+    book = sum(t.bytes for t in e.textbook)  # the textbook layer's figure (labkit.estimate.textbook)
     return {"config": c, "estimate": e, "measurement": m, "pred": e.peak.total, "meas": meas,
-            "error": 100 * (e.peak.total - meas) / meas, "worst": worst, "worst_error": cat_err[worst]}
+            "error": 100 * (e.peak.total - meas) / meas, "worst": worst, "worst_error": cat_err[worst],
+            "textbook_error": 100 * (book - meas) / meas}
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -333,9 +336,11 @@ def main(argv=None) -> int:
     chosen = random_configs(args.random, args.seed) if args.random else configs(args.quick)
     results = [run_one(c) for c in tqdm(chosen, desc="estimate vs ledger", file=sys.stderr)]
 
-    rows = [["config", "predicted", "measured", "error %", "peak phase (pred/meas)", "worst category (% of peak)"]]
+    rows = [["config", "predicted", "measured", "error %", "textbook error %", "peak phase (pred/meas)",
+             "worst category (% of peak)"]]
     for r in results:
         rows.append([describe(r["config"]), fmt_bytes(r["pred"]), fmt_bytes(r["meas"]), f"{r['error']:+.2f}",
+                     f"{r['textbook_error']:+.1f}",
                      f"{r['estimate'].peak_phase}/{r['measurement'].peak_phase}",
                      f"{r['worst'].name.lower()} {r['worst_error']:+.2f}"])
     print("predicted vs measured peak of one training step on the CPU (bytes: GiB = 2**30)")
@@ -345,6 +350,8 @@ def main(argv=None) -> int:
         print(f"\nover {TOLERANCE:g}%: {describe(r['config'])}: error {r['error']:+.2f}%")
         print(breakdown(r))
     errors = [abs(r["error"]) for r in results]
+    book = [abs(r["textbook_error"]) for r in results]
+    print(f"textbook layer: max_error={max(book):.1f}% median_error={statistics.median(book):.1f}%")
     print(f"estimator: configs={len(results)} max_error={max(errors):.2f}% median_error={statistics.median(errors):.2f}%")
     return 0
 

@@ -110,7 +110,7 @@ def check_estimate_options(args, parser) -> int | None:
 
 
 def cmd_estimate(args, parser) -> int:
-    from labkit.estimate.predict import estimate
+    from labkit.estimate import estimate
 
     micro = check_estimate_options(args, parser)
     spec = read_model(check_model(args.model)[0], args.model)
@@ -155,7 +155,7 @@ def _estimate_layout(args, spec, micro) -> int:
     """--tp / --pp: every rank's peak (the largest first in the report), then the largest rank's terms, and
     the bytes each layout sends per step by the collectives' definitions."""
     from labkit.estimate.layout_terms import layout_wire_bytes
-    from labkit.estimate.predict import estimate_ranks
+    from labkit.estimate import estimate_ranks
     from labkit.estimate.recipe import Recipe
 
     try:

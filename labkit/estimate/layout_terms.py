@@ -16,7 +16,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from labkit.memory.report import Category, Estimate, Term
+from labkit.memory.report import Category, Estimate, Moment, Term
+
+from . import predict, zero_terms
+from .moments import custom, step_moments
+from .spec import spec_from
+from .textbook import in_flight, korthikanti_layer_bytes  # noqa: F401 (lesson 10 quotes them from here)
 
 SPLIT_BY_T = ("qkv", "q contiguous", "k^T contiguous", "v contiguous", "attention out", "logsumexp",
               "attention probs", "attention dropout", "attention scores", "fc.", "gelu.")  # walk names, per head / ffn
@@ -30,20 +35,7 @@ def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
     return split(n_layer, n_stages)
 
 
-def in_flight(schedule: str, m: int, n_stages: int, stage: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B)."""
-    if schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
-    return m if schedule == "gpipe" else min(n_stages - stage, m)
-
-
 # ---- Korthikanti et al.'s per-layer formula and what labkit's layer adds ------------------------------------------
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
-    """Activation bytes per transformer layer and tensor-parallel rank (16-bit activations, 1-byte dropout masks,
-    attention scores kept): sbh(10 + 24/t + 5as/(ht)), with sequence parallelism sbh(34/t + 5as/(ht))."""
-    return s * b * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
-
-
 def labkit_layer_extras(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, e: int = 2,
                         device: str = "cpu", dropout: bool = True, manual: bool = True) -> list[Term]:
     """What labkit's layer saves beyond the formula, term by term (e = bytes per activation element):
@@ -150,10 +142,6 @@ def estimate_ranks(recipe) -> list[Estimate]:
     replicas (labkit.distributed.mesh): it takes batch / dp rows, and with zero=1 keeps 1/dp of its
     optimizer state (ZeRO-1 over the ranks holding the same part, as Megatron-LM's distributed optimizer);
     the dp replicas of a part hold the same bytes, so one Estimate stands for each part."""
-    from labkit.estimate import predict
-    from labkit.estimate.moments import custom, step_moments
-    from labkit.estimate.spec import spec_from
-
     r = recipe
     if r.zero >= 2 and r.pp > 1:
         raise ValueError(f"ZeRO-{r.zero} with pipeline parallelism: a stage's gradients accumulate over its "
@@ -240,8 +228,6 @@ def estimate_ranks(recipe) -> list[Estimate]:
         if r.dp > 1:
             label += f" dp={r.dp}" + (f" zero={r.zero}" if r.zero else "")
         if r.zero:
-            from . import zero_terms
-
             lay = zero_terms.rank_layout(rs, d, r.zero, r.dp, r.optimizer)
             moments = zero_terms.rank_moments(moments, lay, r.optimizer, n_blocks)
             terms = [t_ for t_ in terms if t_.category is not Category.OPT] + [
@@ -286,9 +272,6 @@ def _others_in_flight(actions) -> tuple[int, int]:
 def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0):
     """The moments of one micro-batch with the activations of k others in flight added (forward and backward),
     and, inside the blocks' and embedding's backward, the stage's output (`root` bytes) that backward started from."""
-    from labkit.estimate.moments import custom
-    from labkit.memory.report import Moment
-
     extra = [custom(f"activations of {k} other micro-batch(es) in flight ({schedule})", Category.ACT, k * a_s,
                     f"{k} x the stage's activations per micro-batch",
                     "GPipe keeps all m; 1F1B at most p - s (Narayanan et al. 2021)")] if k > 0 else []
@@ -309,9 +292,6 @@ def layout_wire_bytes(recipe) -> dict[str, float]:
     pipeline: each micro-batch's activation forward and its gradient back across each stage boundary, plus the tied embedding's gradient all-reduce between the first and last
     stage; tensor parallel: 4 all-reduces of a (b, s, h) activation per layer (2 forward, 2 backward), or
     with sequence parallelism the same in all-gathers and reduce-scatters plus 2 all-gathers backward."""
-    from labkit.estimate import predict
-    from labkit.estimate.spec import spec_from
-
     r = recipe
     spec = spec_from(r.model, **r.config)
     d = predict.Precision.of(r.dtype)

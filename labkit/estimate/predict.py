@@ -7,15 +7,14 @@ never their sum. Every term is a small function whose docstring gives its formul
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Sequence
 
 from .families import WALKS
-from . import optim_terms, peft_terms
+from . import optim_terms, peft_terms, textbook
 from .moments import StepBytes, step_moments
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
-from labkit.memory.report import Breakdown, Category, Estimate, Term
+from labkit.memory.report import Category, Estimate, Term
 from .spec import ModelSpec, spec_from
+from .textbook import Precision
 from .tape import Tape, keep_kinds, replay_blocks, replay_tail
 from .walk import Walk
 
@@ -23,39 +22,25 @@ _BLOCK = re.compile(r"\.\d+\.")  # a module inside the block list (its index in 
 
 
 
-@dataclass(frozen=True)
-class Precision:
-    """How a dtype scheme stores things. mixed-*: fp32 master weights in the model + autocast."""
-
-    weight: int  # bytes per parameter element (and per gradient and optimizer-state element)
-    autocast: bool  # matmuls on 16-bit copies of weights and inputs
-
-    @classmethod
-    def of(cls, dtype: str) -> "Precision":
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        return cls(4 if dtype in ("fp32", "mixed-fp16", "mixed-bf16") else 2, dtype.startswith("mixed"))
-
-
 # ---- model states ------------------------------------------------------------------------------
 def param_bytes(spec: ModelSpec, prec: Precision) -> int:
     """N x bytes per weight: 4 in fp32 and in mixed precision (the fp32 master copy is the model's own
     weights), 2 in pure fp16/bf16. Source: every predictor (ZeRO, Rajbhandari et al. 2020, section 3.1; the
     Hugging Face docs' model-memory anatomy)."""
-    return spec.n_params * prec.weight
+    return textbook.param_bytes(spec.n_params, prec.weight)
 
 
 def autocast_copy_bytes(spec: ModelSpec, prec: Precision) -> int:
     """2 x (parameters that enter a matmul): autocast casts each Linear weight and bias to 16-bit
     once per forward and the matmul keeps the copy until backward. This is the '2 bytes of fp16
     weights' of the 18 bytes/parameter in the Hugging Face docs (transformers' "Model training anatomy")."""
-    return 2 * spec.matmul_params if prec.autocast else 0
+    return textbook.copy16_bytes(spec.matmul_params) if prec.autocast else 0
 
 
 def grad_bytes(spec: ModelSpec, prec: Precision) -> int:
     """N x bytes per weight: gradients take the parameters' dtype, so fp32 under mixed precision
     (4N, the term Playbook discussion #104 says is missing from 16N; ml-engineering #23)."""
-    return spec.n_params * prec.weight
+    return textbook.grad_bytes(spec.n_params, prec.weight)
 
 
 def optimizer_state_bytes(spec: ModelSpec, prec: Precision, optimizer: str, rank: int | None = None,
@@ -101,59 +86,11 @@ def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, dev
     return w, marks
 
 
-def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str = "fp32", optimizer: str = "adamw",
-             **options) -> Estimate:
-    """Predict one steady-state training step (gradients set to None between steps) as moments made of terms.
-
-    Give a `labkit.estimate.Recipe`, or a model with batch, seq and the Recipe's other fields as keywords
-    (any other keyword overrides the preset's config, e.g. n_layer=2):
-    model: preset name, config path, hub id, GPTConfig, GPT or transformers model/config.
-    device: "cpu" or "cuda" (fused attention and dropout masks differ); foreach: Adam's foreach
-    path (default: on CUDA only, as torch.optim does).
-    checkpoint: "none", "full" (k = `segments` segments, default every block), "sqrt" or
-    "selective" (keep the outputs of `selective_policy`'s ops: "matmuls", the default, or "attention-core"),
-    as labkit.recompute.checkpoint_blocks applies them.
-    offload_activations: saved activations live in host memory (labkit.recompute.offload_activations).
-    micro_batch: rows per micro-batch, dividing `batch` (gradient accumulation).
-    rank: GaLore's rank (optimizer "galore" or "galore8bit"). GaLore's optimizer moments come twice: a
-    projector-refresh step (an SVD per matrix, every update_proj_gap steps) and a steady step, each named
-    in its `where` ("projector refresh" / "no projector refresh"); the peak is the larger.
-    proj_dtype: 8-bit GaLore's projector precision ("param", the default, "fp32" or "int8").
-    optimizer_offload: "cpu" or "disk": AdamW's state lives off the device (labkit.optim.OffloadAdamW).
-    step_in_backward: each parameter steps as soon as its gradient is ready (labkit.optim.StepInBackward,
-    any optimizer; not with optimizer_offload or micro_batch).
-    lora_rank: LoRA adapters of rank r on `lora_targets` ("all-linear": every Linear but lm_head, or
-    module names / endings such as "q_proj,v_proj"), every base parameter frozen (labkit.peft.apply_lora).
-    quant: the frozen base of the adapted Linears: "none", "int8" (per-row absmax codes), "nf4"
-    (QLoRA: NF4 with double quantization, labkit.peft.apply_qlora), "int4" (group-wise round-to-nearest) or
-    "int4-awq" (AWQ, its per-input-channel scale kept in each layer); needs lora_rank.
-    quant_group: int4's group size along the input features (default 128); it must divide every target's d_in.
-    lisa_layers: LISA with gamma = lisa_layers active layers (labkit.peft.LISA); not with lora_rank.
-    """
-    if isinstance(model, Recipe):
-        if batch is not None or seq is not None or options or (dtype, optimizer) != ("fp32", "adamw"):
-            raise TypeError("give a Recipe alone, or a model with batch, seq and options, not both")
-        recipe = model
-    else:
-        recipe = Recipe.of(model, batch, seq, dtype=dtype, optimizer=optimizer, **options)
-    return _estimate(recipe)
-
-
-def estimate_ranks(model, batch: int | None = None, seq: int | None = None, **options) -> list[Estimate]:
-    """One Estimate per rank of a tensor- and pipeline-parallel layout (Recipe tp, pp, schedule,
-    sequence_parallel, micro_batch), in the order stage 0's tp ranks, stage 1's, ...; `estimate` of the same
-    recipe is the largest of them (labkit.estimate.layout_terms)."""
-    from .layout_terms import estimate_ranks as ranks
-    from .recipe import as_recipe
-
-    return ranks(as_recipe(model, batch, seq, **options))
-
-
-def _estimate(r: Recipe) -> Estimate:
-    if r.tp > 1 or r.pp > 1:
-        return max(estimate_ranks(r), key=lambda e: e.peak.total)  # the rank that needs the most
-    if r.dp > 1 or r.zero:
-        return _data_parallel_estimate(r)
+def single_estimate(r: Recipe) -> Estimate:
+    """The Estimate of a recipe on one device (labkit.estimate.estimator.estimate's docstring says what each
+    field does; its data, tensor and pipeline parallel layouts are built from this one)."""
+    if r.tp > 1 or r.pp > 1 or r.dp > 1 or r.zero:
+        raise ValueError("single_estimate takes a single-device recipe: use labkit.estimate.estimate")
     model, batch, seq, dtype, optimizer, device = r.model, r.batch, r.seq, r.dtype, r.optimizer, r.device
     checkpoint, segments, offload_activations, micro = r.checkpoint, r.segments, r.offload_activations, r.micro
     rank, optimizer_offload, step_in_backward = r.rank, r.optimizer_offload, r.step_in_backward
@@ -196,27 +133,6 @@ def _estimate(r: Recipe) -> Estimate:
                       f"{peft.method} r={peft.rank} targets={len(peft.targets)}")
     label = " ".join([f"{spec.name} B={batch} S={seq} {dtype} {optimizer}", *extras])
     return Estimate(label, spec.n_params, terms=terms, moments=moments)
-
-
-def _data_parallel_estimate(r: Recipe) -> Estimate:
-    """One data-parallel rank: the single-device estimate of its batch (batch / dp rows), its model states as
-    ZeRO stage `r.zero` keeps them (labkit.estimate.zero_terms)."""
-    from . import zero_terms
-
-    if r.zero:
-        why = [("lora_rank/lisa_layers", r.lora_rank is not None or r.lisa_layers is not None),
-               ("optimizer_offload (use zero_offload)", r.optimizer_offload is not None),
-               ("step_in_backward", r.step_in_backward), ("micro_batch", r.micro < r.rank_batch),
-               ("checkpoint", r.checkpoint != "none" and r.zero >= 2),
-               (f"optimizer {r.optimizer!r}", r.optimizer not in optim_terms.TORCH_STATES)]
-        bad = [w for w, b in why if b]
-        if bad:
-            raise ValueError(f"per-rank ZeRO estimates do not model {', '.join(bad)} yet")
-        if r.zero_offload and r.optimizer != "adamw":
-            raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
-    single = _estimate(r.replace(dp=1, batch=r.rank_batch, zero=0, zero_offload=False))
-    spec = spec_from(r.model, **r.config)
-    return zero_terms.per_rank_estimate(single, spec, r, Precision.of(r.dtype).weight)
 
 
 def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from labkit.memory.units import GiB
 
-from .predict import estimate
+from .estimator import estimate
 
 DEFAULT_BUDGETS_GIB = (16, 24, 80, 141)  # a T4/V100-16, an RTX 4090/A10, an A100/H100-80, an H200
 METHODS = ("full", "lora", "qlora")  # plain training; LoRA on a frozen base; LoRA on an NF4 base (QLoRA)

@@ -8,7 +8,7 @@ parameters, N data-parallel ranks and K bytes of optimizer state per parameter:
     stage 2 (P_os+g)     2 Psi + (2 + K) Psi / N
     stage 3 (P_os+g+p)   (2 + 2 + K) Psi / N
 
-`paper_bytes` is exactly that table (mixed precision: 2 B fp16 weights, 2 B fp16 gradients, K = 12: fp32
+`paper_bytes` (labkit.estimate.textbook) is exactly that table (mixed precision: 2 B fp16 weights, 2 B fp16 gradients, K = 12: fp32
 master weights, m and v). `rank_layout` gives the same rules for labkit's own ZeRO (labkit.distributed.Zero),
 which is what the per-rank estimate and the per-rank measurement run: fp32 weights (d bytes each) in flat
 units (each block, and the root: everything else), each padded to a multiple of N and cut in N equal shards
@@ -21,30 +21,19 @@ forward's start to the end of backward and one block gathered while it runs (no 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from labkit.memory.report import Category, Moment, Term
+from labkit.memory.report import Category, Estimate, Moment, Term
 
 from . import optim_terms
+from .predict import Precision, single_estimate
+from .spec import spec_from
+from .textbook import paper_bytes, zero_shares  # noqa: F401 (lessons 9 and 13 quote paper_bytes from here)
 
 SOURCE = "ZeRO, Rajbhandari et al. 2020 (arXiv 1910.02054), section 5; labkit.distributed.Zero"
 P_, G_, O_, T_ = Category.PARAM, Category.GRAD, Category.OPT, Category.TEMP
-
-
-def paper_bytes(n_params: float, world: int, stage: int, k: int = 12) -> float:
-    """Bytes per rank of the model states in the paper's Figure 1: 2 B weights + 2 B gradients + K B state per
-    parameter, the parts stage `stage` shards divided by N = world."""
-    _check(world, stage)
-    p, g, o = 2 * n_params, 2 * n_params, k * n_params
-    return {0: p + g + o, 1: p + g + o / world, 2: p + (g + o) / world, 3: (p + g + o) / world}[stage]
-
-
-def _check(world: int, stage: int) -> None:
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"the number of data-parallel ranks must be an integer >= 1, got {world!r}")
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {stage!r}")
 
 
 @dataclass(frozen=True)
@@ -122,7 +111,7 @@ class RankLayout:
 
 def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", offload: bool = False) -> RankLayout:
     """labkit.distributed.Zero's units for a model spec: its blocks, and the root (every other parameter)."""
-    _check(world, stage)
+    zero_shares(0, 0, 0, world, stage)  # raises on a bad world or stage
     L = max(spec.n_layer, 0)
     block = spec.layer_params
     root = spec.n_params - L * block
@@ -193,8 +182,6 @@ def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer
 
 
 def _block_of(where: str) -> int | None:
-    import re
-
     hit = re.search(r"\bblock (\d+)", where)
     return int(hit.group(1)) if hit else None
 
@@ -254,14 +241,28 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
     return out
 
 
-def per_rank_estimate(single, spec, r, prec_weight: int):
-    """The per-rank Estimate of a data-parallel recipe from the single-device estimate of one rank's batch."""
-    from labkit.memory.report import Estimate
-
+def data_parallel_estimate(r) -> Estimate:
+    """One data-parallel rank of a recipe: the single-device estimate of its batch (batch / dp rows), its model
+    states as ZeRO stage `r.zero` keeps them."""
+    if r.tp > 1 or r.pp > 1:
+        raise ValueError("data_parallel_estimate takes dp and zero only: use labkit.estimate.estimate for tp/pp")
+    if r.zero:
+        why = [("lora_rank/lisa_layers", r.lora_rank is not None or r.lisa_layers is not None),
+               ("optimizer_offload (use zero_offload)", r.optimizer_offload is not None),
+               ("step_in_backward", r.step_in_backward), ("micro_batch", r.micro < r.rank_batch),
+               ("checkpoint", r.checkpoint != "none" and r.zero >= 2),
+               (f"optimizer {r.optimizer!r}", r.optimizer not in optim_terms.TORCH_STATES)]
+        bad = [w for w, b in why if b]
+        if bad:
+            raise ValueError(f"per-rank ZeRO estimates do not model {', '.join(bad)} yet")
+        if r.zero_offload and r.optimizer != "adamw":
+            raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
+    single = single_estimate(r.replace(dp=1, batch=r.rank_batch, zero=0, zero_offload=False))
     tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + " (per rank)"
     if r.zero == 0:  # labkit's data parallel: all-reduce in place on the .grad tensors, nothing more
         return Estimate(single.label + tag, single.n_params, terms=list(single.terms), moments=list(single.moments))
-    lay = rank_layout(spec, prec_weight, r.zero, r.dp, r.optimizer, r.zero_offload)
+    spec = spec_from(r.model, **r.config)
+    lay = rank_layout(spec, Precision.of(r.dtype).weight, r.zero, r.dp, r.optimizer, r.zero_offload)
     moments = rank_moments(single.moments, lay, r.optimizer, spec.n_layer)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
         _t("parameters" if r.zero < 3 else "parameter shards", P_, lay.params(), "per rank"),
@@ -271,10 +272,10 @@ def per_rank_estimate(single, spec, r, prec_weight: int):
 
 
 def stages(recipe) -> dict:
-    """{stage: the per-rank Estimate} of a recipe at ZeRO stages 0 to 3 (its dp, zero_offload for stages 1-3)."""
-    from .predict import estimate
-
-    return {z: estimate(recipe.replace(zero=z, zero_offload=recipe.zero_offload and z > 0)) for z in (0, 1, 2, 3)}
+    """{stage: the per-rank Estimate} of a data-parallel recipe at ZeRO stages 0 to 3 (its dp, zero_offload for
+    stages 1-3)."""
+    return {z: data_parallel_estimate(recipe.replace(zero=z, zero_offload=recipe.zero_offload and z > 0))
+            for z in (0, 1, 2, 3)}
 
 
 # ---- FSDP2 (torch.distributed.fsdp.fully_shard on every block, then the root) ----------------------------------
@@ -355,17 +356,12 @@ def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
     """Rank 0's Estimate under FSDP2 (fully_shard on every block, then the root; torch AdamW on the DTensor
     shards) for a data-parallel recipe (its dp is the world size; its zero is ignored): labkit's per-rank
     ZeRO-3 moments on FSDP2's per-parameter layout, with FSDP2's buffers (fsdp2_moments)."""
-    from labkit.memory.report import Estimate
-
-    from .predict import Precision, _estimate
-    from .spec import spec_from
-
     r = recipe.replace(zero=3, zero_offload=False)
     if r.dp < 2:
         raise ValueError(f"fsdp2_estimate needs dp >= 2 ranks, got dp={r.dp}")
     d = Precision.of(r.dtype).weight
     spec = spec_from(r.model, **r.config)
-    single = _estimate(r.replace(dp=1, batch=r.rank_batch, zero=0))
+    single = single_estimate(r.replace(dp=1, batch=r.rank_batch, zero=0))
     lay = fsdp2_layout(spec, d, r.dp, r.optimizer)
     moments = fsdp2_moments(rank_moments(single.moments, lay, r.optimizer, spec.n_layer), lay, reshard_after_forward)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [

@@ -13,11 +13,11 @@ from labkit.memory import GiB, MiB, fmt_bytes
 from labkit.estimate.predict import (
     Precision,
     autocast_copy_bytes,
-    estimate,
     grad_bytes,
     optimizer_state_bytes,
     param_bytes,
 )
+from labkit.estimate import estimate
 from labkit.estimate.spec import spec_from
 
 from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the type only; memviz imports this module
-    from .memviz import Trace
 
 
 class Category(str, enum.Enum):
@@ -95,8 +91,20 @@ class Moment:
         return "\n".join(line.rstrip() for line in lines)
 
 
+class _Phases:
+    """The peak of a result with `phases` (phase -> Breakdown): its largest phase."""
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: self.phases[p].total)
+
+    @property
+    def peak(self) -> Breakdown:
+        return self.phases[self.peak_phase]
+
+
 @dataclass
-class Estimate:
+class Estimate(_Phases):
     """The estimator's prediction for one training step: candidate moments made of terms; the peak is the
     largest moment. `phases` holds each phase's largest moment as a breakdown by category."""
 
@@ -105,6 +113,7 @@ class Estimate:
     phases: dict[str, Breakdown] | None = None  # phase name -> breakdown at that phase's peak (from moments)
     terms: list[Term] = field(default_factory=list)  # the step's main terms, each once (a summary table)
     moments: list[Moment] = field(default_factory=list)
+    textbook: list[Term] = field(default_factory=list)  # the published formulas' figure (labkit.estimate.textbook)
 
     def __post_init__(self) -> None:
         if self.phases is None:
@@ -115,14 +124,6 @@ class Estimate:
                 if m.phase not in best or m.total > best[m.phase].total:
                     best[m.phase] = m
             self.phases = {p: best[p].breakdown() for p in sorted(best, key=_phase_order)}
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=lambda p: self.phases[p].total)
-
-    @property
-    def peak(self) -> Breakdown:
-        return self.phases[self.peak_phase]
 
     @property
     def peak_moment(self) -> Moment | None:
@@ -137,7 +138,7 @@ class Estimate:
         kept = [m for m in self.moments if text not in m.where]
         if not kept:
             raise ValueError(f"every moment's where contains {text!r}: nothing would be left")
-        return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept)
+        return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept, textbook=list(self.textbook))
 
     def explain(self, phase: str | None = None) -> str:
         """Where every byte of the peak (or of `phase`'s largest moment) comes from: term, formula, source."""
@@ -148,7 +149,37 @@ class Estimate:
             raise ValueError(f"no moment in phase {phase!r}; phases: {', '.join(self.phases)}")
         top = max(pool, key=lambda m: m.total)
         head = f"{self.label}: {'peak' if phase is None else phase + ' peak'} at {top.phase}, {top.where}"
-        return head + "\n" + top.explain()
+        if not self.textbook:
+            return head + "\n" + top.explain()
+        from .units import fmt_bytes
+
+        fixes = corrections(self.textbook, top.terms)
+        book = sum(t.bytes for t in self.textbook)
+        lines = [head, Moment("textbook", "the published formulas (labkit.estimate.textbook)", self.textbook).explain(),
+                 Moment("corrections", "what the exact layer's ops add or take away at this moment", fixes).explain(),
+                 f"exact: {fmt_bytes(top.total)} = {fmt_bytes(book)} (textbook) + {fmt_bytes(top.total - book)} "
+                 f"({len(fixes)} corrections); the textbook is {100 * (book - top.total) / top.total:+.1f} % off",
+                 top.explain()]
+        return "\n".join(lines)
+
+
+def corrections(textbook: list[Term], exact: list[Term]) -> list[Term]:
+    """What turns the textbook terms into a moment's exact terms, category by category: an exact term the textbook
+    has by name, its difference; one it lacks (an op's transient, a tensor the formula omits), the term itself; a
+    textbook term the moment lacks by name, minus it. The corrections sum to exact - textbook."""
+    book = {t.name: t for t in textbook}
+    out = []
+    for t in exact:
+        b = book.get(t.name)
+        if b is None:
+            out.append(t)
+        elif t.bytes != b.bytes:
+            out.append(Term(f"{t.name}: exact - textbook", t.category, t.bytes - b.bytes,
+                            f"{t.formula} - ({b.formula})", t.source))
+    names = {t.name for t in exact}
+    out += [Term(f"{t.name}: textbook's formula, not in this moment's terms", t.category, -t.bytes, t.formula,
+                 t.source) for t in textbook if t.name not in names]
+    return [t for t in out if t.bytes]
 
 
 def _phase_order(p: str) -> int:
@@ -169,7 +200,7 @@ class Timeline:
 
 
 @dataclass
-class Measurement:
+class Measurement(_Phases):
     """What the ledger saw: the peak of each phase by category, the timeline, and what was live at the end."""
 
     label: str
@@ -178,15 +209,7 @@ class Measurement:
     baseline: Breakdown  # live bytes when tracking started
     allocator: dict[str, int] | None = None  # CUDA only: allocated, reserved, max_allocated, ...
     final: Breakdown | None = None  # live bytes when the ledger stopped (e.g. all optimizer state after the last step)
-    trace: "Trace | None" = None  # the ledger's raw events, for `to_memory_viz` (labkit.memory.memviz)
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=lambda p: self.phases[p].total)
-
-    @property
-    def peak(self) -> Breakdown:
-        return self.phases[self.peak_phase]
+    trace: object = None  # the ledger's raw events, a labkit.memory.memviz.Trace (memviz imports this module)
 
     def of_step(self, step: int) -> "Measurement":
         """The same measurement with each phase's peak taken over one step only (steps count from 1, as the

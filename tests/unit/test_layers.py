@@ -1,10 +1,16 @@
-"""The layers import downwards only: memory <- techniques <- estimate <- run <- viz, exercises, cli, plan.
+"""The layers import downwards only, between labkit's packages and between the modules of a package.
 
-Two checks: every `import` statement in labkit (module level or inside a function) names a layer at or
-below its own; and importing each layer in a fresh interpreter loads nothing from the layers above it.
+ORDER lists labkit's packages (and top-level modules) from the bottom up; a package may import only itself and
+the packages before it. MODULE_ORDER does the same for the modules inside a package where their order is part
+of the design (memory's types below the ledger; the estimator's textbook formulas below its exact layer, the
+single-device estimate below data, tensor and pipeline parallelism, and those below the front door). Every
+other package has no import circle among its modules. Each check reads every `import` statement (module level,
+inside a function, or under TYPE_CHECKING), and every module is imported in an interpreter where no labkit
+module was loaded yet, which must load nothing from a package above its own.
 """
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -14,16 +20,19 @@ import pytest
 import labkit
 
 ROOT = pathlib.Path(labkit.__file__).parent
-TECHNIQUES = {"models", "data", "precision", "recompute", "optim", "quant", "peft", "accumulate", "device", "paths",
-              "distributed"}
-LAYER = {"session": 4, "memory": 0, **{t: 1 for t in TECHNIQUES}, "estimate": 2, "run": 3,
-         "viz": 4, "exercises": 4, "cli": 4, "colab": 4, "plan": 4, "course": 5, "__main__": 5, "__init__": 0}
+ORDER = ["memory", "paths", "quant", "precision", "recompute", "data", "models", "device", "optim", "distributed",
+         "accumulate", "peft", "estimate", "run", "session", "plan", "viz", "exercises", "course", "cli", "colab", "__main__"]
+MODULE_ORDER = {
+    "memory": ["units", "allocator", "state", "report", "memviz", "replay", "budget", "ledger"],
+    "estimate": ["recipe", "textbook", "attention", "tape", "spec", "optim_terms", "peft_terms", "walk", "families",
+                 "moments", "predict", "zero_terms", "layout_terms", "estimator", "wall"],
+}
 
 
-def _layer_of(module: str) -> int:
-    """labkit.memory.ledger -> 0; labkit.run -> 3."""
+def _package(module: str) -> str:
+    """labkit.memory.ledger -> memory; labkit -> '' (labkit/__init__.py, exempt: see test_imports_point_down)."""
     parts = module.split(".")
-    return LAYER[parts[1]] if len(parts) > 1 else 0
+    return parts[1] if len(parts) > 1 else ""
 
 
 def _modules():
@@ -35,7 +44,11 @@ def _modules():
         yield name, path
 
 
+MODULES = dict(_modules())
+
+
 def _imports(name: str, path: pathlib.Path):
+    """Every labkit module or package `name`'s source imports (`from . import x` names labkit.pkg.x)."""
     pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -49,60 +62,115 @@ def _imports(name: str, path: pathlib.Path):
                 target = node.module or ""
             if target.startswith("labkit"):
                 yield target
+                yield from (f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES)
 
 
-def test_every_module_has_a_layer():
-    for name, _ in _modules():
-        assert name == "labkit" or name.split(".")[1] in LAYER, f"{name}: give it a layer in LAYER"
-
-
-@pytest.mark.parametrize("name,path", list(_modules()), ids=lambda x: x if isinstance(x, str) else "")
-def test_imports_point_down(name, path):
-    """(labkit/__init__.py is exempt: it exposes `labkit.setup`, whose module imports only the standard library
-    until it is called; the fresh-interpreter test below checks that importing a layer loads nothing above.)"""
-    if name == "labkit":
-        return
-    own = _layer_of(name)
-    up = [t for t in _imports(name, path) if _layer_of(t) > own and t != "labkit"]
-    assert not up, f"{name} (layer {own}) imports from a higher layer: {up}"
-
-
-def test_no_import_cycles_between_packages():
-    """The package graph (labkit.memory -> labkit.optim, ...) has no cycle."""
+def _module_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (the package's __init__ left out: it exposes them)."""
     graph: dict[str, set[str]] = {}
-    for name, path in _modules():
-        src = ".".join(name.split(".")[:2])
-        for t in _imports(name, path):
-            dst = ".".join(t.split(".")[:2])
-            if dst != src and dst != "labkit":
-                graph.setdefault(src, set()).add(dst)
+    for name, path in MODULES.items():
+        if _package(name) != package or name == f"labkit.{package}":
+            continue
+        graph[name] = {t for t in _imports(name, path) if t in MODULES and _package(t) == package
+                       and t != f"labkit.{package}" and t != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
 
     def visit(n, stack):
         state[n] = 1
-        for m in graph.get(n, ()):
+        for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack + [n, m]))
+                return stack + [n, m]
             if not state.get(m):
-                visit(m, stack + [n])
+                found = visit(m, stack + [n])
+                if found:
+                    return found
         state[n] = 2
+        return None
 
-    for n in list(graph):
+    for n in sorted(graph):
         if not state.get(n):
-            visit(n, [])
+            found = visit(n, [])
+            if found:
+                return found
+    return None
 
 
-ABOVE = {"labkit.memory": ["labkit.optim", "labkit.peft", "labkit.quant", "labkit.estimate", "labkit.run", "labkit.viz"],
-         "labkit.optim": ["labkit.estimate", "labkit.run", "labkit.viz", "labkit.exercises"],
-         "labkit.peft": ["labkit.estimate", "labkit.run", "labkit.viz", "labkit.exercises"],
-         "labkit.recompute": ["labkit.estimate", "labkit.run", "labkit.viz", "labkit.exercises"],
-         "labkit.estimate": ["labkit.run", "labkit.viz", "labkit.exercises", "labkit.cli"],
-         "labkit.run": ["labkit.viz", "labkit.exercises", "labkit.cli"]}
+def test_every_package_and_ordered_module_is_declared():
+    packages = {_package(n) for n in MODULES} - {""}
+    assert packages <= set(ORDER), f"give these a place in ORDER: {sorted(packages - set(ORDER))}"
+    for pkg, order in MODULE_ORDER.items():
+        have = {n.rsplit(".", 1)[1] for n in _module_graph(pkg)}
+        assert have == set(order), f"labkit.{pkg}: MODULE_ORDER misses {sorted(have - set(order))}, " \
+                                   f"names gone modules {sorted(set(order) - have)}"
 
 
-@pytest.mark.parametrize("layer", list(ABOVE))
-def test_a_fresh_interpreter_loads_nothing_above(layer):
-    code = (f"import sys, {layer}; above = {ABOVE[layer]!r}; "
-            "print(sorted(m for m in sys.modules if any(m == a or m.startswith(a + '.') for a in above)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "[]", f"importing {layer} loaded {out}"
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_point_down(name):
+    """(labkit/__init__.py is exempt: it exposes `labkit.setup`, whose module imports only the standard library
+    until it is called; the fresh-interpreter test below checks that importing a package loads nothing above.)"""
+    if name == "labkit":
+        return
+    own = ORDER.index(_package(name))
+    up = sorted({t for t in _imports(name, MODULES[name]) if t != "labkit" and ORDER.index(_package(t)) > own})
+    assert not up, f"{name} (package {ORDER[own]}) imports from packages above it in ORDER: {up}"
+
+
+@pytest.mark.parametrize("package", sorted(MODULE_ORDER))
+def test_modules_of_an_ordered_package_import_only_those_before_them(package):
+    order = MODULE_ORDER[package]
+    for name, targets in _module_graph(package).items():
+        own = order.index(name.rsplit(".", 1)[1])
+        up = sorted(t for t in targets if order.index(t.rsplit(".", 1)[1]) > own)
+        assert not up, f"{name} imports {up}, above it in MODULE_ORDER[{package!r}]"
+
+
+@pytest.mark.parametrize("package", [p for p in ORDER if (ROOT / p).is_dir()])
+def test_no_import_circle_inside_a_package(package):
+    cycle = _cycle(_module_graph(package))
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# Import torch (and transformers, as labkit.models.hf does) and `labkit` itself (its __init__ loads labkit.session,
+# which imports only the standard library until called) once, then fork one child per module: each child starts
+# with no other labkit module loaded, imports one module and prints the packages above its own that got loaded.
+_FRESH = r"""
+import os, sys, torch, transformers, labkit
+order, names, out = {order!r}, {names!r}, []
+before = set(sys.modules)
+assert sorted(m for m in before if m.startswith("labkit")) == ["labkit", "labkit.session"], sorted(before)
+for name in names:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            __import__(name)
+            pkg = name.split(".")[1]
+            above = sorted({{m.split(".")[1] for m in set(sys.modules) - before if m.startswith("labkit.")
+                            and order.index(m.split(".")[1]) > order.index(pkg)}})
+            msg = ",".join(above)
+        except BaseException as e:
+            msg = "ERROR " + type(e).__name__ + ": " + str(e)
+        os.write(w, msg.encode())
+        os._exit(0)
+    os.close(w)
+    msg = os.read(r, 1 << 16).decode()
+    os.waitpid(pid, 0)
+    if msg:
+        out.append(name + ": " + msg)
+print("\n".join(out))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the fresh-interpreter check forks")
+def test_each_module_in_a_fresh_interpreter_loads_nothing_above_its_package():
+    names = sorted(n for n in MODULES if n != "labkit" and not n.startswith("labkit.__main__"))
+    code = _FRESH.format(order=ORDER, names=names)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "", "importing these loaded packages above their own:\n" + run.stdout
