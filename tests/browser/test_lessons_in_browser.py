@@ -174,6 +174,8 @@ def _final_10(page) -> None:
     stages x 4 micro-batches, one bar per rank, not on the 16-rank layout its assert cell visits last."""
     boxes = page.locator(".jp-OutputArea-output > .widget-vbox", has_text="stages p")
     assert boxes.count() == 1, f"lesson 10 has one layout panel, found {boxes.count()}"
+    boxes.first.scroll_into_view_if_needed()  # JupyterLab renders off-screen cells lazily: no text until seen
+    page.wait_for_timeout(1000)
     text = boxes.first.inner_text()
     assert "no measure button" in text and "largest rank" in text, text
     assert "= 1/5 =" in text, f"not on the default p=2, m=4: {text}"
