@@ -49,6 +49,11 @@ KNOWN_WARNINGS = (
         "Use `is_activation_checkpointing` instead.",
         "peft's PeftModel reads model.is_gradient_checkpointing, which transformers 5 keeps as a deprecated "
         "alias of is_activation_checkpointing: same value (lesson 08, peft's LoRA on MiniLM)."),
+    KnownWarning(
+        UserWarning, "torchdata.stateful_dataloader.stateful_dataloader",
+        "'set_vital' is deprecated, please do not call",
+        "torchdata 0.11's StatefulDataLoader calls torch.set_vital (usage telemetry), which torch 2.13 turned "
+        "into a no-op that warns: nothing is lost (lesson 12's reference loader)."),
 )
 
 KNOWN_LOGS = (

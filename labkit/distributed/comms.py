@@ -31,6 +31,11 @@ __all__ = ["Call", "CommLog", "wire_bytes", "all_reduce", "all_gather", "reduce_
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
 
+# torch 2.13 renamed the one-tensor collectives (all_gather_into_tensor -> all_gather_single, reduce_scatter_tensor
+# -> reduce_scatter_single) and warns on every call of the old names; earlier torch has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def wire_bytes(op: str, size_bytes: int, world_size: int) -> float:
     """Bytes each rank sends for one `op` of a payload of `size_bytes` on `world_size` ranks (ring algorithms)."""
@@ -145,7 +150,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group=None, async_op: boo
     if out.numel() != n * shard.numel():
         raise ValueError(f"all_gather: output has {out.numel()} elements, expected {n} x {shard.numel()}")
     _record("all_gather", _nbytes(out), group, tag)
-    work = dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+    work = _all_gather_single(out, shard, group=group, async_op=async_op)
     return work if async_op else out
 
 
@@ -158,7 +163,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, op: str = "sum", group
     if op not in ("sum", "avg"):
         raise ValueError(f"reduce_scatter: op must be 'sum' or 'avg', got {op!r}")
     _record("reduce_scatter", _nbytes(full), group, tag)
-    work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     if async_op:
         return work
     if op == "avg":

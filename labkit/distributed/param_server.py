@@ -10,13 +10,17 @@ Two modes:
 - asynchronous with a staleness bound s (bounded delay, "stale synchronous parallel": Ho et al., NIPS 2013;
   Li et al. 2014): the server applies each gradient as it arrives (scaled by 1/W), and answers a worker's pull
   only while that worker is at most s steps ahead of the slowest live worker. s = 0 is synchronous SGD up to
-  rounding: everyone computes on the same version.
+  rounding: everyone computes on the same parameters.
+
+Staleness is counted in steps, the same way in both modes: a gradient of step i computed on parameters in which
+the first c steps are complete (every live worker's gradient of those steps applied) is i - c steps stale. Sync
+and async s = 0 give 0 for every gradient; async s gives at most s (the server's pull rule is that bound).
 
 Messages are flat fp32 tensors sent with `comms.send` and received with `comms.recv` (counted by definition);
 a worker posts "I am sending" on the process group's key-value store first, so the server only ever receives
 what is on its way:
-worker -> server  [kind, step, version the gradient was computed on, gradient...]   kind 1 gradient, 0 done
-server -> worker  [version, parameters...]
+worker -> server  [kind, step, steps complete in the parameters it used, gradient...]   kind 1 gradient, 0 done
+server -> worker  [steps complete in these parameters, parameters...]
 
 Failure: a worker that posts nothing for `worker_timeout_s` while the server waits on it is dead.
 Asynchronous: the server drops it, logs it and goes on with the others.
@@ -40,7 +44,7 @@ __all__ = ["PSConfig", "ServerReport", "serve", "work", "flat_params", "load_fla
            "server_state_bytes", "ps_wire_bytes"]
 
 GRAD, DONE = 1.0, 0.0
-HEADER = 3  # kind, step, version
+HEADER = 3  # kind, step, steps complete in the parameters used
 
 
 def check_staleness(s) -> int:
@@ -67,8 +71,9 @@ class PSConfig:
 class ServerReport:
     """What the server saw: each applied gradient's staleness, the largest lead any worker got, the log."""
 
-    version: int = 0                                     # optimizer steps taken
-    staleness: list[int] = field(default_factory=list)  # version now - version the gradient was computed on
+    version: int = 0                                     # optimizer updates: one per step (sync), per gradient (async)
+    staleness: list[int] = field(default_factory=list)  # per gradient, in steps: its step - steps complete in its
+                                                         # parameters (0 in sync and async s=0; at most s)
     max_lead: int = 0                                     # largest (worker's step - slowest live worker's step) served
     dropped: list[int] = field(default_factory=list)     # workers dropped as dead (async)
     log: list[str] = field(default_factory=list)
@@ -96,7 +101,7 @@ def server_state_bytes(n_params: int, optimizer: str = "sgd-momentum") -> int:
 
 
 def ps_wire_bytes(n_params: int, workers: int, steps: int = 1) -> dict[str, float]:
-    """Bytes sent by definition (fp32) in a run of `steps`: the server sends the parameters (plus a version) to
+    """Bytes sent by definition (fp32) in a run of `steps`: the server sends the parameters (plus a step count) to
     every worker once at the start and once per step; each worker pushes its gradient (plus a 3-value header)
     per step and one last message of the same size to say it is done. Per step: W x 4P from the server, 4P
     from each worker (plus headers)."""
@@ -131,8 +136,11 @@ def serve(model: nn.Module, optimizer: torch.optim.Optimizer, workers: list[int]
     grads: dict[int, torch.Tensor] = {}  # sync: this step's gradients
     last = {}
 
+    def complete() -> int:  # steps whose gradients every live worker has had applied
+        return min((clock[v] for v in alive), default=0)
+
     def message() -> torch.Tensor:
-        return torch.cat([torch.tensor([float(rep.version)]), flat_params(model)])
+        return torch.cat([torch.tensor([float(complete())]), flat_params(model)])
 
     def dead(w: int, why: str) -> None:
         text = f"worker {w} died at step {clock[w]} ({why})"
@@ -175,19 +183,17 @@ def serve(model: nn.Module, optimizer: torch.optim.Optimizer, workers: list[int]
                 rep.log.append(f"worker {w} done after {clock[w]} steps")
                 continue
             g = buf[HEADER:].clone()
-            computed_on = int(buf[2].item())
+            rep.staleness.append(int(buf[1].item()) - int(buf[2].item()))  # its step - steps complete it saw
             clock[w] += 1
             waiting.add(w)
             if cfg.mode == "sync":
                 grads[w] = g
             else:
-                rep.staleness.append(rep.version - computed_on)
                 apply(g.div_(W))
         if cfg.mode == "sync" and grads and len(grads) == len(alive - done):
             total = None
             for w in sorted(grads):  # worker order: the same sum as an all-reduce's a + b on 2 workers
                 total = grads[w].clone() if total is None else total.add_(grads[w])
-            rep.staleness.extend([0] * len(grads))
             apply(total.div_(W))
             grads.clear()
             for w in sorted(waiting):
@@ -217,7 +223,7 @@ def work(model: nn.Module, steps: int, batches, server: int = 0, die_at: int | N
     pull = torch.empty(n + 1)
     comms.recv(pull, src=server, group=group, tag="parameters")
     load_flat(model, pull[1:])
-    version = pull[0].item()
+    complete = pull[0].item()  # steps complete in these parameters
     losses = []
     for step in range(steps):
         if die_at is not None and step == die_at:
@@ -226,7 +232,7 @@ def work(model: nn.Module, steps: int, batches, server: int = 0, die_at: int | N
         loss = model(x, y)
         loss.backward()
         grads = [p.grad.reshape(-1) for p in model.parameters()]
-        msg = torch.cat([torch.tensor([GRAD, float(step), version]), *grads])
+        msg = torch.cat([torch.tensor([GRAD, float(step), complete]), *grads])
         model.zero_grad(set_to_none=True)
         store.set(f"push/{me}/{count}", "1")
         count += 1
@@ -234,11 +240,11 @@ def work(model: nn.Module, steps: int, batches, server: int = 0, die_at: int | N
         del msg, grads
         comms.recv(pull, src=server, group=group, tag="parameters")
         load_flat(model, pull[1:])
-        version = pull[0].item()
+        complete = pull[0].item()
         losses.append(loss.item())
         del loss, x, y
-    done = torch.zeros(n + HEADER)  # the size the server receives: [DONE, steps, version, 0...]
-    done[1], done[2] = float(steps), version
+    done = torch.zeros(n + HEADER)  # the size the server receives: [DONE, steps, steps complete, 0...]
+    done[1], done[2] = float(steps), complete
     store.set(f"push/{me}/{count}", "1")
     comms.send(done, dst=server, group=group, tag="done")
     return losses

@@ -48,28 +48,35 @@ def pipeline_chart(timelines, ax=None, title: str | None = None, bubble: float |
 def rank_bars(estimates, ax=None, budget: int | None = None, labels=None, measured=None) -> Figure:
     """Each rank's predicted peak as a bar stacked by category (and, given `measured` totals, a black tick
     at each rank's measured peak)."""
-    fig, ax = _axes(ax, (7, 4), right=0.72)
+    n = len(estimates)
+    fig, ax = _axes(ax, (max(7.0, 3.0 + 0.5 * n), 4), right=1 - 2.0 / max(7.0, 3.0 + 0.5 * n))  # >= 0.5 in. a bar
     top = max(max(e.peak.total for e in estimates), budget or 0, max(measured or [0]))
     unit, size = pick_unit(top)
     for x, e in enumerate(estimates):
         _stack(ax, x, e.peak, size)
-        ax.text(x, e.peak.total / size, fmt_bytes(e.peak.total), ha="center", va="bottom", fontsize=7)
+        ax.text(x, e.peak.total / size, fmt_bytes(e.peak.total), ha="center", va="bottom", fontsize=7,
+                rotation=90 if n > 8 else 0)
         if measured is not None:
             ax.plot([x - 0.4, x + 0.4], [measured[x] / size] * 2, color="black", linewidth=2)
     ax.set_xticks(range(len(estimates)), labels or [f"rank {k}" for k in range(len(estimates))], fontsize=8)
     if budget is not None:
         ax.axhline(budget / size, color=DOES_NOT_FIT, linewidth=1.2)
-    ax.set_ylim(0, top / size * 1.15)
+    ax.set_ylim(0, top / size * (1.35 if n > 8 else 1.15))  # room for the rotated totals
     ax.set_ylabel(f"predicted peak per rank ({unit})")
     ax.spines[["top", "right"]].set_visible(False)
     _legend(ax, CATEGORIES[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
+NO_MEASURE = ("This panel predicts only (it has no measure button): a measurement starts one process per rank, "
+              "up to 8 x 8 here. Section 4 measured every rank of p = 2 and t = 2 with its own ledger.")
+DEFAULTS = dict(pp=2, micro=4, schedule="1f1b", tp=1, sp=False)  # what the panel opens on: 2 stages, 4 micro-batches
+
+
 class LayoutPanel:
     """Stages, micro-batches, schedule, tensor-parallel degree and sequence parallelism for one model; every change
     makes two library calls (labkit.estimate.estimate_ranks and labkit.distributed.pipeline.simulate) and
-    redraws the per-rank bars and the pipeline chart with its bubble."""
+    redraws the per-rank bars and the pipeline chart with its bubble. `reset()` returns to DEFAULTS."""
 
     def __init__(self, model, batch: int, seq: int, dtype: str = "fp32", optimizer: str = "adamw",
                  device: str = "cpu", max_stages: int = 8, max_tp: int = 8):
@@ -77,29 +84,48 @@ class LayoutPanel:
 
         self.model, self.batch, self.seq, self.dtype, self.optimizer, self.device = model, batch, seq, dtype, optimizer, device
         style = {"description_width": "110px"}
-        self.pp = widgets.IntSlider(value=2, min=1, max=max_stages, description="stages p", style=style,
+        self.pp = widgets.IntSlider(value=DEFAULTS["pp"], min=1, max=max_stages, description="stages p", style=style,
                                     continuous_update=False)
-        self.micro = widgets.SelectionSlider(options=[d for d in range(1, batch + 1) if batch % d == 0], value=min(4, batch)
-                                             if batch % min(4, batch) == 0 else 1, description="micro-batches m",
+        self.micro = widgets.SelectionSlider(options=[d for d in range(1, batch + 1) if batch % d == 0],
+                                             value=self._default_micro(batch), description="micro-batches m",
                                              style=style, continuous_update=False)
-        self.schedule = widgets.ToggleButtons(options=["gpipe", "1f1b"], value="1f1b", description="schedule",
+        self.schedule = widgets.ToggleButtons(options=["gpipe", "1f1b"], value=DEFAULTS["schedule"], description="schedule",
                                               style=style)
-        self.tp = widgets.SelectionSlider(options=[t for t in (1, 2, 4, 8) if t <= max_tp], value=1,
+        self.tp = widgets.SelectionSlider(options=[t for t in (1, 2, 4, 8) if t <= max_tp], value=DEFAULTS["tp"],
                                           description="tensor parallel t", style=style, continuous_update=False)
-        self.sp = widgets.Checkbox(value=False, description="sequence parallel", style=style)
+        self.sp = widgets.Checkbox(value=DEFAULTS["sp"], description="sequence parallel", style=style)
         self.bars, self.chart = widgets.Image(format="png"), widgets.Image(format="png")
         self.words = widgets.HTML()
+        self.note = widgets.HTML(f"<i>{html.escape(NO_MEASURE)}</i>")
         self.last_estimates = self.last_bubble = self.last_error = None
+        self._hold = False
         for w in (self.pp, self.micro, self.schedule, self.tp, self.sp):
             w.observe(self._on_change, names="value")
         self.widget = widgets.VBox([widgets.HBox([widgets.VBox([self.pp, self.micro, self.schedule, self.tp, self.sp]),
-                                                  self.bars]), self.chart, self.words])
+                                                  self.bars]), self.chart, self.words, self.note])
+        self._on_change()
+
+    @staticmethod
+    def _default_micro(batch: int) -> int:
+        m = min(DEFAULTS["micro"], batch)
+        return m if batch % m == 0 else 1
+
+    def reset(self) -> None:
+        """Back to DEFAULTS (one redraw): a lesson's assert cell ends here, so Run All leaves a readable panel."""
+        self._hold = True
+        try:
+            self.pp.value, self.micro.value = DEFAULTS["pp"], self._default_micro(self.batch)
+            self.schedule.value, self.tp.value, self.sp.value = DEFAULTS["schedule"], DEFAULTS["tp"], DEFAULTS["sp"]
+        finally:
+            self._hold = False
         self._on_change()
 
     def _on_change(self, _change=None) -> None:
         from labkit.distributed.pipeline import measured_bubble, simulate
         from labkit.estimate import estimate_ranks
 
+        if self._hold:
+            return
         p, m, t = int(self.pp.value), int(self.micro.value), int(self.tp.value)
         sp = bool(self.sp.value) and t > 1
         try:

@@ -182,16 +182,30 @@ def _change_a_control(page, panel) -> str:
     raise AssertionError(f"no control change redrew the panel (tried {tried or 'nothing: no control found'})")
 
 
-def _final_13(panels) -> None:
+def _final_10(page) -> None:
+    """Lesson 10's layout panel (it predicts only: no measure button, and it says why) ends on its defaults, 2
+    stages x 4 micro-batches, one bar per rank, not on the 16-rank layout its assert cell visits last."""
+    boxes = page.locator(".jp-OutputArea-output > .widget-vbox", has_text="stages p")
+    assert boxes.count() == 1, f"lesson 10 has one layout panel, found {boxes.count()}"
+    boxes.first.scroll_into_view_if_needed()  # JupyterLab renders off-screen cells lazily: no text until seen
+    page.wait_for_timeout(1000)
+    text = boxes.first.inner_text()
+    assert "no measure button" in text and "largest rank" in text, text
+    assert "= 1/5 =" in text, f"not on the default p=2, m=4: {text}"
+    assert boxes.first.locator("img").count() == 2, "the per-rank bars and the pipeline chart"
+
+
+def _final_13(page) -> None:
     """Lesson 13 ends on a plan that fits and can be verified here (not on the 7B "no plan" its asserts visit)."""
+    panels = _panels(page)
     assert len(panels) == 1, f"lesson 13 has one planner panel, found {len(panels)}"
     text = panels[0].inner_text()
     assert "best:" in text and "no plan" not in text and "verify is off" not in text, text
     assert panels[0].locator(".widget-button", has_text="Measure").first.is_enabled(), text
 
 
-# what a lesson's panels show after Run All, before a control is touched: lesson stem -> check(panels)
-FINAL_STATE = {"13_planner": _final_13}
+# what a lesson's panels show after Run All, before a control is touched: lesson stem -> check(page)
+FINAL_STATE = {"10_pipeline_tensor_parallel": _final_10, "13_planner": _final_13}
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
@@ -215,7 +229,7 @@ def test_lesson_runs_and_its_panels_respond(lab, lesson):
         assert page.get_by_text("Error displaying widget").count() == 0
         assert page.locator(".jp-OutputArea-output .jupyter-widgets").count() >= views  # each view rendered
         if stem in FINAL_STATE:
-            FINAL_STATE[stem](_panels(page))
+            FINAL_STATE[stem](page)
         SHOTS.mkdir(exist_ok=True)
         for i, panel in enumerate(_panels(page)):
             panel.scroll_into_view_if_needed()

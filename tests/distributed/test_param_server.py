@@ -55,6 +55,13 @@ def test_staleness_bound_holds(suite):
         rep = suite[0][name]["report"]
         assert rep["max_lead"] <= s
         assert len(rep["staleness"]) == 2 * STEPS and rep["dropped"] == []
+        assert all(0 <= k <= s for k in rep["staleness"]), rep["staleness"]
+
+
+def test_staleness_is_counted_in_steps_the_same_way_in_both_modes(suite):
+    # sync and async s=0: every gradient of step i is computed on parameters with steps 0..i-1 complete
+    assert suite[0]["sync"]["report"]["staleness"] == [0] * (2 * STEPS)
+    assert suite[0]["async0"]["report"]["staleness"] == [0] * (2 * STEPS)
 
 
 def test_memory_server_holds_the_optimizer_workers_none(suite):

@@ -106,3 +106,24 @@ def test_setup_measures_on_the_cpu_on_mps(monkeypatch, quiet_logs):
     with warnings.catch_warnings():
         lesson = labkit.setup()
     assert lesson.device == torch.device("cpu") and lesson.kind == "cpu" and lesson.profile.name == "cpu"
+
+
+def test_torchdata_set_vital_notice_is_hidden_where_torchdata_raises_it():
+    """The real call (lesson 12's reference loader): torchdata's StatefulDataLoader calls torch.set_vital, which
+    torch 2.13 answers with a warning; shown without the filter, hidden with it."""
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def run(quiet: bool) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if quiet:
+                labkit.quiet_known_warnings()
+            list(StatefulDataLoader(list(range(4)), batch_size=2))
+        return [str(w.message) for w in caught if "set_vital" in str(w.message)]
+
+    shown = run(quiet=False)
+    if not shown:
+        pytest.skip("this torch / torchdata pair does not warn about set_vital")
+    assert shown == ["'set_vital' is deprecated, please do not call"]
+    assert run(quiet=True) == []

@@ -44,3 +44,21 @@ def test_bad_layout_says_why(panel):
     assert panel.last_estimates is None and "at least one block" in panel.words.value
     panel.pp.value = 2
     assert panel.last_estimates is not None
+
+
+def _png_width(png: bytes) -> int:
+    return int.from_bytes(png[16:20], "big")  # the IHDR chunk's width
+
+
+def test_reset_returns_to_a_readable_default_and_the_panel_says_why_it_does_not_measure(panel):
+    two_ranks = _png_width(bytes(panel.bars.value))
+    panel.pp.value, panel.tp.value, panel.sp.value = 4, 4, True
+    assert len(panel.last_estimates) == 16
+    assert _png_width(bytes(panel.bars.value)) > 1.4 * two_ranks  # 16 bars get a wider figure, not thinner bars
+    panel.schedule.value = "gpipe"
+    panel.reset()
+    assert (panel.pp.value, panel.micro.value, panel.schedule.value, panel.tp.value, panel.sp.value) == (
+        2, 4, "1f1b", 1, False)
+    assert len(panel.last_estimates) == 2 and panel.last_bubble == pytest.approx(1 / 5)
+    assert _png_width(bytes(panel.bars.value)) == two_ranks
+    assert "no measure button" in panel.note.value and "Section 4 measured" in panel.note.value
