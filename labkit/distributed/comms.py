@@ -139,13 +139,19 @@ def finish_avg(t: torch.Tensor, group=None) -> torch.Tensor:
     return t.div_(dist.get_world_size(group))
 
 
+# torch 2.13 renames the flat-tensor collectives (the old names warn FutureWarning under every call); torch
+# before it has only the old names. Same arguments, same result.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
     """`out` (N x shard, flat or along dim 0) receives every rank's `shard` in rank order."""
     n = dist.get_world_size(group)
     if out.numel() != n * shard.numel():
         raise ValueError(f"all_gather: output has {out.numel()} elements, expected {n} x {shard.numel()}")
     _record("all_gather", _nbytes(out), group, tag)
-    work = dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+    work = _ALL_GATHER(out, shard, group=group, async_op=async_op)
     return work if async_op else out
 
 
@@ -158,7 +164,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, op: str = "sum", group
     if op not in ("sum", "avg"):
         raise ValueError(f"reduce_scatter: op must be 'sum' or 'avg', got {op!r}")
     _record("reduce_scatter", _nbytes(full), group, tag)
-    work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     if async_op:
         return work
     if op == "avg":
