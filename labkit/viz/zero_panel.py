@@ -74,7 +74,7 @@ class ZeroPanel:
                                              continuous_update=False)
         self.prediction = widgets.Image(format="png")
         self.verdict = widgets.HTML()
-        self.button = widgets.Button(description="Run 2 ranks", button_style="primary", icon="play")
+        self.button = widgets.Button(description="Measure 2 ranks", button_style="primary", icon="play")
         self.message = widgets.HTML()
         self.output = widgets.Output()
         self.last_estimates = self.last_measurements = self.last_figure = self.last_error = None
