@@ -8,6 +8,8 @@ each trains or measures the same small GPT on every rank, from the same seed, on
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -22,6 +24,22 @@ __all__ = ["METHODS", "global_batch", "train", "measure", "zero_redundancy_eleme
 METHODS = ("single", "naive", "bucket", "overlap", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload",
            "zero3-offload")
 LR = 1e-2
+# torch's CommDebugMode tracks modules with a full backward pre-hook on every module (a global hook); for a
+# module none of whose inputs needs a gradient (the GPT and its embeddings take token ids) torch.utils.hooks then
+# says the hook fires on the module's outputs only. Harmless here: `train` reads only the mode's counts of
+# collectives. Hidden while that mode runs, by its whole text, and nothing else.
+COMM_MODE_HOOK_NOTE = ("Full backward hook is firing when gradients are computed with respect to module outputs "
+                       "since no inputs require gradients. See https://docs.pytorch.org/docs/main/generated/"
+                       "torch.nn.Module.html#torch.nn.Module.register_full_backward_hook for more details.")
+
+
+@contextlib.contextmanager
+def _counting_collectives(mode):
+    """`with mode:` (a CommDebugMode), without torch's note on its module tracker's backward hooks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(COMM_MODE_HOOK_NOTE) + r"\Z", category=UserWarning)
+        with mode:
+            yield
 
 
 def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +100,8 @@ def train(rank: int, world: int, method: str, cfg: dict, steps: int, batch: int,
         if method != "single":
             x, y = _rows(x, rank, world), _rows(y, rank, world)
         last = i == steps - 1
-        with (log if last else contextlib.nullcontext()), (cdm if last else contextlib.nullcontext()):
+        counting = _counting_collectives(cdm) if last else contextlib.nullcontext()
+        with (log if last else contextlib.nullcontext()), counting:
             loss = run(x, y)
             loss.backward()
             if stage:
@@ -167,10 +186,11 @@ def zero_redundancy_elements(rank: int, world: int, cfg: dict, seed: int = 0) ->
     return {"zero_redundancy": theirs, "labkit_zero1": ours}
 
 
-def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0):
+def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget: int | None = None):
     """The ledger's Measurement of `steps` steps of `recipe` (a labkit.estimate.Recipe with dp = world, a
     GPTConfig model, fp32, adamw) on this rank: its rows of each global batch, ZeRO stage `recipe.zero`
-    (0: labkit's naive data parallel, all-reduce in place after backward)."""
+    (0: labkit's naive data parallel, all-reduce in place after backward). budget: bytes per rank; the ledger
+    raises SimulatedOutOfMemoryError where a device with that much memory would fail."""
     from labkit.memory.ledger import Ledger
     from labkit.models.gpt import GPT, GPTConfig
 
@@ -193,7 +213,7 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0):
     # rank's memory); each step copies its rows inside the ledger, as a data loader would hand them over
     rows = [tuple(_rows(t, rank, world).clone() for t in global_batch(i, recipe.batch, recipe.seq, vocab, seed))
             for i in range(steps)]
-    with Ledger(m, opt, label=f"rank {rank} of {world}, ZeRO-{recipe.zero}") as led:
+    with Ledger(m, opt, budget=budget, label=f"rank {rank} of {world}, ZeRO-{recipe.zero}") as led:
         for i in range(steps):
             x, y = (t.clone() for t in rows[i])
             loss = run(x, y)
@@ -209,18 +229,22 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0):
     return led.measurement()
 
 
-def measure_many(rank: int, world: int, recipes: list, steps: int = 2, seed: int = 0) -> list:
+def measure_many(rank: int, world: int, recipes: list, steps: int = 2, seed: int = 0,
+                 budget: int | None = None) -> list:
     """`measure` for each recipe in turn on the same ranks (one launch): the Measurements of the last step."""
-    return [measure(rank, world, r, steps, seed).of_step(steps) for r in recipes]
+    return [measure(rank, world, r, steps, seed, budget).of_step(steps) for r in recipes]
 
 
-def measure_ranks(recipe, world: int = 2, steps: int = 2, timeout_s: float = 240) -> list:
+def measure_ranks(recipe, world: int = 2, steps: int = 2, timeout_s: float = 240, budget: int | None = None) -> list:
     """Launch `world` ranks (labkit.distributed.launch) that each measure `recipe` with dp = world: one
-    Measurement of the last step per rank, in rank order."""
+    Measurement of the last step per rank, in rank order. budget: bytes per rank (a rank over it fails with
+    the ledger's SimulatedOutOfMemoryError, raised here as RankFailed)."""
     from .launch import launch
 
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"budget must be a positive number of bytes per rank, got {budget!r}")
     r = recipe.replace(dp=world, batch=recipe.rank_batch * world)
-    return [ms[0] for ms in launch(measure_many, world, args=([r], steps), timeout_s=timeout_s)]
+    return [ms[0] for ms in launch(measure_many, world, args=([r], steps, 0, budget), timeout_s=timeout_s)]
 
 
 def compare(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, methods=(), references=()) -> dict:

@@ -112,8 +112,9 @@ class StepBytes:
     block_refresh: tuple | None = None
     rest_refresh: tuple | None = None
     tied_refresh: tuple | None = None
-    head_held: int = _f(T_, "the tied head's partial gradient", "V x h x d",
-                        "held until the embedding's gradient is added (step in backward)")
+    head_held: int = _f(T_, "the tied head's partial gradient (a gradient in flight, not yet a .grad)", "V x h x d",
+                        "autograd holds it in the shared weight's input buffer until the embedding's part is added; "
+                        "that sum becomes .grad")
     step_freed: tuple[int, int, int] = (0, 0, 0)
     head_freed: tuple[int, int, int] = (0, 0, 0)  # the same for an untied head: its copy, saved input, all but dX
     states: dict = field(default_factory=dict)  # "P", "C", "G", "O", "buffers" -> the model-state terms making it up
@@ -163,6 +164,24 @@ _META = {f.name: f.metadata for f in fields(StepBytes) if f.metadata}
 
 def custom(name: str, cat: Category, nbytes: int, formula: str, source: str = "") -> Term:
     return Term(name, cat, int(nbytes), formula, source)
+
+
+def _tied(b: StepBytes) -> bool:
+    """The head's matrix is the token embedding's (a tied matrix trained whole on this device): the embedding's
+    backward makes the dense gradient and the sum with the head's part."""
+    return bool(b.head_held) and b.emb_temp == 2 * b.head_held
+
+
+def _head_grads(b: StepBytes) -> list[Term]:
+    """The head's gradients after its backward and the final norm's (first micro-batch). A tied output matrix's
+    part is no .grad yet: autograd holds it until the embedding's part is added, and the sum becomes .grad, so
+    until then it is a gradient in flight (TEMP), as the ledger tags it; the final norm's are gradients."""
+    if not b.head_grad:
+        return []
+    if not _tied(b):
+        return [b.term("head_grad")]
+    return [b.term("head_held"), custom("final norm gradients", G_, b.head_grad - b.head_held, "2h x d",
+                                        "made at the final norm's backward")]
 
 
 def segments_of(n: int, policy: str, segments: int | None) -> list[int]:
@@ -267,10 +286,11 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     start = Moment("backward", "start: the loss's backward" + sfx,
                    [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all,
                     *([] if offload else [b.term("lsm")]), *loss_grads])
-    head_grad = ([b.term("head_new")] if b.head_new else []) if grads_exist else [b.term("head_grad")]
+    head_grad = ([b.term("head_new")] if b.head_new else []) if grads_exist else _head_grads(b)
     # inside the head's backward the final norm's gradients are not made yet (its backward runs next): the
-    # output matrix's gradient alone
+    # output matrix's gradient alone (a tied one in flight, TEMP, until the embedding's part is summed with it)
     in_head = ([b.term("head_new")] if b.head_new else []) if grads_exist else \
+        [b.term("head_held")] if _tied(b) and b.head_grad else \
         [custom("output matrix gradient", G_, b.head_new, "V x h x d", "made at the head's backward")] \
         if b.head_grad else []
     # the chunked loss's saved tensors (hidden states, logsumexp, count) copied back for its backward
@@ -297,7 +317,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     end = Moment("backward", "the embedding's backward" + sfx,
                  [*base_states, *buffers, b.term("inputs"), *rest, b.term("stream"),
                   b.term("emb_dense") if grads_exist else b.term("emb_temp")])
-    if b.head_held and b.emb_temp == 2 * b.head_held and not grads_exist and not step_in_backward:
+    if _tied(b) and not grads_exist and not step_in_backward:
         # a tied matrix: the embedding's node returns (its incoming gradient, the stream, freed) before autograd
         # sums its dense gradient with the head's part: two moments, not the stream beside both
         base = [*base_states, *buffers, b.term("inputs"), *rest]
@@ -352,9 +372,13 @@ def _tail_moment(b: StepBytes, policy, offload, states, buffers, kwargs, held_al
     if t.input_saved and not offload:
         terms.append(custom("the last block's output, saved by the final norm", A_, t.input_saved, "r x h x d",
                             "derivatives.yaml"))
-    terms.append(custom(f"the final norm's backward, {w.op}: its saved tensors still needed, gradients and "
-                        "temporaries", T_, w.live, "replay: the norm's ops from its output's gradient",
-                        _REPLAY_SOURCE))
+    saved = 0 if offload else w.saved  # the forward's own saved tensors (copied back ones are made in backward)
+    if saved:
+        terms.append(custom(f"the final norm's saved tensors still needed at {w.op}", A_, saved,
+                            "replay: each saved tensor until its last reader", _REPLAY_SOURCE))
+    terms.append(custom(f"the final norm's backward, {w.op}: " + ("its copied-back saved tensors, " if offload else "")
+                        + "gradients and temporaries", T_, w.live - saved,
+                        "replay: the norm's ops from its output's gradient", _REPLAY_SOURCE))
     if w.grads:  # (a later micro-batch: the new gradient, until it is summed into .grad)
         terms.append(custom("the final norm's weight gradients made so far", T_ if grads_exist else G_, w.grads,
                             "replay: AccumulateGrad", "autograd makes a weight's gradient at its op's backward"))
@@ -376,7 +400,7 @@ def _plain_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads
         terms += _held_terms(b, policy, offload, sizes, j)
         terms.append(b.term("layer", m, f"saved by the block(s) in backward"))
         if not grads_exist and not step_in_backward:
-            terms.append(b.term("head_grad"))
+            terms += _head_grads(b)
             if done:
                 terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
         if b.C:  # each finished block's copies are freed
@@ -508,7 +532,7 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
     def grads_terms(extra: int) -> list[Term]:
         if grads_exist or step_in_backward:  # a tied head's gradient waits for the embedding's part
             return [b.term("head_held")] if b.head_held else []
-        t = [b.term("head_grad")]
+        t = _head_grads(b)
         if done_grads + extra:
             t.append(custom("gradients of the finished blocks", G_, done_grads + extra,
                             "replay: each block's parameter gradients", "AccumulateGrad"))
@@ -536,6 +560,7 @@ def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, gr
                                         "derivatives.yaml"))
                 if step_in_backward:
                     steps.append(_step_moment(b, list(terms), w.step, k, sfx))
+                terms += _saved_terms(w, k)
                 terms.append(_bwd_term(w, k, offload=False, plain=True))
                 if w.grads:
                     terms.append(_wgrad_term(w, k, grads_exist))
@@ -622,11 +647,28 @@ def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str) -> Moment
                "labkit.optim: p.float(), counted as parameter memory")])
 
 
+def _saved_terms(w, k: int) -> list[Term]:
+    """Nothing recomputed or offloaded: the saved tensors block k's backward still needs were made by the
+    forward, so they are activations (the ledger's tag for what the forward made and backward starts with),
+    and the autocast weight copies among them parameter memory (the ledger tags a parameter's cast so)."""
+    out = []
+    if w.saved - w.copies:
+        out.append(custom(f"block {k}'s saved tensors still needed at {_at(w.op, k)}", A_, w.saved - w.copies,
+                          "replay: each saved tensor until its last reader", _REPLAY_SOURCE))
+    if w.copies:
+        out.append(custom(f"block {k}'s autocast weight copies still needed at {_at(w.op, k)}", P_, w.copies,
+                          "2 x the weights its matmuls save (for dx), until their node's backward",
+                          "autograd keeps a matmul's 16-bit weight copy until that node's backward"))
+    return out
+
+
 def _bwd_term(w, k: int, offload: bool, plain: bool = False) -> Term:
-    held = "saved tensors still needed" if plain else "recomputed saved tensors still needed"
-    return custom(f"block {k} backward, {_at(w.op, k)}: " + ("copied-back saved tensors, gradients and temporaries"
-                                                     if offload else f"{held}, gradients and temporaries"),
-                  T_, w.live, "replay: the output's gradient, each node's " +
+    """Block k's backward at its worst op: what lives in it then. plain (nothing recomputed or offloaded): the
+    gradients and temporaries only, its saved tensors are `_saved_terms`."""
+    held = "recomputed saved tensors still needed, "
+    what = "copied-back saved tensors, " if offload else "" if plain else held
+    return custom(f"block {k} backward, {_at(w.op, k)}: {what}gradients and temporaries",
+                  T_, w.live - (w.saved if plain else 0), "replay: the output's gradient, each node's " +
                   ("saved tensors copied back (labkit.recompute.offload_activations unpacks on use)" if offload
                    else "saved tensors until their last reader") + ", its gradients and temporaries", _REPLAY_SOURCE)
 
@@ -666,8 +708,18 @@ def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx, 
             terms.append(custom("autocast 16-bit weight copies made so far (the blocks before, this block's up to "
                                 "the op)", P_, copies, "2 x the matmul weights passed (trained: cached; frozen: saved "
                                 "for dx)", "torch.autocast's weight cast cache; autograd's saved tensors"))
-        terms.append(custom(f"block {L - 1} forward, {_at(worst.op, L - 1)}: live in the block (its input, what it "
-                            "saved so far, temporaries)", T_, worst.live,
+        # what the block saved so far lives on into backward: activations (and a frozen weight's saved copy,
+        # parameter memory) in the ledger, which tags what the forward made by whether backward starts with it
+        if worst.saved - worst.copies:
+            terms.append(custom(f"block {L - 1} forward, {_at(worst.op, L - 1)}: what the block saved so far (its "
+                                "input if it saves it)", A_, worst.saved - worst.copies,
+                                "replay: the block's ops with every saved tensor kept", _REPLAY_SOURCE))
+        if worst.copies:
+            terms.append(custom(f"block {L - 1} forward: frozen weights' autocast copies it saved so far", P_,
+                                worst.copies, "2 x the frozen matmul weights passed (saved for dx)",
+                                "autograd's saved tensors"))
+        terms.append(custom(f"block {L - 1} forward, {_at(worst.op, L - 1)}: live in the block and not saved "
+                            "(temporaries, its input if not saved)", T_, worst.live - worst.saved,
                             "replay: the block's ops with every saved tensor kept", _REPLAY_SOURCE))
         out.append(Moment("forward", f"inside block {L - 1}'s forward ({_at(worst.op, L - 1)})" + sfx, terms))
         return out
@@ -705,7 +757,7 @@ def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buff
                             "the op sequence of this attention path"))
         terms.append(b.term("stream"))
         if not grads_exist and not step_in_backward:
-            terms.append(b.term("head_grad"))
+            terms += _head_grads(b)
             if done:
                 terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
             terms.append(custom("gradients of this block made so far", G_, grads_made,

@@ -167,6 +167,9 @@ class Worst:
     # checkpointed block's recompute starts there; the nodes before it save nothing)
     step: object = None  # backward: the worst moment a parameter's gradient is ready (its node returned):
     # a Worst whose `grads` is that gradient (labkit.optim.StepInBackward steps it there)
+    saved: int = 0  # the part of `live` that is saved tensors (forward "all" / backward "saved": the forward's
+    # own, so activations in the ledger when nothing is recomputed), autocast weight copies included
+    copies: int = 0  # the part of `saved` that is autocast weight copies (parameter memory in the ledger)
 
     @property
     def total(self) -> int:
@@ -190,10 +193,11 @@ def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, 
             live[id(_root(ev[1]))] = _root(ev[1]).nbytes
             names[id(_root(ev[1]))] = _root(ev[1]).name
     held: set[int] = set()
+    weights = {id(_root(ev[1])) for ev in events if ev[0] == "new" and getattr(_root(ev[1]), "weight", False)}
     if mode in ("saved", "all"):  # a saved tensor stays from its making (its node may be recorded a little later)
         held = {id(_root(t)) for ev in events if ev[0] == "node" for t in ev[1].saved}
     cur = sum(live.values())
-    worst = Worst("block input", cur)
+    worst = Worst("block input", cur, saved=live[x0] if x0 in held else 0)
     cache = 0
     for ev in events:
         kind = ev[0]
@@ -209,7 +213,9 @@ def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, 
             names[id(r)] = r.name
             cur += r.nbytes
             if cur > worst.live:
-                worst = Worst(t.name, cur, 0, tuple(f"{names[k]}={b}" for k, b in live.items()), cache)
+                worst = Worst(t.name, cur, 0, tuple(f"{names[k]}={b}" for k, b in live.items()), cache,
+                              saved=sum(b for k, b in live.items() if k in held),
+                              copies=sum(b for k, b in live.items() if k in held and k in weights))
         elif kind == "drop":
             r = _root(ev[1])
             if id(r) in live and id(r) not in held:
@@ -260,7 +266,10 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
     def peak(what: str):
         t = total()
         if state["worst"] is None or t > state["worst"].total:
-            state["worst"] = Worst(what, t - state["wg"], state["wg"], tuple(f"{n}={b}" for n, b in live.values()))
+            saved = [(k, b) for k, (_, b) in live.items() if isinstance(k, int)]  # the saved roots (mode "saved")
+            state["worst"] = Worst(what, t - state["wg"], state["wg"], tuple(f"{n}={b}" for n, b in live.values()),
+                                   saved=sum(b for _, b in saved),
+                                   copies=sum(b for k, b in saved if getattr(roots[k], "weight", False)))
 
     def release(g: _Grad):
         g.refs -= 1

@@ -32,6 +32,7 @@ from .predict import Precision, single_estimate
 from .spec import spec_from
 from .textbook import paper_bytes, zero_shares  # noqa: F401 (lessons 9 and 13 quote paper_bytes from here)
 
+HELD = "the tied head's partial gradient"  # a gradient in flight until the embedding's part is added (moments.py)
 SOURCE = "ZeRO, Rajbhandari et al. 2020 (arXiv 1910.02054), section 5; labkit.distributed.Zero"
 P_, G_, O_, T_ = Category.PARAM, Category.GRAD, Category.OPT, Category.TEMP
 
@@ -221,8 +222,9 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
         # the block (rows x h, the size of its input) is alive.
         block_input = f"the input of block {k}, saved by it"
         stream = next((t for t in m.terms if t.name == block_input), None)
-        terms = [t for t in m.terms if t.category is not T_ and t.name != block_input
-                 and not t.name.endswith("parameter gradients made so far")]
+        own = (f"block {k}'s saved tensors", f"block {k}'s autocast weight copies")  # gone with its backward
+        terms = [t for t in m.terms if (t.category is not T_ or t.name.startswith(HELD)) and t.name != block_input
+                 and not t.name.startswith(own) and not t.name.endswith("parameter gradients made so far")]
         terms += [full_block, flat_block]
         if stream is not None:
             terms.append(_t("gradient flowing into the block", T_, stream.bytes, "rows x h, its input's size"))

@@ -1,5 +1,6 @@
 """The ZeRO panel: ranks, stage, offload, model and a per-device budget redraw each stage's per-rank bytes; a
-button runs 2 real ranks and draws measured vs predicted for each."""
+button runs 2 real ranks under that budget (each rank's ledger raises the out-of-memory a device of that size
+would) and draws measured vs predicted for each, one rank under the other."""
 
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ def stage_bars(ests: dict, budget: int, chosen: int, ax=None) -> Figure:
 class ZeroPanel:
     """Per-rank memory of data parallelism and ZeRO-1/2/3. Controls: ranks, stage, offload, model, rows per rank,
     sequence, budget per device. Every change: one call (`zero_terms.stages`) and the bars. The button (for
-    models small enough) runs 2 ranks (`dp_ranks.measure_ranks`) and draws each rank's measured vs predicted."""
+    models small enough) runs 2 ranks (`dp_ranks.measure_ranks`) under the budget and draws each rank's measured
+    vs predicted, or shows the out-of-memory a rank's ledger raised. A change of any control clears the last run's
+    result: it belongs to the controls it ran with."""
 
     def __init__(self, model: str = "gpt-tiny (0.1M)", ranks: int = 2, stage: int = 3, offload: bool = False,
                  rows: int = 4, seq: int = 32, budget_gib: float = 0.01):
@@ -71,7 +74,7 @@ class ZeroPanel:
                                              continuous_update=False)
         self.prediction = widgets.Image(format="png")
         self.verdict = widgets.HTML()
-        self.button = widgets.Button(description="Run 2 ranks", button_style="primary", icon="play")
+        self.button = widgets.Button(description="Measure 2 ranks", button_style="primary", icon="play")
         self.message = widgets.HTML()
         self.output = widgets.Output()
         self.last_estimates = self.last_measurements = self.last_figure = self.last_error = None
@@ -88,7 +91,17 @@ class ZeroPanel:
         return Recipe(MODELS[self.model.value], batch=int(self.rows.value) * n, seq=int(self.seq.value), dp=n,
                       zero=int(self.stage.value), zero_offload=bool(self.offload.value) and self.stage.value > 0)
 
+    def run_recipe(self) -> Recipe:
+        """What the button runs: the chosen stage on 2 ranks, with the rows per rank and sequence chosen."""
+        return self.recipe().replace(dp=2, batch=int(self.rows.value) * 2)
+
+    def budget_bytes(self) -> int:
+        return int(self.budget.value * GiB)
+
     def _on_change(self, _change=None) -> None:
+        self.message.value, self.last_measurements, self.last_figure, self.last_error = "", None, None, None
+        if _in_ipython():
+            self.output.clear_output()
         try:
             ests = stages(self.recipe())
         except ValueError as e:
@@ -109,30 +122,45 @@ class ZeroPanel:
     def _on_run(self, _button=None) -> None:
         if self.button.disabled:
             return
+        from labkit.distributed import RankFailed
         from labkit.distributed.dp_ranks import measure_ranks
+        from labkit.estimate import estimate
 
-        self.button.disabled, self.message.value = True, "running 2 ranks (each measures its own step)..."
-        r = self.recipe().replace(dp=2, batch=int(self.rows.value) * 2)
+        r, budget = self.run_recipe(), self.budget_bytes()
+        est = estimate(r)
+        fits = est.peak.total <= budget
+        said = (f"predicted {fmt_bytes(est.peak.total)} per rank, which {'fits' if fits else 'does not fit'} in "
+                f"{fmt_bytes(budget)}")
+        self.button.disabled = True
+        self.message.value = f"running 2 ranks, ZeRO-{r.zero}, each under a {fmt_bytes(budget)} budget ({said})..."
         try:
-            ms = measure_ranks(r, world=2)
+            ms = measure_ranks(r, world=2, budget=budget)
+        except RankFailed as e:  # a rank's ledger went over the budget (or the rank failed): say which
+            self.last_measurements, self.last_error = None, e
+            if e.detail.startswith("SimulatedOutOfMemoryError"):
+                self.message.value = (f"<b style='color:{DOES_NOT_FIT}'>2 ranks, ZeRO-{r.zero}: out of memory on "
+                                      f"rank {e.rank} under its {fmt_bytes(budget)} budget ({said}): "
+                                      f"{e.detail.split(': ', 1)[1]}</b>")
+            else:
+                self.message.value = f"<b style='color:{DOES_NOT_FIT}'>the run failed: {e}</b>"
+            return
         except Exception as e:  # a callback's traceback never reaches the notebook: say it here
             self.last_measurements, self.last_error = None, e
             self.message.value = f"<b style='color:{DOES_NOT_FIT}'>the run failed: {type(e).__name__}: {e}</b>"
             return
         finally:
             self.button.disabled = False
-        from labkit.estimate import estimate
-
-        est = estimate(r)
         self.last_measurements, self.last_error = ms, None
-        fig = Figure(figsize=(11, 4))
+        fig = Figure(figsize=(9.5, 8.4))  # one rank under the other, each in compare_bar's own layout
         for k, m in enumerate(ms):
-            compare_bar(est, m, ax=fig.add_axes([0.06 + 0.5 * k, 0.16, 0.16, 0.7]))
+            compare_bar(est, m, ax=fig.add_axes([0.09, 0.58 - 0.5 * k, 0.31, 0.35]))
         self.last_figure = fig
         worst = max(abs(m.peak.total / est.peak.total - 1) for m in ms)
-        self.message.value = (f"<b style='color:{FITS}'>2 ranks, ZeRO-{r.zero}: measured "
-                              f"{', '.join(fmt_bytes(m.peak.total) for m in ms)}, predicted {fmt_bytes(est.peak.total)}"
-                              f" (within {worst:.2%})</b>")
+        why = "" if fits else (" although the prediction is over it: the prediction is "
+                               f"{max(m.peak.total for m in ms) / est.peak.total - 1:+.2%} off the fullest rank")
+        self.message.value = (f"<b style='color:{FITS}'>2 ranks, ZeRO-{r.zero}, each under a {fmt_bytes(budget)} "
+                              f"budget: measured {', '.join(fmt_bytes(m.peak.total) for m in ms)}, {said} "
+                              f"(within {worst:.2%}){why}</b>")
         if _in_ipython():
             self.output.clear_output(wait=True)
             with self.output:

@@ -45,6 +45,14 @@ def four_ranks():
                   timeout_s=300)
 
 
+def test_the_rank_code_of_lesson_09_emits_no_warning(two_ranks, four_ranks):
+    """What lesson 09 runs on its ranks (every method, DDP, FSDP2, ZeroRedundancyOptimizer, the measurements)
+    shows no red text under its cells: no deprecated collective, no hook note (warnings shown every time)."""
+    for runs in (two_ranks, four_ranks):
+        for r, out in enumerate(runs):
+            assert out["warnings"] == [], (r, out["warnings"])
+
+
 @pytest.mark.parity
 def test_every_method_equals_ddp_and_fsdp2_bit_for_bit_on_two_ranks(two_ranks):
     # Two ranks: a + b is the same sum on both and in DDP's bucket; the mean (a + b) / 2 is exact. So the

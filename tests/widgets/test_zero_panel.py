@@ -4,6 +4,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+from labkit.viz.style import FITS  # noqa: E402
 from labkit.viz.zero_panel import ZeroPanel  # noqa: E402
 
 
@@ -27,3 +28,28 @@ def test_button_runs_two_ranks_and_compares():
     assert p.last_error is None, p.last_error
     assert len(p.last_measurements) == 2 and p.last_figure is not None
     assert "within" in p.message.value
+
+
+def test_a_run_under_a_budget_the_prediction_exceeds_shows_the_ledgers_out_of_memory():
+    """Predicted not to fit: the button still runs, under that budget, and each rank's ledger raises the
+    out-of-memory a device of that size would; the panel says so in red, never a green measurement."""
+    from labkit.estimate import estimate
+    from labkit.memory import GiB
+
+    p = ZeroPanel(stage=3, rows=2, seq=16)
+    need = estimate(p.run_recipe()).peak.total
+    p.budget.value = 2 ** -12  # 256 KiB, the slider's smallest
+    assert p.budget_bytes() < need and "does not fit" in p.verdict.value and not p.button.disabled
+    p.button.click()
+    assert p.last_measurements is None and p.last_figure is None
+    assert "out of memory" in p.message.value and "does not fit" in p.message.value
+    assert FITS not in p.message.value and p.budget_bytes() == int(2 ** -12 * GiB)
+
+
+def test_a_change_of_control_clears_the_last_run():
+    """A run's result belongs to the controls it ran with: a green measurement never stays beside a new verdict."""
+    p = ZeroPanel(stage=3, rows=2, seq=16)
+    p.button.click()
+    assert p.last_measurements is not None and FITS in p.message.value
+    p.budget.value = 2 ** -12
+    assert p.message.value == "" and p.last_measurements is None and "does not fit" in p.verdict.value
