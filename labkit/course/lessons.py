@@ -62,16 +62,7 @@ def prerequisites(lessons: list[Lesson]) -> dict[str, tuple[str, ...]]:
             first.setdefault(package, lesson.number)
     needs = {l.number: {first[p] for p in l.uses if first[p] != l.number} for l in lessons}
 
-    def all_needs(n: str) -> set[str]:
-        out, todo = set(), list(needs[n])
-        while todo:
-            m = todo.pop()
-            if m not in out:
-                out.add(m)
-                todo.extend(needs[m])
-        return out
-
-    return {n: tuple(sorted(a for a in direct if not any(a in all_needs(b) for b in direct if b != a)))
+    return {n: tuple(sorted(a for a in direct if not any(a in reachable(needs, b) for b in direct if b != a)))
             for n, direct in needs.items()}
 
 
@@ -84,4 +75,16 @@ def introduces(lessons: list[Lesson]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {l.number: [] for l in lessons}
     for package, n in sorted(first.items()):
         out[n].append(package)
+    return out
+
+
+def reachable(graph: dict, start) -> set:
+    """Every node reachable from `start` along `graph`'s edges ({node: its successors}), `start` itself excluded
+    unless a cycle leads back to it."""
+    out, todo = set(), list(graph[start])
+    while todo:
+        m = todo.pop()
+        if m not in out:
+            out.add(m)
+            todo.extend(graph[m])
     return out

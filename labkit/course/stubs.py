@@ -22,6 +22,8 @@ from pathlib import Path
 
 from labkit.exercises import recorded
 
+from .lessons import reachable
+
 from .exercises import answer_names, check_calls
 
 STUDENT_SEED = 2026  # the code exercises' cases in the student build
@@ -43,16 +45,7 @@ def _reach(defs: dict[str, ast.FunctionDef]) -> dict[str, set[str]]:
     """{function: every function of the module it calls, directly or through others}."""
     direct = {name: {n.id for n in ast.walk(d) if isinstance(n, ast.Name) and n.id in defs} - {name}
               for name, d in defs.items()}
-    closure = {}
-    for name in defs:
-        seen, todo = set(), list(direct[name])
-        while todo:
-            f = todo.pop()
-            if f not in seen:
-                seen.add(f)
-                todo.extend(direct[f])
-        closure[name] = seen
-    return closure
+    return {name: reachable(direct, name) for name in defs}
 
 
 def _literal(node: ast.expr):

@@ -2,7 +2,7 @@
 them, table entries that name their machine or say "not measured", and the README's copy up to date."""
 
 from labkit.course import map as course_map
-from labkit.course.lessons import Lesson, prerequisites, read_lessons
+from labkit.course.lessons import Lesson, prerequisites, reachable, read_lessons
 
 
 def test_prerequisite_rule_keeps_direct_needs_only():
@@ -25,13 +25,7 @@ def test_the_lessons_prerequisites():
 
 
 def _all_needs(needs, n):
-    out, todo = set(), list(needs[n])
-    while todo:
-        m = todo.pop()
-        if m not in out:
-            out.add(m)
-            todo.extend(needs[m])
-    return out
+    return reachable(needs, n)
 
 
 def test_sequences_respect_prerequisites():
