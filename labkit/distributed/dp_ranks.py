@@ -1,7 +1,8 @@
 """Rank functions for data parallelism and ZeRO that lessons and tests launch (`labkit.distributed.launch`):
 each trains or measures the same small GPT on every rank, from the same seed, on its rows of one global batch.
 
-    launch(train, 2, args=("zero3", cfg, steps, batch, seq))   # -> per rank: parameters, losses, traffic
+    run = TrainRun(cfg, steps=3, batch=8, seq=8)                # the model, its steps and global batches
+    launch(train, 2, args=("zero3", run))                       # -> per rank: parameters, losses, traffic
     launch(measure, 2, args=(recipe,))                         # -> per rank: the ledger's Measurement
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from dataclasses import asdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from . import comms
 from .data_parallel import DataParallelBucket, DataParallelNaive
 from .zero import Zero
 
-__all__ = ["METHODS", "global_batch", "train", "measure", "zero_redundancy_elements", "fsdp2_train", "ddp_train"]
+__all__ = ["METHODS", "TrainRun", "global_batch", "batch_of", "shard_rows", "train", "measure", "zero_redundancy_elements", "fsdp2_train", "ddp_train"]
 
 METHODS = ("single", "naive", "bucket", "overlap", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload",
            "zero3-offload")
@@ -42,11 +43,76 @@ def _counting_collectives(mode):
             yield
 
 
+@dataclass(frozen=True)
+class TrainRun:
+    """A short training run of labkit's GPT that every rank makes alike (lessons 09 and 11): the model, its steps,
+    and the global batches each rank takes its rows of."""
+
+    cfg: dict                      # labkit's GPTConfig fields (vocab_size, block_size, n_layer, n_head, n_embd, ...)
+    steps: int                     # optimizer steps
+    batch: int                     # rows of each step's global batch, the same on every rank (each trains on its share)
+    seq: int                       # tokens per row, at most the model's block_size
+    seed: int = 0                  # the model's initial weights and the batches
+    text_chars: int | None = None  # rows from the first text_chars characters of Shakespeare (byte tokens, so a
+                                   # vocab_size of at least 256); None: random token ids
+
+    def __post_init__(self):
+        from labkit.models.gpt import GPTConfig
+        from labkit.optim.base import check_int
+
+        if not isinstance(self.cfg, dict):
+            raise ValueError(f"cfg must be a dict of GPTConfig fields, got {type(self.cfg).__name__}")
+        for name in ("steps", "batch", "seq"):
+            check_int(name, getattr(self, name))
+        check_int("seed", self.seed, low=0)
+        try:
+            model = GPTConfig(**self.cfg)
+        except TypeError as e:  # a field GPTConfig does not have
+            raise ValueError(f"cfg: {e}") from None
+        if self.seq > model.block_size:
+            raise ValueError(f"seq {self.seq} is longer than the model's block_size {model.block_size}")
+        if self.text_chars is not None:
+            check_int("text_chars", self.text_chars)
+            if model.vocab_size < 256:
+                raise ValueError(f"text_chars: the corpus is byte tokens (0-255), the model's vocab_size is "
+                                 f"{model.vocab_size}: give at least 256 or text_chars=None")
+
+    @property
+    def vocab(self) -> int:
+        from labkit.models.gpt import GPTConfig
+
+        return GPTConfig(**self.cfg).vocab_size
+
+
 def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's global batch (B, S) of token ids and targets, the same on every rank."""
     g = torch.Generator().manual_seed(seed * 1000 + step)
     t = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+_TOKENS: dict[int, torch.Tensor] = {}
+
+
+def batch_of(run: TrainRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s global batch (B, S) of `run`, the same on every rank: random windows of the Shakespeare
+    corpus (run.text_chars) or random token ids (`global_batch`)."""
+    if run.text_chars is None:
+        return global_batch(step, run.batch, run.seq, run.vocab, run.seed)
+    from labkit.data import get_batch, load_tokens
+
+    if run.text_chars not in _TOKENS:
+        _TOKENS[run.text_chars] = load_tokens(max_chars=run.text_chars)[0]
+    return get_batch(_TOKENS[run.text_chars], run.batch, run.seq,
+                     generator=torch.Generator().manual_seed(run.seed * 100003 + step))
+
+
+def shard_rows(run: TrainRun, index: int, parts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Share `index` of `parts` (a rank's rows) of every step's global batch, as copies: made before any ledger
+    starts (the corpus and the global batches are not a rank's training memory)."""
+    if run.batch % parts:
+        raise ValueError(f"a global batch of {run.batch} rows does not split evenly over {parts} ranks")
+    return [tuple(_rows(t, index, parts).clone() for t in batch_of(run, i)) for i in range(run.steps)]
 
 
 def _rows(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -62,47 +128,46 @@ def _model(cfg: dict, seed: int):
 
 
 def _sgd_or_adamw(params, optimizer: str):
+    if optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
     if optimizer == "sgd":
         return torch.optim.SGD(params, lr=LR, foreach=False)
     return torch.optim.AdamW(params, lr=LR, foreach=False)
 
 
-def train(rank: int, world: int, method: str, cfg: dict, steps: int, batch: int, seq: int, seed: int = 0,
-          optimizer: str = "adamw", bucket_bytes: int = 4096) -> dict:
-    """`steps` training steps with `method` (METHODS; "single": this rank alone on the whole batch). Returns
+def train(rank: int, world: int, method: str, run: TrainRun, optimizer: str = "adamw", bucket_bytes: int = 4096) -> dict:
+    """`run.steps` training steps with `method` (METHODS; "single": this rank alone on the whole batch). Returns
     {"params": {name: tensor}, "losses": [...], "comms": CommLog summary of the last step, "calls": counts of
     the c10d ops torch's CommDebugMode saw in the last step, "grads": ZeRO's averaged gradients of step 1}."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    seed_model = seed + (rank if method != "single" else 0)  # ranks start apart: the broadcast must align them
-    m = _model(cfg, seed_model)
+    seed_model = run.seed + (rank if method != "single" else 0)  # ranks start apart: the broadcast must align them
+    m = _model(run.cfg, seed_model)
     stage = int(method[4]) if method.startswith("zero") else 0
     if stage:
         if optimizer != "adamw":
             raise ValueError("labkit's Zero steps AdamW")
         z = Zero(m, stage, lr=LR, offload=method.endswith("offload"))
-        run, opt = z, None
+        net, opt = z, None
     elif method == "single":
-        torch.manual_seed(seed)
-        run, opt = m, _sgd_or_adamw(m.parameters(), optimizer)
+        torch.manual_seed(run.seed)
+        net, opt = m, _sgd_or_adamw(m.parameters(), optimizer)
     else:
         wrap = {"naive": lambda: DataParallelNaive(m),
                 "bucket": lambda: DataParallelBucket(m, bucket_bytes, overlap=False),
                 "overlap": lambda: DataParallelBucket(m, bucket_bytes, overlap=True)}[method]
-        run = wrap()
+        net = wrap()
         opt = _sgd_or_adamw(m.parameters(), optimizer)
+    rows = shard_rows(run, 0, 1) if method == "single" else shard_rows(run, rank, world)
     losses, grads = [], None
     log, cdm = comms.CommLog(), CommDebugMode()
-    for i in range(steps):
-        x, y = global_batch(i, batch, seq, cfg["vocab_size"], seed)
-        if method != "single":
-            x, y = _rows(x, rank, world), _rows(y, rank, world)
-        last = i == steps - 1
+    for i, (x, y) in enumerate(rows):
+        last = i == run.steps - 1
         counting = _counting_collectives(cdm) if last else contextlib.nullcontext()
         with (log if last else contextlib.nullcontext()), counting:
-            loss = run(x, y)
+            loss = net(x, y)
             loss.backward()
             if stage:
                 if i == 0:
@@ -110,7 +175,7 @@ def train(rank: int, world: int, method: str, cfg: dict, steps: int, batch: int,
                 z.step()
             else:
                 if method != "single":
-                    run.sync_gradients()
+                    net.sync_gradients()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -119,19 +184,17 @@ def train(rank: int, world: int, method: str, cfg: dict, steps: int, batch: int,
     return {"params": params, "losses": losses, "comms": log.summary(), "calls": calls, "grads": grads}
 
 
-def ddp_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, seed: int = 0,
-              optimizer: str = "adamw", bucket_mb: float = 25) -> dict:
+def ddp_train(rank: int, world: int, run: TrainRun, optimizer: str = "adamw", bucket_mb: float = 25) -> dict:
     """The same steps with torch.nn.parallel.DistributedDataParallel (the production tool)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    m = _model(cfg, seed + rank)
+    m = _model(run.cfg, run.seed + rank)
     group = comms.plain_group()  # DDP's construction segfaults on a DETAIL-wrapped group (torch 2.13, gloo)
     ddp = DDP(m, bucket_cap_mb=bucket_mb, process_group=group)
     opt = _sgd_or_adamw(ddp.parameters(), optimizer)
     losses = []
-    for i in range(steps):
-        x, y = global_batch(i, batch, seq, cfg["vocab_size"], seed)
-        loss = ddp(_rows(x, rank, world), _rows(y, rank, world))
+    for x, y in shard_rows(run, rank, world):
+        loss = ddp(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -139,22 +202,21 @@ def ddp_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int
     return {"params": {n: p.detach().clone() for n, p in m.named_parameters()}, "losses": losses}
 
 
-def fsdp2_train(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, seed: int = 0) -> dict:
+def fsdp2_train(rank: int, world: int, run: TrainRun) -> dict:
     """The same steps with FSDP2 (`fully_shard` on every block, then the root, on an explicit CPU mesh) and
     AdamW (single-tensor) on its sharded DTensor parameters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    m = _model(cfg, seed)  # FSDP2 does not broadcast: every rank builds the same model
+    m = _model(run.cfg, run.seed)  # FSDP2 does not broadcast: every rank builds the same model
     mesh = init_device_mesh("cpu", (world,))
     for b in m.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(m, mesh=mesh)
     opt = torch.optim.AdamW(m.parameters(), lr=LR, foreach=False)
     losses = []
-    for i in range(steps):
-        x, y = global_batch(i, batch, seq, cfg["vocab_size"], seed)
-        loss = m(_rows(x, rank, world), _rows(y, rank, world))
+    for i, (x, y) in enumerate(shard_rows(run, rank, world)):
+        loss = m(x, y)
         loss.backward()
         if i == 0:
             grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
@@ -247,18 +309,18 @@ def measure_ranks(recipe, world: int = 2, steps: int = 2, timeout_s: float = 240
     return [ms[0] for ms in launch(measure_many, world, args=([r], steps, 0, budget), timeout_s=timeout_s)]
 
 
-def compare(rank: int, world: int, cfg: dict, steps: int, batch: int, seq: int, methods=(), references=()) -> dict:
+def compare(rank: int, world: int, run: TrainRun, methods=(), references=()) -> dict:
     """Each of labkit's `methods` (`train`; a "-sgd" suffix trains with SGD), then the production `references`
     ("ddp", "ddp-sgd", "fsdp2", "zero-redundancy"), one after the other on the same ranks (one launch)."""
-    out = {m: train(rank, world, m.removesuffix("-sgd"), cfg, steps, batch, seq,
-                    optimizer="sgd" if m.endswith("-sgd") else "adamw") for m in methods}
+    out = {m: train(rank, world, m.removesuffix("-sgd"), run, optimizer="sgd" if m.endswith("-sgd") else "adamw")
+           for m in methods}
     for ref in references:
         if ref in ("ddp", "ddp-sgd"):
-            out[ref] = ddp_train(rank, world, cfg, steps, batch, seq, optimizer="sgd" if ref == "ddp-sgd" else "adamw")
+            out[ref] = ddp_train(rank, world, run, optimizer="sgd" if ref == "ddp-sgd" else "adamw")
         elif ref == "fsdp2":
-            out[ref] = fsdp2_train(rank, world, cfg, steps, batch, seq)
+            out[ref] = fsdp2_train(rank, world, run)
         elif ref == "zero-redundancy":
-            out[ref] = zero_redundancy_elements(rank, world, cfg)
+            out[ref] = zero_redundancy_elements(rank, world, run.cfg, run.seed)
         else:
             raise ValueError(f"unknown reference {ref!r}: ddp, ddp-sgd, fsdp2 or zero-redundancy")
     return out

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import zero_ranks
 from labkit.distributed import RankFailed, dp_ranks, launch
+from labkit.distributed.dp_ranks import TrainRun
 from labkit.distributed.comms import wire_bytes
 from labkit.estimate import Recipe, estimate
 from labkit.models.gpt import GPTConfig
@@ -34,14 +35,14 @@ def _maxdiff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(zero_ranks.everything, 2, args=(CFG, STEPS, BATCH, SEQ, LABKIT + ["naive-sgd"],
+    return launch(zero_ranks.everything, 2, args=(TrainRun(CFG, STEPS, BATCH, SEQ), LABKIT + ["naive-sgd"],
                                                     ["ddp", "ddp-sgd", "fsdp2", "zero-redundancy"], _recipes(2)),
                   timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return launch(zero_ranks.everything, 4, args=(CFG, 2, BATCH, SEQ, ["zero3"], ["fsdp2"], _recipes(4)),
+    return launch(zero_ranks.everything, 4, args=(TrainRun(CFG, 2, BATCH, SEQ), ["zero3"], ["fsdp2"], _recipes(4)),
                   timeout_s=300)
 
 
@@ -74,7 +75,7 @@ def test_data_parallel_equals_one_process_on_the_global_batch(two_ranks):
     # number up to rounding. With SGD (lr 1e-2) each step rounds p - lr g once; the gradients' few-ulp
     # difference times lr is far below an ulp of p, so the parameters drift apart by at most ~1 ulp a step:
     # bound 4 ulps x steps of the largest parameter.
-    single = dp_ranks.train(0, 1, "single", CFG, STEPS, BATCH, SEQ, optimizer="sgd")
+    single = dp_ranks.train(0, 1, "single", TrainRun(CFG, STEPS, BATCH, SEQ), optimizer="sgd")
     got = two_ranks[0]["naive-sgd"]["params"]
     assert _maxdiff(got, two_ranks[0]["ddp-sgd"]["params"]) == 0.0
     scale = max(p.abs().max().item() for p in single["params"].values())
