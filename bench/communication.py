@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 from labkit.distributed import comm_ranks, launch
-from labkit.distributed.compression import DGCConfig
+from labkit.distributed.compression import DGCConfig, PowerSGDConfig
+from labkit.distributed.dp_ranks import TrainRun
 from labkit.memory import fmt_bytes
 
 
@@ -29,7 +30,8 @@ def main() -> None:
     steps = a.steps or (6 if a.quick else 200)
     batch, seq, text = (8, 16, 100_000) if a.quick else (16, 64, 2_000_000)
     dgc = DGCConfig(sparsity=a.sparsity, warmup_steps=max(1, steps // 20))
-    runs = launch(comm_ranks.compare, 2, args=(cfg, steps, batch, seq, comm_ranks.VARIANTS, dgc, a.rank, text),
+    run = TrainRun(cfg, steps, batch, seq, text_chars=text)
+    runs = launch(comm_ranks.compare, 2, args=(run, comm_ranks.VARIANTS, dgc, PowerSGDConfig(rank=a.rank)),
                   timeout_s=3600, backend="gloo")
     rows = {v: ([sum(r[v]["losses"][i] for r in runs) / 2 for i in range(steps)], sum(runs[0][v]["wire"]))
             for v in comm_ranks.VARIANTS}

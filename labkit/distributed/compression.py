@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from . import comms
 
-__all__ = ["DGCConfig", "DGC", "topk_sparsify", "warmup_density", "density_at", "dgc_state_bytes",
+__all__ = ["DGCConfig", "PowerSGDConfig", "DGC", "topk_sparsify", "warmup_density", "density_at", "dgc_state_bytes",
            "dgc_wire_bytes", "dense_wire_bytes", "powersgd_wire_bytes", "powersgd_state_bytes",
            "check_sparsity", "check_rank"]
 
@@ -91,6 +91,27 @@ class DGCConfig:
     def sgd_momentum(self) -> float:
         """The momentum the optimizer must apply: 0 with momentum correction (u already holds it), else m."""
         return 0.0 if self.momentum_correction else self.momentum
+
+
+@dataclass(frozen=True)
+class PowerSGDConfig:
+    """What PyTorch's PowerSGD DDP hook does (labkit.distributed.comm_ranks hands these to its PowerSGDState)."""
+
+    rank: int = 1                # matrix_approximation_rank: columns of P and Q (1: the most compression)
+    start_iter: int = 2          # steps of plain all-reduce before it compresses (DDP rebuilds its buckets in step 1)
+    error_feedback: bool = True  # keep each bucket's compression error and add it to the next step's gradient
+    warm_start: bool = True      # start each step's power iteration from the last step's Q
+    bucket_mb: float = 25        # DDP's bucket size in MB (its default); the hook compresses one bucket at a time
+
+    def __post_init__(self):
+        check_rank(self.rank)
+        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 0:
+            raise ValueError(f"PowerSGD start_iter must be an integer >= 0, got {self.start_iter!r}")
+        if (self.error_feedback or self.warm_start) and self.start_iter < 2:
+            raise ValueError(f"PowerSGD start_iter must be >= 2 with error feedback or warm start (the hook "
+                             f"compresses only after DDP's first two steps), got {self.start_iter}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise ValueError(f"PowerSGD bucket_mb must be a positive number of MB, got {self.bucket_mb!r}")
 
 
 # ---- the pieces, each a pure function ---------------------------------------------------------------

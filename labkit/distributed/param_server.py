@@ -45,6 +45,7 @@ __all__ = ["PSConfig", "ServerReport", "serve", "work", "flat_params", "load_fla
 
 GRAD, DONE = 1.0, 0.0
 HEADER = 3  # kind, step, steps complete in the parameters used
+OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # the server's optimizers: fp32 state buffers per parameter
 
 
 def check_staleness(s) -> int:
@@ -58,6 +59,7 @@ class PSConfig:
     mode: str = "sync"             # "sync": average every worker's gradient each step; "async": apply as they come
     staleness: int = 0             # async: a worker may be at most this many steps ahead of the slowest live one
     worker_timeout_s: float = 10.0  # a worker silent this long while awaited is dead (dropped, or an error in sync)
+    optimizer: str = "sgd"         # what the server steps (comm_ranks.ps_train builds it): one of OPTIMIZERS
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
@@ -65,6 +67,13 @@ class PSConfig:
         check_staleness(self.staleness)
         if not self.worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be a positive number of seconds, got {self.worker_timeout_s!r}")
+        _check_optimizer(self.optimizer)
+
+
+def _check_optimizer(optimizer) -> str:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    return optimizer
 
 
 @dataclass
@@ -94,10 +103,7 @@ def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
 def server_state_bytes(n_params: int, optimizer: str = "sgd-momentum") -> int:
     """Optimizer state the server keeps: SGD with momentum one fp32 buffer per parameter, AdamW two, SGD none.
     Workers keep none."""
-    per = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}
-    if optimizer not in per:
-        raise ValueError(f"optimizer must be one of {', '.join(per)}, got {optimizer!r}")
-    return per[optimizer] * n_params * 4
+    return OPTIMIZERS[_check_optimizer(optimizer)] * n_params * 4
 
 
 def ps_wire_bytes(n_params: int, workers: int, steps: int = 1) -> dict[str, float]:

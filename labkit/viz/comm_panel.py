@@ -10,6 +10,9 @@ import ipywidgets as widgets
 from matplotlib.figure import Figure
 
 from labkit.distributed import comm_ranks
+from labkit.distributed.compression import DGCConfig, PowerSGDConfig
+from labkit.distributed.dp_ranks import TrainRun
+from labkit.distributed.param_server import PSConfig
 from labkit.memory import fmt_bytes
 
 from .style import pick_unit, to_png
@@ -21,10 +24,8 @@ COLORS = {"dense": "#4C72B0", "dgc": "#DD8452", "powersgd": "#55A868", "paramete
 class CommPanel:
     """Thin: reads the controls, calls `plan_bytes` (or `explore` for the button), draws."""
 
-    def __init__(self, cfg: dict, steps: int = 8, batch: int = 8, seq: int = 16, text_chars: int | None = None,
-                 slow_worker_s: float = 0.0):
-        self.cfg, self.steps, self.batch, self.seq = cfg, steps, batch, seq
-        self.text_chars, self.slow_worker_s = text_chars, slow_worker_s
+    def __init__(self, run: TrainRun, slow_worker_s: float = 0.0):
+        self.run, self.slow_worker_s = run, slow_worker_s
         style = {"description_width": "110px"}
         self.sparsity = widgets.SelectionSlider(options=SPARSITIES, value=0.99, description="DGC sparsity",
                                                 style=style)
@@ -45,15 +46,17 @@ class CommPanel:
         self._on_change()
 
     def _on_change(self, _change=None) -> None:
-        self.last_plan = comm_ranks.plan_bytes(self.cfg, self.steps, 2, self.sparsity.value, self.warmup.value,
-                                               self.rank.value)
+        self.last_plan = comm_ranks.plan_bytes(self.run, self._dgc(), PowerSGDConfig(rank=self.rank.value))
         self._draw_bytes(self.last_plan)
+
+    def _dgc(self) -> DGCConfig:
+        return DGCConfig(sparsity=self.sparsity.value, warmup_steps=self.warmup.value)
 
     def _draw_bytes(self, plan: dict) -> None:
         fig = Figure(figsize=(8, 3.2))
         ax = fig.add_axes([0.1, 0.16, 0.6, 0.72])
         unit, size = pick_unit(max(max(v) for v in plan.values()))
-        steps = range(1, self.steps + 1)
+        steps = range(1, self.run.steps + 1)
         for name in ("dense", "dgc", "powersgd", "parameter server"):
             ax.plot(steps, [b / size for b in plan[name]], marker="o", ms=3, color=COLORS[name],
                     label=name + (" (server)" if name == "parameter server" else ""))
@@ -76,9 +79,8 @@ class CommPanel:
         self.button.disabled = True
         self.message.value = "training on 2 ranks, then on a server and 2 workers ..."
         try:
-            self.last_losses = comm_ranks.explore(self.cfg, self.steps, self.batch, self.seq, self.sparsity.value,
-                                                  self.warmup.value, self.rank.value, self.staleness.value,
-                                                  self.text_chars, self.slow_worker_s)
+            self.last_losses = comm_ranks.explore(self.run, self._dgc(), PowerSGDConfig(rank=self.rank.value),
+                                                  PSConfig("async", self.staleness.value), self.slow_worker_s)
             self.last_error = None
         except Exception as e:  # shown, not raised: the panel stays usable
             self.last_error = e

@@ -9,8 +9,9 @@ import torch
 
 from labkit.distributed import launch
 from labkit.distributed import comm_ranks
-from labkit.distributed.compression import (DGCConfig, density_at, dense_wire_bytes, dgc_state_bytes,
+from labkit.distributed.compression import (DGCConfig, PowerSGDConfig, density_at, dense_wire_bytes, dgc_state_bytes,
                                             dgc_wire_bytes, powersgd_state_bytes, powersgd_wire_bytes)
+from labkit.distributed.dp_ranks import TrainRun
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 STEPS, BATCH, SEQ, WORLD = 6, 8, 8, 2
@@ -20,7 +21,8 @@ VARIANTS = list(comm_ranks.VARIANTS)
 
 @pytest.fixture(scope="module")
 def runs():
-    return launch(comm_ranks.compression_suite, WORLD, args=(CFG, STEPS, BATCH, SEQ, DGC, 2, VARIANTS), timeout_s=300,
+    run = TrainRun(CFG, STEPS, BATCH, SEQ)
+    return launch(comm_ranks.compression_suite, WORLD, args=(run, DGC, PowerSGDConfig(rank=2), VARIANTS), timeout_s=300,
                   backend="gloo")
 
 

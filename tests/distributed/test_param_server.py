@@ -8,6 +8,7 @@ import torch
 
 from labkit.distributed import RankFailed, launch
 from labkit.distributed import comm_ranks
+from labkit.distributed.dp_ranks import TrainRun
 from labkit.distributed.param_server import PSConfig, ps_wire_bytes, server_state_bytes
 from test_launch import _children_of_me
 
@@ -15,12 +16,12 @@ CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 STEPS, BATCH, SEQ, WORLD = 3, 8, 8, 3
 EPS = torch.finfo(torch.float32).eps
 RUNS = {"sync": PSConfig("sync"), "async0": PSConfig("async", 0), "async1": PSConfig("async", 1),
-        "momentum": (PSConfig("sync"), "sgd-momentum")}
+        "momentum": PSConfig("sync", optimizer="sgd-momentum")}
 
 
 @pytest.fixture(scope="module")
 def suite():
-    out = launch(comm_ranks.ps_suite, WORLD, args=(CFG, STEPS, BATCH, SEQ, RUNS, True, True), timeout_s=300,
+    out = launch(comm_ranks.ps_suite, WORLD, args=(TrainRun(CFG, STEPS, BATCH, SEQ), RUNS, True), timeout_s=300,
                  backend="gloo")
     assert _children_of_me() == []
     return out
@@ -85,7 +86,7 @@ def test_bytes_by_definition(suite):
 
 def test_async_server_drops_a_dead_worker_and_goes_on():
     ps = PSConfig("async", staleness=1, worker_timeout_s=2)
-    out = launch(comm_ranks.ps_dies, WORLD, args=(CFG, 4, BATCH, SEQ, ps, 1), timeout_s=120, backend="gloo",
+    out = launch(comm_ranks.ps_dies, WORLD, args=(TrainRun(CFG, 4, BATCH, SEQ), ps, 1), timeout_s=120, backend="gloo",
                  may_fail=[2])
     server, w1, w2 = out
     assert isinstance(w2, RankFailed) and "SIGKILL" in str(w2)
@@ -99,6 +100,6 @@ def test_sync_server_stops_with_one_clear_error_when_a_worker_dies():
     ps = PSConfig("sync", worker_timeout_s=2)
     with pytest.raises(RankFailed, match=r"rank 0 failed: RuntimeError: parameter server \(sync\): worker 2 died "
                                          r"at step 1 \(nothing received for 2 s\)"):
-        launch(comm_ranks.ps_dies, WORLD, args=(CFG, 4, BATCH, SEQ, ps, 1), timeout_s=120, backend="gloo",
+        launch(comm_ranks.ps_dies, WORLD, args=(TrainRun(CFG, 4, BATCH, SEQ), ps, 1), timeout_s=120, backend="gloo",
                may_fail=[2])
     assert _children_of_me() == []

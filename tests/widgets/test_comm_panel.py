@@ -7,13 +7,14 @@ import matplotlib
 matplotlib.use("Agg")
 
 from labkit.distributed.compression import dense_wire_bytes  # noqa: E402
+from labkit.distributed.dp_ranks import TrainRun  # noqa: E402
 from labkit.viz.comm_panel import CommPanel  # noqa: E402
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
 def test_controls_redraw_the_bytes_per_step():
-    p = CommPanel(CFG, steps=6)
+    p = CommPanel(TrainRun(CFG, steps=6, batch=8, seq=16))
     png = bytes(p.bytes_plot.value)
     assert png.startswith(b"\x89PNG")
     plan = p.last_plan
@@ -31,7 +32,7 @@ def test_controls_redraw_the_bytes_per_step():
 
 
 def test_button_trains_and_draws_the_loss_curves():
-    p = CommPanel(CFG, steps=3, batch=4, seq=8)
+    p = CommPanel(TrainRun(CFG, steps=3, batch=4, seq=8))
     p.staleness.value = 2
     assert p.loss_plot not in p.widget.children
     p.button.click()
