@@ -1,11 +1,14 @@
 """Rank functions for pipeline and tensor parallelism (lesson 10 and tests/distributed): spawned ranks import
-them from here by name. Each builds the same model from the same seed, runs labkit's version and PyTorch's,
-and returns plain tensors and numbers (they are pickled back to the caller)."""
+them from here by name. Each builds the same model from the same seed (a `Workload`: the model and its batch),
+runs labkit's version and PyTorch's, and returns plain tensors and numbers (they are pickled back to the caller).
+
+    launch(pipeline_parity, 2, args=(Workload(cfg, batch=8, seq=32), 4))   # 4 micro-batches
+"""
 
 from __future__ import annotations
 
 import gc
-import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,18 +17,45 @@ from labkit.distributed import comms
 from labkit.distributed import pipeline as pl
 
 
-def build_model(family: str, cfg: dict, seed: int = 0) -> torch.nn.Module:
-    """labkit's GPT ("labkit") or transformers' GPT-2 ("gpt2", from the gpt2-tiny preset), fp32, seeded."""
-    torch.manual_seed(seed)
-    if family == "labkit":
-        from labkit.models.gpt import GPT, GPTConfig
+FAMILIES = ("labkit", "gpt2")
 
-        return GPT(GPTConfig(**cfg))
-    if family == "gpt2":
+
+@dataclass(frozen=True)
+class Workload:
+    """What every rank of a layout builds and feeds alike: the model, from the same seed, and one batch."""
+
+    cfg: dict               # the model's fields: labkit's GPTConfig, or overrides of transformers' gpt2-tiny preset
+    batch: int              # rows of the batch: the whole pipeline's (cut into micro-batches), or each tp rank's
+    seq: int                # tokens per row
+    family: str = "labkit"  # "labkit" (labkit's GPT) or "gpt2" (transformers' GPT-2, for the pipeline only)
+
+    def __post_init__(self):
+        from labkit.optim.base import check_int
+
+        if not isinstance(self.cfg, dict):
+            raise ValueError(f"cfg must be a dict of the model's fields, got {type(self.cfg).__name__}")
+        check_int("batch", self.batch)
+        check_int("seq", self.seq)
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}: 'labkit' or 'gpt2'")
+
+
+def _labkit_only(work: Workload) -> Workload:
+    if work.family != "labkit":  # tensor parallelism here splits labkit's GPT only
+        raise ValueError(f"tensor parallel runs labkit's GPT, not family {work.family!r}")
+    return work
+
+
+def build_model(work: Workload) -> torch.nn.Module:
+    """`work`'s model, fp32, from seed 0: labkit's GPT or transformers' GPT-2 (from the gpt2-tiny preset)."""
+    torch.manual_seed(0)
+    if work.family == "gpt2":
         from labkit.models.hf import build
 
-        return build("gpt2-tiny", device="cpu", **cfg)
-    raise ValueError(f"unknown model family {family!r}: 'labkit' or 'gpt2'")
+        return build("gpt2-tiny", device="cpu", **work.cfg)
+    from labkit.models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(**work.cfg))
 
 
 def batch_of(batch: int, seq: int, vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,12 +78,12 @@ def _stage_grads(stage: pl.Stage) -> dict[str, torch.Tensor]:
 
 
 # ---- pipeline ------------------------------------------------------------------------------------------------
-def pipeline_parity(rank, world_size, family, cfg, batch, seq, m, schedules=("gpipe", "1f1b"), torch_ref=True):
+def pipeline_parity(rank, world_size, work: Workload, m: int, schedules=("gpipe", "1f1b"), torch_ref=True):
     """For each schedule: labkit's pipeline and torch.distributed.pipelining's on the same stage, and one
-    process on the whole batch. Returns {"reference": grads of this stage's parameters, schedule: {...}}."""
-    model = build_model(family, cfg)
-    vocab = model.config.vocab_size
-    x, y = batch_of(batch, seq, vocab)
+    process on the whole batch of m micro-batches. Returns {"reference": grads of this stage's parameters,
+    schedule: {...}}."""
+    model = build_model(work)
+    x, y = batch_of(work.batch, work.seq, model.config.vocab_size)
     ref_loss, ref = _one_process_grads(model, x, y)
     group = pl.tied_group(world_size)
     out = {"reference_loss": ref_loss, "reference": None}
@@ -96,15 +126,14 @@ def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
     return _stage_grads(stage), loss
 
 
-def pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name, optimizer="adamw", steps=2,
-                    fail_stage=None):
-    """One stage's step measured by its own ledger: per-category peaks of the last step, the most
-    activation bytes held, when each forward and backward ran, and the in-flight counts. A `fail_stage`
-    raises in its first backward (to test that a failing stage ends the run)."""
+def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: int = 2, fail_stage=None):
+    """`steps` AdamW steps of one stage under schedule `name` with m micro-batches, measured by its own ledger:
+    per-category peaks of the last step, the most activation bytes held, when each forward and backward ran, and
+    the in-flight counts. A `fail_stage` raises in its first forward (to test that a failing stage ends the run)."""
     from labkit.memory.ledger import Ledger
     from labkit.memory.report import Category
 
-    model = build_model(family, cfg)
+    model = build_model(work)
     vocab = model.config.vocab_size
     stage = pl.build_stage(model, rank, world_size)
     del model
@@ -118,11 +147,11 @@ def pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name, optimize
         stage.register_forward_hook(fail)
     comms.barrier()
     with Ledger(stage, opt) as led:
-        x, y = (t.clone() for t in batch_of(batch, seq, vocab))  # contiguous; the stage keeps what it reads
+        x, y = (t.clone() for t in batch_of(work.batch, work.seq, vocab))  # contiguous; the stage keeps what it reads
         x, y = (x if stage.is_first else None), (y if stage.is_last else None)
         for _ in range(steps):
             comms.barrier()
-            run = pl.run_step(stage, actions, x, y, m, ledger=led, batch_shape=(batch, seq))
+            run = pl.run_step(stage, actions, x, y, m, ledger=led, batch_shape=(work.batch, work.seq))
             pl.sync_tied_grads(stage, group)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -158,13 +187,13 @@ def _shard_of(name: str, full: torch.Tensor, rank: int, t: int) -> torch.Tensor:
     return full
 
 
-def tensor_parallel_parity(rank, world_size, cfg, batch, seq, torch_ref=True):
+def tensor_parallel_parity(rank, world_size, work: Workload, torch_ref=True):
     """labkit's tensor parallel (plain and sequence parallel) and PyTorch's parallelize_module
     (ColwiseParallel / RowwiseParallel) against one process: logits, loss and this rank's gradients."""
     from labkit.distributed import tensor_parallel as tp
 
-    model = build_model("labkit", cfg)
-    x, y = batch_of(batch, seq, cfg["vocab_size"])
+    model = build_model(_labkit_only(work))
+    x, y = batch_of(work.batch, work.seq, model.config.vocab_size)
     base_logits = model(x).detach()
     head = tp.to_headwise(__import__("copy").deepcopy(model))
     logits = head(x)
@@ -209,15 +238,16 @@ def _torch_tp(head_model, t, x, y):
     return {"logits": torch.as_tensor(lg.detach()).clone(), "loss": ls.item(), "grads": grads}
 
 
-def tp_activation_memory(rank, world_size, cfg, batch, seq, dtype="bf16"):
+def tp_activation_memory(rank, world_size, work: Workload, dtype="bf16"):
     """Activation bytes one rank's blocks save, measured by its ledger: the unsplit blocks (t = 1, no
     communication), tensor parallel, and tensor + sequence parallel. Returns {layout: bytes per layer}."""
     from labkit.distributed import tensor_parallel as tp
     from labkit.memory.ledger import Ledger
 
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    model = build_model("labkit", cfg).to(dt)
-    L = cfg["n_layer"]
+    model = build_model(_labkit_only(work)).to(dt)
+    L, C = model.config.n_layer, model.config.n_embd
+    batch, seq = work.batch, work.seq
     layouts = {"t=1": tp.to_headwise(__import__("copy").deepcopy(model)).blocks,
                "tp": tp.parallelize(model, rank, world_size).blocks,
                "tp+sp": tp.parallelize(model, rank, world_size, sequence_parallel=True).blocks}
@@ -225,8 +255,8 @@ def tp_activation_memory(rank, world_size, cfg, batch, seq, dtype="bf16"):
     for name, blocks in layouts.items():
         T = seq // world_size if name == "tp+sp" else seq
         torch.manual_seed(10 + rank)  # dropout masks: any; the bytes do not depend on them
-        x = torch.randn(batch, T, cfg["n_embd"], dtype=dt, requires_grad=True)
-        g = torch.randn(batch, T, cfg["n_embd"], dtype=dt)
+        x = torch.randn(batch, T, C, dtype=dt, requires_grad=True)
+        g = torch.randn(batch, T, C, dtype=dt)
         gc.collect()  # the previous layout's graph and tensors gone before this ledger starts
         with Ledger() as led:
             y = x
@@ -246,16 +276,19 @@ def tp_activation_memory(rank, world_size, cfg, batch, seq, dtype="bf16"):
     return out
 
 
-def tp_step_memory(rank, world_size, cfg, batch, seq, micro_batch=None, sequence_parallel=False, steps=2):
-    """One tensor-parallel rank's training step (AdamW, fp32) measured by its own ledger: the last step's peaks."""
+def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_parallel=False, steps=2):
+    """One tensor-parallel rank's training step (AdamW, fp32; micro-batches of `micro_batch` rows, default the
+    whole batch) measured by its own ledger: the last step's peaks."""
     from labkit.distributed import tensor_parallel as tp
     from labkit.memory.ledger import Ledger
 
-    model = tp.parallelize(build_model("labkit", cfg), rank, world_size, sequence_parallel=sequence_parallel)
+    model = tp.parallelize(build_model(_labkit_only(work)), rank, world_size,
+                           sequence_parallel=sequence_parallel)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = work.batch
     micro = micro_batch or batch
     with Ledger(model, opt) as led:
-        x, y = (t.clone() for t in batch_of(batch, seq, cfg["vocab_size"]))
+        x, y = (t.clone() for t in batch_of(batch, work.seq, model.config.vocab_size))
         for _ in range(steps):
             for xs, ys in zip(x.split(micro), y.split(micro)):
                 loss = model(xs, ys) * (micro / batch)
@@ -270,17 +303,17 @@ def tp_step_memory(rank, world_size, cfg, batch, seq, micro_batch=None, sequence
             "n_params": sum(p.numel() for p in model.parameters())}
 
 
-def pipeline_memories(rank, world_size, family, cfg, batch, seq, m, names=("gpipe", "1f1b")):
+def pipeline_memories(rank, world_size, work: Workload, m: int, names=("gpipe", "1f1b")):
     """pipeline_memory for several schedules in one launch: {schedule: result}."""
-    return {name: pipeline_memory(rank, world_size, family, cfg, batch, seq, m, name) for name in names}
+    return {name: pipeline_memory(rank, world_size, work, m, name) for name in names}
 
 
-def tp_memories(rank, world_size, act_cfg, act_batch, act_seq, step_cfg, step_batch, step_seq, micro_batch):
-    """tp_activation_memory (bf16, dropout, materialised attention: Korthikanti's setting) and tp_step_memory
-    without and with sequence parallelism, in one launch."""
-    return {"layer": tp_activation_memory(rank, world_size, act_cfg, act_batch, act_seq),
-            "step": {sp: tp_step_memory(rank, world_size, step_cfg, step_batch, step_seq, micro_batch, sp)
-                     for sp in (False, True)}}
+def tp_memories(rank, world_size, layer: Workload, step: Workload, micro_batch: int):
+    """tp_activation_memory of `layer` (bf16; Korthikanti et al.'s setting wants dropout and materialised
+    attention in its cfg) and tp_step_memory of `step` in micro-batches of `micro_batch` rows, without and with
+    sequence parallelism, in one launch."""
+    return {"layer": tp_activation_memory(rank, world_size, layer),
+            "step": {sp: tp_step_memory(rank, world_size, step, micro_batch, sp) for sp in (False, True)}}
 
 
 def many(rank, world_size, calls):

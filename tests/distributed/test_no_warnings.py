@@ -10,7 +10,8 @@ from labkit.distributed import launch
 from labkit.distributed import comm_ranks, mesh
 from labkit.distributed import layout_ranks as lr
 from labkit.distributed import param_server as PS
-from labkit.distributed.compression import DGCConfig
+from labkit.distributed.compression import DGCConfig, PowerSGDConfig
+from labkit.distributed.dp_ranks import TrainRun
 from labkit.estimate import Recipe
 from labkit.models.gpt import GPTConfig
 
@@ -31,11 +32,12 @@ def strict(monkeypatch, capfd):
 def test_lesson_10_rank_code_warns_nothing(strict):
     cfg = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     b, s, m = 4, 8, 2
-    out = launch(lr.many, 2, args=([("pipeline_parity", ("labkit", cfg, b, s, m)),
-                                    ("tensor_parallel_parity", (cfg, b // 2, s)),
-                                    ("pipeline_memories", ("labkit", cfg, b, s, m)),
-                                    ("tp_memories", (dict(cfg, dropout=0.1, attention="manual"), 2, s, cfg, b, s,
-                                                     b // 2))],), timeout_s=300)
+    work = lr.Workload(cfg, b, s)
+    out = launch(lr.many, 2, args=([("pipeline_parity", (work, m)),
+                                    ("tensor_parallel_parity", (lr.Workload(cfg, b // 2, s),)),
+                                    ("pipeline_memories", (work, m)),
+                                    ("tp_memories", (lr.Workload(dict(cfg, dropout=0.1, attention="manual"), 2, s),
+                                                     work, b // 2))],), timeout_s=300)
     assert len(out) == 2 and all(len(r) == 4 for r in out)
     recipes = [Recipe(GPTConfig(**cfg), b, s, dp=2, pp=2, zero=1, micro_batch=1, schedule="1f1b"),
                Recipe(GPTConfig(**cfg), b, s, dp=2, tp=2, sequence_parallel=True)]
@@ -45,12 +47,12 @@ def test_lesson_10_rank_code_warns_nothing(strict):
 
 def test_lesson_11_rank_code_warns_nothing(strict):
     cfg = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-    steps, batch, seq = 3, 8, 8
-    suite = launch(comm_ranks.compression_suite, 2, args=(cfg, steps, batch, seq, DGCConfig(sparsity=0.99,
-                   warmup_steps=1), 2, list(comm_ranks.VARIANTS)), timeout_s=300, backend="gloo")
+    run = TrainRun(cfg, steps=3, batch=8, seq=8)
+    suite = launch(comm_ranks.compression_suite, 2, args=(run, DGCConfig(sparsity=0.99, warmup_steps=1),
+                   PowerSGDConfig(rank=2), list(comm_ranks.VARIANTS)), timeout_s=300, backend="gloo")
     assert suite[0]["plain"]["losses"] == suite[0]["hook"]["losses"]
     runs = {"sync": PS.PSConfig("sync"), "async s=1": PS.PSConfig("async", 1)}
     dies = PS.PSConfig("async", 1, worker_timeout_s=2)
-    ps = launch(comm_ranks.ps_suite, 3, args=(cfg, steps, batch, seq, runs, True, True, None, {2: 0.01}, dies),
+    ps = launch(comm_ranks.ps_suite, 3, args=(run, runs, True, comm_ranks.WorkerFaults(delays={2: 0.01}), dies),
                 timeout_s=300, backend="gloo", may_fail=[2])
     assert ps[0]["dies"]["report"]["dropped"] == [2]

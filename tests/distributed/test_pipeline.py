@@ -57,9 +57,10 @@ def test_schedules_in_flight_and_bubble(p, m):
 @pytest.fixture(scope="module")
 def parity():
     """labkit's GPT and transformers' GPT-2, both schedules, ours and torch's: one launch."""
-    out = launch(lr.many, 2, args=([("pipeline_parity", ("labkit", CFG, 8, 32, 4)),
-                                    ("pipeline_parity", ("gpt2", GPT2_NO_DROPOUT, 4, 16, 2)),
-                                    ("pipeline_memories", ("gpt2", GPT2_NO_DROPOUT, 8, 32, 4))],), timeout_s=240)
+    out = launch(lr.many, 2, args=([("pipeline_parity", (lr.Workload(CFG, 8, 32), 4)),
+                                    ("pipeline_parity", (lr.Workload(GPT2_NO_DROPOUT, 4, 16, "gpt2"), 2)),
+                                    ("pipeline_memories", (lr.Workload(GPT2_NO_DROPOUT, 8, 32, "gpt2"), 4))],),
+                 timeout_s=240)
     return [r[0] for r in out], [r[1] for r in out], [r[2] for r in out]
 
 
@@ -95,7 +96,7 @@ def test_pipeline_estimate_transformers_gpt2(parity):
 
 def test_pipeline_memory_per_stage_and_estimate():
     m, batch, seq = 4, 8, 32
-    out = launch(lr.pipeline_memories, 2, args=("labkit", CFG, batch, seq, m), timeout_s=120)
+    out = launch(lr.pipeline_memories, 2, args=(lr.Workload(CFG, batch, seq), m), timeout_s=120)
     for name in ("gpipe", "1f1b"):
         est = estimate_ranks(Recipe(GPTConfig(**CFG), batch, seq, pp=2, micro_batch=batch // m, schedule=name))
         for s, (e, res) in enumerate(zip(est, (o[name] for o in out))):
@@ -114,5 +115,5 @@ def test_pipeline_memory_per_stage_and_estimate():
 
 def test_failing_stage_ends_the_run():
     with pytest.raises(RankFailed, match="stage 1 failed on purpose") as info:
-        launch(lr.pipeline_memory, 2, args=("labkit", CFG, 8, 32, 4, "1f1b", "adamw", 1, 1), timeout_s=30)
+        launch(lr.pipeline_memory, 2, args=(lr.Workload(CFG, 8, 32), 4, "1f1b", 1, 1), timeout_s=30)
     assert info.value.rank == 1

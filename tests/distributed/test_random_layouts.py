@@ -107,13 +107,14 @@ def test_pipeline_and_tensor_parallel_on_drawn_layouts(world, seed):
     rng = random.Random(seed)
     pp_cfg, pp_batch, pp_seq, m = _pp_layout(rng, world)
     tp_cfg, tp_batch, tp_seq = _tp_layout(rng, world)
-    calls = [("pipeline_parity", ("labkit", pp_cfg, pp_batch, pp_seq, m, ("gpipe", "1f1b"), world > 2)),
-             ("pipeline_memories", ("labkit", pp_cfg, pp_batch, pp_seq, m)),
-             ("tensor_parallel_parity", (tp_cfg, tp_batch, tp_seq, False)),
-             ("tp_step_memory", (tp_cfg, tp_batch, tp_seq, tp_batch // 2, False)),
-             ("tp_step_memory", (tp_cfg, tp_batch, tp_seq, tp_batch // 2, True))]
+    pp, tp_ = lr.Workload(pp_cfg, pp_batch, pp_seq), lr.Workload(tp_cfg, tp_batch, tp_seq)
+    calls = [("pipeline_parity", (pp, m, ("gpipe", "1f1b"), world > 2)),
+             ("pipeline_memories", (pp, m)),
+             ("tensor_parallel_parity", (tp_, False)),
+             ("tp_step_memory", (tp_, tp_batch // 2, False)),
+             ("tp_step_memory", (tp_, tp_batch // 2, True))]
     if world > 2:  # the report: a 6-layer width-48 model at 3 and 4 stages failed on rank 1
-        calls.append(("pipeline_memories", ("labkit", REPORTED_PP, 2 * world, 16, world)))
+        calls.append(("pipeline_memories", (lr.Workload(REPORTED_PP, 2 * world, 16), world)))
     out = launch(lr.many, world, args=(calls,), timeout_s=300)
     why = _why(seed, world=world, pp_cfg=pp_cfg, pp_batch=pp_batch, pp_seq=pp_seq, m=m)
     for s, res in enumerate(o[0] for o in out):  # every stage's gradients: one process's

@@ -54,8 +54,9 @@ def test_korthikanti_formula():
 @pytest.fixture(scope="module")
 def runs():
     """Parity and memory in one launch: [(parity, memory) per rank]."""
-    return launch(lr.many, 2, args=([("tensor_parallel_parity", (CFG, 4, 16)),
-                                     ("tp_memories", (ACT_CFG, 2, 64, CFG, 8, 32, 4))],), timeout_s=240)
+    return launch(lr.many, 2, args=([("tensor_parallel_parity", (lr.Workload(CFG, 4, 16),)),
+                                     ("tp_memories", (lr.Workload(ACT_CFG, 2, 64), lr.Workload(CFG, 8, 32), 4))],),
+                  timeout_s=240)
 
 
 def test_tensor_parallel_parity(runs):
