@@ -234,8 +234,8 @@ class StepRun:
 
 
 def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor | None,
-             targets: torch.Tensor | None, m: int, ledger=None, clock=time.perf_counter,
-             ranks: list[int] | None = None, batch_shape: tuple[int, int] | None = None) -> StepRun:
+             targets: torch.Tensor | None, m: int, ledger=None, ranks: list[int] | None = None,
+             batch_shape: tuple[int, int] | None = None) -> StepRun:
     """Run one stage's actions for one training step; gradients accumulate in the stage's parameters.
 
     inputs: token ids (B, T) on the first stage; targets: (B, T) on the last; both split into m micro-batches
@@ -248,74 +248,94 @@ def run_step(stage: Stage, actions: list[tuple[str, int]], inputs: torch.Tensor 
     `batch_shape`: (B, T) of the whole batch, for a middle stage (p >= 3), which holds neither the token ids
     nor the targets but must size the activations it receives; the first and last stage read it from theirs.
     """
-    s, p = stage.index, stage.n_stages
-    ranks = list(range(p)) if ranks is None else list(ranks)
-    if len(ranks) != p:
-        raise ValueError(f"pipeline: ranks must name one global rank per stage ({p}), got {ranks!r}")
-    run = StepRun(s)
     xs = inputs.chunk(m) if inputs is not None else None
     ys = targets.chunk(m) if targets is not None else None
     if stage.is_first and (xs is None or len(xs) != m):
         raise ValueError(f"pipeline: stage 0 needs inputs whose batch divides into {m} micro-batches")
     if stage.is_last and (ys is None or len(ys) != m):
         raise ValueError(f"pipeline: the last stage needs targets whose batch divides into {m} micro-batches")
-    held: dict[int, tuple] = {}  # micro-batch -> (its input, its output or loss, the send of its output)
-    grad_send, losses = None, []
-    shape = _hidden_shape(stage, xs, ys, batch_shape, m)
-    group = p2p_group() if p > 1 else None
-    dtype = next(stage.parameters()).dtype
+    link = _Link(stage, ranks, _hidden_shape(stage, xs, ys, batch_shape, m), ledger)
+    run = StepRun(stage.index)
     with comms.CommLog() as log:
         for kind, i in actions:
-            if kind == "F":
-                if stage.is_first:
-                    x = xs[i]
-                else:
-                    x = comms.recv(torch.empty(shape, dtype=dtype), src=ranks[s - 1], group=group,
-                                   tag=f"activation {i}")
-                    x.requires_grad_(True)
-                    if ledger is not None:
-                        ledger.track(x, Category.ACT)
-                t0 = clock()
-                out = stage(x)
-                if stage.is_last:
-                    V = out.shape[-1]
-                    out = F.cross_entropy(out.view(-1, V), ys[i].reshape(-1)) / m
-                    losses.append(out.detach())
-                t1 = clock()
-                # the send holds the output until it completes: it is waited on (done, since its gradient
-                # came back) at this micro-batch's backward
-                sent = None if stage.is_last else comms.isend(out.detach(), dst=ranks[s + 1], group=group,
-                                                                  tag=f"activation {i}")
-                held[i] = (x, out, sent)
+            if kind == "F":  # the first stage reads its ids, the last its targets; the others receive
+                t0, t1 = link.forward(i, xs[i] if stage.is_first else None, ys[i] if stage.is_last else None, m)
             else:
-                x, out, sent = held.pop(i)
-                if stage.is_last:
-                    t0 = clock()
-                    out.backward()
-                else:
-                    grad = comms.recv(torch.empty_like(out), src=ranks[s + 1], group=group, tag=f"grad {i}")
-                    sent.wait()
-                    t0 = clock()
-                    torch.autograd.backward(out, grad)
-                    if ledger is not None:  # made between two forwards, it is no activation: say so
-                        ledger.track(grad, Category.TEMP)
-                    del grad
-                t1 = clock()
-                del out, sent
-                if not stage.is_first:
-                    if grad_send is not None:  # one gradient in flight at a time
-                        grad_send.wait()
-                    grad_send = comms.isend(x.grad, dst=ranks[s - 1], group=group, tag=f"grad {i}")
-                del x
+                t0, t1 = link.backward(i)
             run.times.append((kind, i, t0, t1))
-            run.in_flight.append(len(held))
-        if grad_send is not None:
-            grad_send.wait()
-        del grad_send
+            run.in_flight.append(len(link.held))
+        link.finish()
     run.wire_bytes = log.wire()
     if stage.is_last:
-        run.loss = float(torch.stack(losses).sum())
+        run.loss = float(torch.stack(link.losses).sum())
     return run
+
+
+class _Link:
+    """One stage's side of a step: it receives from and sends to its neighbours, and holds each micro-batch from
+    its forward to its backward. `forward` and `backward` return when the computation started and ended."""
+
+    def __init__(self, stage: Stage, ranks, shape: tuple[int, int, int], ledger):
+        p = stage.n_stages
+        ranks = list(range(p)) if ranks is None else list(ranks)
+        if len(ranks) != p:
+            raise ValueError(f"pipeline: ranks must name one global rank per stage ({p}), got {ranks!r}")
+        self.stage, self.shape, self.ledger = stage, shape, ledger
+        self.prev = None if stage.is_first else ranks[stage.index - 1]
+        self.next = None if stage.is_last else ranks[stage.index + 1]
+        self.group = p2p_group() if p > 1 else None
+        self.dtype = next(stage.parameters()).dtype
+        self.held: dict[int, tuple] = {}  # micro-batch -> (its input, its output or loss, the send of its output)
+        self.grad_send = None  # the last gradient sent back (one in flight at a time)
+        self.losses: list[torch.Tensor] = []  # each micro-batch's loss / m (last stage)
+
+    def forward(self, i: int, x: torch.Tensor | None, y: torch.Tensor | None, m: int) -> tuple[float, float]:
+        """Micro-batch i's forward on input x (received when None), to its loss on targets y or sent on."""
+        if x is None:
+            x = comms.recv(torch.empty(self.shape, dtype=self.dtype), src=self.prev, group=self.group,
+                           tag=f"activation {i}")
+            x.requires_grad_(True)
+            if self.ledger is not None:
+                self.ledger.track(x, Category.ACT)
+        t0 = time.perf_counter()
+        out = self.stage(x)
+        if y is not None:
+            out = F.cross_entropy(out.view(-1, out.shape[-1]), y.reshape(-1)) / m
+            self.losses.append(out.detach())
+        t1 = time.perf_counter()
+        # the send holds the output until it completes: it is waited on (done, since its gradient came back) at
+        # this micro-batch's backward
+        sent = None if self.next is None else comms.isend(out.detach(), dst=self.next, group=self.group,
+                                                          tag=f"activation {i}")
+        self.held[i] = (x, out, sent)
+        return t0, t1
+
+    def backward(self, i: int) -> tuple[float, float]:
+        """Micro-batch i's backward from its loss or the next stage's gradient; its input's gradient goes back."""
+        x, out, sent = self.held.pop(i)
+        if self.next is None:
+            t0 = time.perf_counter()
+            out.backward()
+        else:
+            grad = comms.recv(torch.empty_like(out), src=self.next, group=self.group, tag=f"grad {i}")
+            sent.wait()
+            t0 = time.perf_counter()
+            torch.autograd.backward(out, grad)
+            if self.ledger is not None:  # made between two forwards, it is no activation: say so
+                self.ledger.track(grad, Category.TEMP)
+            del grad
+        t1 = time.perf_counter()
+        del out, sent
+        if self.prev is not None:
+            if self.grad_send is not None:
+                self.grad_send.wait()
+            self.grad_send = comms.isend(x.grad, dst=self.prev, group=self.group, tag=f"grad {i}")
+        return t0, t1
+
+    def finish(self) -> None:  # waits for the last gradient sent back
+        if self.grad_send is not None:
+            self.grad_send.wait()
+        self.grad_send = None
 
 
 def _hidden_shape(stage: Stage, xs, ys, batch_shape, m: int) -> tuple[int, int, int]:
