@@ -20,7 +20,8 @@ from . import comms
 from .data_parallel import DataParallelBucket, DataParallelNaive
 from .zero import Zero
 
-__all__ = ["METHODS", "TrainRun", "global_batch", "batch_of", "shard_rows", "train", "measure", "zero_redundancy_elements", "fsdp2_train", "ddp_train"]
+__all__ = ["METHODS", "TrainRun", "global_batch", "batch_of", "shard_rows", "train", "measure",
+           "zero_redundancy_elements", "fsdp2_train", "ddp_train"]
 
 METHODS = ("single", "naive", "bucket", "overlap", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload",
            "zero3-offload")
@@ -135,7 +136,8 @@ def _sgd_or_adamw(params, optimizer: str):
     return torch.optim.AdamW(params, lr=LR, foreach=False)
 
 
-def train(rank: int, world: int, method: str, run: TrainRun, optimizer: str = "adamw", bucket_bytes: int = 4096) -> dict:
+def train(rank: int, world: int, method: str, run: TrainRun, optimizer: str = "adamw",
+          bucket_bytes: int = 4096) -> dict:
     """`run.steps` training steps with `method` (METHODS; "single": this rank alone on the whole batch). Returns
     {"params": {name: tensor}, "losses": [...], "comms": CommLog summary of the last step, "calls": counts of
     the c10d ops torch's CommDebugMode saw in the last step, "grads": ZeRO's averaged gradients of step 1}."""
@@ -254,7 +256,7 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
     (0: labkit's naive data parallel, all-reduce in place after backward). budget: bytes per rank; the ledger
     raises SimulatedOutOfMemoryError where a device with that much memory would fail."""
     from labkit.memory.ledger import Ledger
-    from labkit.models.gpt import GPT, GPTConfig
+    from labkit.models.gpt import GPTConfig
 
     if not isinstance(recipe.model, GPTConfig):
         raise ValueError(f"per-rank measurement builds labkit's GPT: give a GPTConfig, not {type(recipe.model).__name__}")
@@ -262,29 +264,25 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
         raise ValueError(f"the recipe is for dp={recipe.dp} ranks but {world} were launched")
     if recipe.dtype != "fp32" or recipe.optimizer != "adamw" or recipe.micro < recipe.rank_batch:
         raise ValueError("per-rank measurement runs fp32 AdamW without micro-batches")
-    torch.manual_seed(seed)
-    m = GPT(GPTConfig(**{**recipe.model.__dict__, **recipe.config})).train()
-    vocab = m.config.vocab_size
+    run = TrainRun({**recipe.model.__dict__, **recipe.config}, steps, recipe.batch, recipe.seq, seed)
+    m = _model(run.cfg, seed).train()
     if recipe.zero:
-        run = Zero(m, recipe.zero, lr=1e-3, offload=recipe.zero_offload)
-        opt = run.optimizer
+        net = Zero(m, recipe.zero, lr=1e-3, offload=recipe.zero_offload)
+        opt = net.optimizer
     else:
-        run = DataParallelNaive(m)
+        net = DataParallelNaive(m)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=recipe.foreach)
-    # this rank's rows of each global batch, cut before the ledger starts (the whole global batch is not this
-    # rank's memory); each step copies its rows inside the ledger, as a data loader would hand them over
-    rows = [tuple(_rows(t, rank, world).clone() for t in global_batch(i, recipe.batch, recipe.seq, vocab, seed))
-            for i in range(steps)]
+    rows = shard_rows(run, rank, world)  # each step copies its rows inside the ledger, as a data loader hands them
     with Ledger(m, opt, budget=budget, label=f"rank {rank} of {world}, ZeRO-{recipe.zero}") as led:
         for i in range(steps):
             x, y = (t.clone() for t in rows[i])
-            loss = run(x, y)
+            loss = net(x, y)
             loss.backward()
             del loss
             if recipe.zero:
-                run.step()
+                net.step()
             else:
-                run.sync_gradients()
+                net.sync_gradients()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             del x, y

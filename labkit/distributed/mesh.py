@@ -80,9 +80,9 @@ def train_step_memory(rank: int, world: int, recipe, steps: int = 2, seed: int =
     rank_batch / micro_batch micro-batches."""
     from labkit.distributed import pipeline as pl
     from labkit.distributed import tensor_parallel as tpm
-    from labkit.distributed.dp_ranks import global_batch
+    from labkit.distributed.dp_ranks import TrainRun, _model, shard_rows
     from labkit.memory.ledger import Ledger
-    from labkit.models.gpt import GPT, GPTConfig
+    from labkit.models.gpt import GPTConfig
 
     r = recipe
     if not isinstance(r.model, GPTConfig):
@@ -91,9 +91,8 @@ def train_step_memory(rank: int, world: int, recipe, steps: int = 2, seed: int =
         raise ValueError("mesh: runs fp32 AdamW, ZeRO 0 or 1, and one kind of model parallelism (tp or pp)")
     mp = r.tp * r.pp
     mesh = Mesh.build(r.dp, mp)
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**{**r.model.__dict__, **r.config})).train()
-    vocab = model.config.vocab_size
+    data = TrainRun({**r.model.__dict__, **r.config}, steps, r.batch, r.seq, seed)  # the model and its batches
+    model = _model(data.cfg, seed).train()
     if r.pp > 1:
         part = pl.build_stage(model, mesh.part, r.pp)
         origin = part.origin
@@ -113,10 +112,7 @@ def train_step_memory(rank: int, world: int, recipe, steps: int = 2, seed: int =
         opt = torch.optim.AdamW(part.parameters(), lr=1e-3, foreach=False)
     rows = r.rank_batch
     m = rows // r.micro
-    batches = []
-    for i in range(steps):
-        x, y = global_batch(i, r.batch, r.seq, vocab, seed)
-        batches.append(tuple(t[mesh.replica * rows:(mesh.replica + 1) * rows].clone() for t in (x, y)))
+    batches = shard_rows(data, mesh.replica, r.dp)  # this replica's rows of each global batch
     actions = pl.schedule(r.schedule, m, r.pp, mesh.part) if r.pp > 1 else None
     grads, losses = None, []
     comms.barrier()
