@@ -44,6 +44,7 @@ launch_buttons:
 sphinx:
   config:
     nb_ipywidgets_js: {}  # no widget manager from a CDN: the pages must work offline
+    html_js_files: [panels.js]  # says so where a panel of a lesson executed here stands
     html_show_copyright: false
     html_last_updated_fmt: ""
 """
@@ -65,6 +66,17 @@ each title says which run. The panels need a live kernel: run the lessons in Jup
 """
 
 
+PANEL_NOTE = "An interactive panel (ipywidgets): run this lesson in JupyterLab or Colab to use it."
+# Pages myst-nb executed keep each widget view as a <script> a static page cannot draw: a sentence in its place.
+PANELS_JS = """document.addEventListener("DOMContentLoaded", () => {
+  for (const s of document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]')) {
+    const p = document.createElement("p"); p.className = "labkit-panel"; p.innerHTML = "<em>%s</em>";
+    s.parentNode.insertBefore(p, s);
+  }
+});
+""" % PANEL_NOTE
+
+
 def _same_cells(a: dict, b: dict) -> bool:
     """The executed copy is this version of the lesson: the same cells, in order, with the same sources."""
     src = lambda nb: [(c["cell_type"], "".join(c["source"])) for c in nb["cells"]]  # noqa: E731
@@ -81,8 +93,8 @@ def _panel_outputs(cell: dict, shots: Path) -> list[dict]:
             out.append(o)
             continue
         shot = shots / f"{view.get('model_id')}.png"
-        data = {"text/markdown": "*An interactive panel (ipywidgets): run this lesson in JupyterLab or Colab to use "
-                                 "it." + (" Below, as the browser test saw it after Run All.*" if shot.is_file() else "*")}
+        data = {"text/markdown": f"*{PANEL_NOTE}" + (" Below, as the browser test saw it after Run All.*"
+                                                      if shot.is_file() else "*")}
         out.append({"output_type": "display_data", "metadata": {}, "data": data})
         if shot.is_file():
             png = base64.b64encode(shot.read_bytes()).decode()
@@ -157,6 +169,8 @@ def prepare(src: Path, root: Path = REPO_ROOT, executed: Path = EXECUTED, lesson
     links = "\n".join(f"- [{l.number} {l.title}]({l.notebook})" for l in lessons)
     _write(src / "intro.md", INTRO.format(course_map=course_map(root), lessons=links))
     _write(src / "_config.yml", CONFIG)
+    (src / "_static").mkdir(exist_ok=True)
+    _write(src / "_static" / "panels.js", PANELS_JS)
     _write(src / "_toc.yml", "format: jb-book\nroot: intro\nchapters:\n"
            + "".join(f"- file: {l.notebook.removesuffix('.ipynb')}\n" for l in lessons))
     return how

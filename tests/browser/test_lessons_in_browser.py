@@ -126,6 +126,28 @@ def _save_executed(page, root: Path, lesson: str) -> None:
     (EXECUTED / lesson).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
 
 
+# tags each widget view's output in the page with its model id (data-labkit-view) and returns the ids
+TAG_VIEWS = """() => window.jupyterapp.shell.currentWidget.content.widgets.filter(c => c.model.type === 'code')
+  .flatMap(c => Array.from({length: c.model.outputs.length}, (_, i) => [c, i]))
+  .map(([c, i]) => { const v = (c.model.outputs.get(i).toJSON().data || {})['application/vnd.jupyter.widget-view+json'];
+    const out = c.outputArea.widgets[i];
+    if (!v || !out) return null;
+    out.node.setAttribute('data-labkit-view', v.model_id); return v.model_id; })
+  .filter(id => id !== null)"""
+
+
+def _picture_views(page, folder: Path) -> None:
+    """A picture of each widget view as Run All left it, folder/<model_id>.png: what the book shows where a panel
+    stands (a static page has no kernel to draw it). A view that takes no room (an empty output) has none."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for model_id in page.evaluate(TAG_VIEWS):
+        view = page.locator(f'[data-labkit-view="{model_id}"] .jp-OutputArea-output').first
+        view.scroll_into_view_if_needed()
+        box = view.bounding_box()
+        if box and box["width"] >= 2 and box["height"] >= 2:
+            view.screenshot(path=str(folder / f"{model_id}.png"))
+
+
 def _errors(cells: list[dict]) -> list[str]:
     return [f"cell [{c['n']}]: {o.get('ename')}: {o.get('evalue')}" for c in cells for o in c["outputs"]
             if o["output_type"] == "error"]
@@ -251,6 +273,7 @@ def test_lesson_runs_and_its_panels_respond(lab, lesson):
     try:
         stem = lesson.removesuffix(".ipynb")
         (EXECUTED / lesson).unlink(missing_ok=True)  # no stale copy survives a run that fails
+        shutil.rmtree(EXECUTED / stem, ignore_errors=True)
         page.goto(f"{url}/lab/workspaces/{stem}/tree/{lesson}?reset")  # a fresh workspace: this lesson alone
         page.wait_for_function(f"""() => {{ const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
           return !!w && !!w.context && w.context.path === {lesson!r}; }}""", timeout=120_000, polling=500)
@@ -268,6 +291,7 @@ def test_lesson_runs_and_its_panels_respond(lab, lesson):
         if stem in FINAL_STATE:
             FINAL_STATE[stem](page)
         _save_executed(page, root, lesson)
+        _picture_views(page, EXECUTED / stem)
         SHOTS.mkdir(exist_ok=True)
         for i, panel in enumerate(_panels(page)):
             panel.scroll_into_view_if_needed()

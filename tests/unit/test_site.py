@@ -81,6 +81,8 @@ def test_front_page_is_the_course_map_and_the_toc_lists_the_lessons(tmp_path, ex
     toc = (tmp_path / "src" / "_toc.yml").read_text()
     assert toc.splitlines()[:3] == ["format: jb-book", "root: intro", "chapters:"]
     assert toc.splitlines()[3:] == ["- file: 00_start_here", "- file: 04_gradient_accumulation"]
+    assert "panels.js" in (tmp_path / "src" / "_config.yml").read_text()  # the sentence where a panel stands
+    assert site.PANEL_NOTE in (tmp_path / "src" / "_static" / "panels.js").read_text()
     site.prepare(tmp_path / "src", REPO_ROOT, executed, lessons=["00"])  # a smaller book drops the other page
     assert sorted(p.name for p in (tmp_path / "src").glob("*.ipynb")) == [LESSON]
 
