@@ -43,6 +43,7 @@ launch_buttons:
   notebook_interface: jupyterlab
 sphinx:
   config:
+    nb_execution_raise_on_error: true  # a lesson that fails here fails the build, not a page with a traceback
     nb_ipywidgets_js: {}  # no widget manager from a CDN: the pages must work offline
     html_js_files: [panels.js]  # says so where a panel of a lesson executed here stands
     html_show_copyright: false

@@ -142,6 +142,8 @@ def _picture_views(page, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for model_id in page.evaluate(TAG_VIEWS):
         view = page.locator(f'[data-labkit-view="{model_id}"] .jp-OutputArea-output').first
+        if not view.count() or not view.is_visible():  # hidden (display: none): nothing to picture
+            continue
         view.scroll_into_view_if_needed()
         box = view.bounding_box()
         if box and box["width"] >= 2 and box["height"] >= 2:
