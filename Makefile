@@ -2,9 +2,13 @@
 #   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/ (as root too: containers, cloud VMs)
 #   make colab URL=https://github.com/ORG/labkit [REF=main]   the repository (and branch) every notebook's Colab
 #               install cell clones, and each lesson's "Open in Colab" link (a GitHub URL)
-#   make check  every test: make test, make test-parity, make test-browser, then make test-colab (what CI runs)
+#   make check  every test: make test, make test-parity, make test-browser, make test-site, then make test-colab (CI)
 #   make test   same environment; unit + widget + distributed tests and every notebook under nbval (smoke mode)
-#   make test-browser every lesson run in JupyterLab in a real browser (Chromium + Playwright); screenshots of each panel
+#   make test-browser every lesson run in JupyterLab in a real browser (Chromium + Playwright); screenshots of each panel;
+#                     each lesson saved with its outputs to build/executed/
+#   make site   the lessons as an HTML book, the course map its front page (build/site/_build/html/index.html): built
+#               from build/executed/ where make test-browser left a lesson, else executed here (cached)
+#   make test-site    make site, then its front page and three lesson pages opened in Chromium (plots drawn)
 #   make test-parity  the `parity` tests again on PyTorch's portable CPU kernels (ATEN_CPU_CAPABILITY=default)
 #   make gpu-check    the CUDA tier in one command, under 10 minutes (bench/gpu_check.py); without CUDA a dry run:
 #                     the same plan, every CUDA step a recorded skip, the time budget checked (seconds)
@@ -36,7 +40,8 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab check test test-parity test-browser test-colab test-gpu gpu-check bench release clean
+.PHONY: env lab colab check test test-parity test-browser browser-deps site test-site test-colab test-gpu gpu-check \
+	bench release clean
 
 env: $(STAMP)
 
@@ -74,20 +79,24 @@ colab:
 	fi
 	$(PYTHON) -m labkit.colab "$(URL)" notebooks --ref "$(or $(REF),main)"
 
-check: test test-parity test-browser test-colab
+check: test test-parity test-browser test-site test-colab
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 test: env
-	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --ignore=tests/browser --nbval-lax -p no:cacheprovider -rs --durations=20
+	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --ignore=tests/browser --ignore=tests/site --nbval-lax -p no:cacheprovider -rs --durations=20
 
 # The tests marked `parity` (numbers compared with a reference library or a torch kernel) once more, on
 # ATen's portable kernels, as a CPU without AVX2/AVX-512 runs them: their tolerances must not depend on the CPU.
 test-parity: env
-	ATEN_CPU_CAPABILITY=default LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests -m parity --ignore=tests/browser -p no:cacheprovider -rs --durations=20
+	ATEN_CPU_CAPABILITY=default LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests -m parity --ignore=tests/browser \
+	  --ignore=tests/site -p no:cacheprovider -rs --durations=20
 
 # Chromium from the system (Debian: apt-get install chromium; as root this target installs it, with retries);
 # Playwright from pip. Then every lesson runs in JupyterLab in headless Chromium (tests/browser).
-test-browser: env
+test-browser: env browser-deps
+	LABKIT_SMOKE=1 $(PY) -m pytest tests/browser -m browser -p no:cacheprovider -rs -v --durations=20
+
+browser-deps: env
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || [ -n "$(CHROMIUM)" ] || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo ">> installing Debian's chromium"; \
@@ -98,7 +107,18 @@ test-browser: env
 	@$(PY) -c "import playwright" 2>/dev/null || \
 	  for i in 1 2 3; do $(PIP) install --quiet -e ".[browser]" && break; echo ">> pip failed, retrying"; sleep 5; done
 	@$(PY) -c "import playwright.sync_api" || { echo "make test-browser: playwright did not install" >&2; exit 2; }
-	LABKIT_SMOKE=1 $(PY) -m pytest tests/browser -m browser -p no:cacheprovider -rs -v --durations=20
+
+# Jupyter Book 1 (the [site] extra) on first use. A lesson that make test-browser saved in build/executed/ (its
+# cells unchanged since) is not executed again; the others run at this machine's profile through jupyter-cache,
+# so a rebuild runs only what changed. LESSONS=00,09 builds only those.
+site: env
+	@$(PY) -c "import jupyter_book" 2>/dev/null || \
+	  for i in 1 2 3; do $(PIP) install --quiet -e ".[site]" && break; echo ">> pip failed, retrying"; sleep 5; done
+	$(PY) -m labkit.course site $(if $(LESSONS),--lessons $(LESSONS))
+
+# In CI after make test-browser: every lesson comes from build/executed/, none is executed a third time.
+test-site: site browser-deps
+	$(PY) -m pytest tests/site -m browser -p no:cacheprovider -rs -v
 
 # Colab's image stood in for by a fresh venv: Colab runs Python 3.13 with its own CUDA torch; here torch's
 # wheel on disk is for $(PYTHON) (3.11), so COLAB_PYTHON defaults to it (COLAB_PYTHON=python3.13 downloads

@@ -3,9 +3,11 @@
     python -m labkit.course map [--update]             the course map (lessons, prerequisites, minutes, sequences)
     python -m labkit.course release [--out release]    release/student/ and release/grader/ (nbgrader's layout)
     python -m labkit.course grade SUBMISSIONS          one score table (CSV, JSON) per student and exercise
+    python -m labkit.course site [--lessons 00,09]     the lessons as an HTML book, in build/site/ (make site)
 
 Modules: exercises (where a lesson's exercises and checks are), stubs (the student build's answer stubs),
-release (the builds), grade (nbgrader's autograde and the score table), lessons and map (the course map).
+release (the builds), grade (nbgrader's autograde and the score table), lessons and map (the course map), site
+(the HTML book).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("submissions", type=Path)
     g.add_argument("--course", type=Path, default=Path("release/grader"), help="the grader build")
     g.add_argument("--out", type=Path, default=Path("scores"), help="folder for scores.csv and scores.json")
+    s = sub.add_parser("site", help="build the lessons as an HTML book (Jupyter Book) in build/site/")
+    s.add_argument("--lessons", help="comma-separated lesson numbers (default: all), e.g. 00,09")
     return p
 
 
@@ -46,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = grade(args.submissions.resolve(), args.course.resolve(), args.out)
             print(f"graded {len({r['student'] for r in rows})} students, {len(rows)} exercise scores: "
                   f"{args.out}/scores.csv, {args.out}/scores.json")
+        elif args.command == "site":
+            from .site import build as build_site
+
+            print(f"labkit.course site: {build_site(lessons=args.lessons.split(',') if args.lessons else None)}")
         else:
             from .map import main as map_main
 

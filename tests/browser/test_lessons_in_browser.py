@@ -3,11 +3,14 @@
 `make test-browser` runs this file: it starts JupyterLab on a copy of notebooks/ in smoke mode, opens each
 lesson, runs all its cells, and asserts what a learner would see: no error output, no "Error displaying
 widget", every panel rendered; changing a panel's control redraws its prediction; its measure button
-shows a measurement. Screenshots of each panel go to tests/browser/screenshots/ (ignored by git).
+shows a measurement. Screenshots of each panel go to tests/browser/screenshots/ (ignored by git). Each lesson,
+once Run All has passed and before a control is touched, is saved with its outputs to build/executed/ (what
+`make site` builds its pages from, so CI runs no lesson a third time).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -24,6 +27,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="make test-browser 
 ROOT = Path(__file__).resolve().parents[2]
 LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 SHOTS = Path(__file__).parent / "screenshots"
+EXECUTED = ROOT / "build" / "executed"  # <lesson>.ipynb as Run All left it (labkit/course/site.py reads them)
 RUN_TIMEOUT_S = 900  # one lesson, all cells, in smoke mode (the slowest takes about a minute and a half)
 
 pytestmark = pytest.mark.browser
@@ -72,7 +76,7 @@ def lab(tmp_path_factory):
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=_chromium(), headless=True,
                                         args=["--no-sandbox"])  # root cannot use Chromium's sandbox
-            yield browser, url
+            yield browser, url, root
             browser.close()
     finally:
         server.terminate()
@@ -109,6 +113,41 @@ def _wait_for_widget_views(page, views: int) -> None:
         page.wait_for_function(VIEWS_SETTLED, arg=views, timeout=30_000, polling=100)
     except sync_api.TimeoutError:
         pass  # the asserts below report what did not render
+
+
+def _save_executed(page, root: Path, lesson: str) -> None:
+    """JupyterLab saves the notebook (outputs and all) in the server's copy; that goes to build/executed/, its
+    metadata naming the profile (the server runs with LABKIT_SMOKE=1) and who ran it."""
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")  # resolves once written
+    nb = json.loads((root / lesson).read_text())
+    assert any(o for c in nb["cells"] for o in c.get("outputs", ())), f"{lesson}: saved without outputs"
+    nb["metadata"]["labkit"] = {"profile": "smoke", "executed_by": "make test-browser (JupyterLab in Chromium)"}
+    EXECUTED.mkdir(parents=True, exist_ok=True)
+    (EXECUTED / lesson).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+
+
+# tags each widget view's output in the page with its model id (data-labkit-view) and returns the ids
+TAG_VIEWS = """() => window.jupyterapp.shell.currentWidget.content.widgets.filter(c => c.model.type === 'code')
+  .flatMap(c => Array.from({length: c.model.outputs.length}, (_, i) => [c, i]))
+  .map(([c, i]) => { const v = (c.model.outputs.get(i).toJSON().data || {})['application/vnd.jupyter.widget-view+json'];
+    const out = c.outputArea.widgets[i];
+    if (!v || !out) return null;
+    out.node.setAttribute('data-labkit-view', v.model_id); return v.model_id; })
+  .filter(id => id !== null)"""
+
+
+def _picture_views(page, folder: Path) -> None:
+    """A picture of each widget view as Run All left it, folder/<model_id>.png: what the book shows where a panel
+    stands (a static page has no kernel to draw it). A view that takes no room (an empty output) has none."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for model_id in page.evaluate(TAG_VIEWS):
+        view = page.locator(f'[data-labkit-view="{model_id}"] .jp-OutputArea-output').first
+        if not view.count() or not view.is_visible():  # hidden (display: none): nothing to picture
+            continue
+        view.scroll_into_view_if_needed()
+        box = view.bounding_box()
+        if box and box["width"] >= 2 and box["height"] >= 2:
+            view.screenshot(path=str(folder / f"{model_id}.png"))
 
 
 def _errors(cells: list[dict]) -> list[str]:
@@ -231,10 +270,12 @@ MEASURED_STATE = {"09_data_parallel_zero": _measured_09}
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson_runs_and_its_panels_respond(lab, lesson):
-    browser, url = lab
+    browser, url, root = lab
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
         stem = lesson.removesuffix(".ipynb")
+        (EXECUTED / lesson).unlink(missing_ok=True)  # no stale copy survives a run that fails
+        shutil.rmtree(EXECUTED / stem, ignore_errors=True)
         page.goto(f"{url}/lab/workspaces/{stem}/tree/{lesson}?reset")  # a fresh workspace: this lesson alone
         page.wait_for_function(f"""() => {{ const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
           return !!w && !!w.context && w.context.path === {lesson!r}; }}""", timeout=120_000, polling=500)
@@ -251,6 +292,8 @@ def test_lesson_runs_and_its_panels_respond(lab, lesson):
         assert page.locator(".jp-OutputArea-output .jupyter-widgets").count() >= views  # each view rendered
         if stem in FINAL_STATE:
             FINAL_STATE[stem](page)
+        _save_executed(page, root, lesson)
+        _picture_views(page, EXECUTED / stem)
         SHOTS.mkdir(exist_ok=True)
         for i, panel in enumerate(_panels(page)):
             panel.scroll_into_view_if_needed()
@@ -285,8 +328,6 @@ def test_lesson_runs_and_its_panels_respond(lab, lesson):
 
 def _shut_down_kernels(url: str) -> None:
     """One lesson's kernel at a time: shut down every kernel the server runs (its REST API)."""
-    import json
-
     with urllib.request.urlopen(f"{url}/api/kernels", timeout=10) as r:
         kernels = json.load(r)
     for k in kernels:

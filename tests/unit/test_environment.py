@@ -89,7 +89,8 @@ def test_torch_range_is_the_same_everywhere():
 
 def test_ci_reruns_the_parity_tests_on_portable_kernels():
     """`make test-parity` reruns the `parity` tests with ATEN_CPU_CAPABILITY=default; CI runs `make check`, which
-    is `make test`, then `make test-parity`, then `make test-browser`, then `make test-colab`."""
+    is `make test`, then `make test-parity`, then `make test-browser`, then `make test-site` (the HTML book, from the
+    lessons that make test-browser saved), then `make test-colab`."""
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile.split("\ntest-parity:", 1)[1].split("\n\n", 1)[0]
     assert "ATEN_CPU_CAPABILITY=default" in recipe and "-m parity" in recipe and "LABKIT_SMOKE=1" in recipe
@@ -98,6 +99,6 @@ def test_ci_reruns_the_parity_tests_on_portable_kernels():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if re.match(r"make [a-z-]+ </dev/null", line.strip())]
     assert ci == ["make check </dev/null"]
     check = re.search(r"^check:(.*)$", makefile, re.M)
-    assert check and check.group(1).split() == ["test", "test-parity", "test-browser", "test-colab"]
+    assert check and check.group(1).split() == ["test", "test-parity", "test-browser", "test-site", "test-colab"]
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(m.startswith("parity:") for m in markers)
