@@ -39,7 +39,7 @@ def _check_rank(r, alpha) -> None:
 class LoRAConfig:
     """Which Linears get adapters and what the adapters are (peft's LoraConfig): apply_qlora's, and the tasks'."""
 
-    targets: str | tuple = "all-linear"  # module names or endings, or "all-linear" (all but lm_head); a list is kept as a tuple
+    targets: str | tuple = "all-linear"  # module names or endings (a list is kept as a tuple), or "all-linear"
     r: int = 8  # the adapters' rank
     alpha: float = 8  # the update is scaled by alpha / r (alpha / sqrt(r) with rslora)
     dropout: float = 0.0  # dropout on the adapter path's input

@@ -41,7 +41,7 @@ NF4Base = NF4Linear  # the frozen QLoRA base: one implementation, in labkit.quan
 class NF4Config:
     """How a QLoRA base is quantized (bitsandbytes' BitsAndBytesConfig for 4-bit NF4)."""
 
-    compute_dtype: torch.dtype = torch.bfloat16  # dequantized into and multiplied in (bf16 in QLoRA); one of COMPUTE_DTYPES
+    compute_dtype: torch.dtype = torch.bfloat16  # one of COMPUTE_DTYPES: dequantized into and multiplied in
     double_quant: bool = True  # the absmax statistics quantized again (8-bit, blocks of 256)
     blocksize: int = 64  # weights per absmax
     keep_dequantized: bool = False  # the teaching base: autograd keeps each dequantized weight for backward

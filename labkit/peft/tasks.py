@@ -81,7 +81,8 @@ class Adaptation:
         if self.qlora_dtype is not None and self.qlora_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"qlora_dtype must be None or one of {COMPUTE_DTYPES}, got {self.qlora_dtype!r}")
         if self.qlora_checkpoint is not None and self.qlora_checkpoint not in POLICIES:
-            raise ValueError(f"qlora_checkpoint must be None or one of {', '.join(POLICIES)}, got {self.qlora_checkpoint!r}")
+            raise ValueError(f"qlora_checkpoint must be None or one of {', '.join(POLICIES)}, "
+                             f"got {self.qlora_checkpoint!r}")
         if self.qlora_optim not in QLORA_OPTIMIZERS:
             raise ValueError(f"qlora_optim must be one of {', '.join(QLORA_OPTIMIZERS)}, got {self.qlora_optim!r}")
 
@@ -164,9 +165,10 @@ def classify_task(task: ClassifyTask = ClassifyTask(), methods=("full", "lora", 
     from labkit.models.minilm import load_minilm
 
     check_methods(methods, CLASSIFY_METHODS)
-    set_ = [f for f in GPT_ONLY if getattr(adaptation, f) != getattr(Adaptation(), f)]
-    if set_:
-        raise ValueError(f"{', '.join(set_)}: adapt_task's only (classify_task trains every method with AdamW, no LISA)")
+    gpt_only = [f for f in GPT_ONLY if getattr(adaptation, f) != getattr(Adaptation(), f)]
+    if gpt_only:
+        raise ValueError(f"{', '.join(gpt_only)}: adapt_task's only (classify_task trains every method with AdamW, "
+                         f"no LISA)")
     device = _device(device)
     s = {**CLASSIFY_SIZES[_tier(smoke_mode, device)],
          **{k: getattr(task, k) for k in CLASSIFY_SIZES["cpu"] if getattr(task, k) is not None}}

@@ -3,7 +3,8 @@ does the rest (the budget, the predicted bars, the button that measures, the mes
 
 Every panel takes the lesson's `labkit.estimate.Recipe` (its model config, batch, seq, dtype and `device`:
 the kernels the estimate models, the lessons' KIND; the controls set their own fields over it), `budget`
-in bytes, `device` (where the button runs: DEVICE) and, where the lesson trains on text, `data` (TRAIN). QuantPanel (lesson 07) predicts no memory: it shows the
+in bytes, `device` (where the button runs: DEVICE) and, where the lesson trains on text, `data` (TRAIN).
+QuantPanel (lesson 07) predicts no memory: it shows the
 bits and error of a quantized weight matrix.
 """
 
@@ -147,8 +148,8 @@ class PEFTPanel(RecipePanel):
         self.quant = with_tooltip(widgets.Dropdown(options=["none", "int8", "nf4"], value="none", description="base",
                                                    style=STYLE),
                                   "the frozen base weights: as they are, int8, or NF4 (QLoRA)")
-        self.layers = widgets.IntSlider(value=1, min=1, max=recipe.model.n_layer, description="LISA layers", style=STYLE,
-                                        continuous_update=False)
+        self.layers = widgets.IntSlider(value=1, min=1, max=recipe.model.n_layer, description="LISA layers",
+                                        style=STYLE, continuous_update=False)
         super().__init__([self.method, self.rank, self.targets, self.quant, self.layers], budget, fixed=_fixed(recipe),
                          kind=recipe.device, device=device, data=data)
 

@@ -53,10 +53,10 @@ def _devices() -> list[str]:
 
 class PlanPanel:
     """Controls: model, devices, memory per device (GiB), batch, sequence, what training is allowed, the least
-    precise dtype. Every change: one `labkit.plan.plan` call and the TOP best plans' bars. The button ("Measure:
+    precise dtype. Every change: one `labkit.plan.plan` call and the `top` best plans' bars. The button ("Measure:
     verify the top plan") runs the top plan for real (`labkit.plan.verify`) when the model is small enough."""
 
-    TOP = 4  # plans drawn
+    top = 4  # plans drawn
 
     def __init__(self, model: str = "gpt2-tiny", devices: int = 1, memory_gib: float = 0.02, batch: int = 4,
                  seq: int = 64, peft: str = "either", min_precision: str = "fp32", device_preset: str | None = None):
@@ -113,7 +113,7 @@ class PlanPanel:
             plans = plan(self.model.value, devices=int(self.devices.value), memory=self.memory_bytes,
                          device_preset=self.device.value,
                          batch=int(self.batch.value), seq=int(self.seq.value), peft=PEFT_CHOICES[self.peft.value],
-                         min_precision=self.precision.value, top=self.TOP)
+                         min_precision=self.precision.value, top=self.top)
         except ValueError as e:  # NoPlanError included: say why, draw nothing
             self.last_plans, self.last_error = None, e
             self.verdict.value = self._say(f"no plan: {e}", DOES_NOT_FIT)

@@ -97,8 +97,8 @@ def test_missing_model_package_says_how_to_install(monkeypatch):
 
 def test_adapt_task_all_methods():
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
-    res = adapt_task(AdaptTask(cfg=cfg, pretrain_steps=4, steps=3, batch=2, seq=32), methods=("full", "lora", "qlora", "lisa"),
-                     smoke_mode=True)
+    res = adapt_task(AdaptTask(cfg=cfg, pretrain_steps=4, steps=3, batch=2, seq=32),
+                     methods=("full", "lora", "qlora", "lisa"), smoke_mode=True)
     assert all(math.isfinite(r.after) for r in res.values())
     assert len({r.before for r in res.values()}) == 1  # one pretrained model for every method
     full, lora, qlora, lisa = (res[k] for k in ("full", "lora", "qlora", "lisa"))
@@ -116,7 +116,8 @@ def test_adapt_task_all_methods():
     (lambda: Adaptation(r=0), "rank r"), (lambda: Adaptation(alpha=-1), "alpha"),
     (lambda: Adaptation(measure_steps=-1), "measure_steps"), (lambda: Adaptation(gamma=0), "gamma"),
     (lambda: Adaptation(interval=0), "interval"), (lambda: Adaptation(qlora_dtype=torch.int8), "qlora_dtype"),
-    (lambda: Adaptation(qlora_checkpoint="most"), "qlora_checkpoint"), (lambda: Adaptation(qlora_optim="sgd"), "qlora_optim"),
+    (lambda: Adaptation(qlora_checkpoint="most"), "qlora_checkpoint"),
+    (lambda: Adaptation(qlora_optim="sgd"), "qlora_optim"),
 ])
 def test_task_configs_refuse_bad_values_naming_the_field(make, field):
     with pytest.raises(ValueError, match=field):
@@ -135,8 +136,8 @@ def test_task_configs_leave_unset_sizes_to_the_tier():
 # ---- the libraries' versions in the same run ------------------------------------------------------
 @pytest.mark.parity
 def test_classify_task_against_peft_and_bitsandbytes():
-    res = classify_task(ClassifyTask("genre", **{**TINY, "steps": 3}), methods=("lora", "peft-lora", "qlora", "bnb-qlora"),
-                        model=_tiny_encoder())
+    res = classify_task(ClassifyTask("genre", **{**TINY, "steps": 3}),
+                        methods=("lora", "peft-lora", "qlora", "bnb-qlora"), model=_tiny_encoder())
     lora, plora, qlora, bqlora = (res[k] for k in ("lora", "peft-lora", "qlora", "bnb-qlora"))
     assert lora.trainable == plora.trainable == qlora.trainable == bqlora.trainable
     # same adapter values, batches and dropout masks: the same model after training, the same bytes

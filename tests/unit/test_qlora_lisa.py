@@ -9,8 +9,8 @@ import torch.nn as nn
 
 from labkit.memory import Category, Ledger
 from labkit.models.gpt import GPT, GPTConfig
-from labkit.peft import (LISA, LISANaive, LoRAConfig, LoRALinear, NF4Base, NF4Config, apply_qlora, base_bytes, find_layers, lisa_memory_trace,
-                         qlora_optimizer, to_nf4, trainable_parameters)
+from labkit.peft import (LISA, LISANaive, LoRAConfig, LoRALinear, NF4Base, NF4Config, apply_qlora, base_bytes,
+                         find_layers, lisa_memory_trace, qlora_optimizer, to_nf4, trainable_parameters)
 from labkit.quant.nf4 import NF4Linear, dequantize_nf4, nbytes_nf4, quantize_nf4
 
 C, T = 32, 16
@@ -202,7 +202,8 @@ def test_qlora_with_checkpointing_and_8bit_adam():
 
 @pytest.mark.parametrize("make,field", [
     (lambda: NF4Config(torch.int8), "compute_dtype"), (lambda: NF4Config(blocksize=0), "blocksize"),
-    (lambda: LoRAConfig(r=0), "rank r"), (lambda: LoRAConfig(alpha=0), "alpha"), (lambda: LoRAConfig(dropout=1.0), "dropout"),
+    (lambda: LoRAConfig(r=0), "rank r"), (lambda: LoRAConfig(alpha=0), "alpha"),
+    (lambda: LoRAConfig(dropout=1.0), "dropout"),
 ])
 def test_qlora_configs_refuse_bad_values_naming_the_field(make, field):
     with pytest.raises(ValueError, match=field):
@@ -217,7 +218,8 @@ def test_qlora_configs_build_what_the_layers_build():
     assert lora.targets == ("a",) and lora.train_also == ("b",)  # lists kept as tuples
     mine = apply_qlora(copy.deepcopy(m), lora, quant)
     by_hand = LoRALinear(to_nf4(m.a, quant), r=4, alpha=16, rslora=True)
-    assert mine.a.scaling == by_hand.scaling == 16 / 2 and mine.a.base.blocksize == 128 and mine.a.base.weight_absmax_scale is None
+    assert mine.a.scaling == by_hand.scaling == 16 / 2 and mine.a.base.blocksize == 128
+    assert mine.a.base.weight_absmax_scale is None  # no double quantization
     assert torch.equal(mine.a.base.weight_packed, by_hand.base.weight_packed)
     assert all(p.requires_grad for p in mine.b.parameters()) and not mine.a.base.weight_packed.requires_grad
 
