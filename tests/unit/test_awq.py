@@ -279,7 +279,7 @@ def test_bad_input_errors():
 
 # ---- the estimator and the command line: --quant int4 / int4-awq under LoRA ---------------------------------
 from labkit.cli import main  # noqa: E402
-from labkit.estimate import estimate  # noqa: E402
+from labkit.estimate import Recipe, estimate  # noqa: E402
 from labkit.estimate.spec import spec_from  # noqa: E402
 from labkit.estimate.peft_terms import resolve_targets  # noqa: E402
 from labkit.memory import Category  # noqa: E402
@@ -296,7 +296,7 @@ def test_estimate_equals_the_ledger(model, group, quant, dtype, targets):
     torch.set_num_threads(1)
     kw = dict(lora_rank=8, quant=quant, quant_group=group, lora_targets=targets)
     e = estimate(model, 2, 32, dtype, "adamw", **kw)
-    m = measure_step(model, 2, 32, dtype, "adamw", steps=2, **kw)
+    m = measure_step(Recipe.of(model, 2, 32, dtype=dtype, optimizer="adamw", **kw), steps=2)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.peak.total, m.peak.total)
     for phase, cat in (("optimizer", Category.GRAD), ("backward", Category.OPT), ("optimizer", Category.PARAM)):
         assert e.phases[phase][cat] == m.phases[phase][cat], (phase, cat)
