@@ -65,7 +65,7 @@ def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = 
         apply_qlora(m, targets, r=lora_rank, compute_dtype=compute)
     elif quant in ("int4", "int4-awq"):
         from labkit.peft.lora import find_targets
-        from labkit.quant import Int4Linear, awq_linear, collect_inputs
+        from labkit.quant import AWQConfig, Int4Linear, awq_linear, collect_inputs
 
         names = find_targets(m, targets)  # apply_lora wraps them in this order
         stats = collect_inputs(m, names, calib) if quant == "int4-awq" else None
@@ -74,7 +74,7 @@ def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = 
         def int4_base(lin):  # group-wise int4 codes, dequantized on the fly, nothing kept for backward
             if stats is None:
                 return Int4Linear.from_linear(lin, peft.group, compute_dtype=compute).requires_grad_(False)
-            return awq_linear(lin, stats[next(order)], peft.group, compute_dtype=compute).requires_grad_(False)
+            return awq_linear(lin, stats[next(order)], AWQConfig(peft.group), compute).requires_grad_(False)
 
         apply_lora(m, targets, r=lora_rank, wrap=lambda lin: LoRALinear(
             int4_base(lin), r=lora_rank, adapter_dtype=lin.weight.dtype))
