@@ -64,6 +64,15 @@ KNOWN_LOGS = (
         "on CPUs with AVX512-BF16, importing bitsandbytes (0.50) tries an optional faster 4-bit matmul from "
         "the Hugging Face `kernels` package; without it bitsandbytes uses its own CPU kernel, with the same "
         "results (lessons 05, 07, 08 import bitsandbytes for parity checks)."),
+    KnownLog(
+        "bitsandbytes.backends.cpu.ops", logging.WARNING,
+        "Failed to load CPU gemm_4bit_forward from kernels-community: Kernel repository "
+        "'kernels-community/quantization-bitsandbytes' could not verify publisher trust status. Set "
+        "trust_remote_code=True or add the repository ID to the trust_remote_code allowlist to allow loading "
+        "kernels from untrusted sources.. Please make sure you already `pip install kernels` and the kernels >= 0.11.1",
+        "the same optional kernel where `kernels` is installed (transformers 5.25 requires kernels 0.19): kernels "
+        "refuses code from a Hub repository nobody trusted (labkit never sets trust_remote_code), and "
+        "bitsandbytes uses its own CPU kernel, with the same results."),
 )
 
 

@@ -58,11 +58,17 @@ def test_the_filters_do_not_outlive_catch_warnings_and_are_added_once(quiet_logs
     assert sum(isinstance(f, session._HideKnownRecords) for f in logger.filters) == 1
 
 
+UNTRUSTED = ("Kernel repository 'kernels-community/quantization-bitsandbytes' could not verify publisher trust "
+             "status. Set trust_remote_code=True or add the repository ID to the trust_remote_code allowlist to "
+             "allow loading kernels from untrusted sources.")
+
+
 def test_the_known_log_record_is_hidden_and_everything_else_shows(quiet_logs, caplog):
     labkit.quiet_known_warnings()
     missing = ModuleNotFoundError("No module named 'kernels'", name="kernels")
     with caplog.at_level(logging.DEBUG):
         logging.getLogger(BNB).warning(BNB_FORMAT, missing)  # the known one
+        logging.getLogger(BNB).warning(BNB_FORMAT, UNTRUSTED)  # the known one where `kernels` is installed
         logging.getLogger(BNB).warning(BNB_FORMAT, RuntimeError("hub unreachable"))  # the same call, another cause
         logging.getLogger(BNB).error(BNB_FORMAT, missing)  # another level
         logging.getLogger("bitsandbytes.cextension").warning(BNB_FORMAT, missing)  # another logger
