@@ -3,7 +3,8 @@
 #   make colab URL=https://github.com/ORG/labkit [REF=main]   the repository (and branch) every notebook's Colab
 #               install cell clones, and each lesson's "Open in Colab" link (a GitHub URL)
 #   make check  every test: make test, make test-parity, make test-browser, make test-site, then make test-colab (CI)
-#   make test   same environment; unit + widget + distributed tests and every notebook under nbval (smoke mode)
+#   make test   same environment; unit + widget + distributed tests and every notebook under nbval (smoke mode),
+#               on every core (pytest-xdist; JOBS=0 for one process, JOBS=N for N workers)
 #   make test-browser every lesson run in JupyterLab in a real browser (Chromium + Playwright); screenshots of each panel;
 #                     each lesson saved with its outputs to build/executed/
 #   make site   the lessons as an HTML book, the course map its front page (build/site/_build/html/index.html): built
@@ -82,14 +83,18 @@ colab:
 check: test test-parity test-browser test-site test-colab
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
+# JOBS: pytest-xdist workers (auto: one per core; JOBS=0 runs in this process). --dist loadscope sends a whole
+# module, or a whole notebook (nbval's cells depend on each other), to one worker.
+JOBS ?= auto
+XDIST = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadscope)
 test: env
-	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --ignore=tests/browser --ignore=tests/site --nbval-lax -p no:cacheprovider -rs --durations=20
+	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --ignore=tests/browser --ignore=tests/site --nbval-lax -p no:cacheprovider -rs --durations=20 $(XDIST)
 
 # The tests marked `parity` (numbers compared with a reference library or a torch kernel) once more, on
 # ATen's portable kernels, as a CPU without AVX2/AVX-512 runs them: their tolerances must not depend on the CPU.
 test-parity: env
 	ATEN_CPU_CAPABILITY=default LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests -m parity --ignore=tests/browser \
-	  --ignore=tests/site -p no:cacheprovider -rs --durations=20
+	  --ignore=tests/site -p no:cacheprovider -rs --durations=20 $(XDIST)
 
 # Chromium from the system (Debian: apt-get install chromium; as root this target installs it, with retries);
 # Playwright from pip. Then every lesson runs in JupyterLab in headless Chromium (tests/browser).

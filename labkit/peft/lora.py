@@ -18,6 +18,7 @@ Two versions, teaching first:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
 import torch
@@ -32,6 +33,27 @@ def _check_rank(r, alpha) -> None:
         raise ValueError(f"LoRA rank r must be a positive integer (typical: 4 to 64), got {r!r}")
     if not isinstance(alpha, (int, float)) or alpha <= 0:
         raise ValueError(f"LoRA alpha must be a positive number (peft's default is 8), got {alpha!r}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Which Linears get adapters and what the adapters are (peft's LoraConfig): apply_qlora's, and the tasks'."""
+
+    targets: str | tuple = "all-linear"  # module names or endings (a list is kept as a tuple), or "all-linear"
+    r: int = 8  # the adapters' rank
+    alpha: float = 8  # the update is scaled by alpha / r (alpha / sqrt(r) with rslora)
+    dropout: float = 0.0  # dropout on the adapter path's input
+    rslora: bool = False  # rsLoRA's scaling alpha / sqrt(r)
+    train_also: tuple = ()  # names or endings of modules that stay fully trainable (a new classification head)
+
+    def __post_init__(self) -> None:
+        _check_rank(self.r, self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("targets", "train_also"):
+            v = getattr(self, name)
+            if not isinstance(v, str):
+                object.__setattr__(self, name, tuple(v))  # lists are welcome; kept as tuples, as a frozen config wants
 
 
 def adapter_numel(d_in: int, d_out: int, r: int) -> int:

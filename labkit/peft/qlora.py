@@ -23,13 +23,13 @@ adapter parameter (4 weight + 4 grad + 8 Adam state).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from labkit.quant.nf4 import NF4Linear
-from .lora import LoRALinear, _check_rank, apply_lora, trainable_parameters
+from .lora import LoRAConfig, LoRALinear, apply_lora, trainable_parameters
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,42 +37,47 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NF4Base = NF4Linear  # the frozen QLoRA base: one implementation, in labkit.quant.nf4
 
 
-def _check_dtype(compute_dtype) -> None:
-    if compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype must be one of torch.float32, torch.bfloat16, torch.float16, got {compute_dtype!r}")
+@dataclass(frozen=True)
+class NF4Config:
+    """How a QLoRA base is quantized (bitsandbytes' BitsAndBytesConfig for 4-bit NF4)."""
+
+    compute_dtype: torch.dtype = torch.bfloat16  # one of COMPUTE_DTYPES: dequantized into and multiplied in
+    double_quant: bool = True  # the absmax statistics quantized again (8-bit, blocks of 256)
+    blocksize: int = 64  # weights per absmax
+    keep_dequantized: bool = False  # the teaching base: autograd keeps each dequantized weight for backward
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of torch.float32, torch.bfloat16, torch.float16, "
+                             f"got {self.compute_dtype!r}")
+        if isinstance(self.blocksize, bool) or not isinstance(self.blocksize, int) or self.blocksize <= 0:
+            raise ValueError(f"blocksize must be a positive integer, got {self.blocksize!r}")
 
 
-def to_nf4(linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16, double_quant: bool = True,
-           blocksize: int = 64, keep_dequantized: bool = False) -> NF4Linear:
+def to_nf4(linear: nn.Linear, quant: NF4Config = NF4Config()) -> NF4Linear:
     """Quantize one Linear into a frozen NF4 layer; keep_dequantized: the teaching version (see the module docstring)."""
-    _check_dtype(compute_dtype)
-    layer = NF4Linear.from_linear(linear, blocksize=blocksize, double_quant=double_quant, compute_dtype=compute_dtype,
-                                  keep_dequantized=keep_dequantized)
+    layer = NF4Linear.from_linear(linear, blocksize=quant.blocksize, double_quant=quant.double_quant,
+                                  compute_dtype=quant.compute_dtype, keep_dequantized=quant.keep_dequantized)
     return layer.requires_grad_(False)
 
 
-def apply_qlora(model: nn.Module, targets: str | Sequence[str] = "all-linear", r: int = 8, alpha: float = 8,
-                dropout: float = 0.0, compute_dtype: torch.dtype = torch.bfloat16, double_quant: bool = True,
-                blocksize: int = 64, rslora: bool = False, train_also: Iterable[str] = (),
-                keep_dequantized: bool = False, checkpoint: str | None = None):
-    """Quantize the targeted Linears to NF4, wrap each in a LoRALinear, freeze the rest; return the model.
+def apply_qlora(model: nn.Module, lora: LoRAConfig = LoRAConfig(), quant: NF4Config = NF4Config(),
+                checkpoint: str | None = None):
+    """Quantize the targeted Linears to NF4 (`quant`), wrap each in a LoRALinear (`lora`), freeze the rest; return
+    the model.
 
-    compute_dtype: the dtype the base weight is dequantized into and multiplied in (bf16 in QLoRA).
-    keep_dequantized: the teaching base, which lets autograd keep each dequantized weight for backward.
     checkpoint: None, or a policy of `labkit.recompute.checkpoint_blocks` ("full", "sqrt", ...) for labkit's
         GPT or a transformers GPT-2 / Llama; the handle is left at `model.qlora_checkpoint`.
-    Biases, norms and embeddings stay in their dtype (frozen, unless named in train_also).
+    Biases, norms and embeddings stay in their dtype (frozen, unless named in lora.train_also).
     """
-    _check_rank(r, alpha)
-    _check_dtype(compute_dtype)
 
     def wrap(lin: nn.Linear) -> LoRALinear:
         if not isinstance(lin, nn.Linear):
             raise TypeError(f"QLoRA quantizes nn.Linear modules, got {type(lin).__name__}")
-        base = to_nf4(lin, compute_dtype, double_quant, blocksize, keep_dequantized)
-        return LoRALinear(base, r=r, alpha=alpha, dropout=dropout, rslora=rslora, adapter_dtype=lin.weight.dtype)
+        return LoRALinear(to_nf4(lin, quant), r=lora.r, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
+                          adapter_dtype=lin.weight.dtype)
 
-    apply_lora(model, targets, r=r, alpha=alpha, dropout=dropout, rslora=rslora, train_also=train_also, wrap=wrap)
+    apply_lora(model, lora.targets, r=lora.r, alpha=lora.alpha, train_also=lora.train_also, wrap=wrap)
     if checkpoint is not None:
         from labkit.recompute import checkpoint_blocks
 

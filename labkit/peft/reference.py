@@ -1,6 +1,6 @@
 """The libraries' versions of LoRA and QLoRA, built on the same model and targets, to measure ours against.
 
-- `peft_lora`: peft's get_peft_model(LoraConfig(target_modules=..., r, lora_alpha)) on the same Linears.
+- `peft_lora`: peft's get_peft_model(LoraConfig(target_modules=..., r, lora_alpha, ...)) on the same Linears.
 - `bnb_qlora`: those Linears replaced by bitsandbytes' Linear4bit (NF4, double quantization, the same
   compute dtype), then peft's LoRA on top (peft picks its bnb 4-bit LoRA layer by itself).
   prepare_model_for_kbit_training is not called: it would turn on gradient checkpointing (which
@@ -34,23 +34,22 @@ largest such temporary: one targeted weight in the compute dtype.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 import torch.nn as nn
 
-from .lora import _matches, _replace
+from .lora import LoRAConfig, _matches, _replace
 
 NF4_BLOCKSIZE = 64  # bitsandbytes' Params4bit default, and labkit's
 
 
-def peft_lora(model: nn.Module, targets: Sequence[str], r: int, alpha: float, train_also: Sequence[str] = ()) -> nn.Module:
-    """peft's LoRA on the Linears named in `targets` (full names); modules in train_also are unfrozen whole."""
+def peft_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
+    """peft's LoRA on the Linears named in lora.targets (full names); modules in lora.train_also are unfrozen whole."""
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(model, LoraConfig(target_modules=list(targets), r=r, lora_alpha=alpha, lora_dropout=0.0))
+    peft_model = get_peft_model(model, LoraConfig(target_modules=list(lora.targets), r=lora.r, lora_alpha=lora.alpha,
+                                                  lora_dropout=lora.dropout, use_rslora=lora.rslora))
     for name, m in model.named_modules():
-        if any(_matches(name, t) for t in train_also):
+        if any(_matches(name, t) for t in lora.train_also):
             m.requires_grad_(True)  # as labkit's train_also; peft's modules_to_save would keep a second copy
     return peft_model
 
@@ -74,13 +73,12 @@ def bnb_linear4bit(lin: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     return q.to(lin.weight.device)  # Params4bit quantizes on its first .to(device), on CPU too
 
 
-def bnb_qlora(model: nn.Module, targets: Sequence[str], r: int, alpha: float, compute_dtype: torch.dtype,
-              train_also: Sequence[str] = ()) -> nn.Module:
-    """The targeted Linears as bitsandbytes Linear4bit, then peft's LoRA on them."""
-    for name in targets:
+def bnb_qlora(model: nn.Module, lora: LoRAConfig, compute_dtype: torch.dtype) -> nn.Module:
+    """The Linears named in lora.targets (full names) as bitsandbytes Linear4bit, then peft's LoRA on them."""
+    for name in lora.targets:
         _replace(model, name, bnb_linear4bit(model.get_submodule(name), compute_dtype))
     model.requires_grad_(False)
-    return peft_lora(model, targets, r, alpha, train_also)
+    return peft_lora(model, lora)
 
 
 def same_adapter_init(model: nn.Module, seed: int) -> int:

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from labkit.memory import Category, Ledger
-from .lora import apply_lora, count_parameters
-from .qlora import apply_qlora
+from .lora import LoRAConfig, apply_lora, count_parameters
+from .qlora import NF4Config, apply_qlora
 from .reference import bnb_qlora, hidden_bytes_bound, peft_lora, same_adapter_init, track_bnb_storage
 
 REFERENCES = {"peft-lora": "lora", "bnb-qlora": "qlora", "lisa-naive": "lisa"}  # reference -> labkit's method
@@ -65,26 +65,43 @@ def learning_rates(defaults: dict, lr: dict | None) -> dict:
     return out
 
 
-def adapted(base: nn.Module, method: str, targets, r: int, alpha: float, qdtype, seed: int,
-             train_also=(), checkpoint=None) -> nn.Module:
-    """A copy of `base` set up for `method`; LoRA methods and their references get the same adapter values."""
+def adapted(base: nn.Module, method: str, lora: LoRAConfig, qdtype, seed: int, checkpoint=None) -> nn.Module:
+    """A copy of `base` set up for `method` (lora.targets: full module names); LoRA methods and their references
+    get the same adapter values. checkpoint: labkit's QLoRA's (apply_qlora's)."""
     model = copy.deepcopy(base)
     if method == "lora":
-        apply_lora(model, targets, r=r, alpha=alpha, train_also=train_also)
+        apply_lora(model, lora.targets, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
+                   train_also=lora.train_also)
     elif method == "qlora":
-        apply_qlora(model, targets, r=r, alpha=alpha, compute_dtype=qdtype, train_also=train_also, checkpoint=checkpoint)
+        apply_qlora(model, lora, NF4Config(qdtype), checkpoint=checkpoint)
     elif method == "peft-lora":
-        model = peft_lora(model, targets, r, alpha, train_also)
+        model = peft_lora(model, lora)
     elif method == "bnb-qlora":
-        model = bnb_qlora(model, targets, r, alpha, qdtype, train_also)
+        model = bnb_qlora(model, lora, qdtype)
     if method in ("lora", "qlora", "peft-lora", "bnb-qlora"):
         same_adapter_init(model, seed)
     return model
 
 
-def fit(model, opt, loss_at, steps: int, measure_steps: int = 2, before_step=None, seed: int | None = None):
+@dataclass(frozen=True)
+class Fitted:
+    """What `fit` saw of a training loop."""
+
+    measurement: object  # labkit.memory Measurement of the steps under the Ledger (None: none were)
+    seconds: float  # wall time of the whole loop
+    step_seconds: float  # median wall time of a step outside the Ledger (nan if every step was measured)
+    measured_steps: int  # steps run under the Ledger
+
+    def __post_init__(self) -> None:
+        if isinstance(self.measured_steps, bool) or not isinstance(self.measured_steps, int) or self.measured_steps < 0:
+            raise ValueError(f"measured_steps must be a non-negative integer, got {self.measured_steps!r}")
+        if (self.measurement is None) != (self.measured_steps == 0):
+            raise ValueError(f"measured_steps ({self.measured_steps}) must be 0 exactly when there is no measurement")
+
+
+def fit(model, opt, loss_at, steps: int, measure_steps: int = 2, before_step=None, seed: int | None = None) -> Fitted:
     """`steps` optimizer steps of loss_at(i), the first `measure_steps` under the Ledger (which is shown
-    bitsandbytes' weight storage). -> (Measurement or None, total seconds, median seconds of an unmeasured step)."""
+    bitsandbytes' weight storage)."""
     model.train()
     if seed is not None:
         torch.manual_seed(seed)  # dropout masks: the same for a method and its reference
@@ -106,11 +123,13 @@ def fit(model, opt, loss_at, steps: int, measure_steps: int = 2, before_step=Non
             if i >= measure_steps:
                 times.append(time.perf_counter() - t)
     step = statistics.median(times) if times else float("nan")
-    return (led.measurement() if led else None), time.perf_counter() - t0, step
+    return Fitted(led.measurement() if led else None, time.perf_counter() - t0, step, measure_steps if led else 0)
 
 
-def result(method, metric, before, after, model, meas, secs, step, measured, trainable=None) -> TaskResult:
-    n = count_parameters(model)
+def result(method, metric, before, after, model, run: Fitted, trainable=None) -> TaskResult:
+    """`method`'s TaskResult: `metric` before and after, and what `fit` saw; trainable: default the model's count."""
+    n, meas = count_parameters(model), run.measurement
     return TaskResult(method, metric, before, after, n.trainable if trainable is None else trainable, n.total,
-                      meas.peak if meas else None, secs, step, measured if meas else 0, hidden_bytes_bound(model),
+                      meas.peak if meas else None, run.seconds, run.step_seconds, run.measured_steps,
+                      hidden_bytes_bound(model),
                       max((b[Category.OPT] for b in meas.phases.values()), default=0) if meas else 0)

@@ -57,12 +57,12 @@ def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = 
     peft = peft_of(spec_from(m), lora_rank, lora_targets, quant, lisa_layers, quant_group)
     if peft is None or peft.lisa_layers:
         return peft
-    from labkit.peft import LoRALinear, apply_lora, apply_qlora
+    from labkit.peft import LoRAConfig, LoRALinear, NF4Config, apply_lora, apply_qlora
 
     targets = parse_targets(lora_targets)
     compute = _LOW.get(dtype, torch.float32)
     if quant == "nf4":
-        apply_qlora(m, targets, r=lora_rank, compute_dtype=compute)
+        apply_qlora(m, LoRAConfig(targets, r=lora_rank), NF4Config(compute))
     elif quant in ("int4", "int4-awq"):
         from labkit.peft.lora import find_targets
         from labkit.quant import AWQConfig, Int4Linear, awq_linear, collect_inputs

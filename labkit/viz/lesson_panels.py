@@ -1,13 +1,16 @@
 """The lessons' panels (03 to 08): each names its controls and what they mean as Recipe keywords; RecipePanel
 does the rest (the budget, the predicted bars, the button that measures, the messages).
 
-Every panel takes the lesson's model config, batch, seq and dtype, `kind` (the kernels the estimate
-models: the lessons' KIND), `device` (where the button runs: DEVICE) and, where the lesson trains on
-text, `data` (TRAIN). `budget` is in bytes. QuantPanel (lesson 07) predicts no memory: it shows the
+Every panel takes the lesson's `labkit.estimate.Recipe` (its model config, batch, seq, dtype and `device`:
+the kernels the estimate models, the lessons' KIND; the controls set their own fields over it), `budget`
+in bytes, `device` (where the button runs: DEVICE) and, where the lesson trains on text, `data` (TRAIN).
+QuantPanel (lesson 07) predicts no memory: it shows the
 bits and error of a quantized weight matrix.
 """
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 import ipywidgets as widgets
 from IPython.display import display
@@ -30,8 +33,11 @@ PEFT_TARGETS = {"all linear": "all-linear", "attention (c_attn, attn.c_proj)": [
                 "MLP (c_fc, mlp.c_proj)": ["c_fc", "mlp.c_proj"], "c_attn only": ["c_attn"]}
 
 
-def _fixed(config, batch, seq, dtype) -> dict:
-    return dict(model=config, batch=batch, seq=seq, dtype=dtype)
+def _fixed(recipe) -> dict:
+    """The recipe's fields as RecipePanel's `fixed` keywords: those it sets (not its defaults), but its device (the
+    panel's `kind`)."""
+    return {f.name: getattr(recipe, f.name) for f in fields(recipe)
+            if f.name != "device" and getattr(recipe, f.name) != f.default}
 
 
 class CheckpointPanel(RecipePanel):
@@ -40,14 +46,14 @@ class CheckpointPanel(RecipePanel):
     step_flops, recompute_flops: FLOPs of one plain training step and of one forward of every block
     (what a full recompute adds), counted once by the lesson; given, the verdict shows the cost in FLOPs."""
 
-    def __init__(self, config, batch: int, seq: int, budget: int, *, dtype: str = "fp32", kind: str = "cpu",
-                 device=None, data=None, step_flops: int | None = None, recompute_flops: int | None = None):
-        n = config.n_layer
+    def __init__(self, recipe, budget: int, *, device=None, data=None, step_flops: int | None = None,
+                 recompute_flops: int | None = None):
+        n = recipe.model.n_layer
         self.step_flops, self.recompute_flops = step_flops, recompute_flops
         self.policy = widgets.Dropdown(options=POLICIES, value="full", description="checkpoint", style=STYLE)
         self.segments = widgets.IntSlider(value=n, min=1, max=n, description="segments k", style=STYLE,
                                           continuous_update=False)
-        super().__init__([self.policy, self.segments], budget, fixed=_fixed(config, batch, seq, dtype), kind=kind,
+        super().__init__([self.policy, self.segments], budget, fixed=_fixed(recipe), kind=recipe.device,
                          device=device, data=data)
 
     def recipe(self) -> dict:
@@ -67,12 +73,12 @@ class CheckpointPanel(RecipePanel):
 class AccumulationPanel(RecipePanel):
     """Lesson 04: the micro-batch (a divisor of the batch) and the checkpoint policy."""
 
-    def __init__(self, config, batch: int, seq: int, budget: int, *, dtype: str = "fp32", kind: str = "cpu",
-                 device=None, data=None):
+    def __init__(self, recipe, budget: int, *, device=None, data=None):
+        batch = recipe.batch
         self.micro = widgets.SelectionSlider(options=[m for m in range(1, batch + 1) if batch % m == 0], value=batch,
                                              description="micro-batch", style=STYLE, continuous_update=False)
         self.checkpoint = widgets.Dropdown(options=POLICIES, value="none", description="checkpoint", style=STYLE)
-        super().__init__([self.micro, self.checkpoint], budget, fixed=_fixed(config, batch, seq, dtype), kind=kind,
+        super().__init__([self.micro, self.checkpoint], budget, fixed=_fixed(recipe), kind=recipe.device,
                          device=device, data=data)
 
     def recipe(self) -> dict:
@@ -86,15 +92,14 @@ class AccumulationPanel(RecipePanel):
 class OptimizerPanel(RecipePanel):
     """Lesson 05: the optimizer, stepping inside backward, and where AdamW's state lives (offload)."""
 
-    def __init__(self, config, batch: int, seq: int, budget: int, *, dtype: str = "fp32", kind: str = "cpu",
-                 device=None, data=None, optimizers=_OPTIMIZERS):
+    def __init__(self, recipe, budget: int, *, device=None, data=None, optimizers=_OPTIMIZERS):
         self.optimizer = widgets.Dropdown(options=list(optimizers), value="adamw", description="optimizer", style=STYLE)
         self.in_backward = widgets.Checkbox(value=False, description="step in backward", style=STYLE)
         self.offload = with_tooltip(widgets.Dropdown(options=_OFFLOAD, value="none", description="offload",
                                                      style=STYLE),
                                     "where AdamW's state lives: on the device, in host memory or on disk")
-        super().__init__([self.optimizer, self.in_backward, self.offload], budget,
-                         fixed=_fixed(config, batch, seq, dtype), kind=kind, device=device, data=data)
+        super().__init__([self.optimizer, self.in_backward, self.offload], budget, fixed=_fixed(recipe),
+                         kind=recipe.device, device=device, data=data)
 
     def recipe(self) -> dict:
         return dict(optimizer=self.optimizer.value, step_in_backward=self.in_backward.value,
@@ -109,16 +114,16 @@ class RankPanel(RecipePanel):
 
     ranks: the ranks offered; adamw_state: AdamW's optimizer state in bytes, for comparison (optional)."""
 
-    def __init__(self, config, batch: int, seq: int, budget: int, rank: int, *, ranks=None, dtype: str = "fp32",
-                 kind: str = "cpu", device=None, data=None, adamw_state: int | None = None):
+    def __init__(self, recipe, budget: int, rank: int, *, ranks=None, device=None, data=None,
+                 adamw_state: int | None = None):
         self.adamw_state = adamw_state
         ranks = sorted({*(ranks or (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)), int(rank)})
         self.rank = widgets.SelectionSlider(options=ranks, value=int(rank), description="rank", style=STYLE,
                                             continuous_update=False)
         self.eight_bit = widgets.Checkbox(value=False, description="8-bit moments", style=STYLE)
         self.in_backward = widgets.Checkbox(value=False, description="step in backward", style=STYLE)
-        super().__init__([self.rank, self.eight_bit, self.in_backward], budget,
-                         fixed=_fixed(config, batch, seq, dtype), kind=kind, device=device, data=data)
+        super().__init__([self.rank, self.eight_bit, self.in_backward], budget, fixed=_fixed(recipe),
+                         kind=recipe.device, device=device, data=data)
 
     def recipe(self) -> dict:
         return dict(optimizer="galore8bit" if self.eight_bit.value else "galore", rank=self.rank.value,
@@ -132,8 +137,7 @@ class RankPanel(RecipePanel):
 class PEFTPanel(RecipePanel):
     """Lesson 08: full fine-tuning, LoRA (rank, targets, the base's quantization) or LISA (active layers)."""
 
-    def __init__(self, config, batch: int, seq: int, budget: int, *, rank: int = 8, dtype: str = "fp32",
-                 kind: str = "cpu", device=None, data=None, targets: dict | None = None):
+    def __init__(self, recipe, budget: int, *, rank: int = 8, device=None, data=None, targets: dict | None = None):
         self.targets_map = dict(targets or PEFT_TARGETS)
         self.method = widgets.ToggleButtons(options=["full", "LoRA", "LISA"], value="LoRA", description="method",
                                             style=STYLE)
@@ -144,11 +148,10 @@ class PEFTPanel(RecipePanel):
         self.quant = with_tooltip(widgets.Dropdown(options=["none", "int8", "nf4"], value="none", description="base",
                                                    style=STYLE),
                                   "the frozen base weights: as they are, int8, or NF4 (QLoRA)")
-        self.layers = widgets.IntSlider(value=1, min=1, max=config.n_layer, description="LISA layers", style=STYLE,
-                                        continuous_update=False)
-        super().__init__([self.method, self.rank, self.targets, self.quant, self.layers], budget,
-                         fixed=dict(_fixed(config, batch, seq, dtype), optimizer="adamw"), kind=kind, device=device,
-                         data=data)
+        self.layers = widgets.IntSlider(value=1, min=1, max=recipe.model.n_layer, description="LISA layers",
+                                        style=STYLE, continuous_update=False)
+        super().__init__([self.method, self.rank, self.targets, self.quant, self.layers], budget, fixed=_fixed(recipe),
+                         kind=recipe.device, device=device, data=data)
 
     def recipe(self) -> dict:
         method = self.method.value

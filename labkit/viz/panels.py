@@ -215,13 +215,12 @@ class MemoryPanel(RecipePanel):
     Every control change redraws the prediction (one call: `labkit.estimate`). The button
     runs two real steps under the budget (one call: `run_within_budget(measure_step)`) and draws
     predicted vs measured and the memory timeline, or says why the step does not fit. It is offered
-    only while the predicted step fits `measure_limit` bytes (default: what this machine can run).
+    only while the predicted step fits what this machine can run (the device profile's limit).
     The rank slider is GaLore's rank: enabled for the "galore" and "galore8bit" optimizers only.
     """
 
     def __init__(self, model: str | None = None, batch: int | None = None, seq: int | None = None,
-                 dtype: str | None = None, optimizer: str = "adamw", budget_gib: float | None = None,
-                 measure_limit: int | None = None, steps: int = 2, rank: int = 16):
+                 dtype: str | None = None, optimizer: str = "adamw", budget_gib: float | None = None, rank: int = 16):
         d = _defaults()
         model = model or d["model"]
         positions = spec_from(model).max_positions or d["seq"]  # the default seq must suit the model
@@ -237,8 +236,7 @@ class MemoryPanel(RecipePanel):
                                     style=STYLE, continuous_update=False),
             "GaLore's rank: the optimizer state lives in a rank-r projection")
         super().__init__([self.model, self.batch, self.seq, self.dtype, self.optimizer, self.rank],
-                         int((budget_gib or d["budget_gib"]) * GiB), kind=d["device"], steps=steps,
-                         measure_limit=int(measure_limit or d["limit"]))
+                         int((budget_gib or d["budget_gib"]) * GiB), kind=d["device"], measure_limit=int(d["limit"]))
 
     def recipe(self) -> dict:
         galore = self.optimizer.value.startswith("galore")

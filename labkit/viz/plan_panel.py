@@ -53,21 +53,21 @@ def _devices() -> list[str]:
 
 class PlanPanel:
     """Controls: model, devices, memory per device (GiB), batch, sequence, what training is allowed, the least
-    precise dtype. Every change: one `labkit.plan.plan` call and the ranked bars. The button ("Measure: verify
-    the top plan") runs the top plan for real (`labkit.plan.verify`) when the model is small enough."""
+    precise dtype. Every change: one `labkit.plan.plan` call and the `top` best plans' bars. The button ("Measure:
+    verify the top plan") runs the top plan for real (`labkit.plan.verify`) when the model is small enough."""
+
+    top = 4  # plans drawn
 
     def __init__(self, model: str = "gpt2-tiny", devices: int = 1, memory_gib: float = 0.02, batch: int = 4,
-                 seq: int = 64, peft: str = "either", min_precision: str = "fp32", models=None, top: int = 4,
-                 device_preset: str | None = None):
+                 seq: int = 64, peft: str = "either", min_precision: str = "fp32", device_preset: str | None = None):
         import torch
 
         from labkit.models.hf import PRESETS
 
         style = {"description_width": "110px"}
-        options = list(models or PRESETS)
+        options = list(PRESETS)
         if model not in options:
             options.insert(0, model)
-        self.top = top
         self.model = widgets.Dropdown(options=options, value=model, description="model", style=style)
         self.devices = widgets.Dropdown(options=[1, 2, 4, 8], value=devices, description="devices", style=style)
         # whose kernels and speeds the plans assume: this machine's by default, so that verify checks the same bars

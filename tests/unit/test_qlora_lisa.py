@@ -9,8 +9,8 @@ import torch.nn as nn
 
 from labkit.memory import Category, Ledger
 from labkit.models.gpt import GPT, GPTConfig
-from labkit.peft import (LISA, LISANaive, LoRALinear, NF4Base, apply_qlora, base_bytes, find_layers, lisa_memory_trace,
-                         qlora_optimizer, to_nf4, trainable_parameters)
+from labkit.peft import (LISA, LISANaive, LoRAConfig, LoRALinear, NF4Base, NF4Config, apply_qlora, base_bytes,
+                         find_layers, lisa_memory_trace, qlora_optimizer, to_nf4, trainable_parameters)
 from labkit.quant.nf4 import NF4Linear, dequantize_nf4, nbytes_nf4, quantize_nf4
 
 C, T = 32, 16
@@ -49,7 +49,7 @@ class TwoLinears(nn.Module):
 def test_frozen_base_matches_bitsandbytes_linear4bit(dtype, double_quant):
     torch.manual_seed(0)
     lin = nn.Linear(128, 64)
-    ref, mine = _bnb_nf4(lin, dtype, double_quant), to_nf4(lin, dtype, double_quant)
+    ref, mine = _bnb_nf4(lin, dtype, double_quant), to_nf4(lin, NF4Config(dtype, double_quant))
     assert torch.equal(ref.weight.data.view(-1), mine.weight_packed.view(-1))  # the same 4-bit codes
     x = torch.randn(4, 7, 128)
     assert torch.equal(ref(x), mine(x))  # measured difference: exactly 0 (tolerance 0)
@@ -103,7 +103,7 @@ def test_qlora_matches_peft_on_bitsandbytes(dtype):
     ref = copy.deepcopy(m)
     ref.a, ref.b = _bnb_nf4(m.a, dtype), _bnb_nf4(m.b, dtype)
     ref = get_peft_model(ref, LoraConfig(target_modules=["a", "b"], r=4, lora_alpha=8))
-    mine = apply_qlora(copy.deepcopy(m), ["a", "b"], r=4, alpha=8, compute_dtype=dtype)
+    mine = apply_qlora(copy.deepcopy(m), LoRAConfig(["a", "b"], r=4, alpha=8), NF4Config(dtype))
     theirs = dict(ref.named_modules())
     pairs = [(theirs["base_model.model." + n], q) for n, q in mine.named_modules() if isinstance(q, LoRALinear)]
     with torch.no_grad():
@@ -134,7 +134,7 @@ def test_real_base_keeps_no_dequantized_weight_for_backward():
     torch.manual_seed(0)
     lin = nn.Linear(256, 512, bias=False)
     x = torch.randn(4, 256, requires_grad=True)
-    teaching, real = to_nf4(lin, torch.float32, keep_dequantized=True), to_nf4(lin, torch.float32)
+    teaching, real = to_nf4(lin, NF4Config(torch.float32, keep_dequantized=True)), to_nf4(lin, NF4Config(torch.float32))
     assert NF4Base is NF4Linear and teaching.keep_dequantized and not real.keep_dequantized  # one implementation
     assert _acts(teaching, x) >= 512 * 256 * 4  # the (d_out, d_in) fp32 weight, saved by F.linear
     assert _acts(real, x) < 512 * 256 * 4 // 64
@@ -148,7 +148,7 @@ def test_qlora_bytes_per_parameter():
     """Measured: packed codes 0.5 byte + uint8 absmax 1/64 + fp32 second-level scale and offset per weight;
     adapters 4 + grad 4 + AdamW 8 bytes each."""
     d_in, d_out, r = 256, 512, 8
-    m = apply_qlora(nn.Sequential(nn.Linear(d_in, d_out, bias=False)), ["0"], r=r, compute_dtype=torch.float32)
+    m = apply_qlora(nn.Sequential(nn.Linear(d_in, d_out, bias=False)), LoRAConfig(["0"], r=r), NF4Config(torch.float32))
     opt = torch.optim.AdamW(trainable_parameters(m), lr=1e-3)
     with Ledger(m, opt) as led:
         for _ in range(2):
@@ -179,8 +179,8 @@ def _batches(n, seed=1):
 
 def test_qlora_with_checkpointing_and_8bit_adam():
     x, y = _batches(1)[0]
-    plain = apply_qlora(_gpt(2), "all-linear", r=4, compute_dtype=torch.float32)
-    ckpt = apply_qlora(_gpt(2), "all-linear", r=4, compute_dtype=torch.float32, checkpoint="full")
+    plain = apply_qlora(_gpt(2), LoRAConfig(r=4), NF4Config(torch.float32))
+    ckpt = apply_qlora(_gpt(2), LoRAConfig(r=4), NF4Config(torch.float32), checkpoint="full")
     ckpt.load_state_dict(plain.state_dict())
     plain(x, y).backward()
     ckpt(x, y).backward()
@@ -190,17 +190,38 @@ def test_qlora_with_checkpointing_and_8bit_adam():
     with pytest.raises(TypeError, match="dequantize"):
         ckpt.blocks[0].mlp.c_fc.merge()
     with pytest.raises(ValueError, match="matches no Linear"):
-        apply_qlora(ckpt, ["c_fc"])  # already adapted: its base is not offered again
+        apply_qlora(ckpt, LoRAConfig(["c_fc"]))  # already adapted: its base is not offered again
     opt = qlora_optimizer(plain, "adamw8bit", lr=1e-2)
     before = [p.detach().clone() for p in trainable_parameters(plain)]
     opt.step()
     assert any(not torch.equal(a, p) for a, p in zip(before, trainable_parameters(plain)))
     with pytest.raises(ValueError, match="adamw"):
         qlora_optimizer(plain, "sgd")
-    with pytest.raises(ValueError, match="compute_dtype"):
-        apply_qlora(_gpt(2), ["c_fc"], compute_dtype=torch.int8)
-    with pytest.raises(ValueError, match="positive integer"):
-        apply_qlora(_gpt(2), ["c_fc"], r=0)
+
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: NF4Config(torch.int8), "compute_dtype"), (lambda: NF4Config(blocksize=0), "blocksize"),
+    (lambda: LoRAConfig(r=0), "rank r"), (lambda: LoRAConfig(alpha=0), "alpha"),
+    (lambda: LoRAConfig(dropout=1.0), "dropout"),
+])
+def test_qlora_configs_refuse_bad_values_naming_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_qlora_configs_build_what_the_layers_build():
+    """apply_qlora(model, LoRAConfig, NF4Config) is to_nf4 + LoRALinear on each target, with the configs' values."""
+    torch.manual_seed(0)
+    m = TwoLinears()
+    lora, quant = LoRAConfig(["a"], r=4, alpha=16, rslora=True, train_also=["b"]), NF4Config(torch.float32, False, 128)
+    assert lora.targets == ("a",) and lora.train_also == ("b",)  # lists kept as tuples
+    mine = apply_qlora(copy.deepcopy(m), lora, quant)
+    by_hand = LoRALinear(to_nf4(m.a, quant), r=4, alpha=16, rslora=True)
+    assert mine.a.scaling == by_hand.scaling == 16 / 2 and mine.a.base.blocksize == 128
+    assert mine.a.base.weight_absmax_scale is None  # no double quantization
+    assert torch.equal(mine.a.base.weight_packed, by_hand.base.weight_packed)
+    assert all(p.requires_grad for p in mine.b.parameters()) and not mine.a.base.weight_packed.requires_grad
 
 
 def test_lisa_memory_bounded_while_naive_grows():

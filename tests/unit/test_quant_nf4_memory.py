@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from labkit.memory import Category, Ledger
-from labkit.peft import NF4Base, apply_qlora, to_nf4
+from labkit.peft import LoRAConfig, NF4Base, NF4Config, apply_qlora, to_nf4
 from labkit.quant import NF4Linear, dequantize_nf4, nf4_linear, quantize_nf4
 
 D_OUT, D_IN, B = 256, 512, 8
@@ -30,7 +30,7 @@ def test_nf4_forward_saves_nothing_weight_sized(dtype, make):
     if make == "NF4Linear":
         model = NF4Linear.from_linear(lin, compute_dtype=dtype)
     else:
-        model = apply_qlora(nn.Sequential(lin), ["0"], r=4, compute_dtype=dtype)
+        model = apply_qlora(nn.Sequential(lin), LoRAConfig(["0"], r=4), NF4Config(dtype))
         assert isinstance(model[0].base, NF4Base)
     x = torch.randn(B, D_IN, requires_grad=True)
     acts, fwd_temp = _saved_for_backward(model, x)
@@ -45,7 +45,7 @@ def test_teaching_version_keeps_the_dequantized_weight():
     torch.manual_seed(0)
     lin = nn.Linear(D_IN, D_OUT)
     x = torch.randn(B, D_IN, requires_grad=True)
-    acts, _ = _saved_for_backward(to_nf4(lin, torch.float32, keep_dequantized=True), x)
+    acts, _ = _saved_for_backward(to_nf4(lin, NF4Config(torch.float32, keep_dequantized=True)), x)
     assert [a for a in acts if a[3] == 4 * D_OUT * D_IN]  # the fp32 weight: the test above can fail
 
 

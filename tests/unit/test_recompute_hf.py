@@ -101,11 +101,11 @@ def test_lisa_under_checkpoint(name):
 
 
 def test_qlora_checkpoint_option_on_transformers_models():
-    from labkit.peft import apply_qlora
+    from labkit.peft import LoRAConfig, NF4Config, apply_qlora
 
     torch.manual_seed(0)
     m = build_model("llama-tiny", num_hidden_layers=2)
-    apply_qlora(m, r=4, compute_dtype=torch.float32, checkpoint="full")
+    apply_qlora(m, LoRAConfig(r=4), NF4Config(torch.float32), checkpoint="full")
     assert m.qlora_checkpoint.segments == 2
     m.qlora_checkpoint.remove()
 

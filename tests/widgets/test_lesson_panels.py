@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from labkit.estimate import Recipe  # noqa: E402
 from labkit.memory import Category, KiB, MiB  # noqa: E402
 from labkit.models.gpt import GPTConfig  # noqa: E402
 from labkit.viz import (AWQPanel, AccumulationPanel, CheckpointPanel, OptimizerPanel, PEFTPanel, QuantPanel,  # noqa: E402
@@ -15,6 +16,7 @@ from labkit.viz import (AWQPanel, AccumulationPanel, CheckpointPanel, OptimizerP
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
 B, S = 2, 16
+RECIPE = Recipe(CFG, B, S)  # the lesson's recipe: the panels' controls set their own fields over it
 ROOMY = 64 * MiB  # far above any step here
 TINY = 8 * KiB  # below the model's own weights
 
@@ -46,7 +48,7 @@ def measure_and_check_cleared(panel, control, value):
 
 
 def test_checkpoint_panel_policy_and_segments():
-    p = CheckpointPanel(CFG, B, S, ROOMY, step_flops=10**9, recompute_flops=2 * 10**8)
+    p = CheckpointPanel(RECIPE, ROOMY, step_flops=10**9, recompute_flops=2 * 10**8)
     full2 = p.last_estimate
     assert "x1.200" in p.verdict.value  # the recompute's FLOPs, from the lesson's counts
     p.segments.value = 1
@@ -59,7 +61,7 @@ def test_checkpoint_panel_policy_and_segments():
 
 
 def test_accumulation_panel_micro_batch():
-    p = AccumulationPanel(CFG, 4, S, ROOMY)
+    p = AccumulationPanel(Recipe(CFG, 4, S), ROOMY)
     assert list(p.micro.options) == [1, 2, 4] and "1 micro-batch of 4 rows" in p.verdict.value
     whole = p.last_estimate.peak[Category.ACT]
     p.micro.value = 1
@@ -69,7 +71,7 @@ def test_accumulation_panel_micro_batch():
 
 
 def test_optimizer_panel_offload_has_a_label_and_moves_the_state():
-    p = OptimizerPanel(CFG, B, S, ROOMY, data=torch.randint(0, CFG.vocab_size, (4096,)))
+    p = OptimizerPanel(RECIPE, ROOMY, data=torch.randint(0, CFG.vocab_size, (4096,)))
     assert p.offload.label == "none" and all(str(o).strip() for o in p.offload.options)  # no blank entry
     adamw = opt(p.last_estimate)
     p.optimizer.value = "adamw8bit"
@@ -90,7 +92,7 @@ def test_optimizer_panel_offload_has_a_label_and_moves_the_state():
 
 
 def test_rank_panel_rank_and_8bit():
-    p = RankPanel(CFG, B, S, ROOMY, rank=8, adamw_state=12345)
+    p = RankPanel(RECIPE, ROOMY, rank=8, adamw_state=12345)
     assert "(AdamW: 12.06 KiB)" in p.verdict.value
     r8 = opt(p.last_estimate)
     p.rank.value = 16
@@ -101,7 +103,7 @@ def test_rank_panel_rank_and_8bit():
 
 
 def test_peft_panel_methods():
-    p = PEFTPanel(CFG, B, S, ROOMY, rank=8)
+    p = PEFTPanel(RECIPE, ROOMY, rank=8)
     lora = trainable(p.last_estimate)
     assert p.layers.disabled and not p.rank.disabled
     p.method.value = "full"
@@ -122,7 +124,7 @@ def test_peft_panel_methods():
 
 
 def test_budget_readout_verdict_and_an_out_of_memory_in_one_style():
-    p = PEFTPanel(CFG, B, S, ROOMY)
+    p = PEFTPanel(RECIPE, ROOMY)
     assert p.budget_readout.value == "64.00 MiB" and not p.budget.readout  # no raw GiB fraction on screen
     assert p.button.description == "Measure 2 steps" and p.button.layout.width == "auto"
     p.budget.value = 3.125 * MiB / 2**30
@@ -137,6 +139,17 @@ def test_budget_readout_verdict_and_an_out_of_memory_in_one_style():
     assert p.message.value.count("does not fit") == 1 and "8.00 KiB budget" in p.message.value
     p.method.value = "full"
     assert p.message.value == "" and p.last_result is None  # the out-of-memory was LoRA's, not full's
+
+
+def test_a_panel_starts_from_the_lessons_recipe():
+    from labkit.viz.lesson_panels import _fixed
+
+    assert _fixed(RECIPE) == dict(model=CFG, batch=B, seq=S)  # defaults and the device (the panel's kind) stay out
+    bf16 = Recipe(CFG, B, S, dtype="bf16", device="cuda", optimizer="sgd")
+    assert _fixed(bf16) == dict(model=CFG, batch=B, seq=S, dtype="bf16", optimizer="sgd")
+    p = CheckpointPanel(bf16, ROOMY)
+    assert p.kind == p.device == "cuda" and p.last_estimate.label.endswith("bf16 sgd checkpoint=full")
+    assert OptimizerPanel(bf16, ROOMY).last_estimate.label.endswith("bf16 adamw")  # a control's field wins
 
 
 def test_quant_panel_picks_points_on_precomputed_curves():
