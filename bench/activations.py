@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import labkit.device
 from labkit.device import pick_device
+from labkit.estimate import Recipe
 from labkit.memory import Category, Ledger, fmt_bytes
 from labkit.run import make_optimizer, measure_step, train_step
 from labkit.models.gpt import GPT
@@ -138,7 +139,7 @@ def main() -> None:
     peaks = {}
     for dtype in ("fp32", "mixed-fp16", "mixed-bf16"):
         t0 = time.perf_counter()
-        meas = measure_step(cfg, B, S, dtype, steps=2, device=device)
+        meas = measure_step(Recipe(cfg, B, S, dtype, device=device.type), steps=2)
         peaks[dtype] = meas.peak.total
         print(f"{dtype:11} peak {fmt_bytes(meas.peak.total):>10} ({meas.peak_phase}), activations at the peak "
               f"{fmt_bytes(meas.peak[Category.ACT]):>10}  x{ratio(meas.peak.total, peaks['fp32']):.3f} of fp32  "

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from labkit.memory import CATEGORIES, fmt_bytes
-from labkit.estimate import estimate
+from labkit.estimate import Recipe, estimate
 from labkit.estimate.moments import REFRESH
 from labkit.run import measure_step
 from labkit.models.gpt import GPTConfig
@@ -289,9 +289,9 @@ def random_configs(n: int, seed: int) -> list[Config]:
 
 
 def run_one(c: Config) -> dict:
-    e = estimate(c.model, c.batch, c.seq, c.dtype, c.optimizer, device="cpu", **c.overrides)
-    m = measure_step(c.model, c.batch, c.seq, c.dtype, c.optimizer, steps=2, galore_refresh=bool(c.refresh),
-                     **c.overrides)
+    r = Recipe.of(c.model, c.batch, c.seq, dtype=c.dtype, optimizer=c.optimizer, device="cpu", **c.overrides)
+    e = estimate(r)
+    m = measure_step(r, steps=2, galore_refresh=bool(c.refresh))
     if c.refresh is False:  # a steady step: the second one, against the estimate's steady moments
         e, m = e.without(REFRESH), m.of_step(2)
     meas = m.peak.total

@@ -449,7 +449,7 @@ def child_estimator(n: int = MIN_CONFIGS, seed: int = 0) -> dict:
 
     import torch
 
-    from labkit.estimate import estimate
+    from labkit.estimate import Recipe, estimate
     from labkit.memory.allocator import rounded_peak
     from labkit.models.gpt import GPTConfig
     from labkit.run import measure_step
@@ -472,8 +472,9 @@ def child_estimator(n: int = MIN_CONFIGS, seed: int = 0) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
             held = torch.cuda.memory_allocated()
-            e = estimate(model, c["batch"], c["seq"], c["dtype"], c["optimizer"], **kw)
-            m = measure_step(model, c["batch"], c["seq"], c["dtype"], c["optimizer"], **kw)
+            r = Recipe(model, c["batch"], c["seq"], c["dtype"], c["optimizer"], **kw)
+            e = estimate(r)
+            m = measure_step(r)
             logical, blocks = rounded_peak(m.trace.events)
             terms = allocator_terms(e.peak.total, blocks - logical, held)
             measured = m.allocator["max_allocated"]
@@ -501,24 +502,25 @@ def child_budgets() -> dict:
 
     import torch
 
+    from labkit.estimate import Recipe
     from labkit.memory import run_within_budget
     from labkit.run import measure_step
 
-    args = ("gpt2", 8, 512, "fp32", "adamw")
+    r = Recipe("gpt2", 8, 512, "fp32", "adamw", device="cuda")
     free_margin = 64 * 2**20
     failures = []
     gc.collect()
     torch.cuda.empty_cache()
     base_alloc, base_free = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
-    peak = measure_step(*args, device="cuda").allocator["max_allocated"]
+    peak = measure_step(r).allocator["max_allocated"]
     gc.collect()
     torch.cuda.empty_cache()
     tight, roomy = peak // 2, 2 * peak
-    t = run_within_budget(lambda: measure_step(*args, device="cuda", budget=tight), tight)
+    t = run_within_budget(lambda: measure_step(r, budget=tight), tight)
     gc.collect()
     torch.cuda.empty_cache()
     after_alloc, after_free = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
-    r = run_within_budget(lambda: measure_step(*args, device="cuda", budget=roomy), roomy)
+    r = run_within_budget(lambda: measure_step(r, budget=roomy), roomy)
     try:  # the fraction is lifted again: more than either budget above fits
         probe = torch.empty(max(3 * peak, int(0.6 * torch.cuda.mem_get_info()[0])), dtype=torch.uint8, device="cuda")
         del probe

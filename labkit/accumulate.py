@@ -19,6 +19,7 @@ Which share depends on what the loss is a mean over (`weight`):
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -65,26 +66,57 @@ def micro_shares(y: torch.Tensor, sizes: Sequence[int], weight: str = "rows", ig
     return [n / total for n in counts]
 
 
+@dataclass(frozen=True)
+class Accumulation:
+    """How a batch runs as micro-batches: their sizes, and each one's share of the batch's mean loss."""
+
+    micro_batch: int | tuple  # rows per micro-batch (dividing the batch), or each micro-batch's rows (uneven)
+    weight: str = "rows"  # "rows": share m_i / B; "tokens": n_i / N of the targets != ignore_index
+    ignore_index: int = -100  # the target weight="tokens" does not count (padding), as F.cross_entropy's
+
+    def __post_init__(self) -> None:
+        if isinstance(self.micro_batch, list):
+            object.__setattr__(self, "micro_batch", tuple(self.micro_batch))
+        mb = self.micro_batch
+        sizes = mb if isinstance(mb, tuple) else (mb,)
+        if not sizes or any(isinstance(m, bool) or not isinstance(m, int) or m <= 0 for m in sizes):
+            raise ValueError(f"micro_batch must be a positive integer or a list of them, got {mb!r}")
+        if self.weight not in WEIGHTS:
+            raise ValueError(f"weight must be one of {', '.join(WEIGHTS)}, got {self.weight!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise ValueError(f"ignore_index must be an integer, got {self.ignore_index!r}")
+
+    @classmethod
+    def of(cls, micro_batch) -> "Accumulation":
+        """`micro_batch` if it is an Accumulation, else Accumulation(micro_batch): sizes, rows weighting."""
+        return micro_batch if isinstance(micro_batch, cls) else cls(micro_batch)
+
+    def chunks(self, x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """(x_i, y_i, share_i) per micro-batch, leaving out those with no counted target (share 0: their
+        mean loss is 0/0 and their gradient nothing)."""
+        sizes = split_sizes(x.shape[0], list(self.micro_batch) if isinstance(self.micro_batch, tuple)
+                            else self.micro_batch)
+        shares = micro_shares(y, sizes, self.weight, self.ignore_index)
+        return [(xb, yb, s) for xb, yb, s in zip(torch.split(x, sizes), torch.split(y, sizes), shares) if s > 0]
+
+
 def _loss(model, x, y, loss_fn):
     """The micro-batch's mean loss: model(x, y) (labkit's GPT) or loss_fn(model(x), y)."""
     return model(x, y) if loss_fn is None else loss_fn(model(x), y)
 
 
 # ---- the teaching version ---------------------------------------------------------------------------
-def accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, micro_batch, loss_fn: Callable | None = None, *,
-                     weight: str = "rows", ignore_index: int = -100) -> torch.Tensor:
+def accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, micro_batch: int | Sequence[int] | Accumulation,
+                     loss_fn: Callable | None = None) -> torch.Tensor:
     """Add the batch's mean-loss gradient to the parameters' .grad, one micro-batch at a time.
 
-    weight: "rows" (share m_i / B) or "tokens" (share n_i / N of the targets != ignore_index; the loss
-    must then be the mean over those targets, as F.cross_entropy's with the same ignore_index is).
+    micro_batch: rows per micro-batch or a list of sizes (each share m_i / B), or an Accumulation
+    (weight="tokens": share n_i / N of the targets != ignore_index; the loss must then be the mean over
+    those targets, as F.cross_entropy's with the same ignore_index is).
     Returns the batch's mean loss (detached). Only one micro-batch's activations are alive at a time.
     """
-    sizes = split_sizes(x.shape[0], micro_batch)
-    shares = micro_shares(y, sizes, weight, ignore_index)
     total = torch.zeros((), device=x.device)
-    for xb, yb, share in zip(torch.split(x, sizes), torch.split(y, sizes), shares):
-        if share == 0:  # no counted target: its mean loss is 0/0, and its gradient is nothing
-            continue
+    for xb, yb, share in Accumulation.of(micro_batch).chunks(x, y):
         loss = _loss(model, xb, yb, loss_fn) * share
         loss.backward()  # frees this micro-batch's activations; .grad accumulates
         total += loss.detach()
@@ -92,13 +124,13 @@ def accumulate_grads(model, x: torch.Tensor, y: torch.Tensor, micro_batch, loss_
 
 
 # ---- the real one: one optimizer step, and no gradient all-reduce until the last micro-batch ----------
-def accumulate_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, micro_batch,
-                    loss_fn: Callable | None = None, *, max_grad_norm: float | None = None,
-                    set_to_none: bool = True, weight: str = "rows", ignore_index: int = -100) -> torch.Tensor:
-    """One training step of the batch (x, y) as micro-batches: backward each, clip, step, zero grads.
+def accumulate_step(model, optimizer, x: torch.Tensor, y: torch.Tensor,
+                    micro_batch: int | Sequence[int] | Accumulation, loss_fn: Callable | None = None, *,
+                    max_grad_norm: float | None = None) -> torch.Tensor:
+    """One training step of the batch (x, y) as micro-batches: backward each, clip, step, gradients to None.
 
-    micro_batch: rows per micro-batch (dividing the batch) or a list of sizes (uneven split).
-    weight, ignore_index: each micro-batch's share, by rows or by counted tokens (see `accumulate_grads`).
+    micro_batch: rows per micro-batch (dividing the batch), a list of sizes (uneven split), or an
+    Accumulation (each micro-batch's share by rows or by counted tokens, see `accumulate_grads`).
     Under DDP, N counts this rank's tokens only and DDP averages the ranks equally: exact across ranks
     only when they count the same number (otherwise all-reduce N and rescale, as the Trainer does).
     Under DistributedDataParallel, gradients are all-reduced only with the last micro-batch
@@ -106,11 +138,8 @@ def accumulate_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, micro_ba
     """
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
-    sizes = split_sizes(x.shape[0], micro_batch)
-    shares = micro_shares(y, sizes, weight, ignore_index)
     total = torch.zeros((), device=x.device)
-    chunks = [(xb, yb, share) for xb, yb, share in zip(torch.split(x, sizes), torch.split(y, sizes), shares)
-              if share > 0]  # a micro-batch with no counted target adds nothing
+    chunks = Accumulation.of(micro_batch).chunks(x, y)
     for i, (xb, yb, share) in enumerate(chunks):
         last = i == len(chunks) - 1
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
@@ -122,5 +151,5 @@ def accumulate_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, micro_ba
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=set_to_none)
+    optimizer.zero_grad(set_to_none=True)
     return total

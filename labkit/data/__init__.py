@@ -14,7 +14,7 @@ from labkit.data.shakespeare import (
     strip_gutenberg,
     train_val_split,
 )
-from labkit.data.shards import LoaderCursor, ShardError, ShardStream, collate, open_shards, write_shards
+from labkit.data.shards import LoaderCursor, ShardError, ShardReads, ShardStream, collate, open_shards, write_shards
 
 __all__ = [
     "INSTALL_HINT",
@@ -30,6 +30,7 @@ __all__ = [
     "train_val_split",
     "LoaderCursor",
     "ShardError",
+    "ShardReads",
     "ShardStream",
     "collate",
     "open_shards",

@@ -222,6 +222,20 @@ def collate(samples: list[dict]) -> dict:
     return _collate_rows(samples)
 
 
+@dataclass(frozen=True)
+class ShardReads:
+    """How a ShardStream reads its shard files."""
+
+    open_shards: int = 2  # memory maps kept open at once (least recently used closed first)
+    delay_s: float = 0.0  # seconds slept per sample read, a simulation of slow storage (network disk, object store)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.open_shards, bool) or not isinstance(self.open_shards, int) or self.open_shards < 1:
+            raise ValueError(f"open_shards must be an integer >= 1, got {self.open_shards!r}")
+        if not isinstance(self.delay_s, (int, float)) or isinstance(self.delay_s, bool) or not self.delay_s >= 0:
+            raise ValueError(f"delay_s must be a number of seconds >= 0, got {self.delay_s!r}")
+
+
 class ShardStream(torch.utils.data.IterableDataset):
     """Stream a shard folder's samples: every sample once per epoch across ranks x DataLoader workers.
 
@@ -229,8 +243,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     shuffle_buffer: entries in the shuffle buffer (0 or 1: no shuffling within a unit's range).
     shuffle_shards: permute the shard order each epoch (seeded by (seed, epoch)) before splitting.
     equal: every unit reads N // (world * workers) samples (see `unit_range`), for DDP.
-    open_shards: memory maps kept open at once (least recently used closed first).
-    delay_s: seconds slept per sample read, a simulation of slow storage (network disk, object store).
+    reads: how the files are read (open memory maps, a simulated delay per sample; see `ShardReads`).
 
     Each sample is a dict: x, y (S,) int64; index (its global number in the folder); unit, pos (which
     unit read it, and the how-many-th of that unit's epoch); epoch. `state_dict()` / `load_state_dict()`
@@ -239,14 +252,14 @@ class ShardStream(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, folder, rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0, seed: int = 0,
-                 shuffle_shards: bool = True, equal: bool = False, open_shards: int = 2, delay_s: float = 0.0):
+                 shuffle_shards: bool = True, equal: bool = False, reads: ShardReads = ShardReads()):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if shuffle_buffer < 0 or open_shards < 1 or delay_s < 0:
-            raise ValueError("shuffle_buffer >= 0, open_shards >= 1 and delay_s >= 0 are required")
+        if shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer!r}")
         self.shards = open_shards_(folder)
         self.rank, self.world_size, self.shuffle_buffer, self.seed = rank, world_size, shuffle_buffer, seed
-        self.shuffle_shards, self.equal, self.max_open, self.delay_s = shuffle_shards, equal, open_shards, delay_s
+        self.shuffle_shards, self.equal, self.reads = shuffle_shards, equal, reads
         self.epoch = 0
         self.consumed: dict[int, int] = {}  # unit -> samples of this pass handed out so far
         self._skip: dict[int, int] = {}  # unit -> samples to skip at the next pass (from load_state_dict)
@@ -302,15 +315,15 @@ class ShardStream(torch.utils.data.IterableDataset):
             mm = maps.pop(shard, None)
             if mm is None:
                 mm = self.shards.open(shard)
-                if len(maps) >= self.max_open:
+                if len(maps) >= self.reads.open_shards:
                     maps.pop(next(iter(maps)))  # unmap the least recently used shard: its pages leave RSS
             maps[shard] = mm
             tokens = np.array(mm[row], dtype=np.int64)  # a copy: (S + 1,)
             if tokens.max() >= self.shards.vocab_size:
                 raise ShardError(f"shard {self.shards.files[shard]} row {row} is corrupt: token {int(tokens.max())} "
                                  f">= vocab_size {self.shards.vocab_size} (resume from the last state_dict)")
-            if self.delay_s:
-                time.sleep(self.delay_s)
+            if self.reads.delay_s:
+                time.sleep(self.reads.delay_s)
             t = torch.from_numpy(tokens)
             self.consumed[unit] = k + 1
             yield {"x": t[:-1], "y": t[1:], "index": int(starts[shard] + row), "unit": unit, "pos": k, "epoch": epoch}

@@ -1,8 +1,8 @@
 """A Recipe: one training step's setup (model, sizes, precision, recompute, optimizer, PEFT), checked once.
 
-`labkit.estimate.estimate(recipe)` predicts it and `labkit.run.measure_step(recipe)` measures it; both also
-take the same fields as keywords and build the Recipe themselves, so every check lives here (plus the
-checks that need the model's shapes, made when the estimator reads them).
+`labkit.estimate.estimate(recipe)` predicts it (it also takes the fields as keywords) and
+`labkit.run.measure_step(recipe)` measures it, so every check lives here (plus the checks that need the
+model's shapes, made when the estimator reads them).
 """
 
 from __future__ import annotations

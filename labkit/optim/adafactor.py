@@ -19,6 +19,7 @@ m x n matrix is 4(m + n) bytes instead of Adam's 8mn.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -59,6 +60,45 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the real one ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AdafactorHP:
+    """Adafactor's hyperparameters: transformers' names and defaults, checked (numbers made floats)."""
+
+    lr: float | None = None  # None with relative_step; a number > 0 without
+    eps: tuple = (1e-30, 1e-3)  # (eps1 added to G^2, eps2 the smallest parameter scale)
+    clip_threshold: float = 1.0  # the largest rms of an update
+    decay_rate: float = -0.8  # b2_t = 1 - t^decay_rate, a number <= 0
+    beta1: float | None = None  # None: no first moment; else its decay rate in [0, 1)
+    weight_decay: float = 0.0  # p -= lr_t * weight_decay * p
+    scale_parameter: bool = True  # the step size times max(eps2, rms(p)): relative to the weights
+    relative_step: bool = True  # the step size min(1e-2, 1/sqrt(t)) (or 1e-6 t with warmup_init), not lr
+    warmup_init: bool = False  # with relative_step: start at 1e-6 t
+
+    def __post_init__(self) -> None:
+        if self.lr is not None and self.relative_step:
+            raise ValueError("lr must be None when relative_step=True (the step is relative); pass relative_step=False")
+        if self.lr is None and not self.relative_step:
+            raise ValueError("lr must be a number when relative_step=False")
+        if self.warmup_init and not self.relative_step:
+            raise ValueError("warmup_init=True needs relative_step=True")
+        if not isinstance(self.eps, (tuple, list)) or len(self.eps) != 2:
+            raise ValueError(f"eps must be a pair (eps1, eps2) of non-negative numbers, got {self.eps!r}")
+        checked = dict(lr=None if self.lr is None else check_number("lr", self.lr, low_open=True),
+                       eps=(check_number("eps[0]", self.eps[0]), check_number("eps[1]", self.eps[1])),
+                       clip_threshold=check_number("clip_threshold", self.clip_threshold, low_open=True),
+                       decay_rate=check_number("decay_rate", self.decay_rate, low=-math.inf, high=0.0,
+                                               low_open=True, high_open=False),
+                       beta1=None if self.beta1 is None else check_number("beta1", self.beta1, 0.0, 1.0),
+                       weight_decay=check_number("weight_decay", self.weight_decay),
+                       scale_parameter=bool(self.scale_parameter), relative_step=bool(self.relative_step),
+                       warmup_init=bool(self.warmup_init))
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+
+HP_NAMES = tuple(f.name for f in fields(AdafactorHP))
+
+
 class Adafactor(KeepStateDtypes, torch.optim.Optimizer):
     """Adafactor with transformers' arguments, defaults and results (parity with its `Adafactor`).
 
@@ -71,25 +111,14 @@ class Adafactor(KeepStateDtypes, torch.optim.Optimizer):
     "exp_avg_sq" (vectors), and "exp_avg" when beta1 is set; fp32 for fp32, fp16 and bf16 parameters.
     """
 
-    def __init__(self, params, lr: float | None = None, eps=(1e-30, 1e-3), clip_threshold: float = 1.0,
-                 decay_rate: float = -0.8, beta1: float | None = None, weight_decay: float = 0.0,
-                 scale_parameter: bool = True, relative_step: bool = True, warmup_init: bool = False):
-        if lr is not None and relative_step:
-            raise ValueError("lr must be None when relative_step=True (the step is relative); pass relative_step=False")
-        if lr is None and not relative_step:
-            raise ValueError("lr must be a number when relative_step=False")
-        if warmup_init and not relative_step:
-            raise ValueError("warmup_init=True needs relative_step=True")
-        defaults = dict(lr=None if lr is None else check_number("lr", lr, low_open=True),
-                        eps=_check_eps(eps),
-                        clip_threshold=check_number("clip_threshold", clip_threshold, low_open=True),
-                        decay_rate=check_number("decay_rate", decay_rate, low=-math.inf, high=0.0, low_open=True,
-                                                high_open=False),
-                        beta1=None if beta1 is None else check_number("beta1", beta1, 0.0, 1.0),
-                        weight_decay=check_number("weight_decay", weight_decay),
-                        scale_parameter=bool(scale_parameter), relative_step=bool(relative_step),
-                        warmup_init=bool(warmup_init))
-        super().__init__(params, defaults)
+    def __init__(self, params, lr: float | None = None, **hparams):
+        """hparams: transformers' keywords, the fields of AdafactorHP (eps, clip_threshold, decay_rate,
+        beta1, weight_decay, scale_parameter, relative_step, warmup_init)."""
+        unknown = [k for k in hparams if k not in HP_NAMES]
+        if unknown:
+            raise TypeError(f"Adafactor got an unexpected keyword argument {unknown[0]!r}; its hyperparameters "
+                            f"are {', '.join(HP_NAMES)}")
+        super().__init__(params, asdict(AdafactorHP(lr=lr, **hparams)))
 
     @staticmethod
     def _lr(group: dict, step: int, p_rms: torch.Tensor):
@@ -152,9 +181,3 @@ class Adafactor(KeepStateDtypes, torch.optim.Optimizer):
         p32.sub_(u)
         if p32 is not p:
             p.copy_(p32)
-
-
-def _check_eps(eps) -> tuple[float, float]:
-    if not isinstance(eps, (tuple, list)) or len(eps) != 2:
-        raise ValueError(f"eps must be a pair (eps1, eps2) of non-negative numbers, got {eps!r}")
-    return check_number("eps[0]", eps[0]), check_number("eps[1]", eps[1])

@@ -16,6 +16,7 @@ Tensors with fewer than `min_8bit_size` (4096) elements keep fp32 m and v, as bi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -47,16 +48,34 @@ def state_bytes_for(shape, blocksize: int = BLOCKSIZE, min_8bit_size: int = MIN_
 
 
 # ---- the teaching version: the whole tensor at once, with labkit.quant ------------------------------
+@dataclass(frozen=True)
+class Adam8bitHP:
+    """The teaching version's hyperparameters (bitsandbytes' names and defaults)."""
+
+    lr: float = 1e-3  # learning rate
+    betas: tuple = (0.9, 0.999)  # decay rates of m and v
+    eps: float = 1e-8  # added to the bias-corrected sqrt(v)
+    weight_decay: float = 0.0  # decoupled: p *= 1 - lr * weight_decay
+    blocksize: int = BLOCKSIZE  # values per absmax block
+
+    def __post_init__(self) -> None:
+        check_number("lr", self.lr)
+        check_betas(self.betas)
+        check_number("eps", self.eps)
+        check_number("weight_decay", self.weight_decay)
+        check_int("blocksize", self.blocksize)
+
+
 @torch.no_grad()
-def adam8bit_update_naive(p: torch.Tensor, g: torch.Tensor, state: dict, step: int, lr: float = 1e-3,
-                          betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                          blocksize: int = BLOCKSIZE) -> None:
+def adam8bit_update_naive(p: torch.Tensor, g: torch.Tensor, state: dict, step: int,
+                          hp: Adam8bitHP = Adam8bitHP()) -> None:
     """One 8-bit Adam step on p (fp32) in place; state holds m_codes, m_absmax, v_codes, v_absmax.
 
     Readable, not frugal: m and v are dequantized whole, so the step briefly holds about 5 fp32
     copies of p (m, v, sqrt(v), the quantizer's normalized copy and its int32 indices).
     """
-    b1, b2 = betas
+    lr, eps, weight_decay, blocksize = hp.lr, hp.eps, hp.weight_decay, hp.blocksize
+    b1, b2 = hp.betas
     qm, qv = dynamic_map(signed=True), dynamic_map(signed=False)
     m = dequantize_blockwise(state["m_codes"], state["m_absmax"], qm, blocksize)  # fp32, p.shape
     v = dequantize_blockwise(state["v_codes"], state["v_absmax"], qv, blocksize)

@@ -16,6 +16,7 @@ The moments are not reprojected when P changes (as in the reference, GaLore issu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -44,28 +45,46 @@ def state_bytes_for(shape, rank: int | None, dtype_bytes: int = 4) -> int:
 
 
 # ---- the teaching version: one matrix, the "std" rule, written out -------------------------------------
+@dataclass(frozen=True)
+class GaLoreHP:
+    """The teaching version's hyperparameters (galore-torch's names and defaults)."""
+
+    rank: int  # r: the subspace's dimension
+    lr: float = 1e-3  # learning rate
+    betas: tuple = (0.9, 0.999)  # Adam's decay rates of m and v
+    eps: float = 1e-6  # added to sqrt(v)
+    scale: float = 0.25  # alpha: the projected-back update is scaled by it
+    update_proj_gap: int = 200  # steps between projector refreshes (an SVD each)
+
+    def __post_init__(self) -> None:
+        check_int("rank", self.rank)
+        check_number("lr", self.lr)
+        check_betas(self.betas)
+        check_number("eps", self.eps)
+        check_number("scale", self.scale, low_open=True)
+        check_int("update_proj_gap", self.update_proj_gap)
+
+
 @torch.no_grad()
-def galore_adam_naive(w: torch.Tensor, g: torch.Tensor, state: dict, rank: int, lr: float = 1e-3,
-                      betas=(0.9, 0.999), eps: float = 1e-6, scale: float = 0.25, update_proj_gap: int = 200
-                      ) -> None:
+def galore_adam_naive(w: torch.Tensor, g: torch.Tensor, state: dict, hp: GaLoreHP) -> None:
     """One GaLore-Adam step on matrix w (m, n) with gradient g, in place; `state` starts as {}."""
     m_, n_ = w.shape
     t = state.get("step", 0)
-    if t % update_proj_gap == 0:  # new subspace: the top-r singular vectors of this gradient
+    if t % hp.update_proj_gap == 0:  # new subspace: the top-r singular vectors of this gradient
         U, S, Vh = torch.linalg.svd(g.float(), full_matrices=False)  # bytes: U, S, Vh (temporary)
-        state["P"] = U[:, :rank].clone() if m_ < n_ else Vh[:rank].clone()  # (m, r) or (r, n)
+        state["P"] = U[:, :hp.rank].clone() if m_ < n_ else Vh[:hp.rank].clone()  # (m, r) or (r, n)
     P = state["P"]
     R = P.T @ g if m_ < n_ else g @ P.T  # (r, n) or (m, r): the gradient seen in the subspace
     if "m" not in state:
         state["m"], state["v"] = torch.zeros_like(R), torch.zeros_like(R)  # the moments are R-sized
-    b1, b2 = betas
+    b1, b2 = hp.betas
     t += 1
     state["step"] = t
     state["m"].mul_(b1).add_(R, alpha=1 - b1)
     state["v"].mul_(b2).addcmul_(R, R, value=1 - b2)
-    N = state["m"] / (state["v"].sqrt() + eps)  # Adam's normalized step, still low-rank
+    N = state["m"] / (state["v"].sqrt() + hp.eps)  # Adam's normalized step, still low-rank
     full = P @ N if m_ < n_ else N @ P  # (m, n): back to the weight's shape
-    w.add_(full, alpha=-lr * scale * math.sqrt(1 - b2**t) / (1 - b1**t))
+    w.add_(full, alpha=-hp.lr * hp.scale * math.sqrt(1 - b2**t) / (1 - b1**t))
 
 
 # ---- the real one ---------------------------------------------------------------------------------------

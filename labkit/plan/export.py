@@ -361,9 +361,10 @@ def make_optimizer(name, params, lr, rank, model):
         return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, lr=lr, foreach=False)
     if name in ("sgd", "sgd-momentum"):
         return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "sgd-momentum" else 0.0)
+    from labkit.estimate import Recipe
     from labkit.run.step import make_optimizer as labkit_optimizer  # labkit.optim's own implementations
 
-    return labkit_optimizer(model, name, lr, rank=rank)
+    return labkit_optimizer(model, Recipe(model, 1, 1, optimizer=name, rank=rank), lr)
 
 
 def main(argv=None):

@@ -139,8 +139,7 @@ class _Trainer:
         torch.manual_seed(seed)
         self.m = build_model(recipe.model, recipe.dtype, self.device)
         apply_peft(self.m, recipe.dtype, recipe.lora_rank, recipe.lora_targets, recipe.quant, recipe.lisa_layers)
-        self.opt = make_optimizer(self.m, recipe.optimizer, lr, None, recipe.rank, recipe.optimizer_offload,
-                                  recipe.step_in_backward)
+        self.opt = make_optimizer(self.m, recipe, lr)
         self.before = None
         if recipe.lisa_layers:
             from labkit.peft import LISA

@@ -99,7 +99,7 @@ def verify(plan, steps: int = 2, device: str | None = None) -> Verification:
     from labkit.run.step import measure_step
 
     try:
-        m = measure_step(r, steps=steps, budget=plan.memory, device=kind)
+        m = measure_step(r, steps=steps, budget=plan.memory)
     except SimulatedOutOfMemoryError as err:
         return Verification(**base, measured=None, fits=False, message=" ".join(str(err).split()))
     except torch.OutOfMemoryError as err:  # the real limit, on CUDA

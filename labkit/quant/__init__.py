@@ -43,6 +43,7 @@ from .int4 import (
     quantize_int4,
 )
 from .awq import (
+    AWQConfig,
     AWQGroup,
     AWQReport,
     InputStats,

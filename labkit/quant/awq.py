@@ -338,29 +338,47 @@ def _fold(model: nn.Module, g: AWQGroup, s: torch.Tensor) -> None:
         model.get_submodule(n).weight.mul_(s)
 
 
+@dataclass(frozen=True)
+class AWQConfig:
+    """How AWQ quantizes a Linear: its int4 groups, the alpha search and the clip search."""
+
+    group: int = INT4_GROUP  # weights per (scale, zero) along the input features: an even integer >= 2
+    grid: int = ALPHA_GRID  # alpha points searched in [0, 1)
+    duo: bool = True  # AutoAWQ's s = s_x^alpha / s_w^(1 - alpha) (RTN a candidate); False: the paper's s_x^alpha
+    clip: bool = True  # also search each group's clip ratio (on the input the layer sees after scaling)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 2 or self.group % 2:
+            raise ValueError(f"group must be an even integer >= 2 (e.g. 32, 64, 128), got {self.group!r}")
+        if isinstance(self.grid, bool) or not isinstance(self.grid, int) or self.grid <= 0:
+            raise ValueError(f"grid must be a positive integer, got {self.grid!r}")
+        for name in ("duo", "clip"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+
 @torch.no_grad()
-def awq_linear(linear: nn.Linear, stats: InputStats, group: int = INT4_GROUP, clip: bool = True,
-               grid: int = ALPHA_GRID, compute_dtype: torch.dtype | None = None,
-               keep_dequantized: bool = False, duo: bool = True) -> Int4Linear:
+def awq_linear(linear: nn.Linear, stats: InputStats, config: AWQConfig = AWQConfig(),
+               compute_dtype: torch.dtype | None = None, keep_dequantized: bool = False) -> Int4Linear:
     """One Linear -> an AWQ Int4Linear that keeps its scale (nothing folded): search alpha on `stats`
     (its input's InputStats), then the clip ratios of W s on x / s. What a LoRA base under AWQ uses."""
+    group = config.group
     check_group(linear.in_features, group, "this Linear")
-    res = search_scale([linear.weight], stats, group, grid, duo=duo)
+    res = search_scale([linear.weight], stats, group, config.grid, duo=config.duo)
     s = res.scale.half().float()  # as the layer stores it
-    ratios = search_clip(linear.weight.float() * s, stats.scaled(s), group) if clip else None
+    ratios = search_clip(linear.weight.float() * s, stats.scaled(s), group) if config.clip else None
     return Int4Linear.from_linear(linear, group, s, ratios, compute_dtype, keep_dequantized)
 
 
 @torch.no_grad()
-def awq_quantize(model: nn.Module, calib: Iterable[Any], group: int = INT4_GROUP,
-                 names: Sequence[str] | None = None, clip: bool = True, grid: int = ALPHA_GRID,
-                 fold: bool = True, compute_dtype: torch.dtype | None = None, duo: bool = True,
+def awq_quantize(model: nn.Module, calib: Iterable[Any], config: AWQConfig = AWQConfig(),
+                 names: Sequence[str] | None = None, fold: bool = True, compute_dtype: torch.dtype | None = None,
                  stats: dict[str, InputStats] | None = None) -> AWQReport:
     """AWQ int4, in place: collect the named Linears' inputs on `calib`, search each group's alpha with
     the original weights, fold the scales where the model allows (fold=False: keep every scale in its
-    layer), optionally search the clip ratios, and swap each Linear for an Int4Linear.
-    duo: AutoAWQ's default s = s_x^alpha / s_w^(1 - alpha) (with RTN as a candidate); False: the paper's
-    s = s_x^alpha. `stats`: statistics already collected with collect_inputs (then calib may be None)."""
+    layer), optionally (config.clip) search the clip ratios, and swap each Linear for an Int4Linear.
+    `stats`: statistics already collected with collect_inputs (then calib may be None)."""
+    group = config.group
     names = linear_names(model) if names is None else list(names)
     _check_names(model, names, group)
     stats = collect_inputs(model, names, calib) if stats is None else stats
@@ -368,8 +386,8 @@ def awq_quantize(model: nn.Module, calib: Iterable[Any], group: int = INT4_GROUP
     report = AWQReport(stats=stats)
     scales = {}
     for g in groups:  # 1. search, on the original weights
-        res = search_scale([model.get_submodule(n).weight for n in g.linears], stats[g.linears[0]], group, grid,
-                           duo=duo)
+        res = search_scale([model.get_submodule(n).weight for n in g.linears], stats[g.linears[0]], group,
+                           config.grid, duo=config.duo)
         s = res.scale.half().float()  # as stored (kept) or as folded: the same rounding either way
         scales[g] = s
         for n in g.linears:
@@ -384,7 +402,7 @@ def awq_quantize(model: nn.Module, calib: Iterable[Any], group: int = INT4_GROUP
             lin = model.get_submodule(n)
             kept = None if g.prev is not None else s
             w_eff = lin.weight if kept is None else lin.weight.float() * s  # what gets quantized
-            ratios = search_clip(w_eff, stats[n].scaled(s), group) if clip else None
+            ratios = search_clip(w_eff, stats[n].scaled(s), group) if config.clip else None
             _replace(model, n, Int4Linear.from_linear(lin, group, kept, ratios, compute_dtype))
     return report
 

@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.estimate.peft_terms import parse_targets, peft_of
-from labkit.estimate.predict import OPTIMIZERS, STEP_AND_OFFLOAD, Precision, _check_peft_options
+from labkit.estimate.predict import OPTIMIZERS, Precision, _check_peft_options
 from labkit.estimate.recipe import Recipe
 from labkit.estimate.spec import spec_from
 from labkit.memory.budget import cuda_limit
@@ -65,7 +65,7 @@ def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = 
         apply_qlora(m, LoRAConfig(targets, r=lora_rank), NF4Config(compute))
     elif quant in ("int4", "int4-awq"):
         from labkit.peft.lora import find_targets
-        from labkit.quant import Int4Linear, awq_linear, collect_inputs
+        from labkit.quant import AWQConfig, Int4Linear, awq_linear, collect_inputs
 
         names = find_targets(m, targets)  # apply_lora wraps them in this order
         stats = collect_inputs(m, names, calib) if quant == "int4-awq" else None
@@ -74,7 +74,7 @@ def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = 
         def int4_base(lin):  # group-wise int4 codes, dequantized on the fly, nothing kept for backward
             if stats is None:
                 return Int4Linear.from_linear(lin, peft.group, compute_dtype=compute).requires_grad_(False)
-            return awq_linear(lin, stats[next(order)], peft.group, compute_dtype=compute).requires_grad_(False)
+            return awq_linear(lin, stats[next(order)], AWQConfig(peft.group), compute).requires_grad_(False)
 
         apply_lora(m, targets, r=lora_rank, wrap=lambda lin: LoRALinear(
             int4_base(lin), r=lora_rank, adapter_dtype=lin.weight.dtype))
@@ -107,37 +107,30 @@ def optimizer_class(optimizer: str, lr: float = 1e-3, foreach=None) -> tuple[typ
             "galore": (lo.GaLoreAdamW, dict(lr=lr)), "galore8bit": (lo.GaLoreAdamW8bit, dict(lr=lr))}[optimizer]
 
 
-def make_optimizer(model: torch.nn.Module, optimizer: str = "adamw", lr: float = 1e-3, foreach=None,
-                   rank: int | None = None, optimizer_offload: str | None = None, step_in_backward: bool = False,
-                   offload_folder: str | None = None, update_proj_gap: int | None = None,
-                   proj_dtype: str | None = None):
-    """An optimizer by name (see `optimizer_class`; GaLore with rank r on attention and MLP matrices, a new
-    projector every `update_proj_gap` steps, default labkit.optim.galore.GALORE_DEFAULTS' 200; 8-bit GaLore's
-    projector in `proj_dtype`, default the parameters' dtype), or OffloadAdamW (optimizer_offload "cpu"/"disk"),
-    or any of them wrapped in StepInBackward."""
+def make_optimizer(model: torch.nn.Module, optimizer: str | Recipe = "adamw", lr: float = 1e-3, *,
+                   offload_folder: str | None = None, update_proj_gap: int | None = None):
+    """The optimizer a recipe names, over `model`'s parameters: a name alone (see `optimizer_class`), or a
+    `labkit.estimate.Recipe`, whose optimizer fields apply: foreach; GaLore's rank on attention and MLP
+    matrices (a new projector every `update_proj_gap` steps, default labkit.optim.galore.GALORE_DEFAULTS'
+    200) and 8-bit GaLore's proj_dtype; optimizer_offload "cpu"/"disk" (OffloadAdamW, its files in
+    `offload_folder`); step_in_backward (any of them wrapped in StepInBackward)."""
     from labkit import optim as lo
 
-    cls, kw = optimizer_class(optimizer, lr, foreach)
-    if optimizer_offload is not None:
-        if optimizer != "adamw":
-            raise ValueError(f"optimizer_offload works with adamw, not {optimizer!r}")
-        if step_in_backward:
-            raise ValueError(STEP_AND_OFFLOAD)
-        return lo.OffloadAdamW(model.parameters(), lr=lr, offload=optimizer_offload, folder=offload_folder)
-    if proj_dtype is not None:
-        if optimizer != "galore8bit":
-            raise ValueError(f"proj_dtype is 8-bit GaLore's projector precision: give optimizer='galore8bit', "
-                             f"not {optimizer!r}")
-        kw = dict(kw, proj_dtype=proj_dtype)
-    if update_proj_gap is not None and not optimizer.startswith("galore"):
+    r = optimizer if isinstance(optimizer, Recipe) else Recipe(model, 1, 1, optimizer=optimizer)  # checks the name
+    cls, kw = optimizer_class(r.optimizer, lr, r.foreach)
+    if r.optimizer_offload is not None:
+        return lo.OffloadAdamW(model.parameters(), lr=lr, offload=r.optimizer_offload, folder=offload_folder)
+    if r.proj_dtype is not None:
+        kw = dict(kw, proj_dtype=r.proj_dtype)
+    if update_proj_gap is not None and not r.optimizer.startswith("galore"):
         raise ValueError(f"update_proj_gap is GaLore's steps between projector refreshes: give optimizer='galore' "
-                         f"or 'galore8bit', not {optimizer!r}")
-    if optimizer.startswith("galore"):
+                         f"or 'galore8bit', not {r.optimizer!r}")
+    if r.optimizer.startswith("galore"):
         gap = {} if update_proj_gap is None else {"update_proj_gap": update_proj_gap}
-        params = lo.galore_param_groups(model, rank, **gap)
+        params = lo.galore_param_groups(model, r.rank, **gap)
     else:
         params = list(model.parameters())
-    return lo.StepInBackward(params, cls, **kw) if step_in_backward else cls(params, **kw)
+    return lo.StepInBackward(params, cls, **kw) if r.step_in_backward else cls(params, **kw)
 
 
 def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = None,
@@ -172,118 +165,95 @@ def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = 
     return total
 
 
-def measure_step(model, batch: int | None = None, seq: int | None = None, dtype: str = "fp32",
-                 optimizer: str = "adamw", *, steps: int = 2, budget: int | None = None, device=None,
-                 lr: float = 1e-3, data: torch.Tensor | None = None, seed: int = 0, progress: bool | None = None,
-                 galore_refresh: bool = False, **options) -> Measurement:
-    """Build the model, apply the recipe, run `steps` training steps under a Ledger and return what it measured.
+def measure_step(recipe: Recipe, *, steps: int = 2, budget: int | None = None, data: torch.Tensor | None = None,
+                 seed: int = 0, progress: bool | None = None, galore_refresh: bool = False) -> Measurement:
+    """Build the recipe's model, apply the recipe, run `steps` training steps under a Ledger on the recipe's
+    device and return what it measured (lr 1e-3, make_optimizer's: memory does not depend on it).
 
-    Give a `labkit.estimate.Recipe`, or a model with batch, seq and the Recipe's fields as keywords (any other
-    keyword overrides the preset's config), exactly as `labkit.estimate.estimate` takes them. Run options:
+    recipe: a `labkit.estimate.Recipe`, the one `labkit.estimate.estimate` predicts.
     steps: training steps to run (the first makes the optimizer state; peaks are over all of them).
     budget: bytes; exceeding it raises SimulatedOutOfMemoryError where a real device would fail.
-    device: where to run (default the CPU); a Recipe's device must agree with it.
     data: a 1-D tensor of token ids to sample batches from (default: random tokens).
+    seed: seeds the model's initialization and the batches.
     progress: a tqdm bar over the steps (default: when there are 10 or more).
     galore_refresh: GaLore only: the last step refreshes the projector (an SVD per matrix) with every state
     already made, the step the estimate's "projector refresh" moments describe (update_proj_gap is set to
     steps - 1, or 1 for a single step). By default the gap is 200 and only the first step refreshes, while
     its state is still being made: the later steps are the estimate's steady moments (compare
-    `measure_step(...).of_step(steps)` with `estimate(...).without("projector refresh")`).
-    The recipe: checkpoint, segments, selective_policy: labkit.recompute.checkpoint_blocks; offload_activations,
-    micro_batch: as in `train_step`; rank, optimizer_offload, step_in_backward: as in `make_optimizer` (disk offload: a
-    temporary folder in data_dir()); lora_rank, lora_targets, quant, quant_group, lisa_layers: see `apply_peft`
-    (int4-awq calibrates on one batch of the same shape as the step's, drawn with seed + 1; LISA
-    switches layers every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires);
-    proj_dtype: 8-bit GaLore's projector precision (labkit.optim.GaLoreAdamW8bit).
+    `measure_step(r).of_step(steps)` with `estimate(r).without("projector refresh")`).
+    The recipe's fields: checkpoint, segments, selective_policy: labkit.recompute.checkpoint_blocks;
+    offload_activations, micro_batch: as in `train_step`; the optimizer's: as in `make_optimizer` (disk offload:
+    a temporary folder in data_dir()); lora_rank, lora_targets, quant, quant_group, lisa_layers: see `apply_peft`
+    (int4-awq calibrates on one batch of the same shape as the step's, drawn with seed + 1; LISA switches layers
+    every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires).
     """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"measure_step takes a labkit.estimate.Recipe, got {type(recipe).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if not isinstance(galore_refresh, bool):
         raise ValueError(f"galore_refresh must be True or False, got {galore_refresh!r}")
-    kind = torch.device(device or "cpu").type
-    if isinstance(model, Recipe):
-        if batch is not None or seq is not None or options or (dtype, optimizer) != ("fp32", "adamw"):
-            raise TypeError("give a Recipe alone, or a model with batch, seq and options, not both")
-        r = model
-        if device is None:
-            kind = r.device
-        elif r.device != kind:
-            raise ValueError(f"the recipe is for {r.device!r} but device={device!r}")
-    else:
-        r = Recipe.of(model, batch, seq, dtype=dtype, optimizer=optimizer, device=kind, **options)
-    model, batch, seq, dtype, optimizer = r.model, r.batch, r.seq, r.dtype, r.optimizer
-    checkpoint, segments, offload_activations, micro_batch = r.checkpoint, r.segments, r.offload_activations, r.micro_batch
-    rank, optimizer_offload, step_in_backward, foreach = r.rank, r.optimizer_offload, r.step_in_backward, r.foreach
-    proj_dtype = r.proj_dtype
-    lora_rank, lora_targets, quant, lisa_layers = r.lora_rank, r.lora_targets, r.quant, r.lisa_layers
-    overrides = r.config
-    device = device or kind
-    torch.manual_seed(seed)
-    device = torch.device(device or "cpu")
-    if galore_refresh and not optimizer.startswith("galore"):
+    r = recipe
+    if galore_refresh and not r.optimizer.startswith("galore"):
         raise ValueError(f"galore_refresh makes GaLore's last step refresh its projector: give optimizer='galore' "
-                         f"or 'galore8bit', not {optimizer!r}")
-    m = build_model(model, dtype, device, **overrides)
+                         f"or 'galore8bit', not {r.optimizer!r}")
+    torch.manual_seed(seed)
+    device = torch.device(r.device)
+    m = build_model(r.model, r.dtype, device, **r.config)
+    vocab = m.config.vocab_size
     calib = None
-    if quant == "int4-awq":  # AWQ's calibration batch: like the step's, from its own generator (seed + 1)
-        gen = torch.Generator().manual_seed(seed + 1)
-        vocab = m.config.vocab_size
-        if data is None:
-            calib = [torch.randint(0, vocab, (batch, seq), generator=gen).to(device)]
-        else:
-            i = torch.randint(0, len(data) - seq, (batch,), generator=gen)
-            calib = [torch.stack([data[j: j + seq] for j in i.tolist()]).to(device)]
-    peft = apply_peft(m, dtype, lora_rank, lora_targets, quant, lisa_layers, r.quant_group, calib)
+    if r.quant == "int4-awq":  # AWQ's calibration batch: like the step's, from its own generator (seed + 1)
+        calib = [_sample(data, vocab, r.batch, r.seq, torch.Generator().manual_seed(seed + 1)).to(device)]
+    peft = apply_peft(m, r.dtype, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers, r.quant_group, calib)
     if peft is not None:
-        _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward)
-    disk = optimizer_offload == "disk"
+        _check_peft_options(peft, r.optimizer, r.optimizer_offload, r.step_in_backward)
+    disk = r.optimizer_offload == "disk"
     folder = tempfile.TemporaryDirectory(prefix="labkit-measure-", dir=data_dir()) if disk else contextlib.nullcontext()
     with folder as path:
         gap = max(steps - 1, 1) if galore_refresh else None  # steps are counted from 0: step steps-1 refreshes
-        opt = make_optimizer(m, optimizer, lr, foreach, rank, optimizer_offload, step_in_backward, path, gap,
-                             proj_dtype)
+        opt = make_optimizer(m, r, offload_folder=path, update_proj_gap=gap)
         before = None
-        if lisa_layers:
+        if r.lisa_layers:
             from labkit.peft import LISA
 
-            before = LISA(m, opt, gamma=lisa_layers, interval=LISA_INTERVAL, seed=seed).step
+            before = LISA(m, opt, gamma=r.lisa_layers, interval=LISA_INTERVAL, seed=seed).step
+        gen = torch.Generator().manual_seed(seed)
         try:
-            return _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device, data, seed,
-                            progress, checkpoint, segments, offload_activations, micro_batch, before,
-                            r.selective_policy)
+            return _measure(m, opt, r, lambda: _sample(data, vocab, r.batch, r.seq + 1, gen), steps, budget,
+                            progress, before)
         finally:
             if hasattr(opt, "close"):
                 opt.close()
 
 
-def _measure(m, opt, model, batch, seq, dtype, optimizer, steps, budget, device, data, seed, progress,
-             checkpoint, segments, offload_activations, micro_batch, before_step=None,
-             selective: str = "matmuls") -> Measurement:
-    vocab = m.config.vocab_size
-    gen = torch.Generator().manual_seed(seed)
+def _sample(data: torch.Tensor | None, vocab: int, rows: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """(rows, length) token ids: random, or windows of `data` at random starts."""
+    if data is None:
+        return torch.randint(0, vocab, (rows, length), generator=gen)
+    i = torch.randint(0, len(data) - length, (rows,), generator=gen)
+    return torch.stack([data[j: j + length] for j in i.tolist()])
 
-    def batch_xy():
-        if data is None:
-            t = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-        else:
-            i = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-            t = torch.stack([data[j: j + seq + 1] for j in i.tolist()])
-        return t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)
 
-    label = f"{getattr(model, 'name', model if isinstance(model, str) else type(m).__name__)} B={batch} S={seq} {dtype} {optimizer}"
+def _measure(m, opt, r: Recipe, sample, steps: int, budget, progress, before_step) -> Measurement:
+    """`steps` training steps of `m`, each on a (rows, seq + 1) tensor from `sample()`, under a Ledger."""
+    device = torch.device(r.device)
+    model = r.model
+    label = (f"{getattr(model, 'name', model if isinstance(model, str) else type(m).__name__)} "
+             f"B={r.batch} S={r.seq} {r.dtype} {r.optimizer}")
     real = device.type == "cuda" and budget is not None  # on CUDA the allocator enforces the budget
     wrap = contextlib.nullcontext()
-    if checkpoint != "none":
+    if r.checkpoint != "none":
         from labkit.recompute import checkpoint_blocks
 
-        wrap = checkpoint_blocks(m, checkpoint, segments, selective=selective)
+        wrap = checkpoint_blocks(m, r.checkpoint, r.segments, selective=r.selective_policy)
     with wrap, cuda_limit(budget if real else None, device), \
             Ledger(m, opt, budget=None if real else budget, label=label, device=device) as led:
         for _ in tqdm(range(steps), desc=label, disable=not (steps >= 10 if progress is None else progress)):
-            x, y = batch_xy()
+            t = sample()
+            x, y = t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)
+            del t
             if before_step is not None:
                 before_step()
-            train_step(m, opt, x, y, dtype, micro_batch, offload_activations)
+            train_step(m, opt, x, y, r.dtype, r.micro_batch, r.offload_activations)
             del x, y
     return led.measurement()

@@ -9,11 +9,12 @@ from __future__ import annotations
 import html
 
 import ipywidgets as widgets
+import torch
 from IPython.display import Image, display
 from matplotlib.figure import Figure
 
 from labkit.memory import GiB, fmt_bytes, run_within_budget
-from labkit.estimate import DTYPES, OPTIMIZERS, estimate, spec_from
+from labkit.estimate import DTYPES, OPTIMIZERS, Recipe, estimate, spec_from
 from labkit.run import measure_step
 from labkit.models.hf import PRESETS
 
@@ -137,16 +138,14 @@ class RecipePanel:
     def _on_measure(self, _button=None) -> None:
         if self.button.disabled:
             return
-        kw, budget = self._keywords(), self._budget_bytes()
-        if self.data is not None:
-            kw["data"] = self.data
+        kw, budget = dict(self._keywords(), device=torch.device(self.device).type), self._budget_bytes()
         self._clear_measurement()
         self.button.disabled = True
         self.message.value = say(f"measuring {self.steps} training steps (from the second on, the optimizer "
                                  f"state is there too)...", "#555555")
         try:
             result = run_within_budget(
-                lambda: measure_step(**kw, steps=self.steps, budget=budget, device=self.device), budget)
+                lambda: measure_step(Recipe.of(**kw), steps=self.steps, budget=budget, data=self.data), budget)
         except Exception as e:  # a widget callback's traceback never reaches the notebook: say it here
             self.last_error = e
             self.message.value = say(f"the measurement failed: {type(e).__name__}: {e}", DOES_NOT_FIT)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from labkit.models.gpt import GPT, GPTConfig
+from labkit.estimate import Recipe
 from labkit.run import measure_step
 
 pytestmark = [
@@ -31,7 +32,7 @@ def test_lesson01_allocator_view():
     """Lesson 01 section 9: max_memory_allocated within 10 % of the ledger's peak, reserved >= allocated, and the
     device's used memory >= reserved (the rest is the CUDA context and other processes)."""
     torch.cuda.empty_cache()
-    gpu = measure_step(SMALL, 8, 256, "fp32", "adamw", steps=2, device="cuda")
+    gpu = measure_step(Recipe(SMALL, 8, 256, "fp32", "adamw", device="cuda"), steps=2)
     alloc = gpu.allocator
     free, total = torch.cuda.mem_get_info()
     assert abs(alloc["max_allocated"] / gpu.peak.total - 1) <= 0.10, (alloc, gpu.peak.total)
@@ -92,8 +93,8 @@ def test_lesson04_accumulation_under_a_real_budget():
 
     def run(policy, m):
         torch.cuda.empty_cache()  # a real limit bites only when the allocator asks for new memory
-        return run_within_budget(lambda: measure_step(SMALL, b, s, "fp32", "adamw", steps=2, budget=roomy,
-                                                      device="cuda", checkpoint=policy, micro_batch=m), roomy)
+        r = Recipe(SMALL, b, s, "fp32", "adamw", device="cuda", checkpoint=policy, micro_batch=m)
+        return run_within_budget(lambda: measure_step(r, steps=2, budget=roomy), roomy)
 
     whole, halves, whole_ckpt = run("none", b), run("none", half), run("full", b)
     assert not whole.fits and halves.fits and whole_ckpt.fits, (whole.message, halves.message, whole_ckpt.message)
@@ -104,7 +105,7 @@ def test_lesson05_ledger_and_allocator_agree_per_optimizer(optimizer):
     """Lesson 05's CUDA cell prints the ledger's peak beside max_memory_allocated for each optimizer; lesson 01's
     tolerance (10 %) between the two holds for every one."""
     torch.cuda.empty_cache()
-    m = measure_step(SMALL, 8, 256, "fp32", optimizer, steps=2, device="cuda")
+    m = measure_step(Recipe(SMALL, 8, 256, "fp32", optimizer, device="cuda"), steps=2)
     assert abs(m.allocator["max_allocated"] / m.peak.total - 1) <= 0.10, (m.allocator, m.peak.total)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.accumulate import accumulate_grads, accumulate_step, split_sizes
+from labkit.accumulate import Accumulation, accumulate_grads, accumulate_step, split_sizes
 from labkit.memory import Ledger
 from labkit.run import make_optimizer
 from labkit.models.gpt import GPT, GPTConfig
@@ -115,6 +115,25 @@ def test_bad_micro_batches_raise_one_line(micro_batch):
     with pytest.raises(ValueError) as e:
         split_sizes(8, micro_batch)
     assert str(e.value).startswith("micro_batch") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("micro_batch", [0, -2, 2.0, True, [4, 0, 4], [], "8", None])
+def test_accumulation_refuses_what_split_sizes_refuses_without_a_batch(micro_batch):
+    with pytest.raises(ValueError, match="^micro_batch must be a positive integer or a list of them"):
+        Accumulation(micro_batch)
+
+
+def test_accumulation_by_rows_is_the_plain_micro_batch():
+    """Accumulation(m) and m alike: the same micro-batches, the same step; a list is kept as a tuple."""
+    assert Accumulation([4, 4]).micro_batch == (4, 4) and Accumulation.of(2) == Accumulation(2, "rows", -100)
+    with pytest.raises(ValueError, match="^ignore_index must be an integer"):
+        Accumulation(2, "tokens", ignore_index=None)
+    (x, y), losses, params = _data(), [], []
+    for micro in ([3, 5], Accumulation([3, 5])):
+        m = _gpt()
+        losses.append(accumulate_step(m, make_optimizer(m, "sgd"), x, y, micro))
+        params.append([p.detach() for p in m.parameters()])
+    assert torch.equal(losses[0], losses[1]) and all(torch.equal(a, b) for a, b in zip(*params))
 
 
 def test_bad_arguments_to_the_step():

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.accumulate import accumulate_grads, accumulate_step, micro_shares
+from labkit.accumulate import Accumulation, accumulate_grads, accumulate_step, micro_shares
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.run import make_optimizer
 
@@ -64,7 +64,7 @@ def _full_batch(x, y):
 
 def _accumulated(x, y, micro, weight):
     m = _gpt()
-    accumulate_grads(m, x, y, micro, weight=weight)
+    accumulate_grads(m, x, y, Accumulation(micro, weight))
     return _grads(m)
 
 
@@ -107,7 +107,7 @@ def test_accumulate_step_with_tokens_matches_one_full_batch_sgd_step():
     opt = make_optimizer(ref, "sgd", lr=0.1)
     ref(x, y).backward()
     opt.step()
-    loss = accumulate_step(acc, make_optimizer(acc, "sgd", lr=0.1), x, y, [3, 1, 4], weight="tokens")
+    loss = accumulate_step(acc, make_optimizer(acc, "sgd", lr=0.1), x, y, Accumulation([3, 1, 4], "tokens"))
     moved = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), before))
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), acc.parameters()))
     assert diff < RTOL * moved
@@ -116,14 +116,14 @@ def test_accumulate_step_with_tokens_matches_one_full_batch_sgd_step():
 
 def test_bad_weight_is_refused():
     x, y = _padded(LENGTHS)
-    with pytest.raises(ValueError, match="weight must be one of rows, tokens, got 'words'"):
-        accumulate_grads(_gpt(), x, y, 2, weight="words")
+    with pytest.raises(ValueError, match="^weight must be one of rows, tokens, got 'words'"):
+        Accumulation(2, weight="words")
 
 
 def test_a_batch_of_padding_only_is_refused():
     x, y = _padded(LENGTHS)
     with pytest.raises(ValueError, match="every target is ignore_index"):
-        accumulate_grads(_gpt(), x, torch.full_like(y, IGNORE), 2, weight="tokens")
+        accumulate_grads(_gpt(), x, torch.full_like(y, IGNORE), Accumulation(2, "tokens"))
 
 
 # ---- parity with a production accumulation: accelerate, normalised by the accumulated tokens --------
@@ -158,12 +158,12 @@ def test_parity_with_accelerate_token_normalised_accumulation():
         GradientState._reset_state()
 
     ours = _gpt()
-    accumulate_step(ours, torch.optim.SGD(ours.parameters(), lr=0.1), x, y, micro, weight="tokens")
+    accumulate_step(ours, torch.optim.SGD(ours.parameters(), lr=0.1), x, y, Accumulation(micro, "tokens"))
     start = [p.detach() for p in _gpt().parameters()]
     moved = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), start))
     diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
     assert diff < RTOL * moved
 
     rows = _gpt()  # and the rows-weighted accumulation differs from it: the parity can fail
-    accumulate_step(rows, torch.optim.SGD(rows.parameters(), lr=0.1), x, y, micro, weight="rows")
+    accumulate_step(rows, torch.optim.SGD(rows.parameters(), lr=0.1), x, y, Accumulation(micro, "rows"))
     assert max((a - b).abs().max().item() for a, b in zip(rows.parameters(), theirs.parameters())) > 100 * RTOL * moved

@@ -11,8 +11,10 @@ import torch.nn as nn
 
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.quant import (
+    AWQConfig,
     Int4Linear,
     awq_groups,
+    awq_linear,
     awq_quantize,
     awq_scale,
     collect_inputs,
@@ -230,7 +232,7 @@ def test_awq_model_beats_rtn_and_bytes_match():
     with torch.no_grad():
         ref = m(test)
     rtn, awq = rtn_quantize(copy.deepcopy(m), 64), copy.deepcopy(m)
-    report = awq_quantize(awq, calib, 64)
+    report = awq_quantize(awq, calib, AWQConfig(64))
     with torch.no_grad():
         e_rtn, e_awq = ((rtn(test) - ref) ** 2).mean(), ((awq(test) - ref) ** 2).mean()
     assert e_awq < e_rtn
@@ -242,6 +244,25 @@ def test_awq_model_beats_rtn_and_bytes_match():
         kept = report.folded[name] is None
         assert (layer.input_scale is not None) == kept
         assert layer.nbytes == int4_bytes_for((layer.out_features, layer.in_features), 64, kept)
+
+
+def test_awq_config_checks_its_fields_and_reaches_every_search():
+    """One ValueError per bad field; awq_quantize without folding makes, layer by layer, what awq_linear makes
+    with the same config (its grid of alphas, paper's scale form, no clip search)."""
+    for bad, msg in ((dict(group=3), "^group must be an even integer"), (dict(grid=0), "^grid must be a positive"),
+                     (dict(duo=1), "^duo must be True or False"), (dict(clip="yes"), "^clip must be True or False")):
+        with pytest.raises(ValueError, match=msg):
+            AWQConfig(**bad)
+    m = tiny_gpt()
+    calib = [torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))]
+    stats = collect_inputs(m, linear_names(m), calib)
+    cfg = AWQConfig(64, grid=5, duo=False, clip=False)
+    awq = copy.deepcopy(m)
+    report = awq_quantize(awq, None, cfg, fold=False, stats=stats)
+    assert set(report.alpha.values()) <= {i / 5 for i in range(5)}
+    for n in linear_names(m):
+        one, got = awq_linear(m.get_submodule(n), stats[n], cfg).state_dict(), awq.get_submodule(n).state_dict()
+        assert one.keys() == got.keys() and all(torch.equal(one[k], got[k]) for k in one)
 
 
 def test_collect_inputs_is_mean_abs_and_gram_over_all_tokens():
@@ -268,18 +289,18 @@ def test_bad_input_errors():
         quantize_int4(torch.randn(8, 96), 3)
     m = tiny_gpt()
     with pytest.raises(ValueError, match="AWQ needs calibration data"):
-        awq_quantize(m, [], 64)
+        awq_quantize(m, [], AWQConfig(64))
     with pytest.raises(ValueError, match="AWQ needs calibration data"):
-        awq_quantize(m, None, 64)
+        awq_quantize(m, None, AWQConfig(64))
     with pytest.raises(ValueError, match="group size 128 does not divide the 64 input features of blocks.0.attn.c_attn"):
-        awq_quantize(m, [torch.zeros(1, 4, dtype=torch.long)], 128)
+        awq_quantize(m, [torch.zeros(1, 4, dtype=torch.long)], AWQConfig(128))
     with pytest.raises(ValueError, match="one value per input feature"):
         Int4Linear.from_linear(nn.Linear(64, 8), 64, input_scale=torch.ones(8))
 
 
 # ---- the estimator and the command line: --quant int4 / int4-awq under LoRA ---------------------------------
 from labkit.cli import main  # noqa: E402
-from labkit.estimate import estimate  # noqa: E402
+from labkit.estimate import Recipe, estimate  # noqa: E402
 from labkit.estimate.spec import spec_from  # noqa: E402
 from labkit.estimate.peft_terms import resolve_targets  # noqa: E402
 from labkit.memory import Category  # noqa: E402
@@ -296,7 +317,7 @@ def test_estimate_equals_the_ledger(model, group, quant, dtype, targets):
     torch.set_num_threads(1)
     kw = dict(lora_rank=8, quant=quant, quant_group=group, lora_targets=targets)
     e = estimate(model, 2, 32, dtype, "adamw", **kw)
-    m = measure_step(model, 2, 32, dtype, "adamw", steps=2, **kw)
+    m = measure_step(Recipe.of(model, 2, 32, dtype=dtype, optimizer="adamw", **kw), steps=2)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.peak.total, m.peak.total)
     for phase, cat in (("optimizer", Category.GRAD), ("backward", Category.OPT), ("optimizer", Category.PARAM)):
         assert e.phases[phase][cat] == m.phases[phase][cat], (phase, cat)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from labkit.memory import Category, Ledger, SimulatedOutOfMemoryError, run_within_budget
+from labkit.estimate import Recipe
 from labkit.run import measure_step
 from labkit.memory.units import fmt_bytes, parse_bytes
 from labkit.models.gpt import GPTConfig
@@ -15,10 +16,10 @@ CFG = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
 
 
 def test_budget_fails_exactly_at_the_measured_peak():
-    peak = measure_step(CFG, 4, 64, steps=2).peak.total
-    assert measure_step(CFG, 4, 64, steps=2, budget=peak).peak.total == peak  # exactly enough
+    peak = measure_step(Recipe(CFG, 4, 64), steps=2).peak.total
+    assert measure_step(Recipe(CFG, 4, 64), steps=2, budget=peak).peak.total == peak  # exactly enough
     with pytest.raises(SimulatedOutOfMemoryError) as info:
-        measure_step(CFG, 4, 64, steps=2, budget=peak - 1)
+        measure_step(Recipe(CFG, 4, 64), steps=2, budget=peak - 1)
     e = info.value
     assert isinstance(e, torch.OutOfMemoryError)  # `except torch.OutOfMemoryError` catches it
     assert e.live.total <= e.budget < e.live.total + e.requested
@@ -30,11 +31,11 @@ def test_run_within_budget_reports_and_returns_to_baseline():
     with Ledger() as outer:  # sees every allocation of the experiments inside it
         baseline = outer.live_bytes
         for _ in range(5):
-            r = run_within_budget(lambda: measure_step(big, 4, 64, budget=2**20), 2**20)
+            r = run_within_budget(lambda: measure_step(Recipe(big, 4, 64), budget=2**20), 2**20)
             assert not r.fits and r.message.startswith("does not fit:")
             gc.collect()
             assert outer.live_bytes == baseline
-    ok = run_within_budget(lambda: measure_step(CFG, 2, 32), 2**30)
+    ok = run_within_budget(lambda: measure_step(Recipe(CFG, 2, 32)), 2**30)
     assert ok.fits and ok.measurement is not None and ok.peak == ok.measurement.peak.total
 
 
@@ -42,8 +43,8 @@ def test_budget_message_names_the_largest_category():
     """'does not fit: NEED > BUDGET budget; cat1 X, cat2 Y, ... in use when Z more was asked for': the
     categories in use, largest first, and in-use plus asked is the need (each figure rounded to 0.01 unit)."""
     budget = 4 * 2**20
-    r = run_within_budget(lambda: measure_step(GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=256), 16, 256,
-                                               budget=budget), budget)
+    big = Recipe(GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=256), 16, 256)
+    r = run_within_budget(lambda: measure_step(big, budget=budget), budget)
     m = re.fullmatch(r"does not fit: (.+?) > 4\.00 MiB budget; (.+) in use when (.+?) more was asked for", r.message)
     assert m and not r.fits, r.message
     need, parts, asked = m.groups()

@@ -3,7 +3,7 @@
 import pytest
 
 from labkit.memory import Category, fmt_bytes
-from labkit.estimate import estimate
+from labkit.estimate import Recipe, estimate
 from labkit.run import measure_step
 from labkit.estimate.predict import Precision, autocast_copy_bytes, grad_bytes, optimizer_state_bytes, param_bytes
 from labkit.estimate.families import WALKS
@@ -99,7 +99,7 @@ CONFIGS = [
 def test_estimate_within_3_percent_of_the_ledger(cfg):
     model, B, S, dtype, opt = cfg
     e = estimate(model, B, S, dtype, opt)
-    m = measure_step(model, B, S, dtype, opt, steps=2)
+    m = measure_step(Recipe(model, B, S, dtype, opt), steps=2)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total
     for phase in ("forward", "optimizer"):
         assert abs(e.phases[phase].total - m.phases[phase].total) <= 0.03 * m.phases[phase].total
@@ -178,7 +178,7 @@ def test_each_category_agrees_with_the_ledger_at_a_block_backward_peak(dtype):
     it). Before this, a block's saved tensors were temporaries and the tied head's part a gradient in the
     estimate: activations 0.53x, temporaries 3.8x, gradients 1.12x the ledger's."""
     e = estimate(BLOCK_PEAK, 4, 32, dtype, device="cpu")
-    m = measure_step(BLOCK_PEAK, 4, 32, dtype, steps=2)
+    m = measure_step(Recipe(BLOCK_PEAK, 4, 32, dtype), steps=2)
     assert e.peak_phase == m.peak_phase == "backward" and e.peak_moment.where.startswith("block 1 backward")
     for phase in e.phases:
         for c in Category:
@@ -190,7 +190,6 @@ def test_each_category_agrees_with_the_ledger_at_a_block_backward_peak(dtype):
 def test_zero3_rank_categories_agree_with_its_ledger():
     """The per-rank ZeRO-3 estimate (built from the same moments) agrees with rank 0's ledger per category."""
     from labkit.distributed.simulate import zero_rank_memory
-    from labkit.estimate import Recipe
 
     r = Recipe(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=64), batch=8, seq=32, dp=2,
                zero=3)

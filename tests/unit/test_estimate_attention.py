@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.estimate import estimate
+from labkit.estimate import Recipe, estimate
 from labkit.run import measure_step
 from labkit.estimate.attention import AttnShape, materialised
 from labkit.models.gpt import GPTConfig
@@ -44,7 +44,7 @@ CASES = {  # each sets its peak inside attention
 def test_attention_transients_against_the_ledger(name):
     model, B, S, dtype, ov = CASES[name]
     e = estimate(model, B, S, dtype, "sgd", **ov)
-    m = measure_step(model, B, S, dtype, "sgd", steps=2, **ov)
+    m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer="sgd", **ov), steps=2)
     for phase in ("forward", "backward"):
         assert abs(e.phases[phase].total - m.phases[phase].total) <= TOL * m.peak.total, (
             phase, e.phases[phase].total, m.phases[phase].total, e.explain(phase))
@@ -56,7 +56,7 @@ def test_without_the_attention_moments_these_cases_were_low():
     the peak is inside attention (softmax's backward, beside the saved probabilities)."""
     model, B, S, dtype, ov = CASES["labkit manual fp32"]
     e = estimate(model, B, S, dtype, "sgd", **ov)
-    m = measure_step(model, B, S, dtype, "sgd", steps=2, **ov)
+    m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer="sgd", **ov), steps=2)
     outside = max(x.total for x in e.moments if "block 0" not in x.where)
     assert outside < 0.8 * m.peak.total
     assert "softmax" in e.peak_moment.where

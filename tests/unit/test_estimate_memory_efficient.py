@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.estimate import estimate
+from labkit.estimate import Recipe, estimate
 from labkit.memory.report import Category
 from labkit.models.gpt import GPTConfig
 from labkit.run import measure_step
@@ -32,7 +32,7 @@ CASES = [
 def test_within_3_percent_of_the_ledger(case):
     model, B, S, dtype, opt, kw = case
     e = estimate(model, B, S, dtype, opt, **kw)
-    m = measure_step(model, B, S, dtype, opt, steps=2, **kw)
+    m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer=opt, **kw), steps=2)
     assert_phases_within(e, m)
 
 
@@ -130,7 +130,7 @@ def test_with_activation_offload_each_phase_matches_the_ledger(case):
     model, B, S, dtype, opt, kw, missing = case
     kw = dict(kw, offload_activations=True)
     e = estimate(model, B, S, dtype, opt, **kw)
-    m = measure_step(model, B, S, dtype, opt, steps=2, **kw)
+    m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer=opt, **kw), steps=2)
     tol = missing(model, B, S, dtype) // 10
     for phase in ("forward", "backward", "optimizer"):
         assert abs(e.phases[phase].total - m.phases[phase].total) <= tol, (

@@ -8,7 +8,7 @@ import torch
 import transformers.optimization
 
 from labkit.memory import Category, Ledger
-from labkit.estimate import Precision, estimate, optim_terms, spec_from
+from labkit.estimate import Precision, Recipe, estimate, optim_terms, spec_from
 from labkit.estimate.moments import REFRESH, STEADY
 from labkit.run import make_optimizer, measure_step
 from labkit.estimate.optim_terms import adam8bit_state, galore_matrix_state, state_bytes
@@ -24,7 +24,7 @@ CASES = [("adamw8bit", {}), ("lion", {}), ("adafactor", {}), ("galore", dict(ran
 @pytest.mark.parametrize("optimizer, kw", CASES, ids=[c[0] + "-" + "-".join(c[1]) for c in CASES])
 def test_within_3_percent_and_state_exact(optimizer, kw):
     e = estimate(G, 4, 64, "fp32", optimizer, **kw)
-    m = measure_step(G, 4, 64, "fp32", optimizer, steps=2, **kw)
+    m = measure_step(Recipe.of(G, 4, 64, dtype="fp32", optimizer=optimizer, **kw), steps=2)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total
     # state is complete in the second step's backward (the first step makes it lazily)
     assert e.phases["backward"][Category.OPT] == m.phases["backward"][Category.OPT]
@@ -76,8 +76,9 @@ def test_step_in_backward_within_1_percent(optimizer, kw, refresh):
     (the ledger's "optimizer" phase, inside backward): measured 0.00-0.04 % off, peak and that phase.
     GaLore: the measured step refreshes its projectors (galore_refresh) and is the estimate's peak, or it
     does not and is the estimate without its refresh moments."""
-    e = estimate(G, 4, 64, "fp32", optimizer, step_in_backward=True, **kw)
-    m = measure_step(G, 4, 64, "fp32", optimizer, steps=2, step_in_backward=True, galore_refresh=bool(refresh), **kw)
+    r = Recipe.of(G, 4, 64, dtype="fp32", optimizer=optimizer, step_in_backward=True, **kw)
+    e = estimate(r)
+    m = measure_step(r, steps=2, galore_refresh=bool(refresh))
     if refresh is False:
         e, m = e.without(REFRESH), m.of_step(2)
     assert abs(e.peak.total - m.peak.total) <= 0.01 * m.peak.total
@@ -158,9 +159,10 @@ def test_galore_refresh_and_steady_moments_within_3_percent(model, B, S, dtype, 
     """A step that refreshes the projectors (measure_step's galore_refresh) against the estimate's peak, and a
     steady step (the second of a default run) against the estimate without its refresh moments; the optimizer
     phase (where GaLore's terms live) within 1 % of the measured peak. The refresh moment is the larger."""
-    e = estimate(model, B, S, dtype, optimizer, rank=8, **kw)
-    refresh = measure_step(model, B, S, dtype, optimizer, rank=8, galore_refresh=True, **kw)
-    steady = measure_step(model, B, S, dtype, optimizer, rank=8, **kw).of_step(2)
+    r = Recipe.of(model, B, S, dtype=dtype, optimizer=optimizer, rank=8, **kw)
+    e = estimate(r)
+    refresh = measure_step(r, galore_refresh=True)
+    steady = measure_step(r).of_step(2)
     for est, meas in ((e, refresh), (e.without(REFRESH), steady)):
         assert abs(est.peak.total - meas.peak.total) <= 0.03 * meas.peak.total
         assert abs(est.phases["optimizer"].total - meas.phases["optimizer"].total) <= 0.01 * meas.peak.total
@@ -173,17 +175,15 @@ def test_galore_refresh_and_steady_moments_within_3_percent(model, B, S, dtype, 
 def test_make_optimizer_steps_any_optimizer_in_backward():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16))
-    opt = make_optimizer(model, "galore8bit", rank=4, step_in_backward=True)
+    opt = make_optimizer(model, Recipe(model, 1, 16, optimizer="galore8bit", rank=4, step_in_backward=True))
     assert isinstance(opt, StepInBackward) and len(opt.optimizers) == len(list(model.parameters()))
     assert "GaLoreAdamW8bit" in repr(opt) and {g.get("rank") for g in opt.param_groups} == {None, 4}
-    assert isinstance(next(iter(make_optimizer(model, "adafactor", step_in_backward=True).optimizers.values())),
-                      Adafactor)
+    opt = make_optimizer(model, Recipe(model, 1, 16, optimizer="adafactor", step_in_backward=True))
+    assert isinstance(next(iter(opt.optimizers.values())), Adafactor)
     with pytest.raises(ValueError, match="^step_in_backward and optimizer_offload"):
-        make_optimizer(model, "adamw", optimizer_offload="cpu", step_in_backward=True)
-    with pytest.raises(ValueError, match="^step_in_backward and optimizer_offload"):
-        estimate(G, 4, 32, optimizer_offload="cpu", step_in_backward=True)
+        estimate(G, 4, 32, optimizer_offload="cpu", step_in_backward=True)  # the Recipe refuses it
     with pytest.raises(ValueError, match="^step_in_backward cannot accumulate"):
-        measure_step(G, 4, 32, micro_batch=2, step_in_backward=True)
+        measure_step(Recipe(G, 4, 32, micro_batch=2, step_in_backward=True))
 
 
 def test_adafactor_state_of_a_3d_tensor_as_transformers():
@@ -248,7 +248,7 @@ def test_optimizer_moment_of_16bit_parameters_as_the_ledger(model, dtype, optimi
     on fp32 copies of the parameter (PARAM in the ledger) and of its gradient (TEMP); the estimate's
     optimizer moment has each in its category, byte for byte."""
     e = estimate(model, 2, 4, dtype, optimizer, device="cpu", **kw)
-    m = measure_step(model, 2, 4, dtype, optimizer, steps=2, **kw)
+    m = measure_step(Recipe.of(model, 2, 4, dtype=dtype, optimizer=optimizer, **kw), steps=2)
     assert e.peak_phase == m.peak_phase == "optimizer"
     est, meas = e.phases["optimizer"], m.phases["optimizer"]
     for cat in (Category.PARAM, Category.GRAD, Category.OPT):
@@ -266,7 +266,7 @@ def test_step_in_backward_under_autocast_frees_the_stepping_matrix_copy():
     not. The copy freed is that matrix's (2 x 4h x h), not the model's largest tensor's (the embedding)."""
     small = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64)
     e = estimate(small, 1, 4, "mixed-bf16", "adamw", step_in_backward=True)
-    m = measure_step(small, 1, 4, "mixed-bf16", "adamw", steps=2, step_in_backward=True)
+    m = measure_step(Recipe(small, 1, 4, "mixed-bf16", "adamw", step_in_backward=True), steps=2)
     assert m.peak_phase == "optimizer"
     assert abs(e.phases["optimizer"].total - m.phases["optimizer"].total) <= 0.01 * m.peak.total
     assert abs(e.peak.total - m.peak.total) <= 0.01 * m.peak.total
@@ -287,13 +287,16 @@ def test_galore_estimate_names_both_steps_and_without_keeps_the_steady_one():
 def test_galore_refresh_and_proj_dtype_options_are_checked():
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16))
     with pytest.raises(ValueError, match="^galore_refresh makes GaLore's last step refresh"):
-        measure_step(G, 1, 8, optimizer="adamw", galore_refresh=True)
+        measure_step(Recipe(G, 1, 8, optimizer="adamw"), galore_refresh=True)
     with pytest.raises(ValueError, match="^galore_refresh must be True or False"):
-        measure_step(G, 1, 8, optimizer="galore", rank=4, galore_refresh="yes")
+        measure_step(Recipe(G, 1, 8, optimizer="galore", rank=4), galore_refresh="yes")
     with pytest.raises(ValueError, match="^update_proj_gap is GaLore's"):
         make_optimizer(model, "adamw", update_proj_gap=1)
+    with pytest.raises(ValueError, match="^rank \\(for galore\\) must be a positive integer"):
+        make_optimizer(model, "galore")  # a name alone: a Recipe of it, checked
     with pytest.raises(ValueError, match="^proj_dtype is 8-bit GaLore's"):
-        make_optimizer(model, "galore", rank=4, proj_dtype="int8")
-    opt = make_optimizer(model, "galore8bit", rank=4, update_proj_gap=3, proj_dtype="int8")
+        Recipe(model, 1, 16, optimizer="galore", rank=4, proj_dtype="int8")
+    opt = make_optimizer(model, Recipe(model, 1, 16, optimizer="galore8bit", rank=4, proj_dtype="int8"),
+                         update_proj_gap=3)
     assert {g.get("update_proj_gap") for g in opt.param_groups} == {None, 3}
     assert {g["proj_dtype"] for g in opt.param_groups} == {"int8"}

@@ -8,7 +8,7 @@ import torch
 
 from labkit.cli import main
 from labkit.memory import Category, GiB
-from labkit.estimate import QUANTS, estimate, fit_table
+from labkit.estimate import QUANTS, Recipe, estimate, fit_table
 from labkit.run import build_model, measure_step
 from labkit.estimate.peft_terms import (NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes, peft_of, resolve_targets,
                                       trainable_spec)
@@ -59,7 +59,7 @@ def one_thread():
 def test_within_3_percent_and_trainable_state_exact(case):
     model, B, S, dtype, kw = case
     e = estimate(model, B, S, dtype, "adamw", **kw)
-    m = measure_step(model, B, S, dtype, "adamw", steps=2, **kw)
+    m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer="adamw", **kw), steps=2)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.label, e.peak.total, m.peak.total)
     # gradients, Adam state (complete in the second step's backward), weights and quantized bases: exact
     assert e.phases["optimizer"][Category.GRAD] == m.phases["optimizer"][Category.GRAD]
@@ -128,9 +128,9 @@ def test_bad_peft_options(kw, match):
 
 def test_measure_step_rejects_what_estimate_rejects():
     with pytest.raises(ValueError, match="matches no Linear module.*down_proj"):
-        measure_step("llama-tiny", 1, 8, lora_rank=4, lora_targets="c_attn")
+        measure_step(Recipe.of("llama-tiny", 1, 8, lora_rank=4, lora_targets="c_attn"))
     with pytest.raises(ValueError, match="give lora_rank"):
-        measure_step(G, 1, 8, quant="int8")
+        measure_step(Recipe(G, 1, 8, quant="int8"))
 
 
 # ----------------------------------------------------------------------------- command line

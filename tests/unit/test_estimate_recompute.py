@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.estimate import estimate
+from labkit.estimate import Recipe, estimate
 from labkit.run import measure_step
 from labkit.estimate.moments import segments_of
 from labkit.models.gpt import GPTConfig
@@ -36,7 +36,7 @@ CASES = [
 def test_option_within_3_percent_of_the_ledger(case):
     model, B, S, dtype, opt, kw = case
     e = estimate(model, B, S, dtype, opt, **kw)
-    m = measure_step(model, B, S, dtype, opt, steps=2, **kw)
+    m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer=opt, **kw), steps=2)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.label, e.peak.total, m.peak.total)
 
 
@@ -97,7 +97,7 @@ def test_transformers_and_adapters_within_3_percent(case):
     name, dtype, kw = case
     kw = {LAYERS[name]: 4, **kw}
     e = estimate(name, 2, 128, dtype, "adamw", **kw)
-    m = measure_step(name, 2, 128, dtype, "adamw", steps=2, **kw)
+    m = measure_step(Recipe.of(name, 2, 128, dtype=dtype, optimizer="adamw", **kw), steps=2)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.label, e.peak.total, m.peak.total)
     for moment in e.moments:  # every byte has a formula and the op (or the code) that allocates it
         for t in moment.terms:

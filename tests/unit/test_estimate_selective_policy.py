@@ -35,7 +35,7 @@ def test_attention_core_within_3_percent_of_the_ledger(case):
     model, B, S, dtype, opt = case
     kw = dict(checkpoint="selective", selective_policy="attention-core")
     e = estimate(model, B, S, dtype, opt, **kw)
-    m = measure_step(model, B, S, dtype, opt, steps=2, **kw)
+    m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer=opt, **kw), steps=2)
     assert_phases_within(e, m)
     assert "selective_policy=attention-core" in e.label
 
@@ -46,7 +46,8 @@ def test_the_policy_changes_the_estimate_as_it_changes_the_step():
     SDPA's output, h; manual: it no longer keeps the (s, s) scores of q @ k^T)."""
     for attention in ("sdpa", "manual"):
         cfg = _gpt(attention)
-        m = measure_step(cfg, 2, 128, "fp32", "sgd", steps=2, checkpoint="selective", selective_policy="attention-core")
+        r = Recipe(cfg, 2, 128, "fp32", "sgd", checkpoint="selective", selective_policy="attention-core")
+        m = measure_step(r, steps=2)
         wrong = estimate(cfg, 2, 128, "fp32", "sgd", checkpoint="selective")
         assert abs(wrong.peak.total - m.peak.total) > TOL * m.peak.total, (attention, wrong.peak.total, m.peak.total)
 

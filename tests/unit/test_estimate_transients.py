@@ -5,14 +5,14 @@ so a model without that transient fails, while what no moment models (0-dim scal
 seed gradient) stays far below it.
 """
 
-from labkit.estimate import estimate
+from labkit.estimate import Recipe, estimate
 from labkit.run import measure_step
 from labkit.models.gpt import GPTConfig
 
 
 def _check(model, B, S, dtype, opt, kw, transient, where):
     e = estimate(model, B, S, dtype, opt, **kw)
-    m = measure_step(model, B, S, dtype, opt, steps=2, **kw)
+    m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer=opt, **kw), steps=2)
     top = e.peak_moment
     assert where in top.where, (top.where, e.explain())
     assert sum(t.bytes for t in top.terms) == top.total == e.peak.total
@@ -61,7 +61,7 @@ def test_later_micro_batch_new_weight_gradient():
     B, S, h = 5, 3, 64
     g, kw, transient = GPTConfig(n_layer=1, n_head=8, n_embd=h, block_size=64, dropout=0.1), dict(micro_batch=1), h * 4 * h * 4
     e = estimate(g, B, S, "mixed-bf16", "sgd", **kw)
-    m = measure_step(g, B, S, "mixed-bf16", "sgd", steps=2, **kw)
+    m = measure_step(Recipe.of(g, B, S, dtype="mixed-bf16", optimizer="sgd", **kw), steps=2)
     at = next(x for x in e.moments if "c_proj weight (16-bit copy): cast back" in x.where and "micro-batch 2" in x.where)
     new = [t for t in at.terms if "before it is summed into .grad" in t.name]
     assert [t.bytes for t in new] == [transient]

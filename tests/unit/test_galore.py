@@ -12,7 +12,7 @@ from labkit.models.gpt import GPT, GPTConfig
 from labkit.optim import galore as gl
 from labkit.optim import galore8bit as gl8
 from labkit.optim.base import state_bytes
-from labkit.optim.galore import GaLoreAdamW, galore_adam_naive, galore_param_groups
+from labkit.optim.galore import GaLoreAdamW, GaLoreHP, galore_adam_naive, galore_param_groups
 from labkit.optim.galore8bit import GaLoreAdamW8bit
 from labkit.quant.dynamic import dequantize_blockwise, dynamic_map, quantize_blockwise
 
@@ -110,14 +110,22 @@ def test_naive_matches_optimizer():
     w1 = torch.randn(24, 40)
     w2 = torch.nn.Parameter(w1.clone())
     opt = GaLoreAdamW([{"params": [w2], "rank": 4, "update_proj_gap": 2, "scale": 0.5}], lr=1e-2)
-    state = {}
+    state, hp = {}, GaLoreHP(rank=4, lr=1e-2, scale=0.5, update_proj_gap=2)
     for _ in range(5):
         g = torch.randn(24, 40)
-        galore_adam_naive(w1, g, state, rank=4, lr=1e-2, scale=0.5, update_proj_gap=2)
+        galore_adam_naive(w1, g, state, hp)
         w2.grad = g
         opt.step()
     assert state["P"].shape == (24, 4) and state["m"].shape == (4, 40)
     torch.testing.assert_close(w1, w2.detach(), rtol=0, atol=1e-6)
+
+
+def test_galore_hp_names_a_bad_field():
+    for bad, msg in ((dict(rank=0), "^rank must be an integer >= 1"), (dict(rank=4, lr=-1.0), "^lr must be"),
+                     (dict(rank=4, betas=(0.9,)), "^betas must be a tuple of 2"), (dict(rank=4, scale=0), "^scale"),
+                     (dict(rank=4, update_proj_gap=0), "^update_proj_gap must be an integer >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            GaLoreHP(**bad)
 
 
 @pytest.mark.parity

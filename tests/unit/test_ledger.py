@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from labkit.estimate import Recipe
 from labkit.memory import Category, Ledger, Measurement, SimulatedOutOfMemoryError
 from labkit.run import build_model, make_optimizer, train_step
 from labkit.models.gpt import GPTConfig
@@ -123,7 +124,7 @@ def test_final_breakdown_holds_all_optimizer_state(optimizer):
 
     torch.manual_seed(0)
     m = build_model(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
-    opt = make_optimizer(m, optimizer, rank=8)
+    opt = make_optimizer(m, Recipe(m, 2, 16, optimizer=optimizer, rank=8 if optimizer == "galore" else None))
     x, y = _batch(256, 2, 16)
     with Ledger(m, opt) as led:
         for _ in range(2):

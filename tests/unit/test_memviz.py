@@ -10,6 +10,7 @@ import torch.cuda._memory_viz as memory_viz
 from labkit.memory import Category, Ledger
 from labkit.memory.memviz import VIZ_CATEGORY, live_series
 from labkit.models.gpt import GPTConfig
+from labkit.estimate import Recipe
 from labkit.run import measure_step
 
 # Opcodes that make objects or reference code; a snapshot is plain data, and protocol 5's out-of-band
@@ -20,7 +21,8 @@ NOT_PLAIN_DATA = {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "INST", "OBJ", "N
 
 @pytest.fixture(scope="module")
 def step():
-    return measure_step(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64), 2, 32, steps=2, seed=0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64)
+    return measure_step(Recipe(cfg, 2, 32), steps=2, seed=0)
 
 
 def test_the_file_is_protocol_4_plain_data(step, tmp_path):

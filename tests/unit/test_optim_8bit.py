@@ -9,7 +9,7 @@ import torch
 
 from labkit.memory import Ledger
 from labkit.memory.report import Category
-from labkit.optim import Adam8bit, AdamW8bit, adam8bit, adam8bit_update_naive, state_bytes
+from labkit.optim import Adam8bit, Adam8bitHP, AdamW8bit, adam8bit, adam8bit_update_naive, state_bytes
 from labkit.quant import dequantize_blockwise, dynamic_map
 
 @pytest.fixture(autouse=True, scope="module")
@@ -108,9 +108,17 @@ def test_chunked_optimizer_equals_teaching_version_bit_for_bit():
     state = {"m_codes": torch.zeros(p.shape, dtype=torch.uint8), "v_codes": torch.zeros(p.shape, dtype=torch.uint8),
              "m_absmax": torch.zeros(math.ceil(n / 256)), "v_absmax": torch.zeros(math.ceil(n / 256))}
     for t, (g,) in enumerate(grads, start=1):
-        adam8bit_update_naive(p, g, state, t, lr=1e-3, weight_decay=0.1)
+        adam8bit_update_naive(p, g, state, t, Adam8bitHP(lr=1e-3, weight_decay=0.1))
     for q in runs:
         assert torch.equal(q.detach(), p)
+
+
+def test_adam8bit_hp_names_a_bad_field():
+    for bad, msg in ((dict(lr=-1.0), "^lr must be"), (dict(betas=(0.9, 1.0)), r"^betas\[1\] must be"),
+                     (dict(eps=float("nan")), "^eps must be"), (dict(weight_decay=-0.1), "^weight_decay must be"),
+                     (dict(blocksize=0), "^blocksize must be an integer >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            Adam8bitHP(**bad)
 
 
 # ---- parity with bitsandbytes ------------------------------------------------------------------------------

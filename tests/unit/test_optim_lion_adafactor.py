@@ -1,5 +1,8 @@
 """Lion and Adafactor from scratch: parity with lion-pytorch and transformers, state bytes, bad input, resume."""
 
+import dataclasses
+import inspect
+
 import lion_pytorch
 import pytest
 import torch
@@ -7,7 +10,7 @@ import transformers.optimization
 
 from labkit.memory import Ledger
 from labkit.memory.report import Category
-from labkit.optim import Adafactor, Lion, adafactor, factored_second_moment, inverse_sqrt_second_moment, lion, lion_update_naive
+from labkit.optim import Adafactor, AdafactorHP, Lion, adafactor, factored_second_moment, inverse_sqrt_second_moment, lion, lion_update_naive
 
 SHAPES = [(64, 128), (30, 77), (4, 8, 16), (100,), (1,)]  # matrices, a 3-D tensor, vectors
 
@@ -158,6 +161,22 @@ def test_adafactor_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name} must|^{name}=True needs") as e:
         Adafactor([torch.nn.Parameter(torch.zeros(3))], **kwargs)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=f"^{name} must|^{name}=True needs"):
+        AdafactorHP(**kwargs)  # the same check, in one place
+
+
+def test_adafactor_takes_transformers_keywords_and_names_an_unknown_one():
+    """Every keyword of transformers' Adafactor, as it names them, becomes the group's defaults, checked by
+    AdafactorHP; a keyword it does not have is one TypeError that names it."""
+    kw = dict(eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=0.9, weight_decay=0.01,
+              scale_parameter=False, relative_step=False, warmup_init=False)
+    ref = transformers.optimization.Adafactor([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, **kw)
+    ours = Adafactor([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, **kw)
+    assert {k: ours.defaults[k] for k in ref.defaults} == ref.defaults
+    assert set(inspect.signature(transformers.optimization.Adafactor).parameters) - {"self", "params"} == {
+        f.name for f in dataclasses.fields(AdafactorHP)}
+    with pytest.raises(TypeError, match="^Adafactor got an unexpected keyword argument 'betas'; its hyperparameters"):
+        Adafactor([torch.nn.Parameter(torch.zeros(3))], betas=(0.9, 0.999))
 
 
 # ---- resuming ---------------------------------------------------------------------------------------------------

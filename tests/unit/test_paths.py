@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from labkit import paths
+from labkit.estimate import Recipe
 from labkit.run import measure_step
 from labkit.models.gpt import GPTConfig
 from labkit.optim import offload
@@ -59,7 +60,7 @@ def test_measure_step_disk_offload_writes_under_data_dir_and_leaves_nothing(monk
     monkeypatch.setattr(offload.tempfile, "mkdtemp", spy)
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64)
-    measure_step(cfg, 2, 8, optimizer="adamw", steps=1, optimizer_offload="disk")
+    measure_step(Recipe(cfg, 2, 8, optimizer="adamw", optimizer_offload="disk"), steps=1)
     memmaps = [d for d in made if d.name.startswith("labkit-offload-")]
     assert len(memmaps) == 1 and tmp_path in memmaps[0].parents  # the memmaps' folder was under data_dir()
     assert not memmaps[0].exists() and list(tmp_path.iterdir()) == []  # and nothing is left

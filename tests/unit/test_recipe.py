@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from labkit.estimate import Recipe, estimate
 from labkit.models.gpt import GPTConfig
@@ -66,17 +67,40 @@ def test_a_recipe_is_frozen_and_replace_checks_again():
         r.replace(micro_batch=3)
 
 
-def test_estimate_and_measure_take_a_recipe_or_the_same_keywords():
+def test_estimate_takes_a_recipe_or_the_same_keywords_and_measure_step_a_recipe():
     r = Recipe.of(G, 2, 16, dtype="fp32", optimizer="adamw", checkpoint="full", segments=1)
     kw = dict(dtype="fp32", optimizer="adamw", checkpoint="full", segments=1)
     assert estimate(r).phases == estimate(G, 2, 16, **kw).phases
-    assert measure_step(r, seed=1).phases == measure_step(G, 2, 16, seed=1, **kw).phases
     with pytest.raises(TypeError, match="Recipe alone"):
         estimate(r, 2, 16)
-    with pytest.raises(TypeError, match="Recipe alone"):
-        measure_step(r, checkpoint="none")
-    with pytest.raises(ValueError, match="recipe is for 'cuda'"):
-        measure_step(r.replace(device="cuda"), device="cpu")
+    with pytest.raises(TypeError, match="takes a labkit.estimate.Recipe, got GPTConfig"):
+        measure_step(G)
+    with pytest.raises(TypeError):
+        measure_step(r, checkpoint="none")  # the recipe's fields are the Recipe's, not measure_step's keywords
+    with pytest.raises(ValueError, match="^steps must be a positive integer"):
+        measure_step(r, steps=0)
+
+
+def test_measure_step_runs_the_recipe_as_the_keyword_form_did():
+    """The seeded run of a Recipe: the same phases, byte for byte, as the same run by hand (build, optimizer,
+    two train_steps on the same batches under the Ledger)."""
+    from labkit.memory import Ledger
+    from labkit.recompute import checkpoint_blocks
+    from labkit.run import build_model, make_optimizer, train_step
+
+    r = Recipe.of(G, 2, 16, dtype="fp32", optimizer="adamw", checkpoint="full", segments=1)
+    torch.manual_seed(1)
+    m = build_model(G, "fp32")
+    opt = make_optimizer(m, r)
+    gen = torch.Generator().manual_seed(1)
+    with checkpoint_blocks(m, "full", 1), Ledger(m, opt, label="by hand") as led:
+        for _ in range(2):
+            t = torch.randint(0, m.config.vocab_size, (2, 17), generator=gen)
+            x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+            del t
+            train_step(m, opt, x, y)
+            del x, y
+    assert measure_step(r, seed=1).phases == led.measurement().phases
 
 
 def test_a_layout_over_several_devices():

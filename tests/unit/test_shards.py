@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from labkit.data.loading import in_memory_growth_fresh, make_loader, stream_memory_fresh
-from labkit.data.shards import LoaderCursor, ShardError, ShardStream, open_shards, unit_range, write_shards
+from labkit.data.shards import LoaderCursor, ShardError, ShardReads, ShardStream, open_shards, unit_range, write_shards
 
 SEQ = 32
 
@@ -112,6 +112,18 @@ def test_memory_stays_flat_as_the_dataset_grows_10x(tmp_path):
         assert m.growth <= bound, (f.name, m)
     # the same bound fails for the naive way: the 10x set read into memory grows by its own size
     assert in_memory_growth_fresh(big) >= 0.9 * open_shards(big).nbytes > bound
+
+
+def test_shard_reads_names_a_bad_field_and_does_not_change_the_order(folder):
+    for bad, msg in ((dict(open_shards=0), "^open_shards must be an integer >= 1"),
+                     (dict(open_shards=True), "^open_shards must be"), (dict(delay_s=-1.0), "^delay_s must be"),
+                     (dict(delay_s=float("nan")), "^delay_s must be")):
+        with pytest.raises(ValueError, match=msg):
+            ShardReads(**bad)
+    with pytest.raises(ValueError, match="^shuffle_buffer must be >= 0"):
+        ShardStream(folder, shuffle_buffer=-1)
+    order = [s["index"] for s in ShardStream(folder, shuffle_buffer=16, seed=3)]
+    assert [s["index"] for s in ShardStream(folder, shuffle_buffer=16, seed=3, reads=ShardReads(1, 0.0))] == order
 
 
 def test_missing_folder_truncated_and_corrupt_shards_raise_clear_errors(tmp_path):

@@ -14,6 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from labkit.models.gpt import GPTConfig  # noqa: E402
+from labkit.estimate import Recipe  # noqa: E402
 from labkit.run import measure_step  # noqa: E402
 from labkit.viz import timeline  # noqa: E402
 
@@ -22,14 +23,14 @@ PHASE_LABEL = re.compile(r"^(forward|backward|optimizer|backward \+ optimizer) \
 
 @pytest.fixture(scope="module")
 def step_in_backward():
-    return measure_step(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32), 2, 16, "fp32", steps=2,
-                        step_in_backward=True)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    return measure_step(Recipe(cfg, 2, 16, "fp32", step_in_backward=True), steps=2)
 
 
 @pytest.fixture(scope="module")
 def seven_segments():
-    return measure_step(GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=32), 2, 16, "fp32", steps=2,
-                        checkpoint="full", segments=7)
+    cfg = GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=32)
+    return measure_step(Recipe(cfg, 2, 16, "fp32", checkpoint="full", segments=7), steps=2)
 
 
 def drawn_labels(fig, ax):
