@@ -169,7 +169,7 @@ def estimate_ranks(recipe) -> list[Estimate]:
     micro, rows = r.micro, r.rank_batch
     m = rows // micro
     foreach = (r.device == "cuda") if r.foreach is None else r.foreach
-    full, w = predict.step_bytes(spec, prec, rows, micro, r.seq, r.optimizer, r.device, foreach)
+    full, w = predict.step_bytes(spec, r)
     _, marks = predict.walk_activations(spec, prec, micro, r.seq, r.device)
     t, sp, p = r.tp, r.sequence_parallel, r.pp
     d, mm = prec.weight, w.mm_bytes
