@@ -28,22 +28,18 @@ class AttnCall:
     block: int | None = None  # tiled attention's tile size (labkit.recompute.tiled_attention)
 
     def __post_init__(self) -> None:
-        for name in ("batch", "heads", "seq", "numel"):
+        for name in ("batch", "heads", "seq", "numel", "kv_heads", "block"):
             v = getattr(self, name)
+            if v is None and name in ("kv_heads", "block"):  # optional
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"AttnCall.{name} must be a positive integer, got {v!r}")
         if self.numel % (self.batch * self.heads * self.seq):
-            raise ValueError(f"AttnCall.numel ({self.numel}) must be batch x heads x seq "
-                             f"({self.batch * self.heads * self.seq}) x head_dim")
-        if not 0 <= self.p < 1:
+            raise ValueError(f"AttnCall.numel ({self.numel}) must be batch x heads x seq x head_dim")
+        if self.heads % (self.kv_heads or 1):
+            raise ValueError(f"AttnCall.kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0 <= self.p < 1:
             raise ValueError(f"AttnCall.p must be a dropout probability from 0 to below 1, got {self.p!r}")
-        if self.kv_heads is not None and (isinstance(self.kv_heads, bool) or not isinstance(self.kv_heads, int)
-                                          or self.kv_heads <= 0 or self.heads % self.kv_heads):
-            raise ValueError(f"AttnCall.kv_heads must be a positive integer dividing heads ({self.heads}), "
-                             f"got {self.kv_heads!r}")
-        if self.block is not None and (isinstance(self.block, bool) or not isinstance(self.block, int)
-                                       or self.block <= 0):
-            raise ValueError(f"AttnCall.block must be a positive integer, got {self.block!r}")
 
     @property
     def head_dim(self) -> int:
