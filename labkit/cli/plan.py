@@ -20,7 +20,7 @@ def _plan_inputs(args, parser) -> dict:
     """plan()'s keywords from the command line, every value checked (one line on error, exit 2)."""
     from labkit.memory.units import parse_bytes
     from labkit.plan.devices import names
-    from labkit.plan.search import MAX_DEVICES, OPTIMIZERS
+    from labkit.plan.search import MAX_DEVICES, OPTIMIZERS, SearchOptions
 
     _positive(parser, "--devices", args.devices)
     if args.devices > MAX_DEVICES:
@@ -54,9 +54,10 @@ def _plan_inputs(args, parser) -> dict:
     if unknown:
         parser.error(f"--optimizers: unknown optimizer {unknown[0]!r}; choose from {', '.join(OPTIMIZERS)}")
     model, _ = check_model(args.model)
+    options = SearchOptions("allow" if args.peft else False, args.min_precision, args.top, tuple(optimizers),
+                            args.headroom / 100)
     return dict(model=model, devices=args.devices, memory=memory, device_preset=args.device_preset,
-                batch=args.batch, seq=args.seq, peft="allow" if args.peft else False,
-                min_precision=args.min_precision, top=args.top, optimizers=optimizers, headroom=args.headroom / 100)
+                batch=args.batch, seq=args.seq, options=options)
 
 
 def format_plans(plans, args, device) -> str:

@@ -92,6 +92,7 @@ def _rank_for(spec, rank: int) -> int:
 
 
 def cmd_wall(args, parser) -> int:
+    from labkit.estimate import Recipe
     from labkit.estimate.wall import METHODS, default_models, fit_table
 
     _positive(parser, "--batch", args.batch)
@@ -129,9 +130,9 @@ def cmd_wall(args, parser) -> int:
         spec = read_model(model, text)
         rank = _rank_for(spec, args.lora_rank) if default_rank else args.lora_rank
         try:
-            new = fit_table([spec], [b / GiB for _, b in budgets], args.batch, args.seq, args.dtype, args.optimizer,
-                            args.device, methods=methods, lora_rank=rank, checkpoint=args.checkpoint,
-                            micro_batch=args.micro_batch)
+            recipe = Recipe(None, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
+                            checkpoint=args.checkpoint, micro_batch=args.micro_batch, lora_rank=rank)
+            new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods)
         except ValueError as err:  # fit_table names the model by its spec: name it as typed
             raise ValueError(f"{text}: {_cli_words(str(err.__cause__ or err))}") from err
         for r in new:

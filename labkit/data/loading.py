@@ -49,6 +49,25 @@ def make_loader(dataset, batch_size: int, num_workers: int = 0, prefetch_factor:
 # ----------------------------------------------------------------------------- what a loader holds
 
 
+@dataclass(frozen=True)
+class LoaderConfig:
+    """One rank's streaming loader, as loader_ram counts it."""
+
+    workers: int  # DataLoader worker processes (0: the loop loads itself)
+    prefetch: int  # batches each worker keeps ready (prefetch_factor)
+    batch: int  # rows per batch
+    seq: int  # tokens per row
+    shuffle_buffer: int = 256  # positions in each worker's shuffle buffer (0: no shuffling)
+    shard_rows: int = 1024  # rows per shard file (a row holds seq + 1 tokens)
+
+    def __post_init__(self) -> None:
+        for name, least in (("workers", 0), ("prefetch", 1), ("batch", 1), ("seq", 1), ("shuffle_buffer", 0),
+                            ("shard_rows", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"LoaderConfig.{name} must be an integer >= {least}, got {v!r}")
+
+
 def loader_ram(workers: int, prefetch: int, batch: int, seq: int, shuffle_buffer: int, shard_rows: int,
                open_shards: int = 2) -> dict[str, int]:
     """RAM a streaming loader holds per rank, by term (none depends on the dataset's size):

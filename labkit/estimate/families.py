@@ -8,13 +8,57 @@ activation estimate follows the implementation a learner actually runs. Attentio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .attention import AttnShape, materialised
 from .walk import T, Walk
 
 
-def _shape(w: Walk, B: int, heads: int, S: int, n: int, mm: int, sm: int, kv_repeat: int = 1) -> AttnShape:
+@dataclass(frozen=True)
+class AttnCall:
+    """One attention call's sizes and settings, shared by every attention path below."""
+
+    batch: int  # B: rows of the micro-batch
+    heads: int  # query heads
+    seq: int  # S: tokens per row
+    numel: int  # elements of q and of the output: B x S x heads x head_dim
+    p: float = 0.0  # attention dropout probability
+    kv_heads: int | None = None  # key/value heads (grouped-query attention; None: heads)
+    fp32_softmax: bool = False  # transformers' eager attention takes softmax in fp32 (Llama)
+    block: int | None = None  # tiled attention's tile size (labkit.recompute.tiled_attention)
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "seq", "numel", "kv_heads", "block"):
+            v = getattr(self, name)
+            if v is None and name in ("kv_heads", "block"):  # optional
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"AttnCall.{name} must be a positive integer, got {v!r}")
+        if self.numel % (self.batch * self.heads * self.seq):
+            raise ValueError(f"AttnCall.numel ({self.numel}) must be batch x heads x seq x head_dim")
+        if self.heads % (self.kv_heads or 1):
+            raise ValueError(f"AttnCall.kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0 <= self.p < 1:
+            raise ValueError(f"AttnCall.p must be a dropout probability from 0 to below 1, got {self.p!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.numel // (self.batch * self.heads * self.seq)
+
+    @property
+    def kv_repeat(self) -> int:
+        """How many query heads share one key/value head."""
+        return 1 if self.kv_heads is None else self.heads // self.kv_heads
+
+    @property
+    def scores(self) -> int:
+        """Elements of one (B, heads, S, S) matrix."""
+        return self.batch * self.heads * self.seq * self.seq
+
+
+def _shape(w: Walk, c: AttnCall, mm: int, sm: int) -> AttnShape:
     drop = 1 if w.device == "cuda" else sm
-    return AttnShape(B, heads, S, n // (B * heads * S), mm, sm, w.x_bytes, drop, kv_repeat)
+    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop, c.kv_repeat)
 
 
 def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bool:
@@ -84,40 +128,40 @@ def _pointwise(w: Walk, x: T, name: str, itemsize: int | None = None, saved=(), 
     return y
 
 
-def sdpa_fused(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, out_numel: int, p: float = 0.0) -> T:
+def sdpa_fused(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
     """Flash/efficient attention saves q, k, v, its output and a logsumexp (fp32) per query row.
     With dropout it is a random op, which selective checkpointing never keeps.
     Tape: under autocast an fp32 q/k/v is copied to 16-bit first; the logsumexp goes when the call returns;
     backward makes dq, dk, dv."""
     rg = q.rg or k.rg or v.rg
-    out = w.new(out_numel, w.mm_bytes, "attention out", rg)
-    lse = w.new(B * heads * S, 4, "logsumexp")
+    out = w.new(c.numel, w.mm_bytes, "attention out", rg)
+    lse = w.new(c.batch * c.heads * c.seq, 4, "logsumexp")
     copies = {id(t): w.as_matmul_input(t) for t in (q, k, v)}
     if rg:  # under autocast an fp32 q/k/v (a quantized base's output) is saved as its 16-bit copy
         w.save(*copies.values(), out, lse)
-    if p == 0:
+    if c.p == 0:
         w.keep(out, kind="attention"), w.keep(lse, kind="attention")
     # the tape
     ins = []
     for t in (q, k, v):
-        c = copies[id(t)]
-        if c is not t:
-            c.rg = t.rg
-            w.made(c)
+        x = copies[id(t)]
+        if x is not t:
+            x.rg = t.rg
+            w.made(x)
             if t.rg:
-                w.node("autocast input cast", [c], (), [("grad", t)])
-        ins.append(c)
+                w.node("autocast input cast", [x], (), [("grad", t)])
+        ins.append(x)
     w.made(out), w.made(lse)
-    if p == 0:
+    if c.p == 0:
         w.tape.keep(out, "attention"), w.tape.keep(lse, "attention")
     if rg:
         w.node("scaled_dot_product_attention", [out], [*ins, out, lse], [("grad", t) for t in ins if t.rg])
-    w.drop(lse, *[c for c, t in zip(ins, (q, k, v)) if c is not t])
+    w.drop(lse, *[x for x, t in zip(ins, (q, k, v)) if x is not t])
     return out
 
 
-def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = True, q: T | None = None,
-              k: T | None = None, v: T | None = None) -> T:
+def sdpa_math(w: Walk, c: AttnCall, rg: bool = True, q: T | None = None, k: T | None = None,
+              v: T | None = None) -> T:
     """SDPA's math fallback (CPU with dropout): scaled q and k, contiguous v, probabilities,
     dropout mask and dropped probabilities are kept; on CPU it upcasts 16-bit inputs to fp32.
     rg: whether q, k or v requires grad (else nothing is saved).
@@ -125,15 +169,16 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
     q * sqrt(scale) (held to the end), k^T * sqrt(scale), contiguous copies of both for the bmm, + bias,
     _safe_softmax, dropout (the probabilities rebound to the dropped ones), v's copy, bmm, and the output
     (and the returned weights) cast back to the inputs' dtype."""
+    B, heads, S, n, p = c.batch, c.heads, c.seq, c.numel, c.p
     b = 4 if w.device == "cpu" else w.mm_bytes
     if rg:
-        w.point("attention (SDPA math)", materialised("math", _shape(w, B, heads, S, n, b, b), p))
-    w.keep(w.new(B * heads * S * S, b, "attention scores"), kind="attention")  # q @ k^T (bmm)
+        w.point("attention (SDPA math)", materialised("math", _shape(w, c, b, b), p))
+    w.keep(w.new(c.scores, b, "attention scores"), kind="attention")  # q @ k^T (bmm)
     w.keep(w.new(n, b, "probs @ v"), kind="attention")  # bmm
     if rg:
         for part in ("q scaled", "k^T scaled", "v contiguous"):
             w.save(w.new(n, b, part))
-        probs = w.new(B * heads * S * S, b, "attention probs")
+        probs = w.new(c.scores, b, "attention probs")
         with w.tape.off():
             w.save(probs, w.dropout(probs, p, "attention dropout"))
     out = w.new(n, w.mm_bytes, "attention out (contiguous)", rg)  # saved by the output projection
@@ -154,7 +199,7 @@ def sdpa_math(w: Walk, B: int, heads: int, S: int, n: int, p: float, rg: bool = 
     kts = _pointwise(w, kr, "k^T * sqrt(scale)")
     (qc, qm), (kc, km) = (_operand(w, qs, "q contiguous", B, heads, False),
                           _operand(w, kts, "k^T contiguous", B, heads, False))
-    scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
+    scores = _bmm(w, qc, kc, c.scores, "q @ k^T")
     w.drop(*qm, *km, kts)
     biased = w.made(T(scores.numel, b, "scores + bias", rg=scores.rg))
     if scores.rg:
@@ -216,36 +261,38 @@ def _contiguous_out(w: Walk, o: T, name: str, heads: int, S: int) -> T:
     return y
 
 
-def attention_manual(w: Walk, qkv: T, B: int, heads: int, S: int, n: int, p: float) -> T:
+def attention_manual(w: Walk, qkv: T, c: AttnCall) -> T:
     """labkit GPT's textbook attention: q, k^T, v are made contiguous for the matmuls; the scores'
     softmax, the causal mask and, with dropout, mask and dropped copy stay. Autocast runs softmax
     in fp32 on CUDA (then probs @ v takes a 16-bit copy) but in 16-bit on CPU.
     Tape: q, k, v are views of qkv (their gradients concatenated back); the mask (tril) lives to the end."""
+    n, S = c.numel, c.seq
     q, k, v = _views(w, qkv, 3, n, "q,k,v")
     if not qkv.rg:  # nothing is recorded
-        w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores"), kind="attention")
+        w.keep(w.new(c.scores, w.mm_bytes, "attention scores"), kind="attention")
         w.keep(w.new(n, w.mm_bytes, "probs @ v"), kind="attention")
-        return _manual_tape(w, q, k, v, B, heads, S, n, p, w.mm_bytes, [], False)
+        return _manual_tape(w, (q, k, v), c, w.mm_bytes, False)
     sm = 4 if w.autocast and w.device == "cuda" else w.mm_bytes
     saved = [w.new(n, w.mm_bytes, part) for part in ("q contiguous", "k^T contiguous", "v contiguous")]
     w.save(*saved)
-    w.point("attention (manual)", materialised("manual", _shape(w, B, heads, S, n, w.mm_bytes, sm), p))
+    w.point("attention (manual)", materialised("manual", _shape(w, c, w.mm_bytes, sm), c.p))
     mask = w.new(S * S, 1, "causal mask")
     w.save(mask)
-    w.keep(w.new(B * heads * S * S, w.mm_bytes, "attention scores"), kind="attention")  # q @ k^T (bmm)
-    probs = w.new(B * heads * S * S, 4 if w.autocast and w.device == "cuda" else w.mm_bytes, "attention probs")
+    w.keep(w.new(c.scores, w.mm_bytes, "attention scores"), kind="attention")  # q @ k^T (bmm)
+    probs = w.new(c.scores, 4 if w.autocast and w.device == "cuda" else w.mm_bytes, "attention probs")
     w.save(probs)
     with w.tape.off():
-        dropped = w.dropout(probs, p, "attention dropout")
+        dropped = w.dropout(probs, c.p, "attention dropout")
     w.save(w.as_matmul_input(dropped))  # probs @ v takes a 16-bit copy under autocast
     w.keep(w.new(n, w.mm_bytes, "probs @ v"), kind="attention")  # bmm
-    return _manual_tape(w, q, k, v, B, heads, S, n, p, sm, saved + [mask], True)
+    return _manual_tape(w, (q, k, v), c, sm, True)
 
 
-def _manual_tape(w, q, k, v, B, heads, S, n, p, sm, saved, rg) -> T:
+def _manual_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, sm: int, rg: bool) -> T:
     """labkit GPT's manual attention on the tape (the op list of labkit.estimate.attention's "manual")."""
+    (q, k, v), B, heads, S, n, p = qkv, c.batch, c.heads, c.seq, c.numel, c.p
     (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, k, "k^T contiguous", B, heads)
-    scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
+    scores = _bmm(w, qc, kc, c.scores, "q @ k^T")
     w.drop(*qm, *km)
     scaled = _pointwise(w, scores, "scaled scores")
     w.drop(scores)
@@ -275,8 +322,7 @@ def _manual_tape(w, q, k, v, B, heads, S, n, p, sm, saved, rg) -> T:
     return y
 
 
-def attention_eager(w: Walk, q: T, k: T, v: T, B: int, heads: int, kv_heads: int, S: int, n: int, p: float,
-                    fp32_softmax: bool) -> T:
+def attention_eager(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
     """transformers' eager attention (GPT-2, Llama): matmul(q, k^T) * scale + the model's float mask, softmax
     (Llama: in fp32, then cast to q's dtype), dropout, matmul with v. The matmuls save q and k (with grouped
     query attention, k and v repeated to every head: repeat_kv copies them), softmax its output, the second
@@ -284,36 +330,36 @@ def attention_eager(w: Walk, q: T, k: T, v: T, B: int, heads: int, kv_heads: int
     Tape: matmul copies a strided operand (GPT-2's q, k^T and v are views of c_attn's output) before its
     bmm; under autocast an fp32 operand is copied to 16-bit."""
     rg = q.rg or k.rg or v.rg
-    mm, rep = w.mm_bytes, heads // kv_heads
-    sm = 4 if fp32_softmax else max(mm, w.x_bytes)  # 16-bit scores + the model's fp32 mask promote to fp32
-    w.forward_extra = max(w.forward_extra, B * S * S * w.x_bytes)  # the (B, 1, S, S) mask, for the whole forward
+    mm, rep, n = w.mm_bytes, c.kv_repeat, c.numel
+    sm = 4 if c.fp32_softmax else max(mm, w.x_bytes)  # 16-bit scores + the model's fp32 mask promote to fp32
+    # the (B, 1, S, S) mask, for the whole forward
+    w.forward_extra = max(w.forward_extra, c.batch * c.seq * c.seq * w.x_bytes)
     if not rg:
-        w.keep(w.new(B * heads * S * S, mm, "attention scores"), kind="attention")
+        w.keep(w.new(c.scores, mm, "attention scores"), kind="attention")
         w.keep(w.new(n, mm, "probs @ v"), kind="attention")
-        return _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, False)
+        return _eager_tape(w, (q, k, v), c, sm, False)
     kr = w.new(n, mm, "k repeated") if rep > 1 else k
     vr = w.new(n, mm, "v repeated") if rep > 1 else v
     w.save(w.as_matmul_input(q), w.as_matmul_input(kr))
-    w.point("attention (eager)", materialised("eager", _shape(w, B, heads, S, n, mm, sm, rep), p))
-    w.keep(w.new(B * heads * S * S, mm, "attention scores"), kind="attention")  # q @ k^T (bmm)
-    probs = w.new(B * heads * S * S, sm, "attention probs")
+    w.point("attention (eager)", materialised("eager", _shape(w, c, mm, sm), c.p))
+    w.keep(w.new(c.scores, mm, "attention scores"), kind="attention")  # q @ k^T (bmm)
+    probs = w.new(c.scores, sm, "attention probs")
     w.save(probs)
     if sm != mm:
-        probs = w.new(B * heads * S * S, mm, "attention probs (cast)")
+        probs = w.new(c.scores, mm, "attention probs (cast)")
     with w.tape.off():
-        dropped = w.dropout(probs, p, "attention dropout")
+        dropped = w.dropout(probs, c.p, "attention dropout")
     w.save(dropped, w.as_matmul_input(vr))
     w.keep(w.new(n, mm, "probs @ v"), kind="attention")  # bmm
-    return _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, True)
+    return _eager_tape(w, (q, k, v), c, sm, True)
 
 
-def _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, rg) -> T:
+def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, sm: int, rg: bool) -> T:
     """transformers' eager attention on the tape."""
-    mm = w.mm_bytes
-
+    mm, (q, k, v), B, heads, S, n, p, rep = w.mm_bytes, qkv, c.batch, c.heads, c.seq, c.numel, c.p, c.kv_repeat
     kr, vr = (_repeat(w, k, rep, "k repeated"), _repeat(w, v, rep, "v repeated")) if rep > 1 else (k, v)
     (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, kr, "k^T contiguous", B, heads)
-    scores = _bmm(w, qc, kc, B * heads * S * S, "q @ k^T")
+    scores = _bmm(w, qc, kc, c.scores, "q @ k^T")
     w.drop(*qm, *km)
     scaled = _pointwise(w, scores, "scaled scores")
     w.drop(scores)
@@ -351,7 +397,7 @@ def _eager_tape(w, q, k, v, B, heads, S, n, p, sm, rep, rg) -> T:
     return y
 
 
-def attention_tiled(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, n: int, block: int) -> T:
+def attention_tiled(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
     """labkit.recompute.tiled_attention (FlashAttention's algorithm in PyTorch): saves q, k, v (views of
     c_attn's output), its output (in q's dtype, laid out so the model's transpose and contiguous() are
     views) and one fp32 logsumexp per row: nothing (S, S). One custom op to a dispatch mode, like SDPA:
@@ -364,9 +410,10 @@ def attention_tiled(w: Walk, q: T, k: T, v: T, B: int, heads: int, S: int, n: in
     rg = q.rg or k.rg or v.rg
     # the model's q, k, v are views of c_attn's (B, S, 3h) output: (B, heads) of a tile merge without a copy
     # only when one of them is 1 (an fp32 matmul copies the tile otherwise)
-    fwd, bwd = scratch_bytes(B, heads, S, n // (B * heads * S), block, q.itemsize, packed=B > 1 and heads > 1)
+    B, heads, n = c.batch, c.heads, c.numel
+    fwd, bwd = scratch_bytes(B, heads, c.seq, c.head_dim, c.block, q.itemsize, packed=B > 1 and heads > 1)
     out = w.new(n, q.itemsize, "attention out", rg)
-    lse = w.new(B * heads * S, 4, "logsumexp")
+    lse = w.new(B * heads * c.seq, 4, "logsumexp")
     if rg:
         w.save(q, k, v, out, lse)
     w.keep(out, kind="attention"), w.keep(lse, kind="attention")
@@ -412,13 +459,13 @@ def _embeddings(w: Walk, spec, S: int, n: int, tokens: str, positions: str) -> T
     return y
 
 
-def _attention(w: Walk, spec, q: T, k: T, v: T, B: int, S: int, n: int, kv_heads: int, fp32_softmax: bool) -> T:
+def _attention(w: Walk, spec, q: T, k: T, v: T, c: AttnCall) -> T:
     """The model's attention path on q, k, v: fused SDPA, SDPA's math fallback, labkit's manual or eager."""
-    if fused_attention_used(w.device, spec.attention, spec.attn_dropout):
-        return sdpa_fused(w, q, k, v, B, spec.n_head, S, n, spec.attn_dropout)
+    if fused_attention_used(w.device, spec.attention, c.p):
+        return sdpa_fused(w, q, k, v, c)
     if spec.attention == "sdpa":
-        return sdpa_math(w, B, spec.n_head, S, n, spec.attn_dropout, q.rg or k.rg or v.rg, q, k, v)
-    return attention_eager(w, q, k, v, B, spec.n_head, kv_heads, S, n, spec.attn_dropout, fp32_softmax)
+        return sdpa_math(w, c, q.rg or k.rg or v.rg, q, k, v)
+    return attention_eager(w, q, k, v, c)
 
 
 def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
@@ -430,6 +477,7 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
     r, h = B * S, spec.hidden
     n = r * h
     x = _embeddings(w, spec, S, n, "wte", "wpe")
+    call = AttnCall(B, spec.n_head, S, n, spec.attn_dropout, block=spec.attn_block or None)
     # pos = torch.arange(T) is held until the forward returns (and saved when the position table trains)
     w.forward_locals, w.locals_saved = (0, S * 8) if w.trains("wpe") else (S * 8, 0)
     for i in range(spec.n_layer):
@@ -439,13 +487,13 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
         a = w.layer_norm(x, r, f"ln_1.{i}", m + "ln_1")
         qkv = w.linear(a, r, 3 * h, f"qkv.{i}", m + "attn.c_attn")
         if spec.attention == "manual":
-            y = attention_manual(w, qkv, B, spec.n_head, S, n, spec.attn_dropout)
+            y = attention_manual(w, qkv, call)
         elif spec.attention == "tiled":
             q, k, v = _views(w, qkv, 3, n, "q,k,v")
-            y = attention_tiled(w, q, k, v, B, spec.n_head, S, n, spec.attn_block)
+            y = attention_tiled(w, q, k, v, call)
         else:
             q, k, v = _views(w, qkv, 3, n, "q,k,v")
-            y = _attention(w, spec, q, k, v, B, S, n, spec.n_head, False)
+            y = _attention(w, spec, q, k, v, call)
         o = w.linear(y, r, h, f"attn proj.{i}", m + "attn.c_proj")
         od = w.dropout(o, spec.dropout, f"resid dropout.{i}")
         if od is not o:
@@ -493,6 +541,7 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     n = r * h
     w.save(w.new(r, 8, "shifted labels"))
     x = _embeddings(w, spec, S, n, "transformer.wte", "transformer.wpe")
+    call = AttnCall(B, spec.n_head, S, n, spec.attn_dropout)
     # GPT2Model.forward keeps inputs_embeds, position_embeds and the position ids until it returns
     w.forward_locals = n * w.x_bytes + S * h * w.x_bytes + (0 if w.trains("transformer.wpe") else S * 8)
     w.locals_saved = S * 8 if w.trains("transformer.wpe") else 0
@@ -503,7 +552,7 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
         a = w.layer_norm(x, r, f"ln_1.{i}", m + "ln_1")
         qkv = w.linear(a, r, 3 * h, f"c_attn.{i}", m + "attn.c_attn")
         q, k, v = _views(w, qkv, 3, n, f"q.{i},k.{i},v.{i}")  # views of c_attn's output
-        y = _attention(w, spec, q, k, v, B, S, n, spec.n_head, False)
+        y = _attention(w, spec, q, k, v, call)
         o = w.linear(y, r, h, f"c_proj.{i}", m + "attn.c_proj")
         w.drop(y)
         od = w.dropout(o, spec.dropout, f"resid dropout.{i}")
@@ -582,6 +631,7 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
     w.forward_locals = S * 8 + (0 if emb_saved else r * h * w.x_bytes)
     w.locals_saved = 2 * S * hd * w.x_bytes + (r * h * w.x_bytes if emb_saved else 0)
     w.block0_local = 0 if emb_saved else r * h * w.x_bytes
+    call = AttnCall(B, spec.n_head, S, r * qd, spec.attn_dropout, spec.n_kv_head, fp32_softmax=True)
     for i in range(spec.n_layer):
         layer_marks.append(w.mark())
         w.tape.block(i, x)
@@ -599,7 +649,7 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
         k2 = w.new(r * kv, q.itemsize, f"k rotated.{i}", k.rg)
         for t, u in ((q2, qr), (k2, kr)):
             t.base = u  # the same storage
-        y = _attention(w, spec, qr, kr, vv, B, S, r * qd, spec.n_kv_head, True)
+        y = _attention(w, spec, qr, kr, vv, call)
         o = w.linear(y, r, h, f"o_proj.{i}", m + "self_attn.o_proj")
         w.drop(y, qr, kr, v, a)
         x2 = w.add(x, o, f"residual.{i}")

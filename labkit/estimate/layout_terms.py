@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass
 
 from labkit.memory.report import Category, Estimate, Moment, Term
 
@@ -36,18 +37,39 @@ def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 # ---- Korthikanti et al.'s per-layer formula and what labkit's layer adds ------------------------------------------
-def labkit_layer_extras(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, e: int = 2,
-                        device: str = "cpu", dropout: bool = True, manual: bool = True) -> list[Term]:
-    """What labkit's layer saves beyond the formula, term by term (e = bytes per activation element):
-    LayerNorm statistics, the (S, S) causal mask of materialised attention, and on a CPU dropout masks in the
-    activations' dtype (e bytes, not 1: aten's CPU native_dropout returns the mask as the input's dtype)."""
+@dataclass(frozen=True)
+class LabkitLayer:
+    """How labkit's layer runs, beyond the formula's sizes (what labkit_layer_extras adds depends on it)."""
+
+    e: int = 2  # bytes per activation element
+    device: str = "cpu"  # "cpu" or "cuda": on a CPU dropout masks take e bytes, not 1
+    dropout: bool = True  # the layer has dropout (attention and residual)
+    manual: bool = True  # materialised attention (labkit's "manual"): its (S, S) causal mask is saved
+
+    def __post_init__(self) -> None:
+        if isinstance(self.e, bool) or not isinstance(self.e, int) or self.e <= 0:
+            raise ValueError(f"LabkitLayer.e must be a positive integer of bytes, got {self.e!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"LabkitLayer.device must be 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("dropout", "manual"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LabkitLayer.{name} must be True or False, got {getattr(self, name)!r}")
+
+
+def labkit_layer_extras(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                        layer: LabkitLayer = LabkitLayer()) -> list[Term]:
+    """What labkit's layer saves beyond the formula (its sizes as korthikanti_layer_bytes takes them), term by
+    term (e = layer.e bytes per activation element): LayerNorm statistics, the (S, S) causal mask of materialised
+    attention, and on a CPU dropout masks in the activations' dtype (e bytes, not 1: aten's CPU native_dropout
+    returns the mask as the input's dtype)."""
+    e = layer.e
     rep = t if sp else 1  # what the formula's '10' covers is divided by t only with sequence parallelism
     out = [Term("LayerNorm mean and rstd (2 norms)", Category.ACT, 2 * 2 * s * b * e // rep,
                 "2 x 2 x sb x e" + (" / t" if sp else ""), "native_layer_norm saves mean and rstd")]
-    if manual:
+    if layer.manual:
         out.append(Term("causal mask (S x S bool)", Category.ACT, s * s, "s^2", "masked_fill saves its mask"))
-    if dropout and device == "cpu" and e > 1:
-        if manual:
+    if layer.dropout and layer.device == "cpu" and e > 1:
+        if layer.manual:
             out.append(Term("attention dropout mask at e bytes, not 1", Category.ACT, (e - 1) * a * s * s * b // t,
                             "(e - 1) as^2 b / t", "aten native_dropout on CPU: mask in the input's dtype"))
         out.append(Term("residual dropout masks at e bytes, not 1", Category.ACT, 2 * (e - 1) * s * b * h // rep,
@@ -169,7 +191,7 @@ def estimate_ranks(recipe) -> list[Estimate]:
     micro, rows = r.micro, r.rank_batch
     m = rows // micro
     foreach = (r.device == "cuda") if r.foreach is None else r.foreach
-    full, w = predict.step_bytes(spec, prec, rows, micro, r.seq, r.optimizer, r.device, foreach)
+    full, w = predict.step_bytes(spec, r)
     _, marks = predict.walk_activations(spec, prec, micro, r.seq, r.device)
     t, sp, p = r.tp, r.sequence_parallel, r.pp
     d, mm = prec.weight, w.mm_bytes

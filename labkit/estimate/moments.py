@@ -215,6 +215,21 @@ def _block_saved(b: StepBytes, k: int) -> int:
     return r.saved_bytes + r.input_saved - r.copies_saved
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What the moments of one step share (step_moments makes it from its own checked arguments)."""
+
+    b: StepBytes  # the step's byte counts
+    policy: str  # the checkpointing policy (POLICIES)
+    offload: bool  # saved activations offloaded to host memory
+    sizes: list[int]  # blocks per checkpointed unit (segments_of)
+    states: list[Term]  # parameters, optimizer state and, on a later micro-batch, the earlier gradients
+    buffers: list[Term]  # a quantized base's buffers
+    grads_exist: bool  # a later micro-batch: every gradient already made
+    step_in_backward: bool  # each parameter steps when its gradient is ready
+    sfx: str  # appended to every moment's `where`: " (tag)" or ""
+
+
 def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int | None = None,
                  offload: bool = False, grads_exist: bool = False, step_in_backward: bool = False,
                  tag: str = "") -> list[Moment]:
@@ -237,6 +252,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                                                              name="saved after the last block (but the log-softmax)")]
     buffers = b.state("buffers")
     sfx = f" ({tag})" if tag else ""
+    st = _Step(b, policy, offload, sizes, states, buffers, grads_exist, step_in_backward, sfx)
     held_all = _held(b, policy, offload, sizes, n_units) if replayed else _held_terms(b, policy, offload, sizes, n_units)
     fwd_copies = _forward_copies(b, policy, offload) if replayed else b.state("C")
 
@@ -264,9 +280,9 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                           [*states, *before_head, *buffers, b.term("inputs"), *outside[:1], *held_all,
                            b.term("dequant")]))
     if replayed:
-        fwd += _replayed_forward(b, policy, offload, sizes, states, buffers, sfx)
+        fwd += _replayed_forward(st)
     else:
-        fwd += _forward_points(b, policy, offload, sizes, states, buffers, sfx, plain)
+        fwd += _forward_points(st, plain)
 
     # autocast's weight copies after the forward: all kept (none), the head's only (the blocks' copies
     # are not saved by a checkpointed region; its recompute casts again), or none (offloaded)
@@ -302,15 +318,12 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     if b.tail is not None and not step_in_backward and len(b.replays) == n_layer:
         # after the head: a later micro-batch's new head gradient was summed into .grad (a tied one waits)
         after_head = ([b.term("head_held")] if b.head_held else []) if grads_exist else head_grad
-        moments.append(_tail_moment(b, policy, offload, states, buffers, kwargs, held_all, after_head, grads_exist,
-                                    sfx))
+        moments.append(_tail_moment(st, kwargs, held_all, after_head))
     block_steps = None
     if replayed or plain:
-        block_moments, block_steps = _replayed_backward(b, policy, offload, sizes, states, buffers, grads_exist,
-                                                        step_in_backward, sfx)
+        block_moments, block_steps = _replayed_backward(st)
     else:
-        block_moments = _plain_backward(b, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
-                                        recompute, n_layer, sfx, moments)
+        block_moments = _plain_backward(st, moments)
     rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_,
                    max(b.rest_step[0], b.tied_step[0]),
                    "largest such gradient x d", "labkit.optim.StepInBackward")] if step_in_backward else b.state("G")
@@ -354,12 +367,13 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     return moments
 
 
-def _tail_moment(b: StepBytes, policy, offload, states, buffers, kwargs, held_all, head_grad, grads_exist,
-                 sfx) -> Moment:
+def _tail_moment(st: _Step, kwargs: list[Term], held_all: list[Term], head_grad: list[Term]) -> Moment:
     """The final norm's backward, after the head's and before the last block's: every block's held tensors,
     the norm's saved tensors (copied back under offload) until their last reader, its gradients and
     temporaries (transformers' Python RMSNorm: pow's backward makes x^1 and 2x beside the gradients in flight,
     the mean's gradient and the x * rsqrt part waiting to be summed)."""
+    b, policy, offload, states, buffers, grads_exist, sfx = (st.b, st.policy, st.offload, st.states, st.buffers,
+                                                             st.grads_exist, st.sfx)
     t = b.tail
     w = (t.offload_later if grads_exist else t.offload) if offload else (t.saved_later if grads_exist else t.saved)
     terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]), *kwargs, *held_all]
@@ -385,10 +399,11 @@ def _tail_moment(b: StepBytes, policy, offload, states, buffers, kwargs, held_al
     return Moment("backward", "the final norm's backward" + sfx, terms)
 
 
-def _plain_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads_exist, step_in_backward, recompute,
-                    n_layer, sfx, moments) -> list[Moment]:
+def _plain_backward(st: _Step, moments: list[Moment]) -> list[Moment]:
     """Each unit's backward from the walk's per-block bytes (no checkpointing, no offload); the op-level
     points are appended to `moments`."""
+    b, policy, offload, sizes, states, buffers = st.b, st.policy, st.offload, st.sizes, st.states, st.buffers
+    grads_exist, step_in_backward, sfx, n_layer = st.grads_exist, st.step_in_backward, st.sfx, sum(st.sizes)
     n_units = len(sizes)
     block_moments = []
     done = 0  # blocks whose backward is finished
@@ -412,8 +427,7 @@ def _plain_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads
         if step_in_backward and b.head_held:
             terms.append(b.term("head_held"))
         block_moments.append(Moment("backward", where + sfx, terms))
-        moments += _backward_points(b, policy, offload, sizes, j, done, states, buffers, grads_exist,
-                                    step_in_backward, recompute, n_layer, where, sfx)
+        moments += _backward_points(st, j, done, where)
         done += m
     return block_moments
 
@@ -497,9 +511,11 @@ def _locals(b: StepBytes, offload: bool, checkpointed: bool, in_block0: bool = F
     return out
 
 
-def _replayed_forward(b: StepBytes, policy, offload, sizes, states, buffers, sfx) -> list[Moment]:
+def _replayed_forward(st: _Step) -> list[Moment]:
     """Inside the last block's forward: the earlier units' held inputs, the last unit's input when the block
     is not its first, and the block's worst moment with nothing saved (or its matmul outputs cached)."""
+    b, policy, offload, sizes, states, buffers = st.b, st.policy, st.offload, st.sizes, st.states, st.buffers
+    sfx = st.sfx
     n_units = len(sizes)
     s, e = _units(sizes)[-1]
     last = b.replays[e - 1]
@@ -520,11 +536,12 @@ def _replayed_forward(b: StepBytes, policy, offload, sizes, states, buffers, sfx
     return [Moment("forward", f"inside block {e - 1}'s forward ({_at(worst.op, e - 1)})" + sfx, terms)]
 
 
-def _replayed_backward(b: StepBytes, policy, offload, sizes, states, buffers, grads_exist, step_in_backward,
-                       sfx) -> list[Moment]:
+def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
     """Each unit's backward: for a checkpointed unit, its recompute (every block's saved tensors made again,
     autocast weight copies included) and then each block's backward ops; for offload, each block's ops with
     their saved tensors copied back. The head's weight copy went with the head's backward."""
+    b, policy, offload, sizes, states, buffers = st.b, st.policy, st.offload, st.sizes, st.states, st.buffers
+    grads_exist, step_in_backward, sfx = st.grads_exist, st.step_in_backward, st.sfx
     out, steps = [], []  # the blocks' moments; under step in backward, the moments their parameters step
     spans = _units(sizes)
     done_grads = 0  # gradients of the blocks whose backward is finished
@@ -681,10 +698,12 @@ def _wgrad_term(w, k: int, later: bool = False) -> Term:
                   "autograd makes a weight's gradient at its op's backward")
 
 
-def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx, plain: bool = False) -> list[Moment]:
+def _forward_points(st: _Step, plain: bool = False) -> list[Moment]:
     """Inside the last block's forward (nothing checkpointed or offloaded), at the block's end and at its
     worst moment: from the replay of its ops with every saved tensor kept (plain), else at each recorded
     attention op's worst moment (labkit.estimate.attention)."""
+    b, policy, offload, sizes, states, buffers = st.b, st.policy, st.offload, st.sizes, st.states, st.buffers
+    sfx = st.sfx
     out = []
     L = sum(sizes)
     extra = [custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
@@ -737,10 +756,11 @@ def _forward_points(b: StepBytes, policy, offload, sizes, states, buffers, sfx, 
     return out
 
 
-def _backward_points(b: StepBytes, policy, offload, sizes, j, done, states, buffers, grads_exist, step_in_backward,
-                     recompute, n_layer, where, sfx) -> list[Moment]:
+def _backward_points(st: _Step, j: int, done: int, where: str) -> list[Moment]:
     """Inside unit j's backward (nothing checkpointed or offloaded), at each recorded op's worst moment: what
     the block's earlier ops saved is still alive, what came after it is freed, the op's temporaries on top."""
+    b, policy, offload, sizes, states, buffers = st.b, st.policy, st.offload, st.sizes, st.states, st.buffers
+    grads_exist, step_in_backward, sfx, n_layer = st.grads_exist, st.step_in_backward, st.sfx, sum(st.sizes)
     out = []
     for phase, what, before, saved, temp, grads_made, _ in b.points:
         if phase != "backward":

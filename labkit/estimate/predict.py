@@ -109,9 +109,7 @@ def single_estimate(r: Recipe) -> Estimate:
                          "drop one of them")
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
-    foreach = (device == "cuda") if r.foreach is None else r.foreach
-    b, w = step_bytes(spec, prec, batch, micro, seq, optimizer, device, foreach, rank, peft, r.proj_dtype,
-                      r.selective_policy)
+    b, w = step_bytes(spec, r, peft)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = b.opt_cast = 0
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
@@ -143,13 +141,16 @@ def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):
         raise ValueError(f"{what} is not modelled with optimizer_offload or step_in_backward; drop one of them")
 
 
-def step_bytes(spec, prec, B, micro, S, optimizer, device, foreach, rank=None, peft=None,
-               proj_dtype=None, selective: str = "matmuls") -> tuple[StepBytes, Walk]:
-    """Every byte count the phases need, from the model states and the forward walk of a micro-batch.
+def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, Walk]:
+    """Every byte count the phases need, from the model states and the forward walk of a micro-batch, for one
+    rank's rows of `recipe` (its dtype, optimizer, device, foreach, GaLore rank and proj_dtype, selective policy).
     peft: LoRA/QLoRA/LISA (labkit.estimate.peft_terms): only the trainable parameters get gradients and
     optimizer state; the frozen base stays in parameters (or in int8/NF4 buffers).
     Each block's ops and the final norm's are replayed (labkit.estimate.tape) for the moments inside them."""
-    w, marks = walk_activations(spec, prec, micro, S, device, peft, selective)
+    prec, B, micro, S, optimizer, rank, proj_dtype = (Precision.of(recipe.dtype), recipe.rank_batch, recipe.micro,
+                                                      recipe.seq, recipe.optimizer, recipe.rank, recipe.proj_dtype)
+    foreach = (recipe.device == "cuda") if recipe.foreach is None else recipe.foreach
+    w, marks = walk_activations(spec, prec, micro, S, recipe.device, peft, recipe.selective_policy)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     chunked = w.loss_scratch is not None  # labkit GPT's chunked loss: no (r, V) tensor outlives a chunk
     lsm = 0 if chunked else next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes

@@ -213,11 +213,10 @@ class Walk:
             self.drop(out)
         return y
 
-    def _lora_path(self, x: T, module: str, r: int, rows: int, d_out: int, name: str, saved_in: T, a_out: T,
-                   base: T) -> T:
+    def _lora_path(self, x: T, module: str, rows: int, d_out: int, name: str, saved_in: T, a_out: T, base: T) -> T:
         """LoRALinear's side path on the tape: h = x.to(adapter dtype), A then B (autocast copies h to
         16-bit: the saved `saved_in`), times the scaling, added to the base's output."""
-        d_in = self.linears[module][0]
+        d_in, r = self.linears[module][0], self.lora[module]
         h = self.cast(x, self.x_bytes, f"{name} adapter input (adapter dtype)")
         a16, asteps = self._weight_copy(r * d_in, True, f"{module}.lora_A (16-bit copy)")
         a_in = h
@@ -274,7 +273,7 @@ class Walk:
             base = self._dequant_matmul(x, module, rows, out_features, f"{name} base")
         else:
             base = self._matmul(x, module, trains, rows, out_features, name if not r else f"{name} base", saved_x)
-        y = self._lora_path(x, module, r, rows, out_features, name, adapter_in, a_out, base) if r else base
+        y = self._lora_path(x, module, rows, out_features, name, adapter_in, a_out, base) if r else base
         y.rg = x.rg or trains or r > 0
         assert y.itemsize == itemsize, (name, y.itemsize, itemsize)
         return self.keep(self.new(rows * out_features, itemsize, name, rg=y.rg), y, "linear")

@@ -5,9 +5,12 @@ from __future__ import annotations
 from labkit.memory.units import GiB
 
 from .estimator import estimate
+from .recipe import Recipe
 
 DEFAULT_BUDGETS_GIB = (16, 24, 80, 141)  # a T4/V100-16, an RTX 4090/A10, an A100/H100-80, an H200
 METHODS = ("full", "lora", "qlora")  # plain training; LoRA on a frozen base; LoRA on an NF4 base (QLoRA)
+DEFAULT_RECIPE = Recipe(None, 1, 1024, "mixed-bf16", device="cuda")  # fit_table's step: B=1 S=1024, AdamW
+LORA_RANK = 16  # the adapters' rank when the recipe gives none
 
 
 def default_models() -> list[str]:
@@ -17,29 +20,27 @@ def default_models() -> list[str]:
     return [name for name in PRESETS if not name.endswith("-tiny")]
 
 
-def method_options(method: str, lora_rank: int = 16, lora_targets="all-linear") -> dict:
-    """estimate() keyword arguments of a method: "full" none; "lora" and "qlora" adapters of rank
-    `lora_rank` on `lora_targets`, "qlora" with the base in NF4."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+def _row_recipe(recipe: Recipe, model, method: str, peft_dtype: str | None) -> Recipe:
+    """One row's step: "full" the recipe without adapters; "lora" and "qlora" adapters of rank recipe.lora_rank
+    (None: LORA_RANK) on recipe.lora_targets, the frozen base in `peft_dtype` (None: recipe.dtype), "qlora" in NF4."""
     if method == "full":
-        return {}
-    return {"lora_rank": lora_rank, "lora_targets": lora_targets, "quant": "nf4" if method == "qlora" else "none"}
+        return recipe.replace(model=model, lora_rank=None, quant="none", quant_group=None)
+    return recipe.replace(model=model, lora_rank=recipe.lora_rank or LORA_RANK, quant_group=None,
+                          quant="nf4" if method == "qlora" else "none", dtype=peft_dtype or recipe.dtype)
 
 
-def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, batch: int = 1, seq: int = 1024,
-              dtype: str = "mixed-bf16", optimizer: str = "adamw", device: str = "cuda", methods=("full",),
-              lora_rank: int = 16, lora_targets="all-linear", peft_dtype: str | None = "bf16",
-              checkpoint: str = "none", micro_batch: int | None = None) -> list[dict]:
+def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEFAULT_RECIPE, methods=("full",),
+              peft_dtype: str | None = "bf16") -> list[dict]:
     """One row per model and method: its predicted peak for one training step and whether it fits each budget.
 
     A row is {"model", "method", "n_params", "peak" (bytes), "peak_phase", "fits": {budget in GiB: bool}};
-    a model fits a budget when its predicted peak is at most budget x 2**30 bytes. methods: some of
-    METHODS ("full" fine-tuning in `dtype`, "lora", "qlora"). LoRA and QLoRA keep their frozen base
-    in `peft_dtype` (bf16, as peft loads models; None: `dtype`) with adapters of rank `lora_rank` on
-    `lora_targets`; checkpoint and micro_batch as estimate() takes them, for every row. Nothing is allocated:
-    every model is read on the meta device. Errors from `estimate` (say, seq beyond a model's positions) are
-    raised, not hidden in the table.
+    a model fits a budget when its predicted peak is at most budget x 2**30 bytes. recipe: the step of every
+    row (batch, seq, dtype, optimizer, device, checkpoint, micro_batch, ...), its model left None: each row's
+    is one of `models`. methods: some of METHODS ("full" fine-tuning in recipe.dtype, "lora", "qlora"). LoRA and
+    QLoRA keep their frozen base in `peft_dtype` (bf16, as peft loads models; None: recipe.dtype) with adapters
+    of rank recipe.lora_rank (None: LORA_RANK) on recipe.lora_targets. Nothing is allocated: every model is read
+    on the meta device. Errors from `estimate` (say, seq beyond a model's positions) are raised, not hidden in
+    the table.
     """
     models = default_models() if models is None else list(models)
     if not models:
@@ -47,17 +48,19 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, batch: int = 1, seq:
     budgets = list(budgets_gib)
     if not budgets or any(not isinstance(b, (int, float)) or b <= 0 for b in budgets):
         raise ValueError(f"budgets must be positive numbers of GiB, got {budgets_gib!r}")
+    if not isinstance(recipe, Recipe) or recipe.model is not None:
+        raise ValueError(f"recipe must be a Recipe with model=None (each row's model is one of models), got {recipe!r}")
     methods = [methods] if isinstance(methods, str) else list(methods)
     if not methods:
         raise ValueError(f"methods must name at least one of {', '.join(METHODS)}")
-    options = {m: method_options(m, lora_rank, lora_targets) for m in methods}
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     rows = []
     for model in models:
         for method in methods:
-            kind = dtype if method == "full" or peft_dtype is None else peft_dtype
             try:
-                e = estimate(model, batch, seq, kind, optimizer, device=device, checkpoint=checkpoint,
-                             micro_batch=micro_batch, **options[method])
+                e = estimate(_row_recipe(recipe, model, method, peft_dtype))
             except ValueError as err:  # name the model that failed
                 raise ValueError(f"{model}: {err}") from err
             peak = e.peak.total  # bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.data.loading import loader_ram
+from labkit.data.loading import LoaderConfig, loader_ram
 from labkit.memory import SimulatedOutOfMemoryError
 from labkit.models.cnn import CNNConfig, largest_phi, measure, predict
 
@@ -20,15 +20,16 @@ class Plan:
     best_phi: float | None  # the largest phi whose resident bytes fit the budget
 
 
-def plan(corpus_tokens: int, repeat: int, workers: int, prefetch: int, batch: int, seq: int, phi: float,
-         cnn_batch: int, budget: int, shuffle_buffer: int = 256, shard_rows: int = 1024,
+def plan(corpus_tokens: int, repeat: int, loader: LoaderConfig, phi: float, cnn_batch: int, budget: int,
          config: CNNConfig | None = None, phis=None) -> Plan:
-    """Both predictions for the lesson's panel (and for the lesson's explore cells)."""
+    """Both predictions for the lesson's panel (and for the lesson's explore cells): the RAM of `loader` on
+    corpus_tokens x repeat tokens, and the CNN's resident bytes per phi (with `phi`) at cnn_batch under `budget`."""
     config = config or CNNConfig()
     phis = list(phis) if phis is not None else [i / 2 for i in range(13)]
     if phi not in phis:
         phis = sorted(set(phis) | {phi})
-    terms = loader_ram(workers, prefetch, batch, seq, shuffle_buffer, shard_rows)
+    L = loader
+    terms = loader_ram(L.workers, L.prefetch, L.batch, L.seq, L.shuffle_buffer, L.shard_rows)
     return Plan(corpus_tokens * repeat * 2, sum(terms.values()), terms, phis,
                 [predict(config.at(p), cnn_batch).resident for p in phis], largest_phi(config, cnn_batch, budget, phis))
 

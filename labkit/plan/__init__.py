@@ -13,5 +13,5 @@ From a shell: `python -m labkit plan --model llama2-7b --memory 24GiB --tokens 1
 
 from .cost import Fidelity, StepTime, step_time
 from .devices import PRESETS, Device, get_device
-from .search import NoPlanError, Plan, plan
+from .search import NoPlanError, Plan, SearchOptions, plan
 from .verify import Verification, verify

@@ -39,6 +39,7 @@ from .devices import Device, closest, get_device
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion", "galore", "galore8bit")
 PRECISIONS = ("fp32", "mixed", "16-bit")  # min_precision levels; "bf16"/"fp16" mean 16-bit, "mixed-*" mixed
+PRECISION_LEVELS = {"fp32": 0, "mixed": 1, "mixed-bf16": 1, "mixed-fp16": 1, "16-bit": 2, "bf16": 2, "fp16": 2}
 CHECKPOINTS = ("none", "selective", "sqrt", "full")
 LORA_RANK = 16  # as labkit.estimate.wall's LoRA and QLoRA rows
 LISA_LAYERS = 2  # LISA's gamma (Pan et al. 2024)
@@ -50,6 +51,34 @@ HEADROOM = 0.10  # the default share of the budget a plan should leave free (the
 
 class NoPlanError(ValueError):
     """No configuration fits: names the smallest predicted peak found and the budget."""
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What plan() searches and how many plans it returns (beyond the model, the devices and the tokens)."""
+
+    peft: bool | str = False  # False: full training only; True: PEFT only (LISA, LoRA, QLoRA); "allow": both
+    min_precision: str = "bf16"  # the least precise dtype allowed (fp32, mixed-bf16, bf16, ...)
+    top: int | None = 5  # how many plans (None: every family's best)
+    optimizers: tuple[str, ...] = OPTIMIZERS  # those allowed (one name or several, of OPTIMIZERS)
+    headroom: float = HEADROOM  # a plan whose peak is above (1 - headroom) x memory is flagged tight
+
+    def __post_init__(self) -> None:
+        if self.peft not in (False, True, "allow"):
+            raise ValueError(f"peft must be False, True or 'allow', got {self.peft!r}")
+        if self.min_precision not in PRECISION_LEVELS:
+            raise ValueError(f"min_precision must be one of fp32, mixed-bf16, mixed-fp16, bf16, fp16, "
+                             f"got {self.min_precision!r}")
+        if self.top is not None and (isinstance(self.top, bool) or not isinstance(self.top, int) or self.top <= 0):
+            raise ValueError(f"top must be a positive integer or None, got {self.top!r}")
+        opts = (self.optimizers,) if isinstance(self.optimizers, str) else tuple(self.optimizers)
+        bad = [o for o in opts if o not in OPTIMIZERS]
+        if bad or not opts:
+            raise ValueError(f"optimizers must name some of {', '.join(OPTIMIZERS)}, got {bad or list(opts)!r}")
+        object.__setattr__(self, "optimizers", opts)
+        h = self.headroom
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
+            raise ValueError(f"headroom must be a fraction of the budget from 0 to below 1 (e.g. 0.1), got {h!r}")
 
 
 @dataclass(frozen=True)
@@ -119,11 +148,10 @@ def describe_recipe(r: Recipe) -> str:
 # ----------------------------------------------------------------------------- the space
 def allowed_dtypes(min_precision: str, device: Device) -> list[str]:
     """The dtypes at least as precise as min_precision, in the device's 16-bit format, cheapest first."""
-    level = {"fp32": 0, "mixed": 1, "mixed-bf16": 1, "mixed-fp16": 1, "16-bit": 2, "bf16": 2, "fp16": 2}
-    if min_precision not in level:
+    if min_precision not in PRECISION_LEVELS:
         raise ValueError(f"min_precision must be one of fp32, mixed-bf16, mixed-fp16, bf16, fp16, got {min_precision!r}")
     h = device.half
-    return [d for d, lv in ((h, 2), (f"mixed-{h}", 1), ("fp32", 0)) if lv <= level[min_precision]]
+    return [d for d, lv in ((h, 2), (f"mixed-{h}", 1), ("fp32", 0)) if lv <= PRECISION_LEVELS[min_precision]]
 
 
 def _divisors(n: int) -> list[int]:
@@ -414,18 +442,16 @@ def _families(s: _Search, devices: int, peft, dtypes, optimizers) -> list[_Famil
 
 
 def plan(model, devices: int = 1, memory: int | str | None = None, device_preset=None, tokens=None,
-         batch: int | None = None, seq: int | None = None, peft=False, min_precision: str = "bf16",
-         top: int | None = 5, optimizers=OPTIMIZERS, headroom: float = HEADROOM) -> list[Plan]:
+         batch: int | None = None, seq: int | None = None, options: SearchOptions = SearchOptions()) -> list[Plan]:
     """Plans that fit `memory` bytes per device on `devices` devices, best first (fidelity, then time).
 
     model: a preset name, config path or hub id (as labkit.estimate takes it). memory: bytes or a size such as
     "24GiB" (default: the preset's memory). device_preset: a name of labkit.plan.devices.PRESETS or "cpu" (default:
     the preset closest to `memory`), whose speeds the times assume. tokens: "B*S" or (B, S), or batch and seq
-    (default batch 1, seq min(1024, the model's positions)); batch is the global batch. peft: False (full training
-    only), True (PEFT only: LISA, LoRA, QLoRA) or "allow" (both). min_precision: the least precise dtype allowed
-    (fp32, mixed-bf16, bf16, ...). top: how many plans (None: every family's best). optimizers: those allowed.
+    (default batch 1, seq min(1024, the model's positions)); batch is the global batch. options: what to search
+    (peft, min_precision, optimizers) and return (top, headroom), a SearchOptions (default: full training, bf16
+    or more precise, every optimizer, 5 plans, 10 % headroom).
     memory as a string: "24GiB" is 24 x 2**30 bytes, "24GB" 24 x 10**9 (labkit.memory.units.parse_bytes).
-    headroom: a plan whose peak is above (1 - headroom) x memory is flagged tight (default 0.10).
     Raises NoPlanError when nothing fits, naming the smallest predicted peak found and the budget.
     """
     from labkit.estimate.spec import shapes_only, spec_from
@@ -433,30 +459,23 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
 
     if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_DEVICES:
         raise ValueError(f"devices must be an integer from 1 to {MAX_DEVICES}, got {devices!r}")
-    if peft not in (False, True, "allow"):
-        raise ValueError(f"peft must be False, True or 'allow', got {peft!r}")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top <= 0):
-        raise ValueError(f"top must be a positive integer or None, got {top!r}")
-    optimizers = [optimizers] if isinstance(optimizers, str) else list(optimizers)
-    bad = [o for o in optimizers if o not in OPTIMIZERS]
-    if bad or not optimizers:
-        raise ValueError(f"optimizers must name some of {', '.join(OPTIMIZERS)}, got {bad or optimizers!r}")
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be a fraction of the budget from 0 to below 1 (e.g. 0.1), got {headroom!r}")
+    if not isinstance(options, SearchOptions):
+        raise ValueError(f"options must be a SearchOptions, got {options!r}")
+    top = options.top
     if memory is None and device_preset is None:
         raise ValueError("give the memory per device, a device preset, or both")
     if memory is not None:
         memory = parse_bytes(memory)
     device = get_device(device_preset) if device_preset is not None else closest(memory)
     memory = device.memory if memory is None else memory
-    dtypes = allowed_dtypes(min_precision, device)
+    dtypes = allowed_dtypes(options.min_precision, device)
     with shapes_only():
         spec = spec_from(model)
     batch, seq = _batch_seq(spec, tokens, batch, seq)
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
-    s = _Search(model, spec, memory, device, batch, seq, headroom)
-    fams = _families(s, devices, peft, dtypes, optimizers)
+    s = _Search(model, spec, memory, device, batch, seq, options.headroom)
+    fams = _families(s, devices, options.peft, dtypes, list(options.optimizers))
     if not fams:
         raise NoPlanError(f"no configuration to try for {devices} device(s) with batch {batch}: each layout's "
                           f"data-parallel ranks must divide the batch")

@@ -8,6 +8,7 @@ import html
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
+from labkit.data.loading import LoaderConfig
 from labkit.memory import MiB, fmt_bytes
 from labkit.models.cnn import CNNConfig, predict
 from labkit.models.scaling import measure_within, plan
@@ -48,9 +49,9 @@ class DataScalingPanel:
 
     def _on_change(self, _change=None) -> None:
         self.prefetch.disabled = self.workers.value == 0  # prefetching needs workers
-        self.last_plan = plan(self.corpus_tokens, self.repeat.value, self.workers.value, self.prefetch.value,
-                              self.batch, self.seq, self.phi.value, self.cnn_batch, self._budget_bytes(),
-                              config=self.config)
+        loader = LoaderConfig(self.workers.value, self.prefetch.value, self.batch, self.seq)
+        self.last_plan = plan(self.corpus_tokens, self.repeat.value, loader, self.phi.value, self.cnn_batch,
+                              self._budget_bytes(), config=self.config)
         self._draw(self.last_plan)
 
     def _on_measure(self, _button=None) -> None:

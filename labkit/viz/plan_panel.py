@@ -104,16 +104,16 @@ class PlanPanel:
         return f"<b style='color:{color}; white-space:normal'>{html.escape(text)}</b>"
 
     def _on_change(self, _change=None) -> None:
-        from labkit.plan import plan
+        from labkit.plan import SearchOptions, plan
         from labkit.plan.verify import check_runnable
 
         self.message.value = ""
         self.last_verification = None
         try:
+            options = SearchOptions(PEFT_CHOICES[self.peft.value], self.precision.value, self.top)
             plans = plan(self.model.value, devices=int(self.devices.value), memory=self.memory_bytes,
-                         device_preset=self.device.value,
-                         batch=int(self.batch.value), seq=int(self.seq.value), peft=PEFT_CHOICES[self.peft.value],
-                         min_precision=self.precision.value, top=self.top)
+                         device_preset=self.device.value, batch=int(self.batch.value), seq=int(self.seq.value),
+                         options=options)
         except ValueError as e:  # NoPlanError included: say why, draw nothing
             self.last_plans, self.last_error = None, e
             self.verdict.value = self._say(f"no plan: {e}", DOES_NOT_FIT)

@@ -9,7 +9,7 @@ from labkit.distributed import launch
 from labkit.distributed import layout_ranks as lr
 from labkit.distributed import tensor_parallel as tp
 from labkit.estimate import Recipe, estimate_ranks
-from labkit.estimate.layout_terms import korthikanti_layer_bytes, labkit_layer_extras, layout_wire_bytes
+from labkit.estimate.layout_terms import LabkitLayer, korthikanti_layer_bytes, labkit_layer_extras, layout_wire_bytes
 from labkit.models.gpt import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -82,7 +82,7 @@ def test_tensor_parallel_memory_against_formula_and_estimate(runs):
     for _, res in runs:
         layer = res["layer"]
         for name, tt, sp in (("t=1", 1, False), ("tp", t, False), ("tp+sp", t, True)):
-            extras = labkit_layer_extras(s, b, h, a, tt, sp, e=2, device="cpu")
+            extras = labkit_layer_extras(s, b, h, a, tt, sp, LabkitLayer(e=2, device="cpu"))
             assert layer[name] == korthikanti_layer_bytes(s, b, h, a, tt, sp) + sum(x.bytes for x in extras), name
         for sp, meas in res["step"].items():
             est = estimate_ranks(Recipe(GPTConfig(**CFG), 8, 32, tp=2, micro_batch=4, sequence_parallel=sp))

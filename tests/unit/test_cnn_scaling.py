@@ -56,3 +56,27 @@ def test_progressive_resizing_peak_is_the_last_phase_unless_the_batch_shrinks():
     scaled = progressive_schedule(c, 8, [16, 24, 32], scale_batch=True)
     assert [b for _, b, _ in scaled] == [32, 14, 8]
     assert max(f for _, _, f in scaled) <= 1.05 * scaled[-1][2]  # level within the rounding of the batch
+
+
+def test_scaling_plan_takes_a_loader_config():
+    """plan's loader bytes are loader_ram of the LoaderConfig's settings, by hand: 2 workers x 3 batches of
+    (x, y) int64 in flight, 256 positions per worker's shuffle buffer, 2 open shards of 1024 rows of seq + 1
+    uint16 tokens per worker; the dataset is corpus x repeat x 2 bytes."""
+    from labkit.data.loading import LoaderConfig
+    from labkit.models.scaling import plan
+
+    p = plan(1000, 10, LoaderConfig(2, 3, 4, 32), 1.0, 2, 10**9)
+    assert p.loader_terms == {"batches in flight": 2 * 3 * 2 * 4 * 32 * 8, "shuffle buffers": 2 * 256 * 8,
+                              "open shards (mapped pages)": 2 * 2 * 1024 * 33 * 2}
+    assert p.loader_bytes == sum(p.loader_terms.values()) and p.dataset_bytes == 1000 * 10 * 2
+    assert 1.0 in p.phis and len(p.resident) == len(p.phis)
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(workers=-1), "workers"), (dict(prefetch=0), "prefetch"),
+                                           (dict(batch=True), "batch"), (dict(seq=0), "seq"),
+                                           (dict(shuffle_buffer=-1), "shuffle_buffer"), (dict(shard_rows=2.0), "shard_rows")])
+def test_loader_config_rejects_bad_values(kwargs, field):
+    from labkit.data.loading import LoaderConfig
+
+    with pytest.raises(ValueError, match=f"LoaderConfig.{field} "):
+        LoaderConfig(**(dict(workers=2, prefetch=2, batch=4, seq=32) | kwargs))

@@ -60,3 +60,31 @@ def test_without_the_attention_moments_these_cases_were_low():
     outside = max(x.total for x in e.moments if "block 0" not in x.where)
     assert outside < 0.8 * m.peak.total
     assert "softmax" in e.peak_moment.where
+
+
+def test_attn_call_sizes_and_the_manual_path_saves():
+    """AttnCall holds one call's sizes; labkit GPT's manual attention (fp32, no dropout) saves q, k^T, v
+    contiguous, the (S, S) mask and the probabilities, as before the sizes were grouped."""
+    from labkit.estimate.families import AttnCall, attention_manual
+    from labkit.estimate.tape import Tape, keep_kinds
+    from labkit.estimate.walk import Walk
+
+    c = AttnCall(2, 4, 16, 2 * 16 * 32, kv_heads=2)
+    assert (c.head_dim, c.kv_repeat, c.scores) == (8, 2, 2 * 4 * 16 * 16)
+    w = Walk(x_bytes=4, autocast=False, device="cpu", linears={}, tape=Tape(kinds=keep_kinds("matmuls")))
+    qkv = w.made(w.new(3 * c.numel, 4, "qkv", True))
+    y = attention_manual(w, qkv, AttnCall(2, 4, 16, 2 * 16 * 32))
+    assert y.numel == c.numel
+    assert w.saved_bytes == 3 * c.numel * 4 + 16 * 16 + c.scores * 4
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(batch=0), "batch"), (dict(heads=True), "heads"), (dict(numel=100), "numel"), (dict(p=1.0), "p"),
+    (dict(kv_heads=3), "kv_heads"), (dict(block=0), "block"),
+])
+def test_attn_call_rejects_bad_values(kwargs, field):
+    from labkit.estimate.families import AttnCall
+
+    args = dict(batch=2, heads=4, seq=16, numel=2 * 16 * 32) | kwargs
+    with pytest.raises(ValueError, match=f"AttnCall.{field} "):
+        AttnCall(**args)

@@ -88,13 +88,14 @@ def test_kept_bytes_are_what_the_runtime_caches(attention, dtype, policy):
     KeepOutputs caches running that block (LayerNorm's mean and rstd included: too small for the 3 % above)."""
     import torch
 
-    from labkit.estimate.predict import Precision, step_bytes
+    from labkit.estimate.predict import step_bytes
     from labkit.estimate.spec import spec_from
     from labkit.recompute.selective import selective_contexts
     from labkit.run.step import build_model
 
     cfg, B, S = _gpt(attention), 2, 128
-    b, _ = step_bytes(spec_from(cfg), Precision.of(dtype), B, B, S, "sgd", "cpu", False, selective=policy)
+    b, _ = step_bytes(spec_from(cfg), Recipe(cfg, B, S, dtype, "sgd", foreach=False, checkpoint="selective",
+                                             selective_policy=policy))
     model = build_model(cfg, dtype)
     keep, _ = selective_contexts(policy)
     x = torch.randn(B, S, cfg.n_embd, requires_grad=True)

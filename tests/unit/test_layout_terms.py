@@ -96,3 +96,27 @@ def test_cli_bad_layouts(capsys, args, words):
     assert main(["estimate", "--model", GPT_TEXT, "--batch", "8", "--seq", "32", *args]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
+
+
+def test_labkit_layer_extras_by_hand():
+    """s=8, b=2, h=16, a=4 in 2 bytes on a CPU: LayerNorm statistics 2 x 2 sb e, the (S, S) mask, the attention
+    dropout mask's extra byte (e - 1) a s^2 b / t and the residual masks' 2 (e - 1) sbh; on CUDA the masks are
+    1 byte, and without materialised attention there is no (S, S) term."""
+    from labkit.estimate.layout_terms import LabkitLayer, labkit_layer_extras
+
+    def terms(t=1, sp=False, **kw):
+        return [x.bytes for x in labkit_layer_extras(8, 2, 16, 4, t, sp, LabkitLayer(**kw))]
+
+    assert terms() == [128, 64, 512, 512]  # the defaults: e=2, CPU, dropout, manual attention
+    assert terms(t=2, sp=True) == [64, 64, 256, 256]
+    assert terms(device="cuda") == terms(dropout=False) == [128, 64]
+    assert terms(manual=False, e=4) == [256, 3 * 2 * 8 * 2 * 16]
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(e=0), "e"), (dict(device="tpu"), "device"),
+                                           (dict(dropout=1), "dropout"), (dict(manual="yes"), "manual")])
+def test_labkit_layer_rejects_bad_values(kwargs, field):
+    from labkit.estimate.layout_terms import LabkitLayer
+
+    with pytest.raises(ValueError, match=f"LabkitLayer.{field} "):
+        LabkitLayer(**kwargs)

@@ -10,7 +10,7 @@ from labkit.estimate import estimate
 from labkit.estimate.recipe import Recipe
 from labkit.estimate.spec import spec_from
 from labkit.memory.units import GiB, MiB
-from labkit.plan import NoPlanError, get_device, plan, verify
+from labkit.plan import NoPlanError, SearchOptions, get_device, plan, verify
 from labkit.plan import cost
 from labkit.plan.devices import PRESETS, closest
 from labkit.plan.search import allowed_dtypes
@@ -35,7 +35,7 @@ def test_galore8bit_per_layer_7b_on_24gb():
 def test_qlora_65b_on_48gb():
     """QLoRA (Dettmers et al. 2023, arXiv 2305.14314): "finetune a 65B parameter model on a single 48GB GPU". With PEFT
     the planner's best plan for llama-65b on 48 GiB is QLoRA (nothing of higher fidelity fits), within the budget."""
-    plans = plan("llama-65b", memory="48GiB", peft=True, batch=16, seq=512)
+    plans = plan("llama-65b", memory="48GiB", batch=16, seq=512, options=SearchOptions(peft=True))
     assert plans[0].method == "qlora" and plans[0].recipe.quant == "nf4"
     assert all(p.peak <= 48 * GiB for p in plans)
     assert any(w.startswith("LoRA: does not fit") for w in plans[0].why)
@@ -44,7 +44,8 @@ def test_qlora_65b_on_48gb():
 def test_lora_7b_on_24gb():
     """LoRA (Hu et al. 2021, arXiv 2106.09685) freezes the base: a 7B model's bf16 weights take 12.6 GiB
     (6.74e9 x 2 B), and only the adapters get gradients and AdamW state, so a 16-bit-base LoRA fits 24 GB."""
-    plans = plan("llama2-7b", memory="24GiB", peft=True, optimizers="adamw", top=None, batch=1, seq=512)
+    plans = plan("llama2-7b", memory="24GiB", batch=1, seq=512,
+                 options=SearchOptions(peft=True, optimizers="adamw", top=None))
     lora = [p for p in plans if p.method == "lora"]
     assert lora and lora[0].peak <= 24 * GiB
     assert lora[0].peak == estimate(lora[0].recipe).peak.total
@@ -55,7 +56,7 @@ def test_full_finetuning_7b_on_8x80gb_with_zero3():
     over the data-parallel ranks, 16 psi / N bytes of model states per rank in mixed precision, so a 7B model
     trains in full (AdamW, fp32 master weights) on 8 x 80 GB. The planner lists a dp=8 ZeRO-3 plan."""
     plans = plan("llama2-7b", devices=8, memory="80GiB", device_preset="h100", batch=8, seq=1024,
-                 optimizers="adamw", min_precision="mixed-bf16", top=None)
+                 options=SearchOptions(optimizers="adamw", min_precision="mixed-bf16", top=None))
     z3 = [p for p in plans if p.recipe.zero == 3 and p.recipe.dp == 8]
     assert z3 and z3[0].peak <= 80 * GiB and z3[0].method == "full"
     assert z3[0].fidelity == cost.Fidelity(precision=1, method=4, optimizer=1)
@@ -68,7 +69,8 @@ def test_full_finetuning_7b_on_8x80gb_with_zero3():
 
 # ----------------------------------------------------------------------------- ranking, monotonicity, why
 def test_ranking_is_fidelity_then_time():
-    plans = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128, peft="allow", top=None)
+    plans = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128,
+                 options=SearchOptions(peft="allow", top=None))
     keys = [((p.fidelity.precision, p.fidelity.method, p.fidelity.optimizer), -p.seconds) for p in plans]
     assert keys == sorted(keys, key=lambda k: (k[0], k[1]), reverse=True)
     assert min(p.relative for p in plans) == 1.0
@@ -79,7 +81,7 @@ def test_more_memory_never_lowers_the_best_fidelity():
     for mib in (0.75, 1, 1.5, 2, 4, 8, 32):
         try:
             best.append(plan("gpt2-tiny", memory=int(mib * MiB), device_preset="cpu", batch=8, seq=128,
-                             peft="allow", top=1)[0].fidelity)
+                             options=SearchOptions(peft="allow", top=1))[0].fidelity)
         except NoPlanError:
             best.append(None)
     got = [f for f in best if f is not None]
@@ -88,8 +90,8 @@ def test_more_memory_never_lowers_the_best_fidelity():
 
 
 def test_why_lines_state_the_peak_without_each_technique():
-    p = plan("gpt2-tiny", memory="4MiB", device_preset="cpu", batch=8, seq=128, min_precision="fp32",
-             optimizers="adamw")[0]
+    p = plan("gpt2-tiny", memory="4MiB", device_preset="cpu", batch=8, seq=128,
+             options=SearchOptions(min_precision="fp32", optimizers="adamw"))[0]
     r = p.recipe
     assert r.checkpoint != "none" or r.micro < r.batch
     if r.checkpoint != "none":
@@ -110,15 +112,30 @@ def test_infeasible_names_smallest_peak_and_budget():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(devices=0), "devices must be"), (dict(memory="lots"), "cannot read a memory size"),
-    (dict(peft="yes"), "peft must be"), (dict(tokens="8*"), "tokens must be written B\\*S"),
-    (dict(min_precision="int8"), "min_precision"), (dict(optimizers="sgd2"), "optimizers must name"),
-    (dict(top=0), "top must be"), (dict(device_preset="v100"), "unknown device preset"),
+    (dict(tokens="8*"), "tokens must be written B\\*S"), (dict(device_preset="v100"), "unknown device preset"),
     (dict(batch=4, tokens="4*64"), "not both"), (dict(seq=4096), "exceeds the model's 128 positions"),
+    (dict(options=dict(top=2)), "options must be a SearchOptions"),
 ])
 def test_bad_input(kwargs, match):
     args = dict(memory="8MiB") | kwargs
     with pytest.raises(ValueError, match=match):
         plan("gpt2-tiny", **args)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(peft="yes"), "peft must be"), (dict(min_precision="int8"), "min_precision must be"),
+    (dict(optimizers="sgd2"), "optimizers must name"), (dict(optimizers=()), "optimizers must name"),
+    (dict(top=0), "top must be"), (dict(headroom=1.0), "headroom must be"),
+])
+def test_search_options_reject_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SearchOptions(**kwargs)
+
+
+def test_search_options_defaults_are_the_old_keywords():
+    o = SearchOptions(optimizers="adamw")
+    assert (o.peft, o.min_precision, o.top, o.optimizers, o.headroom) == (False, "bf16", 5, ("adamw",), 0.10)
+    assert SearchOptions(optimizers=["lion", "adamw"]).optimizers == ("lion", "adamw")  # a tuple: hashable
 
 
 # ----------------------------------------------------------------------------- cost model and devices
@@ -165,7 +182,8 @@ def test_lost_update_is_half_a_step_of_the_format(dtype):
 
 def _pair():
     """A synthetic pair: gpt2-tiny with room for both mixed-bf16 (fp32 master weights) and pure bf16 plans."""
-    return plan("gpt2-tiny", memory="64MiB", device_preset="cpu", batch=4, seq=64, peft="allow", top=None)
+    return plan("gpt2-tiny", memory="64MiB", device_preset="cpu", batch=4, seq=64,
+                options=SearchOptions(peft="allow", top=None))
 
 
 def test_pure_16bit_ranks_below_an_equally_fitting_plan_with_fp32_master_weights():
@@ -184,24 +202,25 @@ def test_pure_16bit_ranks_below_an_equally_fitting_plan_with_fp32_master_weights
 def test_7b_on_24gb_first_answer_keeps_fp32_master_weights():
     """The issue's case: llama2-7b on one 24 GB card with PEFT allowed. Pure bf16 full training fits, and so does
     QLoRA with fp32 adapters; the fp32-master plan ranks first, the pure-bf16 ones say what they lose."""
-    plans = plan("llama2-7b", memory="24GB", batch=1, seq=512, peft="allow", top=3)
+    plans = plan("llama2-7b", memory="24GB", batch=1, seq=512, options=SearchOptions(peft="allow", top=3))
     assert plans[0].fidelity.precision == 1 and plans[0].memory == 24 * 10**9
     assert any(p.recipe.dtype == "bf16" and p.method == "full" for p in plans)
     assert any(w.startswith("full training: fits only with lower fidelity") for w in plans[0].why)
 
 
 def test_headroom_flag():
-    plans = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128, top=None)
+    plans = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128, options=SearchOptions(top=None))
     assert {p.headroom for p in plans} == {0.10}
     for p in plans:
         assert p.tight == (p.peak > 0.9 * p.memory)
         assert p.tight == any(w.startswith("headroom: tight") for w in p.why)
         assert p.as_dict()["tight"] == p.tight
     assert any(p.tight for p in plans)
-    loose = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128, top=None, headroom=0.0)
+    loose = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128,
+                 options=SearchOptions(top=None, headroom=0.0))
     assert not any(p.tight for p in loose)
     with pytest.raises(ValueError, match="headroom must be"):
-        plan("gpt2-tiny", memory="2MiB", device_preset="cpu", headroom=1.0)
+        plan("gpt2-tiny", memory="2MiB", device_preset="cpu", options=SearchOptions(headroom=1.0))
 
 
 def test_memory_units():
@@ -210,7 +229,7 @@ def test_memory_units():
     assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("24 GiB") == 24 * GiB and parse_bytes("24gib") == 24 * GiB
     assert parse_bytes("512MB") == 512 * 10**6 and parse_bytes("512MiB") == 512 * MiB
     assert parse_bytes("1.5G") == int(1.5 * GiB)
-    p = plan("gpt2-tiny", memory="3MB", device_preset="cpu", batch=4, seq=64, top=1)[0]
+    p = plan("gpt2-tiny", memory="3MB", device_preset="cpu", batch=4, seq=64, options=SearchOptions(top=1))[0]
     assert p.memory == 3 * 10**6
 
 
@@ -293,8 +312,8 @@ def test_cli_infeasible_and_verify_refusal(capsys):
 def test_verify_tiny_plan_fits_and_matches_the_ledger():
     """A plan for gpt2-tiny under a 2 MiB budget (it needs accumulation or checkpointing to fit), run for real under
     the ledger with that budget simulated: it fits, and the prediction is within 3 % of the measured peak."""
-    p = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=4, seq=64, min_precision="fp32",
-             optimizers="adamw", top=1)[0]
+    p = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=4, seq=64,
+             options=SearchOptions(min_precision="fp32", optimizers="adamw", top=1))[0]
     v = verify(p, device="cpu")
     assert v.fits and v.measured <= 2 * MiB
     assert abs(v.error) < 0.03, str(v)

@@ -3,7 +3,7 @@
 import pytest
 
 from labkit.memory import GiB
-from labkit.estimate import estimate, fit_table
+from labkit.estimate import Recipe, estimate, fit_table
 from labkit.estimate.wall import default_models
 from labkit.models.hf import PRESETS
 
@@ -15,8 +15,8 @@ def test_gpt2_fits_24_gib_and_llama2_70b_fits_nothing():
 
 
 def test_rows_agree_with_estimate():
-    rows = fit_table(["gpt2-medium", "llama3.2-1b"], budgets_gib=(8, 23.5, 24), batch=2, seq=512,
-                     dtype="bf16", optimizer="adam", device="cuda")
+    rows = fit_table(["gpt2-medium", "llama3.2-1b"], budgets_gib=(8, 23.5, 24),
+                     recipe=Recipe(None, 2, 512, "bf16", "adam", device="cuda"))
     for row in rows:
         e = estimate(row["model"], 2, 512, "bf16", "adam", device="cuda")
         assert (row["n_params"], row["peak"], row["peak_phase"]) == (e.n_params, e.peak.total, e.peak_phase)
@@ -30,7 +30,8 @@ def test_default_models_are_the_non_tiny_presets():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(budgets_gib=(0, 16)), "budgets"), (dict(models=[]), "at least one"),
-    (dict(models=["gpt2"], seq=2048), "gpt2: seq 2048"),
+    (dict(models=["gpt2"], recipe=Recipe(None, 1, 2048)), "gpt2: seq 2048"),
+    (dict(models=["gpt2"], recipe=Recipe("gpt2", 1, 1024)), "recipe must be a Recipe with model=None"),
 ])
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
