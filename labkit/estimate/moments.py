@@ -89,6 +89,8 @@ class StepBytes:
                   "gelu_backward / mul backward: the gradients into and out of the activation alive together")
     tau_grad: int = _f(G_, "one weight gradient before accumulation", "f x h x m (LoRA: the largest trained tensor)",
                        "AccumulateGrad: a weight's gradient exists before it is stored in .grad")
+    proj_dx: int = _f(T_, "the MLP output projection's input gradient", "r x f x m",
+                      "mm backward: grad_input = dy @ W, made with the projection's weight gradient")
     layer_grad: int = _f(G_, "gradients of one block", "block parameters x d", "")
     layer_copy: int = _f(P_, "autocast copies of one block's weights", "2 x block matmul parameters", "torch.autocast")
     head_copy: int = _f(P_, "autocast copy of the output matrix", "2 x V x h", "torch.autocast")
@@ -103,8 +105,8 @@ class StepBytes:
     # parameters and of the rest;
     # head_held: the tied head's partial gradient, held from the head until the embedding's part is added;
     # step_freed: what is gone from a block's worst moment when its largest matrix, the MLP's output
-    # projection (backward's first), steps: its autocast copy and saved input, and of the MLP's transient
-    # gradients all but that projection's input gradient
+    # projection (backward's first), steps: its autocast copy and saved input (the MLP's other transient
+    # gradients come after the step)
     block_step: tuple = (0, 0, 0)
     rest_step: tuple = (0, 0, 0)  # outside the blocks, but a tied embedding
     tied_step: tuple = (0, 0, 0)  # the tied embedding (zeros when the head is untied)
@@ -353,7 +355,9 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     else:
         moments += [*block_moments, end]
     if step_in_backward:
-        moments += _steps_in_backward(b, [] if replayed or plain else block_moments, head, end, sfx)
+        # a block's largest matrix (the MLP's output projection) steps at the moment its gradient is made
+        stepping = [x for x in block_moments if b.term("tau_grad") in x.terms]
+        moments += _steps_in_backward(b, [] if replayed or plain else stepping, head, end, sfx)
         moments += block_steps or []
     elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
         opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
@@ -421,11 +425,18 @@ def _plain_backward(st: _Step, moments: list[Moment]) -> list[Moment]:
         if b.C:  # each finished block's copies are freed
             terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
                                 name=f"autocast copies of the {n_layer - done} blocks not finished"))
-        terms.append(b.term("tau_grad"))
-        terms.append(b.term("stream"))
-        terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
         if step_in_backward and b.head_held:
             terms.append(b.term("head_held"))
+        terms.append(b.term("stream"))
+        if step_in_backward:  # the projection's weight gradient is stepped and freed before the activation's
+            # backward: at most its input gradient beside it, the MLP transient after it
+            block_moments.append(Moment("backward", where + sfx, [*terms, b.term("tau_grad"), b.term("proj_dx")]))
+            where += ", the MLP activation's backward, its output projection stepped"
+            terms += [b.term("proj_dx"), custom("freed: the output projection's saved input", A_, -b.step_freed[1],
+                                                "r x f x m", _RELEASED)]
+        else:
+            terms.append(b.term("tau_grad"))
+        terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
         block_moments.append(Moment("backward", where + sfx, terms))
         moments += _backward_points(st, j, done, where)
         done += m

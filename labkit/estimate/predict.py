@@ -178,8 +178,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         **_refresh_fields(ts, prec.weight, optimizer, rank, proj_dtype),
         **units,
         head_held=V * h * gb if spec.tied and head_trains else 0,  # waits for the embedding's part (not the final norm)
-        step_freed=(2 * block_largest if prec.autocast else 0, r * spec.ffn * mm,
-                    (0 if spec.family == "labkit-gpt" else 1) * r * spec.ffn * mm),
+        step_freed=(2 * block_largest if prec.autocast else 0, r * spec.ffn * mm, 0),
         head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer,
         after=w.saved_bytes - marks[-1][0], lsm=lsm,
@@ -193,6 +192,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         tau=((1 if spec.family == "labkit-gpt" else 2) + (1 if peft is not None and not peft.lisa_layers else 0))
         * r * spec.ffn * mm,
         tau_grad=spec.ffn * h * mm if peft is None or peft.lisa_layers else ts.largest_param * mm,
+        proj_dx=r * spec.ffn * mm,  # the MLP output projection's dX, beside its weight gradient
         layer_grad=ts.layer_params * gb,
         layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
         else max(w.copy_bytes - 2 * V * h, 0) // L,

@@ -86,6 +86,35 @@ def test_step_in_backward_within_1_percent(optimizer, kw, refresh):
     assert abs(e.phases["optimizer"].total - m.phases["optimizer"].total) <= 0.01 * m.phases["optimizer"].total
 
 
+# a 1-layer GPT-2: B=3 S=4 puts the peak at the MLP output projection's backward (r = 12 rows < h = 32), a wider
+# B=4 S=128 at the activation's backward after that projection stepped (r = 512 > h = 128); random seed 0's case
+GPT2_SIB = [(dict(n_layer=1, n_head=1, n_embd=32, n_positions=64), 3, 4, "block 0 backward"),
+            (dict(n_layer=2, n_head=2, n_embd=128, n_positions=128), 4, 128, "its output projection stepped")]
+
+
+@pytest.mark.parametrize("cfg, B, S, where", GPT2_SIB, ids=["projection", "activation"])
+def test_step_in_backward_mlp_projection_then_activation(cfg, B, S, where):
+    """Stepping in backward frees the MLP output projection's weight gradient (f x h) before the activation's
+    backward makes its transient gradients (2 x r x f, GPT-2's Python GELU): not both at once. Beside that
+    gradient lives only the projection's input gradient, r x f x 4 bytes (an addmm's dX, the ledger's mm)."""
+    kw = dict(cfg, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="sdpa", step_in_backward=True)
+    r = Recipe.of("gpt2-tiny", B, S, dtype="fp32", optimizer="sgd", **kw)
+    e, m = estimate(r), measure_step(r, steps=2)
+    assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total
+    assert e.peak_phase == m.peak_phase == "backward"
+    peak = e.peak_moment
+    assert peak.where.endswith(where)
+    names = {t.name: t.bytes for t in peak.terms}
+    if where == "block 0 backward":
+        assert names["the MLP output projection's input gradient"] == B * S * 4 * cfg["n_embd"] * 4
+        assert names["one weight gradient before accumulation"] == 4 * cfg["n_embd"] * cfg["n_embd"] * 4
+        assert "MLP backward transient" not in names
+    else:
+        assert names["MLP backward transient"] == 2 * B * S * 4 * cfg["n_embd"] * 4
+        assert "one weight gradient before accumulation" not in names
+    assert e.phases["backward"][Category.TEMP] == m.phases["backward"][Category.TEMP]
+
+
 # ---- GaLore: the step's temporaries, op by op, and both moments on the three families -------------------------
 def _step_overheads(meas):
     """Per optimizer phase: the most bytes live during it minus the bytes live when it began."""
