@@ -57,7 +57,7 @@ def _session_line(name: str, numbers, times: dict, titles: dict) -> str:
         run = "running the cells at the cpu profile: not measured for every lesson"
     else:
         total = sum(e["seconds"] for e in entries) / 60
-        run = f"running the cells at the cpu profile: {total:.0f} min as measured"
+        run = f"running the cells at the cpu profile: {total:.1f} min as measured"  # .0f showed 26 s as "0 min"
         if total > SESSION_MINUTES:
             run += f", more than the {SESSION_MINUTES} min session: run them at the smoke profile in class"
     return f"- **{name}**: {names} ({run})"

@@ -59,3 +59,12 @@ def test_entries_name_their_machine_or_say_not_measured():
 
 def test_readme_course_map_is_the_generated_one():
     assert course_map.readme_block() == course_map.markdown(), "run: python -m labkit.course map --update"
+
+
+def test_a_session_line_shows_minutes_under_one_as_measured():
+    """26 s of cells is 0.4 min, not "0 min" (the format rounded a short session's time away)."""
+    from labkit.course import map as cmap
+
+    times = {"lessons": {"00": {"cpu": {"seconds": 8.3}}, "01": {"cpu": {"seconds": 17.6}}}}
+    line = cmap._session_line("week 1", ["00", "01"], times, {"00": "Start here", "01": "Memory accounting: x"})
+    assert "0.4 min as measured" in line, line
