@@ -225,18 +225,37 @@ def copy_on_access(dataset, num_workers: int = 2, batch_size: int = 4096) -> dic
     With fork the workers share the parent's pages until they write one; CPython writes an object's
     reference count whenever the object is read, so a worker that reads every item of a list copies
     every page the list's objects live on. An array is one object: reading its rows copies nothing.
+
+    Two other writes are kept out of the figure. The baseline is taken once *every* worker has
+    delivered its first batch (batches arrive in worker order: batch k from worker k mod n), so a
+    worker still starting up on a busy machine does not count its start-up as growth. And the
+    parent's objects are frozen (`gc.freeze()`, as Python's docs advise before a fork) so that a
+    cyclic collection in a worker, which writes the header of every container it visits, does not
+    copy the parent's pages: what remains is the reference-count write this measures.
     """
     if "fork" not in torch.multiprocessing.get_all_start_methods():
         raise RuntimeError("copy-on-access needs the fork start method (Linux, macOS with fork): not available here")
+    if num_workers < 1:
+        raise ValueError(f"copy_on_access needs forked workers: num_workers={num_workers}, give 1 or more")
+    batches = -(-len(dataset) // batch_size)
+    if batches <= num_workers:
+        raise ValueError(f"{len(dataset)} items make {batches} batches of {batch_size}: give more items than "
+                         f"{num_workers * batch_size} so the epoch goes on after each worker's first batch")
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
                                          collate_fn=_sum_collate, persistent_workers=True,
                                          multiprocessing_context="fork", prefetch_factor=1)
-    it = iter(loader)
-    next(it)
-    first = workers_uss()
-    last = first
-    for _ in it:
-        last = max(last, workers_uss())
+    gc.collect()
+    gc.freeze()
+    try:
+        it = iter(loader)
+        for _ in range(num_workers):
+            next(it)
+        first = workers_uss()
+        last = first
+        for _ in it:
+            last = max(last, workers_uss())
+    finally:
+        gc.unfreeze()
     out = {"first": first, "end": last, "growth": last - first}
     del it, loader
     gc.collect()

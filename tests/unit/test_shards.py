@@ -191,3 +191,26 @@ def test_after_a_resume_the_next_epoch_is_whole_and_a_new_pass_starts_over(folde
     ds = ShardStream(folder, **kw)
     first = next(iter(make_loader(ds, 8)))["index"].tolist()
     assert next(iter(make_loader(ds, 8)))["index"].tolist() == first
+
+
+def test_copy_on_access_a_list_is_copied_into_the_workers_an_array_is_not():
+    """The lesson-12 trap: a list's objects are copied page by page as the workers read them (their
+    reference counts are written), one array's rows are not. The bounds come from the payload."""
+    from labkit.data.loading import ArrayOfBytes, ListOfBytes, copy_on_access
+
+    items, width = 100_000, 64
+    payload = items * width
+    listed = copy_on_access(ListOfBytes(items, width), num_workers=2)
+    arrayed = copy_on_access(ArrayOfBytes(items, width), num_workers=2)
+    assert listed["growth"] > 0.25 * payload, (listed, arrayed)
+    assert arrayed["growth"] < 0.05 * payload, (listed, arrayed)
+    assert listed["end"] == listed["first"] + listed["growth"]
+
+
+def test_copy_on_access_refuses_inputs_that_cannot_show_the_effect():
+    from labkit.data.loading import ArrayOfBytes, copy_on_access
+
+    with pytest.raises(ValueError, match="num_workers=0"):
+        copy_on_access(ArrayOfBytes(10_000), num_workers=0)
+    with pytest.raises(ValueError, match="more items than 8192"):
+        copy_on_access(ArrayOfBytes(8_000), num_workers=2, batch_size=4096)
