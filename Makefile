@@ -2,7 +2,8 @@
 #   make lab    create/refresh .venv if needed, open JupyterLab on notebooks/ (as root too: containers, cloud VMs)
 #   make colab URL=https://github.com/ORG/labkit [REF=main]   the repository (and branch) every notebook's Colab
 #               install cell clones, and each lesson's "Open in Colab" link (a GitHub URL)
-#   make check  every test: make test, make test-parity, make test-browser, make test-site, then make test-colab (CI)
+#   make check  every test: make test, then make test-browser and make test-site beside make test-parity and
+#               make test-colab (two at a time; CI)
 #   make test   same environment; unit + widget + distributed tests and every notebook under nbval (smoke mode),
 #               on every core (pytest-xdist; JOBS=0 for one process, JOBS=N for N workers)
 #   make test-browser every lesson run in JupyterLab in a real browser (Chromium + Playwright); screenshots of each panel;
@@ -41,7 +42,8 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab check test test-parity test-browser browser-deps site test-site test-colab test-gpu gpu-check \
+.PHONY: env lab colab check test test-parity test-browser test-browser-site browser-deps site test-site test-colab \
+	test-gpu gpu-check \
 	bench release clean
 
 env: $(STAMP)
@@ -80,7 +82,15 @@ colab:
 	fi
 	$(PYTHON) -m labkit.colab "$(URL)" notebooks --ref "$(or $(REF),main)"
 
-check: test test-parity test-browser test-site test-colab
+# make test first (it uses every core); then the browser lessons (one kernel at a time, waiting on Chromium much of
+# the time) beside the parity rerun and the Colab venv's pip install: two at once on two cores, each target's output
+# printed whole when it ends. test-site comes after test-browser: it builds the book from the lessons that saved.
+check:
+	$(MAKE) test
+	$(MAKE) -j2 --output-sync=target test-browser-site test-parity test-colab
+
+test-browser-site: test-browser
+	$(MAKE) test-site
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 # JOBS: pytest-xdist workers (auto: one per core; JOBS=0 runs in this process). --dist loadscope sends a whole
