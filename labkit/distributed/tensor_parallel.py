@@ -35,42 +35,7 @@ __all__ = ["copy_to_tp", "reduce_from_tp", "gather_seq", "scatter_seq", "split_s
            "sync_replicated_grads", "tp_wire_bytes"]
 
 
-# ---- the f and g operators -----------------------------------------------------------------------------------
-class _CopyToTP(torch.autograd.Function):
-    """f: the input of a tensor-parallel region. Every rank reads the whole x; each contributes a partial
-    gradient of it, so backward sums them."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return comms.all_reduce(g.contiguous(), group=ctx.group, tag="f backward"), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: the output of a tensor-parallel region. Each rank holds a partial sum; forward adds them up."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return comms.all_reduce(x.contiguous(), group=group, tag="g forward")
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def copy_to_tp(x, group=None):
-    return _CopyToTP.apply(x, group)
-
-
-def reduce_from_tp(x, group=None):
-    return _ReduceFromTP.apply(x, group)
-
-
-# ---- sequence parallel: the same operators along the sequence (dim 1 of (B, T, C)) ------------------------------
+# ---- the f and g operators, and their sequence-parallel forms ---------------------------------------------------
 def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     """(B, T/t, C) on each rank -> (B, T, C), rank r's rows of the sequence at [r T/t, (r+1) T/t)."""
     t = comms.world(group)
@@ -90,71 +55,57 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out.view(B, T // t, C)
 
 
-class _GatherSeq(torch.autograd.Function):
-    """f with sequence parallelism: all-gather forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_seq(g, ctx.group), None
+def _own_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """A replicated (B, T, C) -> this rank's (B, T/t, C), no communication."""
+    return x.chunk(comms.world(group), dim=1)[comms.rank(group)].contiguous()
 
 
-class _ScatterSeq(torch.autograd.Function):
-    """g with sequence parallelism: reduce-scatter forward, all-gather backward."""
+def _region_op(forward, backward, doc: str):
+    """x, group -> forward(x, group), whose gradient g becomes backward(g, group): one autograd function per
+    way a tensor enters or leaves a tensor-parallel region."""
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather_seq(g, ctx.group), None
+        @staticmethod
+        def backward(ctx, g):
+            return backward(g, ctx.group), None
 
+    def apply(x, group=None):
+        return Op.apply(x, group)
 
-class _SplitSeq(torch.autograd.Function):
-    """A replicated (B, T, C) -> this rank's (B, T/t, C) (no communication); backward gathers the pieces."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        t, r = comms.world(group), comms.rank(group)
-        return x.chunk(t, dim=1)[r].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather_seq(g, ctx.group), None
+    apply.__doc__ = doc
+    return apply
 
 
-class _GatherSeqReplicated(torch.autograd.Function):
-    """Sequence shards -> the whole (B, T, C) for a replicated consumer (the head); its gradient is the same
-    on every rank, so backward just keeps this rank's rows."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        t, r = comms.world(ctx.group), comms.rank(ctx.group)
-        return g.chunk(t, dim=1)[r].contiguous(), None
+def _identity(x, group):
+    return x.view_as(x)
 
 
-def gather_seq(x, group=None):
-    return _GatherSeq.apply(x, group)
+def _tagged_all_reduce(tag: str):
+    return lambda x, group: comms.all_reduce(x.contiguous(), group=group, tag=tag)
 
 
-def scatter_seq(x, group=None):
-    return _ScatterSeq.apply(x, group)
-
-
-def split_seq(x, group=None):
-    return _SplitSeq.apply(x, group)
+copy_to_tp = _region_op(_identity, _tagged_all_reduce("f backward"),
+                        "f: the input of a tensor-parallel region. Every rank reads the whole x; each contributes a "
+                        "partial gradient of it, so backward sums them.")
+reduce_from_tp = _region_op(_tagged_all_reduce("g forward"), _identity,
+                            "g: the output of a tensor-parallel region. Each rank holds a partial sum; forward adds "
+                            "them up.")
+# sequence parallel: the same operators along the sequence (dim 1 of (B, T, C))
+gather_seq = _region_op(_all_gather_seq, _reduce_scatter_seq,
+                        "f with sequence parallelism: all-gather forward, reduce-scatter backward.")
+scatter_seq = _region_op(_reduce_scatter_seq, _all_gather_seq,
+                         "g with sequence parallelism: reduce-scatter forward, all-gather backward.")
+split_seq = _region_op(_own_rows, _all_gather_seq,
+                       "A replicated (B, T, C) -> this rank's (B, T/t, C) (no communication); backward gathers the "
+                       "pieces.")
+# sequence shards -> the whole (B, T, C) for a replicated consumer (the head): its gradient is the same on every
+# rank, so backward just keeps this rank's rows
+_gather_seq_replicated = _region_op(_all_gather_seq, _own_rows, "Sequence shards -> the whole (B, T, C) for the head.")
 
 
 class _SeqParallelLinear(torch.autograd.Function):
@@ -341,7 +292,7 @@ class TPGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         if self.sp:
-            x = _GatherSeqReplicated.apply(x, self.group)
+            x = _gather_seq_replicated(x, self.group)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
