@@ -19,7 +19,6 @@ definition, and cross-check the number of calls with `torch.distributed.tensor.d
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from datetime import timedelta
 from dataclasses import dataclass, field
 
@@ -212,13 +211,6 @@ def plain_group():
 
 def barrier(group=None) -> None:
     dist.barrier(group=group)
-
-
-@contextmanager
-def logged():
-    """Shorthand: `with logged() as log:` is `with CommLog() as log:`."""
-    with CommLog() as log:
-        yield log
 
 
 def isend(t: torch.Tensor, dst: int, group=None, tag: str = ""):

@@ -34,8 +34,7 @@ from labkit.memory.report import Category
 
 __all__ = ["split_layers", "Stage", "build_stage", "schedule", "gpipe", "one_f_one_b", "run_step", "StepRun",
            "sync_tied_grads", "p2p_group", "simulate", "durations_of", "bubble_fraction", "measured_bubble",
-           "max_in_flight",
-           "pipeline_wire_bytes"]
+           "max_in_flight"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -406,11 +405,3 @@ def measured_bubble(timelines: list[list[tuple]]) -> float:
     end = max(t[3] for tl in timelines for t in tl)
     busy = sum(t[3] - t[2] for tl in timelines for t in tl)
     return 1.0 - busy / (len(timelines) * (end - start))
-
-
-def pipeline_wire_bytes(micro_rows: int, seq: int, hidden: int, bytes_per: int, m: int, n_stages: int) -> dict:
-    """Bytes sent per step by definition: each of the p - 1 boundaries carries each micro-batch's activation
-    (rows x seq x hidden) forward and its gradient (the same size) back."""
-    act = micro_rows * seq * hidden * bytes_per
-    return {"per boundary per direction": m * act, "total": 2 * m * act * (n_stages - 1),
-            "activation": act}

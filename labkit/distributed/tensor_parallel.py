@@ -32,7 +32,7 @@ from labkit.distributed import comms
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_seq", "scatter_seq", "split_seq", "ColumnParallelLinear",
            "RowParallelLinear", "HeadwiseAttention", "to_headwise", "TPBlock", "parallelize", "check_tp",
-           "sync_replicated_grads", "tp_wire_bytes"]
+           "sync_replicated_grads"]
 
 
 # ---- the f and g operators, and their sequence-parallel forms ---------------------------------------------------
@@ -310,15 +310,3 @@ def sync_replicated_grads(model: nn.Module, group=None) -> None:
     for p in model.parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             comms.all_reduce(p.grad, group=group, tag="sequence-parallel norm grads")
-
-
-def tp_wire_bytes(batch: int, seq: int, hidden: int, bytes_per: int, n_layer: int, t: int,
-                  sequence_parallel: bool = False) -> dict:
-    """Bytes each rank sends per step by definition: per block 2 all-reduces forward (attention, MLP) and 2
-    backward of a (B, S, h) activation, 2 (t-1)/t x its size each; sequence parallel replaces each by an
-    all-gather and a reduce-scatter, (t-1)/t each: the same total (Korthikanti et al. 2022, section 4.2.2),
-    plus the all-gathers that its column-parallel matmuls repeat in backward."""
-    act = batch * seq * hidden * bytes_per
-    ring = (t - 1) / t * act
-    per_block = 4 * 2 * ring if not sequence_parallel else 4 * 2 * ring + 2 * ring
-    return {"activation": act, "per block": per_block, "total": n_layer * per_block}

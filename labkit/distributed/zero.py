@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from . import comms
 
-__all__ = ["Zero", "Unit", "units_of", "shard_sizes"]
+__all__ = ["Zero", "Unit", "units_of"]
 
 STAGES = (1, 2, 3)
 
@@ -51,11 +51,6 @@ def units_of(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
         if isinstance(m, nn.ModuleList) and len(m):
             return [(f"{name}.{i}", [b]) for i, b in enumerate(m)] + [("root", [model])]
     return [("root", [model])]
-
-
-def shard_sizes(numels: list[int], world_size: int) -> list[int]:
-    """Elements per rank of each unit: ceil(n / N) (the flat buffer is padded to N of them)."""
-    return [math.ceil(n / world_size) for n in numels]
 
 
 @dataclass
