@@ -594,31 +594,27 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
         else:
             lines.append(f"{name}: {on}: without it the peak is {fmt_bytes(p)} (fits), but {off}")
 
-    if r.checkpoint != "none":
-        without("checkpointing", dict(checkpoint="none"), r.checkpoint, "this plan is faster overall")
-    else:
-        lines.append("checkpointing: not needed")
-    if r.micro < r.rank_batch:
-        without("gradient accumulation", dict(micro_batch=r.rank_batch), f"{r.rank_batch // r.micro} micro-batches of {r.micro}",
-                "this plan is faster overall")
-    else:
-        lines.append("gradient accumulation: not needed (the whole batch at once)")
-    if r.step_in_backward:
-        without("per-layer updates (step in backward)", dict(step_in_backward=False), "on",
-                "it costs nothing here")
-    if r.optimizer_offload:
-        without("optimizer offload", dict(optimizer_offload=None), "to host memory", "this plan is faster overall")
-    if r.offload_activations:
-        without("activation offload", dict(offload_activations=False), "to host memory", "this plan is faster overall")
-    if r.zero_offload:
-        without("ZeRO-Offload", dict(zero_offload=False), "optimizer shards in host memory",
-                "this plan is faster overall")
-    if r.dp > 1:
-        if r.zero:
-            without(f"ZeRO-{r.zero}", dict(zero=r.zero - 1, zero_offload=r.zero_offload and r.zero > 1),
-                    f"stage {r.zero}", "this plan is faster overall")
-        else:
-            lines.append("ZeRO: not needed (plain data parallel)")
+    faster = "this plan is faster overall"
+    # (used, name, the change that drops it, how it is used, why it stays though it fits without, line if unused)
+    savings = [
+        (r.checkpoint != "none", "checkpointing", dict(checkpoint="none"), r.checkpoint, faster,
+         "checkpointing: not needed"),
+        (r.micro < r.rank_batch, "gradient accumulation", dict(micro_batch=r.rank_batch),
+         f"{r.rank_batch // r.micro} micro-batches of {r.micro}", faster,
+         "gradient accumulation: not needed (the whole batch at once)"),
+        (r.step_in_backward, "per-layer updates (step in backward)", dict(step_in_backward=False), "on",
+         "it costs nothing here", None),
+        (r.optimizer_offload, "optimizer offload", dict(optimizer_offload=None), "to host memory", faster, None),
+        (r.offload_activations, "activation offload", dict(offload_activations=False), "to host memory", faster, None),
+        (r.zero_offload, "ZeRO-Offload", dict(zero_offload=False), "optimizer shards in host memory", faster, None),
+        (r.dp > 1 and r.zero, f"ZeRO-{r.zero}", dict(zero=r.zero - 1, zero_offload=r.zero_offload and r.zero > 1),
+         f"stage {r.zero}", faster, "ZeRO: not needed (plain data parallel)" if r.dp > 1 else None),
+    ]
+    for used, name, change, on, off, unused in savings:
+        if used:
+            without(name, change, on, off)
+        elif unused:
+            lines.append(unused)
     if _tight(s, s.peak(r)):
         lines.append(f"headroom: tight: the peak is within {s.headroom:.0%} of the budget "
                      f"({fmt_bytes(s.memory - s.peak(r))} left of {budget}); the allocator's rounding and "
