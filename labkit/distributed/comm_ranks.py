@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -161,18 +162,14 @@ def compare(rank: int, world: int, run: TrainRun, variants=VARIANTS, dgc: DGCCon
             psgd: PowerSGDConfig = PowerSGDConfig()) -> dict:
     """Each variant in turn on the same ranks and batches: {variant: {"losses", "wire", ...}}. DGC variants
     "dgc-no-X" switch technique X off."""
+    runs = {"dense": partial(dense_train, rank, world, run), "dgc": partial(dgc_train, rank, world, run, dgc),
+            "powersgd": partial(powersgd_train, rank, world, run, psgd),
+            **{v: partial(dgc_train, rank, world, run, dgc.without(off)) for v, off in _WITHOUT.items()}}
     out = {}
     for v in variants:
-        if v == "dense":
-            out[v] = dense_train(rank, world, run)
-        elif v == "dgc":
-            out[v] = dgc_train(rank, world, run, dgc)
-        elif v in _WITHOUT:
-            out[v] = dgc_train(rank, world, run, dgc.without(_WITHOUT[v]))
-        elif v == "powersgd":
-            out[v] = powersgd_train(rank, world, run, psgd)
-        else:
+        if v not in runs:
             raise ValueError(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")
+        out[v] = runs[v]()
         out[v].pop("params")  # the curves and bytes travel back, not every variant's model
     return out
 

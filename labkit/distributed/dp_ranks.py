@@ -12,6 +12,7 @@ import contextlib
 import re
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -312,13 +313,11 @@ def compare(rank: int, world: int, run: TrainRun, methods=(), references=()) -> 
     ("ddp", "ddp-sgd", "fsdp2", "zero-redundancy"), one after the other on the same ranks (one launch)."""
     out = {m: train(rank, world, m.removesuffix("-sgd"), run, optimizer="sgd" if m.endswith("-sgd") else "adamw")
            for m in methods}
+    runs = {"ddp": partial(ddp_train, rank, world, run), "ddp-sgd": partial(ddp_train, rank, world, run, "sgd"),
+            "fsdp2": partial(fsdp2_train, rank, world, run),
+            "zero-redundancy": partial(zero_redundancy_elements, rank, world, run.cfg, run.seed)}
     for ref in references:
-        if ref in ("ddp", "ddp-sgd"):
-            out[ref] = ddp_train(rank, world, run, optimizer="sgd" if ref == "ddp-sgd" else "adamw")
-        elif ref == "fsdp2":
-            out[ref] = fsdp2_train(rank, world, run)
-        elif ref == "zero-redundancy":
-            out[ref] = zero_redundancy_elements(rank, world, run.cfg, run.seed)
-        else:
+        if ref not in runs:
             raise ValueError(f"unknown reference {ref!r}: ddp, ddp-sgd, fsdp2 or zero-redundancy")
+        out[ref] = runs[ref]()
     return out
