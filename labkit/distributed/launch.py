@@ -223,29 +223,29 @@ def _collect(out, procs: list, results: dict, failures: list, wait: float, up: s
     except queue_mod.Empty:
         msg = None
     if msg is not None:
-        if msg[0] == "up":
-            up.add(msg[1])
-        elif msg[0] == "ok":
-            results[msg[1]] = pickle.loads(msg[2])
-        else:
-            failures.append(RankFailed(msg[1], msg[2], msg[3]))
+        _file(msg, results, failures, up)
         return
     reported = set(results) | {f.rank for f in failures}
     for r, p in enumerate(procs):
         if r not in reported and not p.is_alive():
             try:  # it may have reported just before exiting
-                msg = out.get(timeout=1.0)
-                while msg[0] == "up":
-                    up.add(msg[1])
-                    msg = out.get(timeout=1.0)
+                while not _file(out.get(timeout=1.0), results, failures, up):
+                    pass
             except queue_mod.Empty:
                 failures.append(RankFailed(r, _exit_text(p.exitcode)))
-                return
-            if msg[0] == "ok":
-                results[msg[1]] = pickle.loads(msg[2])
-            else:
-                failures.append(RankFailed(msg[1], msg[2], msg[3]))
             return
+
+
+def _file(msg: tuple, results: dict, failures: list, up: set) -> bool:
+    """Record one rank's report ("up", "ok" with its result, or "error"): True unless it only said it is up."""
+    if msg[0] == "up":
+        up.add(msg[1])
+        return False
+    if msg[0] == "ok":
+        results[msg[1]] = pickle.loads(msg[2])
+    else:
+        failures.append(RankFailed(msg[1], msg[2], msg[3]))
+    return True
 
 
 def _stop(procs: list, graceful: bool) -> None:
