@@ -203,10 +203,7 @@ class Zero(nn.Module):
     def step(self) -> None:
         """Reduce what backward has not (stage 1: every unit), step the shards, gather the parameters back
         (stages 1-2), and zero the gradients."""
-        if self.stage == 1:
-            for u in self.units:
-                if any(p.grad is not None for p in u.params):
-                    self._reduce(u)
+        self._reduce_after_backward()
         pending = [u.name for u in self.units if u.ready]
         if pending:
             raise RuntimeError(f"ZeRO: units {pending} got only some of their gradients; every parameter must be "
@@ -217,36 +214,37 @@ class Zero(nn.Module):
             for u in self.units:
                 comms.all_gather(u.flat, u.shard.detach(), group=self.group, tag=f"parameters {u.name}")
 
+    def _reduce_after_backward(self) -> None:
+        """Stage 1 reduces no gradient in backward: reduce every unit that has some now."""
+        if self.stage == 1:
+            for u in self.units:
+                if any(p.grad is not None for p in u.params):
+                    self._reduce(u)
+
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, as a new tensor on every rank (stage 3 gathers each unit into a copy)."""
-        names = {p: n for n, p in self.module.named_parameters()}
-        out = {}
-        for u in self.units:
-            flat = u.flat
-            if self.stage == 3:
-                flat = torch.empty(u.padded, dtype=u.shard.dtype)
-                comms.all_gather(flat, u.shard.detach(), group=self.group, tag=f"read {u.name}")
-            offset = 0
-            for p in u.params:
-                out[names[p]] = flat[offset:offset + p.numel()].view(p.shape).clone()
-                offset += p.numel()
-        return out
+        return self._whole(lambda u: u.flat if self.stage < 3 else self._gathered(u, u.shard.detach(), "read"))
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's averaged gradient, whole, on every rank: the shards' gradients gathered (after
         backward, before `step`; stage 1 reduces them first)."""
-        if self.stage == 1:
-            for u in self.units:
-                if any(p.grad is not None for p in u.params):
-                    self._reduce(u)
+        self._reduce_after_backward()
+        return self._whole(lambda u: self._gathered(u, u.shard.grad, "read grads"))
+
+    def _gathered(self, u: Unit, shard: torch.Tensor, what: str) -> torch.Tensor:
+        """A new (N s,) buffer of every rank's `shard` of unit u."""
+        flat = torch.empty(u.padded, dtype=u.shard.dtype)
+        comms.all_gather(flat, shard, group=self.group, tag=f"{what} {u.name}")
+        return flat
+
+    def _whole(self, flat_of) -> dict[str, torch.Tensor]:
+        """{name: a copy of the whole parameter-shaped tensor} cut from each unit's buffer `flat_of(unit)`."""
         names = {p: n for n, p in self.module.named_parameters()}
         out = {}
         for u in self.units:
-            flat = torch.empty(u.padded, dtype=u.shard.dtype)
-            comms.all_gather(flat, u.shard.grad, group=self.group, tag=f"read grads {u.name}")
-            offset = 0
+            flat, offset = flat_of(u), 0
             for p in u.params:
                 out[names[p]] = flat[offset:offset + p.numel()].view(p.shape).clone()
                 offset += p.numel()
