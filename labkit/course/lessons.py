@@ -66,18 +66,6 @@ def prerequisites(lessons: list[Lesson]) -> dict[str, tuple[str, ...]]:
             for n, direct in needs.items()}
 
 
-def introduces(lessons: list[Lesson]) -> dict[str, list[str]]:
-    """{lesson: the labkit packages it is the first to import}."""
-    first: dict[str, str] = {}
-    for lesson in lessons:
-        for package in sorted(lesson.uses):
-            first.setdefault(package, lesson.number)
-    out: dict[str, list[str]] = {l.number: [] for l in lessons}
-    for package, n in sorted(first.items()):
-        out[n].append(package)
-    return out
-
-
 def reachable(graph: dict, start) -> set:
     """Every node reachable from `start` along `graph`'s edges ({node: its successors}), `start` itself excluded
     unless a cycle leads back to it."""
