@@ -79,8 +79,10 @@ def test_a_mismatched_collective_is_a_readable_error():
 
 
 def test_a_run_past_its_timeout_is_stopped():
-    with pytest.raises(RankFailed, match=r"timed out after 1 s; ranks \[0\] had not finished"):
-        launch(rank_fns.sleeps_on_rank_0, world_size=2, args=(600,), timeout_s=1)
+    # 8 s, not 1: the limit must outlast gloo's set-up on a loaded machine, or a rank killed while still
+    # connecting makes the other one report "connectFullMesh failed" first (seen in fresh-clone CI)
+    with pytest.raises(RankFailed, match=r"timed out after 8 s; ranks \[0\] had not finished"):
+        launch(rank_fns.sleeps_on_rank_0, world_size=2, args=(600,), timeout_s=8)
     assert _children_of_me() == []
 
 
