@@ -107,9 +107,13 @@ test-parity: env
 	  --ignore=tests/site -p no:cacheprovider -rs --durations=20 $(XDIST)
 
 # Chromium from the system (Debian: apt-get install chromium; as root this target installs it, with retries);
-# Playwright from pip. Then every lesson runs in JupyterLab in headless Chromium (tests/browser).
+# Playwright from pip. Then every lesson runs in JupyterLab in headless Chromium (tests/browser), BROWSER_JOBS
+# lessons at once (each xdist worker starts its own JupyterLab and Chromium; a lesson's kernel spends much of
+# its time waiting on the page; worksteal hands the next lesson to whichever worker is free).
+BROWSER_JOBS ?= 2
 test-browser: env browser-deps
-	LABKIT_SMOKE=1 $(PY) -m pytest tests/browser -m browser -p no:cacheprovider -rs -v --durations=20
+	LABKIT_SMOKE=1 $(PY) -m pytest tests/browser -m browser -p no:cacheprovider -rs -v --durations=20 \
+	  $(if $(filter 0 1,$(BROWSER_JOBS)),,-n $(BROWSER_JOBS) --dist worksteal)
 
 browser-deps: env
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || [ -n "$(CHROMIUM)" ] || { \

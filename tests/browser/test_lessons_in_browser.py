@@ -5,7 +5,8 @@ lesson, runs all its cells, and asserts what a learner would see: no error outpu
 widget", every panel rendered; changing a panel's control redraws its prediction; its measure button
 shows a measurement. Screenshots of each panel go to tests/browser/screenshots/ (ignored by git). Each lesson,
 once Run All has passed and before a control is touched, is saved with its outputs to build/executed/ (what
-`make site` builds its pages from, so CI runs no lesson a third time).
+`make site` builds its pages from, so CI runs no lesson a third time). `make test-browser` runs two lessons at a
+time on pytest-xdist workers: the `lab` fixture is per module, so each worker starts its own server and browser.
 """
 
 from __future__ import annotations
