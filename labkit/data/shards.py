@@ -338,12 +338,6 @@ class ShardStream(torch.utils.data.IterableDataset):
         if int(epoch) != self.epoch:
             self.epoch, self.consumed, self._skip, self.units_saved, self.shift = int(epoch), {}, {}, None, 0
 
-    def samples_per_epoch(self, num_workers: int = 0) -> int:
-        """Samples this rank reads per epoch, all its workers together."""
-        w = max(num_workers, 1)
-        return sum(e - s for u in self.units(num_workers)
-                   for s, e in [unit_range(self.shards.num_samples, u, self.world_size * w, self.equal)])
-
     # ---- resuming -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """{"epoch", "seed", "world_size", "consumed": {unit: samples}}: what this copy handed out."""

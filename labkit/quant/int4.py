@@ -221,9 +221,3 @@ class Int4Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"group={self.group}, awq_scale={self.input_scale is not None}, compute_dtype={self.compute_dtype}"
                 + (", keep_dequantized=True" if self.keep_dequantized else ""))
-
-
-def bits_per_weight_int4(group: int = INT4_GROUP) -> float:
-    """4 + 24/group: the code, plus a 16-bit scale and an 8-bit zero point shared by `group` weights."""
-    return 4 + 24 / group
-
