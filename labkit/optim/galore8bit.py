@@ -29,7 +29,7 @@ from labkit.quant.dynamic import code_map, dequantize_blockwise_, quantize_block
 
 from . import adam8bit
 from .adam8bit import BLOCKSIZE, MIN_8BIT_SIZE  # the 8-bit rule's block and small-state limit: one owner
-from .base import KeepStateDtypes, check_betas, check_int, check_number, params_with_grads, run_closure
+from .base import KeepStateDtypes, StepsEachParameter, check_betas, check_int, check_number
 from .galore import add_back_projected, check_galore_adam_group, make_projector, project, projection_side
 
 # The projector's precision: "param" keeps it in the parameters' dtype, as galore-torch does (its
@@ -68,7 +68,7 @@ def state_bytes_for(shape, rank: int | None, dtype_bytes: int = 4, blocksize: in
     return proj + adam8bit.state_bytes_for((k,), blocksize, min_8bit_size)
 
 
-class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
+class GaLoreAdamW8bit(StepsEachParameter, KeepStateDtypes, torch.optim.Optimizer):
     """GaLore with 8-bit moments (parity with galore-torch's GaLoreAdamW8bit on bitsandbytes >= 0.50).
 
     Groups with "rank" (and update_proj_gap, scale, proj_type, as for GaLoreAdamW) are projected; the
@@ -104,13 +104,6 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
         super().add_param_group(param_group)
         check_galore_adam_group(self.param_groups[-1])
         check_proj_dtype(self.param_groups[-1]["proj_dtype"])
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = run_closure(closure)
-        for p, group in params_with_grads(self, "GaLoreAdamW8bit"):
-            self._update(p, self.state[p], group)
-        return loss
 
     def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
         if not state:
