@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from labkit.quant.dynamic import code_map, dequantize_blockwise_, quantize_blockwise_
+from labkit.quant.dynamic import code_map
 
 from . import adam8bit
 from .adam8bit import BLOCKSIZE, MIN_8BIT_SIZE  # the 8-bit rule's block and small-state limit: one owner
@@ -131,8 +131,8 @@ class GaLoreAdamW8bit(StepsEachParameter, KeepStateDtypes, torch.optim.Optimizer
             update, step_size = m / (v.sqrt() + eps * c2), -lr * c2 / c1
         else:
             update, step_size = m / v.sqrt().div_(c2).add_(eps), -lr / c1
-            self._store(state, "exp_avg", m, True, group["blocksize"])  # overwrites m, then v
-            self._store(state, "exp_avg_sq", v, False, group["blocksize"])
+            for name, x, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):  # overwrites m, then v
+                adam8bit.quantize_state(x, state[f"{name}_codes"], state[f"{name}_absmax"], signed, group["blocksize"])
         del m, v
         update = update.to(p.dtype)
         if side is None:
@@ -185,15 +185,6 @@ class GaLoreAdamW8bit(StepsEachParameter, KeepStateDtypes, torch.optim.Optimizer
     def _moments(self, state: dict, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if "exp_avg" in state:
             return state["exp_avg"], state["exp_avg_sq"]
-        return (self._dequantize(state["exp_avg_codes"], state["exp_avg_absmax"], True, group["blocksize"]),
-                self._dequantize(state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], False, group["blocksize"]))
-
-    def _dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool, bs: int) -> torch.Tensor:
-        """uint8 codes -> fp32 code[codes] * absmax of each value's block (labkit.quant.dynamic)."""
-        code, _ = code_map(signed, codes.device)
-        return dequantize_blockwise_(codes, absmax, code, bs).view(codes.shape)  # bytes: 4 per value (+4 freed)
-
-    def _store(self, state: dict, name: str, x: torch.Tensor, signed: bool, bs: int) -> None:
-        """Quantize fp32 x into state's codes and absmax (labkit.quant.dynamic), overwriting x."""
-        _, mids = code_map(signed, x.device)
-        quantize_blockwise_(x.view(-1), state[f"{name}_codes"].view(-1), state[f"{name}_absmax"], mids, bs)
+        bs = group["blocksize"]
+        return tuple(adam8bit.dequantize_state(state[f"{name}_codes"], state[f"{name}_absmax"], signed, bs)
+                     for name, signed in (("exp_avg", True), ("exp_avg_sq", False)))
