@@ -109,6 +109,19 @@ def check_estimate_options(args, parser) -> int | None:
     return micro
 
 
+def _recipe(args, spec, micro, device: str, **layout):
+    """The labkit.estimate.Recipe the options describe, on `device`; layout: tp, pp and their options."""
+    from labkit.estimate.recipe import Recipe
+
+    return Recipe(spec, args.batch, args.seq, dtype=args.dtype, optimizer=args.optimizer, device=device,
+                  checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
+                  selective_policy=args.selective_policy or "matmuls", micro_batch=micro, rank=args.rank,
+                  proj_dtype=args.proj_dtype, optimizer_offload=args.optimizer_offload,
+                  step_in_backward=args.step_in_backward, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                  quant=args.quant, quant_group=args.quant_group, lisa_layers=args.lisa_layers, dp=args.dp,
+                  zero=args.zero, zero_offload=args.zero_offload, **layout)
+
+
 def cmd_estimate(args, parser) -> int:
     from labkit.estimate import estimate
 
@@ -118,14 +131,7 @@ def cmd_estimate(args, parser) -> int:
         return _estimate_layout(args, spec, micro)
     def run(device):
         try:
-            return estimate(spec, args.batch, args.seq, args.dtype, args.optimizer, device=device,
-                            checkpoint=args.checkpoint, segments=args.segments,
-                            offload_activations=args.offload_activations,
-                            selective_policy=args.selective_policy or "matmuls", micro_batch=micro, rank=args.rank,
-                            proj_dtype=args.proj_dtype, optimizer_offload=args.optimizer_offload,
-                            step_in_backward=args.step_in_backward, lora_rank=args.lora_rank,
-                            lora_targets=args.lora_targets, quant=args.quant, quant_group=args.quant_group,
-                            lisa_layers=args.lisa_layers, dp=args.dp, zero=args.zero, zero_offload=args.zero_offload)
+            return estimate(_recipe(args, spec, micro, device))
         except ValueError as err:
             raise ValueError(_cli_words(str(err))) from err
 
@@ -156,17 +162,10 @@ def _estimate_layout(args, spec, micro) -> int:
     the bytes each layout sends per step by the collectives' definitions."""
     from labkit.estimate.layout_terms import layout_wire_bytes
     from labkit.estimate import estimate_ranks
-    from labkit.estimate.recipe import Recipe
 
     try:
-        r = Recipe(spec, args.batch, args.seq, dtype=args.dtype, optimizer=args.optimizer, device=args.device,
-                   checkpoint=args.checkpoint, segments=args.segments, offload_activations=args.offload_activations,
-                   selective_policy=args.selective_policy or "matmuls", micro_batch=micro, rank=args.rank, proj_dtype=args.proj_dtype,
-                   optimizer_offload=args.optimizer_offload, step_in_backward=args.step_in_backward,
-                   lora_rank=args.lora_rank, lora_targets=args.lora_targets, quant=args.quant,
-                   lisa_layers=args.lisa_layers, tp=args.tp, pp=args.pp, schedule=args.schedule,
-                   sequence_parallel=args.sequence_parallel, quant_group=args.quant_group, dp=args.dp,
-                   zero=args.zero, zero_offload=args.zero_offload)
+        r = _recipe(args, spec, micro, args.device, tp=args.tp, pp=args.pp, schedule=args.schedule,
+                    sequence_parallel=args.sequence_parallel)
         ranks = estimate_ranks(r)
         wire = layout_wire_bytes(r)
     except ValueError as err:

@@ -138,38 +138,35 @@ def stream_memory(folder, batch_size: int = 16, shuffle_buffer: int = 256, every
     return StreamMemory(ds.shards.nbytes, n, before["uss"], max(peak_uss, m["uss"]), max(peak_rss, m["rss"]))
 
 
+def _fresh(what: str, code: str, args: list[str], timeout: float) -> str:
+    """The last line `python -c code *args` prints in a fresh process that imports this checkout's labkit;
+    a RuntimeError naming `what` with the last line of its stderr if it fails."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
+                                                      + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} failed in its process: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
 def stream_memory_fresh(folder, timeout: float = 600, **kwargs) -> StreamMemory:
     """`stream_memory` in a fresh Python process: the training process's own memory, not this one's heap
     (a notebook kernel or a test session that has made and freed many tensors)."""
     import json
-    import subprocess
-    import sys
 
     code = ("import json, sys; from dataclasses import asdict; from labkit.data.loading import stream_memory; "
             "print(json.dumps(asdict(stream_memory(sys.argv[1], **json.loads(sys.argv[2])))))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
-                                                      + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    out = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(kwargs)], capture_output=True, text=True,
-                         timeout=timeout, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"stream_memory failed in its process: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
-    return StreamMemory(**json.loads(out.stdout.strip().splitlines()[-1]))
+    return StreamMemory(**json.loads(_fresh("stream_memory", code, [str(folder), json.dumps(kwargs)], timeout)))
 
 
 def in_memory_growth_fresh(folder, timeout: float = 600) -> int:
     """`in_memory_growth` in a fresh Python process (a long-lived heap can hand back memory it freed before,
     and the naive read then seems to cost nothing)."""
-    import subprocess
-    import sys
-
     code = "import sys; from labkit.data.loading import in_memory_growth; print(in_memory_growth(sys.argv[1]))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
-                                                      + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    out = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=timeout,
-                         env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"in_memory_growth failed in its process: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
-    return int(out.stdout.strip().splitlines()[-1])
+    return int(_fresh("in_memory_growth", code, [str(folder)], timeout))
 
 
 def in_memory_growth(folder) -> int:

@@ -212,14 +212,10 @@ def shuffle_buffer_order(start: int, end: int, buffer: int, rng: np.random.Gener
     yield from buf
 
 
-def _collate_rows(samples: list[dict]) -> dict:
-    return {k: torch.stack([s[k] for s in samples]) if isinstance(samples[0][k], torch.Tensor)
-            else torch.tensor([s[k] for s in samples]) for k in samples[0]}
-
-
 def collate(samples: list[dict]) -> dict:
     """DataLoader collate_fn for ShardStream samples: x, y (B, S) int64; index, unit, pos, epoch (B,) int64."""
-    return _collate_rows(samples)
+    return {k: torch.stack([s[k] for s in samples]) if isinstance(samples[0][k], torch.Tensor)
+            else torch.tensor([s[k] for s in samples]) for k in samples[0]}
 
 
 @dataclass(frozen=True)
@@ -281,11 +277,6 @@ class ShardStream(torch.utils.data.IterableDataset):
         return lambda pos: (int(order[i := int(np.searchsorted(ends, pos, side="right"))]),
                             int(pos - (ends[i] - rows[i])))
 
-    def units(self, num_workers: int) -> list[int]:
-        """The units this rank owns with `num_workers` DataLoader workers (0 counts as 1)."""
-        w = max(num_workers, 1)
-        return [self.rank * w + i for i in range(w)]
-
     def positions(self, unit: int, units: int, epoch: int) -> Iterator[int]:
         """The unit's positions in the epoch's sequence, in the order it yields them (no data read)."""
         start, end = unit_range(self.shards.num_samples, unit, units, self.equal)
@@ -337,12 +328,6 @@ class ShardStream(torch.utils.data.IterableDataset):
         from its beginning; the epoch of a loaded state keeps its resume positions."""
         if int(epoch) != self.epoch:
             self.epoch, self.consumed, self._skip, self.units_saved, self.shift = int(epoch), {}, {}, None, 0
-
-    def samples_per_epoch(self, num_workers: int = 0) -> int:
-        """Samples this rank reads per epoch, all its workers together."""
-        w = max(num_workers, 1)
-        return sum(e - s for u in self.units(num_workers)
-                   for s, e in [unit_range(self.shards.num_samples, u, self.world_size * w, self.equal)])
 
     # ---- resuming -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -13,8 +13,11 @@ code of each path and checked against the Ledger's per-op timeline (tests/unit/t
   masked_fill -> softmax (saved) -> [dropout: mask and output, saved] -> bmm with v (saves probs, v).
   Backward: bmm -> [dropout: mul by mask] -> _softmax_backward_data -> masked_fill -> mul -> bmm.
 - transformers eager (GPT-2, Llama): bmm -> mul -> add the model's (B, 1, S, S) float mask -> softmax
-  (Llama: in fp32, then cast to q's dtype) -> [dropout] -> bmm. Llama with grouped-query attention first
-  repeats k and v to every head (repeat_kv: an expand and a copy of each).
+  (Llama: in fp32, then `.to(query.dtype)`; GPT-2: `.type(value.dtype)`) -> [dropout] -> bmm. Llama with
+  grouped-query attention first repeats k and v to every head (repeat_kv: an expand and a copy of each).
+  Under autocast an fp32 model's Llama query is fp32 (RoPE multiplies the 16-bit projection by fp32 cos and
+  sin), so the cast is a no-op, dropout runs in fp32 and the bmm with v makes autocast's 16-bit copy of
+  the probabilities (saved); the fp32 ones stay, returned as the attention weights, until the block returns.
 - SDPA math (CPU with dropout): a (S, S) float bias from ones/tril/where -> bmm -> add the bias -> softmax
   (saved) -> dropout (mask and output saved) -> bmm.
 """
@@ -52,7 +55,8 @@ class Ops:
 @dataclass
 class AttnShape:
     """Sizes of one attention call. Bytes per element: mm (matmul outputs), sm (softmax output), x (the
-    model's dtype, for the float mask), drop_mask (1 on CUDA, else the probabilities' dtype)."""
+    model's dtype, for the float mask), drop_mask (1 on CUDA, else the dtype dropout gets), to (the dtype
+    softmax's output is cast to, `.to(query.dtype)`; 0: mm)."""
 
     B: int
     heads: int
@@ -63,6 +67,7 @@ class AttnShape:
     x: int
     drop_mask: int
     kv_repeat: int = 1  # grouped-query attention: heads / kv heads (repeat_kv copies k and v when > 1)
+    to: int = 0  # bytes per element after softmax's cast (0: mm); wider than mm: the bmm with v copies it
 
     def sq(self, nbytes: int) -> int:  # one (B, a, S, S) matrix
         return self.B * self.heads * self.S * self.S * nbytes
@@ -117,16 +122,18 @@ def materialised(kind: str, a: AttnShape, p: float) -> AttnPoints:
     f.alloc("probs", a.sq(a.sm), saved=True)  # softmax
     if kind != "manual":
         f.free(last)
-    attn = "probs"
-    if a.sm != a.mm:  # Llama: softmax in fp32, then .to(q.dtype): the copy is what the matmul reads
-        f.alloc("probs cast", a.sq(a.mm), saved=p == 0)
+    attn, to = "probs", a.to or a.mm
+    if a.sm != to:  # Llama: softmax in fp32, then .to(q.dtype): the copy is what the matmul reads
+        f.alloc("probs cast", a.sq(to), saved=p == 0 and to == a.mm)
         attn = "probs cast"
     if p > 0:
         f.alloc("dropout mask", a.sq(a.drop_mask), saved=True)
-        f.alloc("dropped", a.sq(a.mm), saved=True)
+        f.alloc("dropped", a.sq(to), saved=to == a.mm)
         if attn == "probs cast":
             f.free("probs cast")
         attn = "dropped"
+    if to != a.mm:  # autocast's 16-bit copy for the bmm with v; `attn` stays, returned as the weights
+        f.alloc("probs (16-bit copy)", a.sq(a.mm), saved=True)
     f.free(last)  # labkit's `att = attn_drop(softmax(att))` drops the masked scores only when it rebinds att
     f.alloc("v repeated" if a.kv_repeat > 1 else "out", a.vec(a.mm), saved=a.kv_repeat > 1)
     f.free("tril", "bias")
@@ -141,14 +148,20 @@ def materialised(kind: str, a: AttnShape, p: float) -> AttnPoints:
     g.alloc("d attn", a.sq(a.mm))  # bmm: dy @ v^T
     g.alloc("dv", a.vec(a.mm))
     g.free("v repeated", "dv")  # the matmul's saved operands go once its backward is done (the probabilities
-    if attn != "probs":          # themselves stay: softmax's backward reads them)
-        g.free(attn)
-    grad = "d attn"
+    if to != a.mm:               # themselves stay: softmax's backward reads them)
+        g.free("probs (16-bit copy)")
+        g.alloc("d attn (wide)", a.sq(to))  # the autocast copy's backward casts the gradient back
+        g.free("d attn")
+        grad = "d attn (wide)"
+    else:
+        if attn != "probs":
+            g.free(attn)
+        grad = "d attn"
     if p > 0:
-        g.alloc("d probs (dropout)", a.sq(a.mm))  # grad * mask * scale
+        g.alloc("d probs (dropout)", a.sq(to))  # grad * mask * scale
         g.free(grad, "dropout mask")
         grad = "d probs (dropout)"
-    if a.sm != a.mm:
+    if a.sm != to:
         g.alloc("d probs fp32", a.sq(a.sm))  # the cast's backward
         g.free(grad, "probs cast")
         grad = "d probs fp32"

@@ -56,9 +56,10 @@ class AttnCall:
         return self.batch * self.heads * self.seq * self.seq
 
 
-def _shape(w: Walk, c: AttnCall, mm: int, sm: int) -> AttnShape:
-    drop = 1 if w.device == "cuda" else sm
-    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop, c.kv_repeat)
+def _shape(w: Walk, c: AttnCall, mm: int, sm: int, to: int = 0) -> AttnShape:
+    """to: the dtype softmax's output is cast to (0: mm); dropout gets that (its CPU mask is of it)."""
+    drop = 1 if w.device == "cuda" else (to or mm)
+    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop, c.kv_repeat, to)
 
 
 def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bool:
@@ -275,7 +276,7 @@ def attention_manual(w: Walk, qkv: T, c: AttnCall) -> T:
     sm = 4 if w.autocast and w.device == "cuda" else w.mm_bytes
     saved = [w.new(n, w.mm_bytes, part) for part in ("q contiguous", "k^T contiguous", "v contiguous")]
     w.save(*saved)
-    w.point("attention (manual)", materialised("manual", _shape(w, c, w.mm_bytes, sm), c.p))
+    w.point("attention (manual)", materialised("manual", _shape(w, c, w.mm_bytes, sm, to=sm), c.p))
     mask = w.new(S * S, 1, "causal mask")
     w.save(mask)
     w.keep(w.new(c.scores, w.mm_bytes, "attention scores"), kind="attention")  # q @ k^T (bmm)
@@ -324,39 +325,43 @@ def _manual_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, sm: int, rg: bool) -
 
 def attention_eager(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
     """transformers' eager attention (GPT-2, Llama): matmul(q, k^T) * scale + the model's float mask, softmax
-    (Llama: in fp32, then cast to q's dtype), dropout, matmul with v. The matmuls save q and k (with grouped
-    query attention, k and v repeated to every head: repeat_kv copies them), softmax its output, the second
-    matmul the (dropped) probabilities and v.
+    (Llama: in fp32, then `.to(query.dtype)`; GPT-2: `.type(value.dtype)`), dropout, matmul with v. The
+    matmuls save q and k (with grouped query attention, k and v repeated to every head: repeat_kv copies
+    them), softmax its output, the second matmul the (dropped) probabilities and v. Under autocast an fp32
+    model's Llama query is fp32 (RoPE), so dropout runs in fp32 and the second matmul copies the
+    probabilities to 16-bit (labkit.estimate.attention).
     Tape: matmul copies a strided operand (GPT-2's q, k^T and v are views of c_attn's output) before its
     bmm; under autocast an fp32 operand is copied to 16-bit."""
     rg = q.rg or k.rg or v.rg
     mm, rep, n = w.mm_bytes, c.kv_repeat, c.numel
     sm = 4 if c.fp32_softmax else max(mm, w.x_bytes)  # 16-bit scores + the model's fp32 mask promote to fp32
+    to = q.itemsize if c.fp32_softmax else v.itemsize  # what softmax's output is cast to (query's, value's)
     # the (B, 1, S, S) mask, for the whole forward
     w.forward_extra = max(w.forward_extra, c.batch * c.seq * c.seq * w.x_bytes)
     if not rg:
         w.keep(w.new(c.scores, mm, "attention scores"), kind="attention")
         w.keep(w.new(n, mm, "probs @ v"), kind="attention")
-        return _eager_tape(w, (q, k, v), c, sm, False)
+        return _eager_tape(w, (q, k, v), c, (sm, to), False)
     kr = w.new(n, mm, "k repeated") if rep > 1 else k
     vr = w.new(n, mm, "v repeated") if rep > 1 else v
     w.save(w.as_matmul_input(q), w.as_matmul_input(kr))
-    w.point("attention (eager)", materialised("eager", _shape(w, c, mm, sm), c.p))
+    w.point("attention (eager)", materialised("eager", _shape(w, c, mm, sm, to), c.p))
     w.keep(w.new(c.scores, mm, "attention scores"), kind="attention")  # q @ k^T (bmm)
     probs = w.new(c.scores, sm, "attention probs")
     w.save(probs)
-    if sm != mm:
-        probs = w.new(c.scores, mm, "attention probs (cast)")
+    if sm != to:
+        probs = w.new(c.scores, to, "attention probs (cast)")
     with w.tape.off():
         dropped = w.dropout(probs, c.p, "attention dropout")
-    w.save(dropped, w.as_matmul_input(vr))
+    w.save(w.as_matmul_input(dropped), w.as_matmul_input(vr))
     w.keep(w.new(n, mm, "probs @ v"), kind="attention")  # bmm
-    return _eager_tape(w, (q, k, v), c, sm, True)
+    return _eager_tape(w, (q, k, v), c, (sm, to), True)
 
 
-def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, sm: int, rg: bool) -> T:
-    """transformers' eager attention on the tape."""
+def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, widths: tuple[int, int], rg: bool) -> T:
+    """transformers' eager attention on the tape. widths: bytes of softmax's output and of its cast."""
     mm, (q, k, v), B, heads, S, n, p, rep = w.mm_bytes, qkv, c.batch, c.heads, c.seq, c.numel, c.p, c.kv_repeat
+    sm, to = widths
     kr, vr = (_repeat(w, k, rep, "k repeated"), _repeat(w, v, rep, "v repeated")) if rep > 1 else (k, v)
     (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, kr, "k^T contiguous", B, heads)
     scores = _bmm(w, qc, kc, c.scores, "q @ k^T")
@@ -374,16 +379,17 @@ def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, sm: int, rg: bool) ->
     if soft_in is not masked:
         w.drop(soft_in)
     att = probs
-    if sm != mm:  # `softmax(...).to(q.dtype)`: the scores stay bound to attn_weights until the cast returns
-        att = w.cast(probs, mm, "attention probs (cast)")
+    if sm != to:  # `softmax(...).to(q.dtype)`: the scores stay bound to attn_weights until the cast returns
+        att = w.cast(probs, to, "attention probs (cast)")
         w.drop(probs)
     w.drop(masked)
     dropped = _dropout_tape(w, att, p, "attention dropout")
     if dropped is not att:
         w.drop(att)
+    dc, dm = _operand(w, dropped, "attention probs", B, heads)  # autocast's 16-bit copy of fp32 probabilities
     vc, vm = _operand(w, vr, "v contiguous", B, heads)
-    o = _bmm(w, dropped, vc, n, "probs @ v")
-    w.drop(*vm)
+    o = _bmm(w, dc, vc, n, "probs @ v")
+    w.drop(*dm, *vm)
     # eager returns (output, weights): the block's `hidden_states, _ = self.attn(...)` holds the weights
     # in `_` until it returns
     w.block_end.append(dropped)

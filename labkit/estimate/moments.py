@@ -80,6 +80,8 @@ class StepBytes:
                      "lm_head's output; .float() or autocast's fp32 loss")
     head_temp: int = _f(T_, "head backward: dlogits, dX (and a 16-bit dW)", "r V m + r h m (+ V h m under autocast)",
                         "mm backward: grad_input = dy @ W, grad_weight = dy^T @ x")
+    head_cast: int = _f(T_, "head backward after its matmul: dX and the 16-bit dW being cast to fp32", "r h m + V h m",
+                        "the mm node frees its saved weight copy and dlogits once it returns; ToCopyBackward casts dW")
     head_grad: int = _f(G_, "output matrix and final norm gradients", "(V h + 2h) x d", "made at the head's backward")
     head_new: int = _f(T_, "the output matrix's new gradient, before it is summed into .grad (or held for the tied "
                            "embedding's part)", "V x h x d", "AccumulateGrad adds it into the .grad of the earlier "
@@ -313,10 +315,18 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         if b.head_grad else []
     # the chunked loss's saved tensors (hidden states, logsumexp, count) copied back for its backward
     loss_back = [b.term("loss_saved")] if offload and b.loss_saved else []
+    around = [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all]
+    # under autocast the head's matmul makes a 16-bit dW: its fp32 gradient (in_head) comes after, from the
+    # weight copy's own node, once the matmul's node has returned and freed the copy it saved
+    cast = bool(b.head_cast and not offload and in_head)
     head = Moment("backward", "the head's backward" + sfx,
-                  [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all, *in_head,
-                   *loss_back, b.term("head_temp")])
+                  [*around, *([] if cast else in_head), *loss_back, b.term("head_temp")])
     moments = [*fwd, start, head]
+    if cast:
+        moments.append(Moment("backward", "the head's weight gradient cast to fp32" + sfx, [
+            *around, custom("freed: the head's 16-bit weight copy, with its matmul's backward", P_, -b.head_copy,
+                            "2 x V x h", "autograd releases a node's saved tensors once it has run"),
+            *in_head, b.term("head_cast")]))
     if b.tail is not None and not step_in_backward and len(b.replays) == n_layer:
         # after the head: a later micro-batch's new head gradient was summed into .grad (a tied one waits)
         after_head = ([b.term("head_held")] if b.head_held else []) if grads_exist else head_grad

@@ -185,6 +185,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         **(fields or dict(logits=r * V * mm + upcast,
                           head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0))),
         head_grad=head_grad, head_new=V * h * gb if head_trains else 0, stream=r * h * gb,
+        head_cast=r * h * mm + V * h * mm if head_copy and head_trains else 0,
         # MLP backward: the gradients into and out of the activation are alive while its output is
         # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors. Under LoRA
         # one more: a frozen down projection holds no input for that moment to free, and an adapted

@@ -142,10 +142,10 @@ class Ledger(TorchDispatchMode):
         return super().__exit__(*exc)
 
     # ---- registering storages ---------------------------------------------------------------
-    def _counts(self, t: torch.Tensor) -> bool:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return False
-        return self.device_type is None or t.device.type == self.device_type
+    def _counts(self, t) -> bool:
+        """Whether a tensor or storage is counted: not on meta, and on the ledger's device type if it has one."""
+        return (isinstance(t, (torch.Tensor, torch.UntypedStorage)) and t.device.type != "meta"
+                and (self.device_type is None or t.device.type == self.device_type))
 
     def _storage(self, t: torch.Tensor):
         try:
@@ -242,9 +242,8 @@ class Ledger(TorchDispatchMode):
         elif phase == "backward" and self._phase == "forward":
             # Whatever the forward pass made and is still alive now is saved for backward.
             for sid in self._live.values():
-                rec = self._recs[sid]
-                if rec.tag is Category.TEMP and rec.phase in ("forward", "between"):
-                    rec.tag = Category.ACT
+                if _made_by_forward(self._recs[sid]):
+                    self._recs[sid].tag = Category.ACT
         self._phase = phase
         self._marks.append((len(self._events), phase, self._step))
 
@@ -302,10 +301,10 @@ class Ledger(TorchDispatchMode):
 
         def resize_(st, size):
             led = ref()
-            if led is not None and led._counts_storage(st):
+            if led is not None and led._counts(st):
                 led._before_resize(st, int(size))
             out = orig(st, size)
-            if led is not None and led._counts_storage(st):
+            if led is not None and led._counts(st):
                 led._after_resize(st)
             return out
 
@@ -316,9 +315,6 @@ class Ledger(TorchDispatchMode):
         if self._orig_resize is not None:
             torch.UntypedStorage.resize_ = self._orig_resize
             self._orig_resize = None
-
-    def _counts_storage(self, st) -> bool:
-        return st.device.type != "meta" and (self.device_type is None or st.device.type == self.device_type)
 
     def _before_resize(self, st, size: int) -> None:
         """A budget check for the growth, before the memory is taken (a device would fail here)."""
@@ -368,7 +364,7 @@ class Ledger(TorchDispatchMode):
             finally:
                 self._relieving = False
             freed = before - self._live_bytes
-        live = self._live_as_final()
+        live = self.live(as_final=True)
         forward = (f"; activations are what this forward has made and still holds, saved for backward"
                    if self._phase == "forward" and live[Category.ACT] else "")
         raise SimulatedOutOfMemoryError(
@@ -379,26 +375,16 @@ class Ledger(TorchDispatchMode):
             requested, self.budget, live,
         )
 
-    def _live_as_final(self) -> Breakdown:
-        """Live bytes per category with the tags the timeline will show: during forward, what the forward
-        made and still holds is counted as activations (ACT), the tag `_set_phase` gives it when backward
-        starts, not as the temporaries it is tagged as until then."""
-        b = Breakdown()
-        for sid in self._live.values():
-            rec = self._recs[sid]
-            tag = rec.tag
-            if self._phase == "forward" and tag is Category.TEMP and rec.phase in ("forward", "between"):
-                tag = Category.ACT
-            b.bytes[tag] += rec.nbytes
-        return b
-
     # ---- results ----------------------------------------------------------------------------------
-    def live(self) -> Breakdown:
-        """Live bytes per category right now (tags as known so far)."""
+    def live(self, as_final: bool = False) -> Breakdown:
+        """Live bytes per category right now (tags as known so far). as_final: with the tags the timeline will
+        show: during forward, what the forward made and still holds is counted as activations (ACT), the tag
+        `_set_phase` gives it when backward starts, not as the temporaries it is tagged as until then."""
+        retag = as_final and self._phase == "forward"
         b = Breakdown()
         for sid in self._live.values():
             rec = self._recs[sid]
-            b.bytes[rec.tag] += rec.nbytes
+            b.bytes[Category.ACT if retag and _made_by_forward(rec) else rec.tag] += rec.nbytes
         return b
 
     def live_tensors(self, tag: Category | None = None) -> list[tuple[str, tuple, str, int, str]]:
@@ -421,6 +407,11 @@ class Ledger(TorchDispatchMode):
         m.trace = Trace(list(self._events), [Allocation(r.tag, r.op, r.shape, str(r.dtype).replace("torch.", ""),
                                                         r.phase, r.step) for r in self._recs])
         return m
+
+
+def _made_by_forward(rec: _Rec) -> bool:
+    """A temporary made in a forward (or before it, by the next batch): saved for backward if alive when it starts."""
+    return rec.tag is Category.TEMP and rec.phase in ("forward", "between")
 
 
 class _Handle:

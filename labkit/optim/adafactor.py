@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from .base import KeepStateDtypes, check_number, params_with_grads, run_closure
+from .base import KeepStateDtypes, StepsEachParameter, check_number
 
 
 def state_bytes_for(shape, beta1: float | None = None) -> int:
@@ -99,7 +99,7 @@ class AdafactorHP:
 HP_NAMES = tuple(f.name for f in fields(AdafactorHP))
 
 
-class Adafactor(KeepStateDtypes, torch.optim.Optimizer):
+class Adafactor(StepsEachParameter, KeepStateDtypes, torch.optim.Optimizer):
     """Adafactor with transformers' arguments, defaults and results (parity with its `Adafactor`).
 
     lr: None with relative_step=True (the step size is min(1e-2, 1/sqrt(t)), or 1e-6*t with
@@ -141,16 +141,8 @@ class Adafactor(KeepStateDtypes, torch.optim.Optimizer):
         else:
             state["exp_avg_sq"] = torch.zeros_like(g)  # bytes: 4 per element
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = run_closure(closure)
-        for p, group in params_with_grads(self, "Adafactor"):
-            self._update(p, group)
-        return loss
-
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
         g = p.grad.float() if p.grad.dtype in (torch.float16, torch.bfloat16) else p.grad
-        state = self.state[p]
         if not state:
             self._init_state(g, state, group)
         p32 = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p

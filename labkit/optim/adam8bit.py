@@ -172,31 +172,33 @@ class Adam8bit(KeepStateDtypes, torch.optim.Optimizer):
             ma, va = state["m_absmax"][blk], state["v_absmax"][blk]
             g, pc = gf[s:e].float(), pf[s:e]
             p32 = pc.float()
-            m = self._dequantize(mc[s:e], ma, True, bs)  # fp32 (chunk,): 4 B per value
-            v = self._dequantize(vc[s:e], va, False, bs)
+            m = dequantize_state(mc[s:e], ma, True, bs)  # fp32 (chunk,): 4 B per value
+            v = dequantize_state(vc[s:e], va, False, bs)
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            self._quantize(v.clone(), vc[s:e], va, False, bs)  # v's new codes; v stays for the denominator
+            quantize_state(v.clone(), vc[s:e], va, False, bs)  # v's new codes; v stays for the denominator
             denom = v.sqrt_().div_(c2).add_(group["eps"])  # in place: sqrt(v)/c2 + eps
             if wd > 0:
                 p32.mul_(1 - lr * wd)
             p32.addcdiv_(m, denom, value=-lr / c1)
             del v, denom
-            self._quantize(m, mc[s:e], ma, True, bs)  # m is not needed after this: normalized in place
+            quantize_state(m, mc[s:e], ma, True, bs)  # m is not needed after this: normalized in place
             if p32 is not pc:
                 pc.copy_(p32)
         if work is not p:
             p.copy_(work)
 
-    def _dequantize(self, codes, absmax, signed: bool, bs: int) -> torch.Tensor:
-        """codes (chunk,) uint8 -> fp32 code[codes] * absmax of each value's block (labkit.quant.dynamic)."""
-        code, _ = code_map(signed, codes.device)
-        return dequantize_blockwise_(codes, absmax, code, bs)  # bytes: 4 (int32 index, freed) + 4 per value
 
-    def _quantize(self, x, codes_out, absmax_out, signed: bool, bs: int) -> None:
-        """x (chunk,) fp32, overwritten -> codes_out (uint8) and absmax_out (fp32 per block)."""
-        _, mids = code_map(signed, x.device)
-        quantize_blockwise_(x, codes_out, absmax_out, mids, bs)  # bytes: 4 per value (int32 code indices)
+def dequantize_state(codes: torch.Tensor, absmax: torch.Tensor, signed: bool, bs: int) -> torch.Tensor:
+    """uint8 codes -> fp32 code[codes] * absmax of each value's block (labkit.quant.dynamic), codes' shape."""
+    code, _ = code_map(signed, codes.device)
+    return dequantize_blockwise_(codes, absmax, code, bs).view(codes.shape)  # bytes: 4 (int32 index, freed) + 4 per value
+
+
+def quantize_state(x: torch.Tensor, codes_out: torch.Tensor, absmax_out: torch.Tensor, signed: bool, bs: int) -> None:
+    """fp32 x, overwritten -> codes_out (uint8, x's shape) and absmax_out (fp32 per block): a moment stored in 8 bits."""
+    _, mids = code_map(signed, x.device)
+    quantize_blockwise_(x.view(-1), codes_out.view(-1), absmax_out, mids, bs)  # bytes: 4 per value (int32 indices)
 
 
 class AdamW8bit(Adam8bit):

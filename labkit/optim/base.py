@@ -60,6 +60,18 @@ def params_with_grads(optimizer, name: str):
             yield p, group
 
 
+class StepsEachParameter:
+    """Mixin: `step` runs the closure, then `self._update(p, state, group)` for every parameter with a gradient
+    (a sparse one refused in the class's name)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = run_closure(closure)
+        for p, group in params_with_grads(self, type(self).__name__):
+            self._update(p, self.state[p], group)
+        return loss
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor storage `state_tensors` finds (each storage once, whole), as the Ledger's OPT counts them."""
     seen, total = set(), 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .base import KeepStateDtypes, check_betas, check_int, check_number, params_with_grads, run_closure
+from .base import KeepStateDtypes, StepsEachParameter, check_betas, check_int, check_number
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right")
 GALORE_DEFAULTS = dict(update_proj_gap=200, scale=0.25, proj_type="std")  # the README's recipe
@@ -158,7 +158,7 @@ def check_galore_group(group: dict) -> None:
             raise ValueError(f"rank must be <= the smaller side of every matrix, got {rank} for shape {tuple(p.shape)}")
 
 
-class GaLoreAdamW(KeepStateDtypes, torch.optim.Optimizer):
+class GaLoreAdamW(StepsEachParameter, KeepStateDtypes, torch.optim.Optimizer):
     """AdamW with GaLore projection for the parameter groups that carry a "rank" (parity with galore-torch).
 
     Group keys for GaLore: rank (1..min(m, n)), update_proj_gap (steps between SVDs, default 200),
@@ -183,13 +183,6 @@ class GaLoreAdamW(KeepStateDtypes, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         check_galore_adam_group(self.param_groups[-1])
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = run_closure(closure)
-        for p, group in params_with_grads(self, "GaLoreAdamW"):
-            self._update(p, self.state[p], group)
-        return loss
 
     def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
         if not state:

@@ -25,11 +25,11 @@ import math
 
 import torch
 
-from labkit.quant.dynamic import code_map, dequantize_blockwise_, quantize_blockwise_
+from labkit.quant.dynamic import code_map
 
 from . import adam8bit
 from .adam8bit import BLOCKSIZE, MIN_8BIT_SIZE  # the 8-bit rule's block and small-state limit: one owner
-from .base import KeepStateDtypes, check_betas, check_int, check_number, params_with_grads, run_closure
+from .base import KeepStateDtypes, StepsEachParameter, check_betas, check_int, check_number
 from .galore import add_back_projected, check_galore_adam_group, make_projector, project, projection_side
 
 # The projector's precision: "param" keeps it in the parameters' dtype, as galore-torch does (its
@@ -68,7 +68,7 @@ def state_bytes_for(shape, rank: int | None, dtype_bytes: int = 4, blocksize: in
     return proj + adam8bit.state_bytes_for((k,), blocksize, min_8bit_size)
 
 
-class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
+class GaLoreAdamW8bit(StepsEachParameter, KeepStateDtypes, torch.optim.Optimizer):
     """GaLore with 8-bit moments (parity with galore-torch's GaLoreAdamW8bit on bitsandbytes >= 0.50).
 
     Groups with "rank" (and update_proj_gap, scale, proj_type, as for GaLoreAdamW) are projected; the
@@ -105,13 +105,6 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
         check_galore_adam_group(self.param_groups[-1])
         check_proj_dtype(self.param_groups[-1]["proj_dtype"])
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = run_closure(closure)
-        for p, group in params_with_grads(self, "GaLoreAdamW8bit"):
-            self._update(p, self.state[p], group)
-        return loss
-
     def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
         if not state:
             state["step"] = 0
@@ -138,8 +131,8 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
             update, step_size = m / (v.sqrt() + eps * c2), -lr * c2 / c1
         else:
             update, step_size = m / v.sqrt().div_(c2).add_(eps), -lr / c1
-            self._store(state, "exp_avg", m, True, group["blocksize"])  # overwrites m, then v
-            self._store(state, "exp_avg_sq", v, False, group["blocksize"])
+            for name, x, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):  # overwrites m, then v
+                adam8bit.quantize_state(x, state[f"{name}_codes"], state[f"{name}_absmax"], signed, group["blocksize"])
         del m, v
         update = update.to(p.dtype)
         if side is None:
@@ -192,15 +185,6 @@ class GaLoreAdamW8bit(KeepStateDtypes, torch.optim.Optimizer):
     def _moments(self, state: dict, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if "exp_avg" in state:
             return state["exp_avg"], state["exp_avg_sq"]
-        return (self._dequantize(state["exp_avg_codes"], state["exp_avg_absmax"], True, group["blocksize"]),
-                self._dequantize(state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], False, group["blocksize"]))
-
-    def _dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool, bs: int) -> torch.Tensor:
-        """uint8 codes -> fp32 code[codes] * absmax of each value's block (labkit.quant.dynamic)."""
-        code, _ = code_map(signed, codes.device)
-        return dequantize_blockwise_(codes, absmax, code, bs).view(codes.shape)  # bytes: 4 per value (+4 freed)
-
-    def _store(self, state: dict, name: str, x: torch.Tensor, signed: bool, bs: int) -> None:
-        """Quantize fp32 x into state's codes and absmax (labkit.quant.dynamic), overwriting x."""
-        _, mids = code_map(signed, x.device)
-        quantize_blockwise_(x.view(-1), state[f"{name}_codes"].view(-1), state[f"{name}_absmax"], mids, bs)
+        bs = group["blocksize"]
+        return tuple(adam8bit.dequantize_state(state[f"{name}_codes"], state[f"{name}_absmax"], signed, bs)
+                     for name, signed in (("exp_avg", True), ("exp_avg_sq", False)))

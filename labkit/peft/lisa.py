@@ -26,6 +26,8 @@ import random
 import torch
 import torch.nn as nn
 
+from .lora import trainable_parameters
+
 LAYER_PATHS = ("blocks", "transformer.h", "model.layers", "encoder.layer", "bert.encoder.layer", "layers")
 
 
@@ -107,12 +109,7 @@ class LISANaive:
 
     def active_parameters(self) -> list[nn.Parameter]:
         """Parameters trained now: the active layers' plus everything outside the layers that requires grad."""
-        seen, out = set(), []
-        for p in self.model.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        return trainable_parameters(self.model)
 
 
 # ---- (b) the real one: free what a frozen layer holds -------------------------------------------

@@ -105,6 +105,11 @@ def _check_optimizer(optimizer) -> None:
         raise TypeError(f"expected a torch.optim.Optimizer (param_groups and step()), got {type(optimizer).__name__}")
 
 
+def _setting(attr: str, check) -> property:
+    """A property reading self.<attr>; assigning stores check(value), so a bad value raises as in the constructor."""
+    return property(lambda self: getattr(self, attr), lambda self, value: setattr(self, attr, check(value)))
+
+
 class _Stage(Enum):
     READY, UNSCALED, STEPPED = range(3)
 
@@ -141,29 +146,9 @@ class DynamicLossScaler:
     def is_enabled(self) -> bool:
         return self._enabled
 
-    @property
-    def growth_factor(self) -> float:
-        return self._growth_factor
-
-    @growth_factor.setter
-    def growth_factor(self, value: float) -> None:
-        self._growth_factor = _growth_factor(value)
-
-    @property
-    def backoff_factor(self) -> float:
-        return self._backoff_factor
-
-    @backoff_factor.setter
-    def backoff_factor(self, value: float) -> None:
-        self._backoff_factor = _backoff_factor(value)
-
-    @property
-    def growth_interval(self) -> int:
-        return self._growth_interval
-
-    @growth_interval.setter
-    def growth_interval(self, value: int) -> None:
-        self._growth_interval = _growth_interval(value)
+    growth_factor = _setting("_growth_factor", _growth_factor)
+    backoff_factor = _setting("_backoff_factor", _backoff_factor)
+    growth_interval = _setting("_growth_interval", _growth_interval)
 
     @property
     def growth_tracker(self) -> int:

@@ -36,7 +36,6 @@ from .int4 import (
     INT4_GROUP,
     Int4Linear,
     Int4Tensor,
-    bits_per_weight_int4,
     dequantize_int4,
     fake_quantize_int4,
     int4_bytes_for,

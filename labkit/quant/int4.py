@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from .matmul import dequant_linear
-from .nf4 import pack_nibbles, unpack_nibbles
+from .nf4 import pack_nibbles, pair_table, unpack_nibbles
 
 INT4_GROUP = 128  # weights per (scale, zero) along the input dimension: AWQ's and GPTQ's default
 LEVELS = 15  # codes 0..15: 15 steps between min and max
@@ -123,18 +123,8 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP, clip: torch.Tensor |
     return Int4Tensor(packed, scale.squeeze(2).half(), zero.squeeze(2).to(torch.uint8), w.shape, group, w.dtype)
 
 
-_PAIRS: dict = {}  # device -> (256, 2) fp32 table: byte hi*16+lo -> (hi, lo) as floats
-
-
-def _pair_table(device) -> torch.Tensor:
-    table = _PAIRS.get(device)
-    if table is None:
-        levels = torch.arange(16, dtype=torch.float32)
-        table = _PAIRS[device] = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], 1).to(device)
-    return table
-
-
-_pair_table(torch.device("cpu"))  # built at import: a table made inside a measurement would count as its memory
+_LEVELS = torch.arange(16, dtype=torch.float32)  # the codes as floats: a byte hi*16+lo looks up (hi, lo)
+pair_table("int4", _LEVELS, torch.device("cpu"))  # built at import: made inside a measurement, it would count
 
 
 def dequantize_int4(q: Int4Tensor, dtype: torch.dtype | None = None,
@@ -145,7 +135,7 @@ def dequantize_int4(q: Int4Tensor, dtype: torch.dtype | None = None,
     One lookup per byte with int32 indices: peak INT4_DEQUANT_BYTES_PER_WEIGHT = 6 bytes per weight
     (the 2-byte index beside the 4-byte result; or the result and its 16-bit copy)."""
     d_out, d_in = q.shape
-    w = _pair_table(q.packed.device).index_select(0, q.packed.reshape(-1).int())  # (n/2, 2) fp32
+    w = pair_table("int4", _LEVELS, q.packed.device).index_select(0, q.packed.reshape(-1).int())  # (n/2, 2) fp32
     g = w.view(d_out, d_in // q.group, q.group)
     g.sub_(q.zero.float()[..., None]).mul_(q.scale.float()[..., None])  # in place
     w = w.view(d_out, d_in)
@@ -221,9 +211,3 @@ class Int4Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"group={self.group}, awq_scale={self.input_scale is not None}, compute_dtype={self.compute_dtype}"
                 + (", keep_dequantized=True" if self.keep_dequantized else ""))
-
-
-def bits_per_weight_int4(group: int = INT4_GROUP) -> float:
-    """4 + 24/group: the code, plus a 16-bit scale and an 8-bit zero point shared by `group` weights."""
-    return 4 + 24 / group
-

@@ -153,18 +153,19 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = NF4_BLOCKSIZE, double_quant: 
     return packed, NF4State(qabsmax, w.shape, w.dtype, blocksize, absmax_scale, offset)
 
 
-_PAIR_TABLES: dict = {}  # device -> the (256, 2) table below, built once per device
+_PAIR_TABLES: dict = {}  # (name, device) -> the (256, 2) table below, built once per device
 
 
-def _pair_table(device) -> torch.Tensor:
-    """(256, 2) fp32: for every byte hi*16+lo, the two levels it packs (NF4_CODE[hi], NF4_CODE[lo])."""
-    table = _PAIR_TABLES.get(device)
+def pair_table(name: str, levels: torch.Tensor, device) -> torch.Tensor:
+    """(256, 2) fp32: for every byte hi*16+lo, the two levels it packs (levels[hi], levels[lo]), for the 16
+    `levels` called `name` (NF4's, int4's)."""
+    table = _PAIR_TABLES.get((name, device))
     if table is None:
-        table = _PAIR_TABLES[device] = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], 1).to(device)
+        table = _PAIR_TABLES[name, device] = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], 1).to(device)
     return table
 
 
-_pair_table(torch.device("cpu"))  # built at import: a table made inside a measurement would count as its memory
+pair_table("nf4", NF4_CODE, torch.device("cpu"))  # built at import: made inside a measurement, it would count
 
 
 def dequantize_nf4(packed: torch.Tensor, state: NF4State, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -179,7 +180,7 @@ def dequantize_nf4(packed: torch.Tensor, state: NF4State, dtype: torch.dtype | N
     packed = packed.reshape(-1).view(torch.uint8)
     if 2 * packed.numel() != state.shape.numel():
         raise ValueError(f"{2 * packed.numel()} packed codes do not fit the shape {tuple(state.shape)}")
-    w = _pair_table(packed.device).index_select(0, packed.int())  # (numel/2, 2) fp32; index: int32, not int64
+    w = pair_table("nf4", NF4_CODE, packed.device).index_select(0, packed.int())  # (numel/2, 2) fp32; index int32, not int64
     w.view(-1, state.blocksize).mul_(state.block_absmax()[:, None])  # level x absmax, in place
     return w.view(state.shape).to(state.dtype if dtype is None else dtype)
 

@@ -15,13 +15,13 @@ from labkit.distributed.dp_ranks import TrainRun
 from labkit.distributed.param_server import PSConfig
 from labkit.memory import fmt_bytes
 
-from .style import pick_unit, to_png
+from .style import _Panel, pick_unit, to_png
 
 SPARSITIES = (0.75, 0.9, 0.99, 0.999)
 COLORS = {"dense": "#4C72B0", "dgc": "#DD8452", "powersgd": "#55A868", "parameter server": "#C44E52"}
 
 
-class CommPanel:
+class CommPanel(_Panel):
     """Thin: reads the controls, calls `plan_bytes` (or `explore` for the button), draws."""
 
     def __init__(self, run: TrainRun, slow_worker_s: float = 0.0):
@@ -38,12 +38,10 @@ class CommPanel:
         self.verdict, self.message = widgets.HTML(), widgets.HTML()
         self.last_plan = self.last_losses = self.last_error = None
         controls = (self.sparsity, self.warmup, self.rank, self.staleness)
-        for w in controls:
-            w.observe(self._on_change, names="value")
         self.button.on_click(self._on_train)
         self.widget = widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:2])), widgets.VBox(list(controls[2:]))]),
                                     self.bytes_plot, self.verdict, self.button, self.message])
-        self._on_change()
+        self._watch(controls)
 
     def _on_change(self, _change=None) -> None:
         self.last_plan = comm_ranks.plan_bytes(self.run, self._dgc(), PowerSGDConfig(rank=self.rank.value))
@@ -102,8 +100,3 @@ class CommPanel:
             self.widget.children = (*self.widget.children, self.loss_plot)
         final = {k: v[-1] for k, v in self.last_losses.items()}
         self.message.value = html.escape("final loss: " + ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)

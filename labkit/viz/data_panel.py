@@ -13,12 +13,12 @@ from labkit.memory import MiB, fmt_bytes
 from labkit.models.cnn import CNNConfig, predict
 from labkit.models.scaling import measure_within, plan
 
-from .style import DOES_NOT_FIT, FITS, to_png
+from .style import DOES_NOT_FIT, FITS, _Panel, to_png
 
 REPEATS = (1, 10, 100, 1000, 10000)
 
 
-class DataScalingPanel:
+class DataScalingPanel(_Panel):
     """Thin: reads the controls, calls `plan(...)` (or `measure_within` for the button), draws."""
 
     def __init__(self, corpus_tokens: int, batch: int = 16, seq: int = 128, cnn_batch: int = 8,
@@ -37,12 +37,10 @@ class DataScalingPanel:
         self.verdict, self.message = widgets.HTML(), widgets.HTML()
         self.last_plan = self.last_result = None
         controls = (self.repeat, self.workers, self.prefetch, self.phi, self.budget)
-        for w in controls:
-            w.observe(self._on_change, names="value")
         self.button.on_click(self._on_measure)
         self.widget = widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:3])), widgets.VBox(list(controls[3:]))]),
                                     self.prediction, self.verdict, self.button, self.message])
-        self._on_change()
+        self._watch(controls)
 
     def _budget_bytes(self) -> int:
         return int(self.budget.value * MiB)
@@ -94,8 +92,3 @@ class DataScalingPanel:
                                             f"largest phi that fits: {best}. Loader RAM per rank "
                                             f"{fmt_bytes(p.loader_bytes)} for {fmt_bytes(p.dataset_bytes)} on disk.")
                               + "</b>")
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)

@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 from labkit.memory.report import CATEGORIES
 from labkit.memory.units import fmt_bytes
 
-from .style import DOES_NOT_FIT, FITS, _axes, _legend, _stack, pick_unit, to_png
+from .style import DOES_NOT_FIT, FITS, _axes, _legend, _Panel, _stack, pick_unit, to_png
 
 __all__ = ["pipeline_chart", "rank_bars", "LayoutPanel"]
 
@@ -73,7 +73,7 @@ NO_MEASURE = ("This panel predicts only (it has no measure button): a measuremen
 DEFAULTS = dict(pp=2, micro=4, schedule="1f1b", tp=1, sp=False)  # what the panel opens on: 2 stages, 4 micro-batches
 
 
-class LayoutPanel:
+class LayoutPanel(_Panel):
     """Stages, micro-batches, schedule, tensor-parallel degree and sequence parallelism for one model; every change
     makes two library calls (labkit.estimate.estimate_ranks and labkit.distributed.pipeline.simulate) and
     redraws the per-rank bars and the pipeline chart with its bubble. `reset()` returns to DEFAULTS."""
@@ -99,11 +99,9 @@ class LayoutPanel:
         self.note = widgets.HTML(f"<i>{html.escape(NO_MEASURE)}</i>")
         self.last_estimates = self.last_bubble = self.last_error = None
         self._hold = False
-        for w in (self.pp, self.micro, self.schedule, self.tp, self.sp):
-            w.observe(self._on_change, names="value")
         self.widget = widgets.VBox([widgets.HBox([widgets.VBox([self.pp, self.micro, self.schedule, self.tp, self.sp]),
                                                   self.bars]), self.chart, self.words, self.note])
-        self._on_change()
+        self._watch((self.pp, self.micro, self.schedule, self.tp, self.sp))
 
     @staticmethod
     def _default_micro(batch: int) -> int:
@@ -147,8 +145,3 @@ class LayoutPanel:
         self.words.value = (f"<b style='color:{FITS}'>largest rank {fmt_bytes(top.peak.total)} "
                             f"({html.escape(top.label)}); bubble (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = "
                             f"{self.last_bubble:.1%}</b>")
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)

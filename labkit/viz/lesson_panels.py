@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import fields
 
 import ipywidgets as widgets
-from IPython.display import display
 from matplotlib.figure import Figure
 
 from labkit.memory import Category, fmt_bytes
@@ -21,7 +20,7 @@ from labkit.quant.compare import INT4_GROUPS, INT4_METHODS, QUANT_BLOCKS, QUANT_
 from labkit.recompute import POLICIES
 
 from .panels import STYLE, RecipePanel, with_tooltip
-from .style import to_png
+from .style import _Panel, to_png
 
 __all__ = ["CheckpointPanel", "AccumulationPanel", "OptimizerPanel", "RankPanel", "PEFTPanel", "QuantPanel",
            "AWQPanel", "quantize_report", "QUANT_MODES", "QUANT_BLOCKS", "PEFT_TARGETS"]
@@ -177,7 +176,7 @@ def _show(panel, fig: Figure) -> None:
     panel.picture.value = to_png(fig, dpi=80, tight=False)
 
 
-class QuantPanel:
+class QuantPanel(_Panel):
     """Lesson 07: mode and block size pick a point on the bits-vs-error curves of one weight matrix.
 
     The curves (every mode at every block size) are computed once, when the panel is made; a control
@@ -190,10 +189,8 @@ class QuantPanel:
                                                  style=STYLE, continuous_update=False)
         self.picture, self.words = widgets.Image(format="png"), widgets.HTML()
         self.last_figure = None
-        for c in (self.mode, self.blocksize):
-            c.observe(self._on_change, names="value")
         self.widget = widgets.VBox([widgets.HBox([self.mode, self.blocksize]), self.words, self.picture])
-        self._on_change()
+        self._watch((self.mode, self.blocksize))
 
     def _on_change(self, _change=None) -> None:
         bits, err = self.points[self.mode.value][self.blocksize.value]
@@ -207,11 +204,8 @@ class QuantPanel:
         ax.set(xlabel="bits per parameter", ylabel="relative RMSE", yscale="log", title="each point: one block size")
         _show(self, fig)
 
-    def _ipython_display_(self) -> None:
-        display(self.widget)
 
-
-class AWQPanel:
+class AWQPanel(_Panel):
     """Lesson 07: int4 method and group size redraw bits per weight, the output error against RTN's, and the
     error over AWQ's alpha grid, for one weight matrix and its layer's input statistics."""
 
@@ -222,10 +216,8 @@ class AWQPanel:
                                              continuous_update=False)
         self.picture, self.words = widgets.Image(format="png"), widgets.HTML()
         self.last_figure = self.last_report = None
-        for c in (self.method, self.group):
-            c.observe(self._on_change, names="value")
         self.widget = widgets.VBox([widgets.HBox([self.method, self.group]), self.words, self.picture])
-        self._on_change()
+        self._watch((self.method, self.group))
 
     def _on_change(self, _change=None) -> None:
         bits, rel, alpha, errors = self.last_report = awq_report(self.w, self.stats, self.method.value,
@@ -239,6 +231,3 @@ class AWQPanel:
         ax.plot([alpha], [rel], "k*", ms=12, label=self.method.value)
         ax.set(xlabel="alpha", ylabel="output MSE / RTN's", title="W in int4: AWQ's search")
         _show(self, fig)
-
-    def _ipython_display_(self) -> None:
-        display(self.widget)

@@ -20,7 +20,7 @@ from labkit.models.hf import PRESETS
 
 from .live import _in_ipython
 from .plots import compare_bar, prediction_bar, timeline
-from .style import DOES_NOT_FIT, FITS, to_png
+from .style import DOES_NOT_FIT, FITS, _Panel, to_png
 
 RANKS = tuple(2**k for k in range(11))  # GaLore ranks offered: 1 to 1024 (the paper's 7B model uses 1024)
 
@@ -65,7 +65,7 @@ def say(text: str, color: str) -> str:
             f"overflow-wrap:break-word; line-height:1.4'>{html.escape(text)}</div>")
 
 
-class RecipePanel:
+class RecipePanel(_Panel):
     """Controls that choose a recipe, a budget, the predicted bars, and a button that measures real steps.
 
     A subclass makes its controls, passes them to `__init__`, and says what they mean in `recipe()`:
@@ -97,14 +97,12 @@ class RecipePanel:
         self.output = widgets.Output()  # the measurement's figures
         self.last_estimate = self.last_result = self.last_figure = self.last_error = None
         self.controls = (*controls, self.budget)
-        for w in self.controls:
-            w.observe(self._on_change, names="value")
         self.button.on_click(self._on_measure)
         self.widget = widgets.VBox([
             widgets.HBox([widgets.VBox([*controls, widgets.HBox([self.budget, self.budget_readout])]), self.prediction]),
             self.verdict, self.button, self.message, self.output,
         ])
-        self._on_change()
+        self._watch(self.controls)
 
     # ---- what a subclass says -----------------------------------------------------------------
     def recipe(self) -> dict:
@@ -204,9 +202,6 @@ class RecipePanel:
         if _in_ipython():  # outside a kernel there is nowhere to show it; tests read last_figure
             with self.output:
                 display(Image(data=to_png(fig, dpi=80), format="png"))
-
-    def _ipython_display_(self) -> None:
-        display(self.widget)
 
 
 class MemoryPanel(RecipePanel):

@@ -7,12 +7,11 @@ from __future__ import annotations
 import html
 
 import ipywidgets as widgets
-from IPython.display import display
 from matplotlib.figure import Figure
 
 from labkit.memory import GiB, fmt_bytes
 
-from .style import DOES_NOT_FIT, FITS, to_png
+from .style import DOES_NOT_FIT, FITS, _Panel, to_png
 
 PEFT_CHOICES = {"full training only": False, "parameter-efficient only": True, "either": "allow"}
 PRECISIONS = ("fp32", "mixed-bf16", "bf16")
@@ -51,7 +50,7 @@ def _devices() -> list[str]:
     return list(dict.fromkeys(["cpu", *names()]))
 
 
-class PlanPanel:
+class PlanPanel(_Panel):
     """Controls: model, devices, memory per device (GiB), batch, sequence, what training is allowed, the least
     precise dtype. Every change: one `labkit.plan.plan` call and the `top` best plans' bars. The button ("Measure:
     verify the top plan") runs the top plan for real (`labkit.plan.verify`) when the model is small enough."""
@@ -89,12 +88,10 @@ class PlanPanel:
         self.message = widgets.HTML()
         self.last_plans = self.last_verification = self.last_figure = self.last_error = None
         controls = (self.model, self.devices, self.device, self.memory, self.batch, self.seq, self.peft, self.precision)
-        for w in controls:
-            w.observe(self._on_change, names="value")
         self.button.on_click(self._on_run)
         self.widget = widgets.VBox([widgets.HBox([widgets.VBox(list(controls)), self.prediction]),
                                     self.verdict, self.button, self.message])
-        self._on_change()
+        self._watch(controls)
 
     @property
     def memory_bytes(self) -> int:
@@ -152,6 +149,3 @@ class PlanPanel:
         self.last_verification = v
         verdict = f"the top plan {'fits' if v.fits else 'does not fit'} in {fmt_bytes(v.budget)}"
         self.message.value = self._say(f"{verdict}: {v}", FITS if v.fits else DOES_NOT_FIT)
-
-    def _ipython_display_(self) -> None:
-        display(self.widget)

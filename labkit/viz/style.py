@@ -54,6 +54,21 @@ def _show_figures_as_png() -> None:
 _show_figures_as_png()
 
 
+class _Panel:
+    """What every labkit panel shares: controls that redraw it, and `widget`, what a notebook shows."""
+
+    def _watch(self, controls) -> None:
+        """Call `_on_change` whenever one of `controls` changes, and once now, to draw the panel."""
+        for w in controls:
+            w.observe(self._on_change, names="value")
+        self._on_change()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
 def _axes(ax, figsize, right=0.97):
     if ax is not None:
         return ax.figure, ax

@@ -16,7 +16,7 @@ from labkit.models.gpt import GPTConfig
 
 from .live import _in_ipython
 from .plots import compare_bar
-from .style import DOES_NOT_FIT, FITS, _legend, _stack, pick_unit, to_png
+from .style import DOES_NOT_FIT, FITS, _legend, _Panel, _stack, pick_unit, to_png
 
 # labkit GPTs from tiny (measurable here in seconds) to the ZeRO paper's scale
 MODELS = {
@@ -51,7 +51,7 @@ def stage_bars(ests: dict, budget: int, chosen: int, ax=None) -> Figure:
     return fig
 
 
-class ZeroPanel:
+class ZeroPanel(_Panel):
     """Per-rank memory of data parallelism and ZeRO-1/2/3. Controls: ranks, stage, offload, model, rows per rank,
     sequence, budget per device. Every change: one call (`zero_terms.stages`) and the bars. The button (for
     models small enough) runs 2 ranks (`dp_ranks.measure_ranks`) under the budget and draws each rank's measured
@@ -79,12 +79,10 @@ class ZeroPanel:
         self.output = widgets.Output()
         self.last_estimates = self.last_measurements = self.last_figure = self.last_error = None
         controls = (self.model, self.ranks, self.stage, self.offload, self.rows, self.seq, self.budget)
-        for w in controls:
-            w.observe(self._on_change, names="value")
         self.button.on_click(self._on_run)
         self.widget = widgets.VBox([widgets.HBox([widgets.VBox(list(controls)), self.prediction]),
                                     self.verdict, self.button, self.message, self.output])
-        self._on_change()
+        self._watch(controls)
 
     def recipe(self) -> Recipe:
         n = int(self.ranks.value)
@@ -165,6 +163,3 @@ class ZeroPanel:
             self.output.clear_output(wait=True)
             with self.output:
                 display(Image(data=to_png(fig, dpi=80), format="png"))
-
-    def _ipython_display_(self) -> None:
-        display(self.widget)

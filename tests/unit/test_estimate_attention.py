@@ -37,6 +37,18 @@ CASES = {  # each sets its peak inside attention
                                    attn_pdrop=0.1)),
     "llama eager GQA fp32": ("llama-tiny", 2, 128, "fp32",
                              dict(num_hidden_layers=2, attn_implementation="eager", vocab_size=16)),
+    # under autocast an fp32 Llama's q is fp32 after RoPE: .to(q.dtype) is a no-op, dropout runs on the fp32
+    # probabilities and the matmul with v copies them to bf16 (was -26 % in forward, cast before dropout)
+    "llama eager dropout mixed-bf16": ("llama-tiny", 1, 384, "mixed-bf16",
+                                       dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                                            hidden_size=64, intermediate_size=128, vocab_size=256,
+                                            max_position_embeddings=512, attn_implementation="eager",
+                                            attention_dropout=0.1)),
+    # the same without dropout: no cast of the probabilities before the matmul's own copy (was +16 %)
+    "llama eager GQA mixed-fp16": ("llama-tiny", 2, 256, "mixed-fp16",
+                                   dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        hidden_size=32, intermediate_size=64, vocab_size=16,
+                                        max_position_embeddings=512, attn_implementation="eager")),
 }
 
 
