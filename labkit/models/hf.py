@@ -74,6 +74,42 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 
 
+# Models that the training configs people run name (torchtune's builders, axolotl's base_model), by
+# the published hyperparameters of their model cards: available offline to `get_config` by name, but
+# kept off the memory wall and the panels' menus (PRESETS above). Llama 3 (Grattafiori et al. 2024,
+# arXiv 2407.21783, Table 3); Code Llama (Roziere et al. 2023, arXiv 2308.12950); Mistral 7B (Jiang
+# et al. 2023, arXiv 2310.06825). Mistral 7B is Llama's architecture (RMSNorm, SwiGLU, RoPE, GQA);
+# its sliding window (4096) changes nothing at or below 4096 positions.
+_LLAMA31_ROPE = {**_LLAMA3_ROPE, "factor": 8.0}
+CONFIG_PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama3-8b": lambda: _llama(32, 4096, 32, 8, 14336, vocab_size=128256, max_position_embeddings=8192,
+                                rope_theta=500000.0),  # 8,030,261,248
+    "llama3.1-8b": lambda: _llama(32, 4096, 32, 8, 14336, vocab_size=128256,
+                                  max_position_embeddings=131072,
+                                  rope_parameters=dict(_LLAMA31_ROPE)),  # 8,030,261,248
+    "llama3.2-3b": lambda: _llama(28, 3072, 24, 8, 8192, vocab_size=128256, max_position_embeddings=131072,
+                                  tie_word_embeddings=True,
+                                  rope_parameters=dict(_LLAMA3_ROPE)),  # 3,212,749,824
+    "llama3-70b": lambda: _llama(80, 8192, 64, 8, 28672, vocab_size=128256, max_position_embeddings=8192,
+                                 rope_theta=500000.0),  # 70,553,706,496
+    "llama3.1-70b": lambda: _llama(80, 8192, 64, 8, 28672, vocab_size=128256,
+                                   max_position_embeddings=131072,
+                                   rope_parameters=dict(_LLAMA31_ROPE)),  # 70,553,706,496
+    "llama3.1-405b": lambda: _llama(126, 16384, 128, 8, 53248, vocab_size=128256,
+                                    max_position_embeddings=131072,
+                                    rope_parameters=dict(_LLAMA31_ROPE)),  # 405,853,388,800
+    "code-llama2-7b": lambda: _llama(32, 4096, 32, 32, 11008, vocab_size=32016,
+                                     max_position_embeddings=16384, rope_theta=1e6),  # 6,738,546,688
+    "code-llama2-13b": lambda: _llama(40, 5120, 40, 40, 13824, vocab_size=32016,
+                                      max_position_embeddings=16384, rope_theta=1e6),  # 13,016,028,160
+    "code-llama2-70b": lambda: _llama(80, 8192, 64, 8, 28672, vocab_size=32016,
+                                      max_position_embeddings=16384, rope_theta=1e6),  # 68,976,910,336
+    "mistral-7b": lambda: _llama(32, 4096, 32, 8, 14336, vocab_size=32000,
+                                 max_position_embeddings=32768, rope_theta=10000.0),  # 7,241,732,096
+}
+CONFIG_PRESETS["llama3.3-70b"] = CONFIG_PRESETS["llama3.1-70b"]  # the same architecture as 3.1 70B
+
+
 def _preset_list() -> str:
     return ", ".join(PRESETS)
 
@@ -89,6 +125,8 @@ def get_config(name_or_path: str, **overrides: Any) -> PretrainedConfig:
     name = str(name_or_path)
     if name in PRESETS:
         config = PRESETS[name]()
+    elif name in CONFIG_PRESETS:
+        config = CONFIG_PRESETS[name]()
     elif os.path.isdir(name) or (name.endswith(".json") and os.path.isfile(name)):
         config = AutoConfig.from_pretrained(name)
     else:

@@ -17,6 +17,14 @@ COUNTS = {
     "llama2-13b": 13_015_864_320,
     "llama2-70b": 68_976_648_192,
     "llama-65b": 65_285_660_672,
+    # models the training configs name (hf.CONFIG_PRESETS), counts from their model cards' weights
+    "llama3-8b": 8_030_261_248,
+    "llama3.1-8b": 8_030_261_248,
+    "llama3.2-3b": 3_212_749_824,
+    "llama3.1-70b": 70_553_706_496,
+    "llama3.1-405b": 405_853_388_800,
+    "code-llama2-7b": 6_738_546_688,
+    "mistral-7b": 7_241_732_096,
 }
 
 
