@@ -470,6 +470,14 @@ def _account_rest(cfg: dict, notes: _Notes) -> None:
 # ----------------------------------------------------------------------------- front door
 
 
+EXAMPLES = pathlib.Path(__file__).with_name("example_configs")
+
+
+def example_configs() -> dict[str, pathlib.Path]:
+    """The configs labkit ships (written in torchtune's and axolotl's schemas), by file name."""
+    return {p.name: p for p in sorted(EXAMPLES.glob("*.y*ml"))}
+
+
 def read_config(path, seq: int | None = None, devices: int | None = None) -> Reading:
     """A torchtune or axolotl YAML file -> Reading (its Recipe, and what was ignored or approximated).
 

@@ -128,7 +128,8 @@ class Waterfall:
             share = "" if s.knob is None else f"{100 * s.saved_share:.1f} %"
             meas = "" if s.measured is None else f"  (measured {fmt_bytes(s.measured)})"
             rows.append(f"{s.name:<44} {fmt_bytes(s.peak):>11} {saved:>11} {share:>8}  {s.cut}{meas}")
-        rows.append("savings depend on the order above; each knob taken out of the final recipe alone:")
+        rows.append("savings depend on the order above"
+                    + ("; each knob taken out of the final recipe alone:" if self.alone else "."))
         for knob, extra in self.alone:
             if extra is None:
                 text = "not valid or not modelled without it"
@@ -150,11 +151,24 @@ def _peak(recipe: Recipe) -> tuple[int, Breakdown]:
     return e.peak.total, e.peak
 
 
-def waterfall(recipe: Recipe, verify: bool = False) -> Waterfall:
+def knobs_used(recipe: Recipe) -> list[Knob]:
+    """The knobs whose fields `recipe` sets away from the naive step, in ORDER."""
+    return [k for k in ORDER if _with(naive(recipe), recipe, k) != naive(recipe)]
+
+
+def without(recipe: Recipe, knobs) -> Recipe:
+    """`recipe` with each of `knobs` taken out (its fields back at the naive step's)."""
+    for knob in knobs:
+        recipe = _without(recipe, knob)
+    return recipe
+
+
+def waterfall(recipe: Recipe, verify: bool = False, alone: bool = True) -> Waterfall:
     """Apply `recipe`'s knobs to the naive step one at a time in ORDER; see the module docstring.
 
     verify: also run each bar's recipe under the ledger (labkit.run.measure_step) and record its peak:
     only for a model small enough for this device and recipes on one device.
+    alone: also estimate the recipe without each knob in turn (one more estimate per knob).
     """
     current = naive(recipe)
     peak, phases = _peak(current)
@@ -172,15 +186,15 @@ def waterfall(recipe: Recipe, verify: bool = False) -> Waterfall:
         steps.append(Step(knob, nxt, p, ph, steps[-1].peak - p, _cut(steps[-1].phases, ph)))
         current = nxt
     final_peak = steps[-1].peak
-    alone = []
-    for s in steps[1:]:
+    left_out = []
+    for s in steps[1:] if alone else ():
         try:
-            alone.append((s.knob, _peak(_without(recipe, s.knob))[0] - final_peak))
+            left_out.append((s.knob, _peak(_without(recipe, s.knob))[0] - final_peak))
         except ValueError:  # the recipe is not valid, or not modelled, without this knob
-            alone.append((s.knob, None))
+            left_out.append((s.knob, None))
     if verify:
         steps = [_measured(s) for s in steps]
-    return Waterfall(recipe, tuple(steps), tuple(alone), tuple(refused))
+    return Waterfall(recipe, tuple(steps), tuple(left_out), tuple(refused))
 
 
 def _measured(step: Step) -> Step:

@@ -27,7 +27,7 @@ def waterfall_chart(w, ax=None, budget: int | None = None) -> Figure:
     for i, s in enumerate(steps[1:], start=1):
         lo, hi = sorted((s.peak, s.peak + s.saved))
         ax.bar(i, (hi - lo) / size, bottom=lo / size, width=0.6, color=SAVES if s.saved >= 0 else COSTS)
-        sign = "-" if s.saved >= 0 else "+"
+        sign = "-" if s.saved > 0 else "+" if s.saved < 0 else ""
         ax.text(i, hi / size, f"{sign}{fmt_bytes(abs(s.saved))}\n{100 * abs(s.saved_share):.0f} %",
                 ha="center", va="bottom", fontsize=8)
         ax.plot([i + 0.3, i + 0.7], [s.peak / size] * 2, color="#555555", lw=0.8, ls=":")  # to the next
