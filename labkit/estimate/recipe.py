@@ -95,8 +95,14 @@ class Recipe:
             raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         if self.zero_offload and self.zero == 0:
             raise ValueError("zero_offload offloads ZeRO's sharded optimizer state: give zero=1, 2 or 3 too")
+        if self.zero and self.dp == 1 and not self.zero_offload:
+            raise ValueError(f"ZeRO-{self.zero} shards over the data-parallel ranks, and dp=1 has one: give "
+                             "dp > 1 (or zero_offload=True, ZeRO-Offload on one device)")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule != "1f1b" and self.pp == 1:
+            raise ValueError(f"schedule orders a pipeline's micro-batches over its stages: {self.schedule!r} "
+                             "needs pp > 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel shards along the sequence what tensor parallelism keeps "
                              "replicated: give tp > 1 too")

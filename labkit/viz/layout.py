@@ -129,7 +129,7 @@ class LayoutPanel(_Panel):
         try:
             ests = estimate_ranks(self.model, self.batch, self.seq, dtype=self.dtype, optimizer=self.optimizer,
                                   device=self.device, pp=p, tp=t, micro_batch=self.batch // m,
-                                  schedule=self.schedule.value, sequence_parallel=sp)
+                                  schedule=self.schedule.value if p > 1 else "1f1b", sequence_parallel=sp)
         except ValueError as e:
             self.last_estimates, self.last_error = None, e
             self.words.value = f"<b style='color:{DOES_NOT_FIT}'>{html.escape(str(e))}</b>"

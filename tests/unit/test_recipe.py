@@ -20,6 +20,8 @@ BAD = [
     (dict(dp=2, batch=4, zero=4), "zero must be a ZeRO stage 0, 1, 2 or 3"),
     (dict(zero=True), "zero must be a ZeRO stage"),
     (dict(zero_offload=True), "give zero=1, 2 or 3 too"),
+    (dict(zero=3), "dp=1 has one"),  # ZeRO over one rank shards nothing (it lowered the peak: issue 43)
+    (dict(schedule="gpipe"), "needs pp > 1"),  # was ignored without a pipeline
     (dict(pp=2, schedule="interleaved"), "schedule must be one of gpipe, 1f1b"),
     (dict(sequence_parallel=True), "give tp > 1 too"),
     (dict(tp=2, sequence_parallel="yes"), "sequence_parallel must be True or False"),
