@@ -126,9 +126,16 @@ def cmd_plan(args, parser) -> int:
             rc = 0 if checked.fits else 1
         except ValueError as err:
             checked, rc = f"verify: not run: {' '.join(str(err).split())}", 1
-    exported = None
+    exported, refusals = None, []
     if export_plan is not None:
+        from labkit.plan.export import export_gaps, refusal_line
+
         exported = {k: str(v) for k, v in export_plan(plans[0].recipe, out_dir, devices=args.devices).items()}
+        gaps = export_gaps(plans[0].recipe, args.devices)
+        refusals = [f"warning: {refusal_line(t, g)}" for t, g in gaps.items() if g]
+        carried = [t for t, g in gaps.items() if not g]
+        refusals += ([f"the {', '.join(carried)} target(s) carry every memory-changing field of plan 1"] if carried
+                     else ["warning: no target carries every memory-changing field of plan 1"]) if refusals else []
     if args.json:
         out = {"model": args.model, "devices": args.devices, "memory": int(plans[0].memory),
                "device": device.name, "batch": plans[0].recipe.batch, "seq": plans[0].recipe.seq,
@@ -137,6 +144,9 @@ def cmd_plan(args, parser) -> int:
             out["verify"] = checked if isinstance(checked, str) else checked.as_dict()
         if exported is not None:
             out["export"] = exported
+            out["export_refused"] = {t: [g.field for g in gs] for t, gs in gaps.items() if gs}
+            for line in refusals:
+                print(f"labkit plan: {line}", file=sys.stderr)
         print(json.dumps(out))
         return rc
     text = format_plans(plans, args, device)
@@ -144,6 +154,7 @@ def cmd_plan(args, parser) -> int:
         text += "\n\n" + str(checked)
     if exported is not None:
         text += "\n\nexported plan 1:\n" + "\n".join(f"  {k}: {v}" for k, v in exported.items())
+        text += "".join(f"\n{line}" for line in refusals)
     else:
         text += ("\n\nto export plan 1 (training_args.json, accelerate and torchrun files; ds_config.json for "
                  f"ZeRO/offload plans):\n  {export_command(args)}")
