@@ -51,16 +51,16 @@ def parse_size_option(text: str) -> int:
     required, since a bare number could mean bytes, GB or GiB. '24GB' -> 24 x 10**9, '24GiB' -> 24 x 2**30;
     ValueError for a bare number ("give a unit: 24GB or 24GiB"), a negative or zero size, or nonsense."""
     s = str(text).strip().replace(" ", "")
+    if s.startswith("-"):
+        raise ValueError(f"a memory budget must be positive, got {text!r}")
     try:
         float(s)
     except ValueError:
         pass
     else:
         raise ValueError(f"give a unit: {s}GB or {s}GiB (a bare number {s!r} could be bytes, GB or GiB)"
-                         if s.lstrip("+-").replace(".", "", 1).isdigit() else
+                         if s.lstrip("+").replace(".", "", 1).isdigit() else
                          f"give a size with a unit, such as 24GB or 24GiB, not {text!r}")
-    if s.startswith("-"):
-        raise ValueError(f"a memory budget must be positive, got {text!r}")
     return parse_bytes(s)
 
 

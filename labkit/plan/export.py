@@ -392,7 +392,8 @@ def accelerate_config(recipe: Recipe, devices: int = 1) -> dict:
 
 
 def wants_deepspeed(recipe: Recipe) -> bool:
-    """Whether the plan gets a ds_config.json: it uses ZeRO-1/2/3 or offloads the optimizer state."""
+    """Whether the plan uses ZeRO-1/2/3 or offloads the optimizer state, what DeepSpeed is for (every plan gets
+    a ds_config.json: stage 0 otherwise)."""
     return recipe.zero >= 1 or recipe.zero_offload or recipe.optimizer_offload is not None
 
 
