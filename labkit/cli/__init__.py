@@ -6,12 +6,14 @@ own: labkit.cli.estimate, labkit.cli.wall, labkit.cli.plan. This module builds t
 
 from __future__ import annotations
 
+import re
 import sys
 
 from labkit.estimate.predict import DTYPES, OPTIMIZERS
 from labkit.estimate.recipe import PROJ_DTYPES, SELECTIVE_POLICIES
 from labkit.estimate.peft_terms import QUANTS
 from labkit.estimate.moments import POLICIES
+from labkit.memory.units import HEADROOM
 
 from .common import (ADDRESS_SPACE, INT_LIMIT, MAX_LAYERS, MAX_SIZE, MAX_WALL_LAYERS, UNITS_NOTE, UsageError, _Parser,
                      check_model, integer, parse_gpt_spec, read_model, resolve_model)
@@ -90,15 +92,16 @@ def build_parser() -> _Parser:
     e.add_argument("--zero", type=integer, default=0, help="ZeRO stage over the dp ranks: 0 (plain), 1 (optimizer "
                    "state sharded), 2 (+ gradients), 3 (+ parameters)")
     e.add_argument("--zero-offload", action="store_true", help="ZeRO-Offload: the optimizer state shards in host memory")
+    fit_options(e, "--budget", "a device's memory, with its unit (24GB = 24 x 10**9 bytes, 24GiB = 24 x 2**30): "
+                "say whether the step fits, is tight or does not fit, by plan's rule")
     e.set_defaults(run=cmd_estimate, parser=e)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
                        description=f"Which models fit which budgets, by default under the QLoRA paper's recipe "
                                    f"({WALL_SOURCE}). {UNITS_NOTE}.")
     w.add_argument("--models", default=None, help="comma-separated, each as --model of estimate, "
                    f"{MAX_WALL_LAYERS} layers in all (default: every non-tiny preset)")
-    w.add_argument("--budgets", default="16,24,48,80",
-                   help="comma-separated sizes: a bare number is GiB (2**30 bytes), or give the unit: 24GB (10**9 "
-                        "bytes), 24GiB")
+    w.add_argument("--budgets", default="16GiB,24GiB,48GiB,80GiB",
+                   help="comma-separated sizes, each with its unit: 24GB (10**9 bytes) or 24GiB (2**30 bytes)")
     w.add_argument("--methods", default="full,lora,qlora",
                    help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")
     w.add_argument("--lora-rank", type=integer, default=None,
@@ -109,6 +112,9 @@ def build_parser() -> _Parser:
                    help="activation checkpointing of the blocks (default full: QLoRA's gradient checkpointing)")
     w.add_argument("--micro-batch", type=integer, default=None,
                    help="rows per micro-batch (default 4, QLoRA's, when it divides --batch; else the whole batch)")
+    w.add_argument("--headroom", type=float, default=HEADROOM * 100, metavar="PERCENT",
+                   help=f"mark a fit tight when its peak is within this share of the budget (default "
+                        f"{HEADROOM * 100:.0f} %%, as plan)")
     w.set_defaults(batch=WALL_RECIPE["batch"], seq=WALL_RECIPE["seq"])
     w.set_defaults(run=cmd_wall, parser=w)
     p = sub.add_parser("plan", help="which training configuration fits a model on some devices, ranked",
@@ -117,7 +123,7 @@ def build_parser() -> _Parser:
     p.add_argument("--devices", type=integer, default=1, help="devices (GPUs) to use (default 1)")
     p.add_argument("--memory", default=None,
                    help="memory per device: 24GiB = 24 x 2**30 bytes, 24GB = 24 x 10**9 bytes (default: the preset's)")
-    p.add_argument("--headroom", type=float, default=10.0, metavar="PERCENT",
+    p.add_argument("--headroom", type=float, default=HEADROOM * 100, metavar="PERCENT",
                    help="flag plans whose peak is within this share of --memory (default 10: the allocator's cache "
                         "and the CUDA context are not in the predicted bytes)")
     p.add_argument("--device-preset", default=None,
@@ -140,9 +146,34 @@ def build_parser() -> _Parser:
     return parser
 
 
+def fit_options(p, name: str, help: str) -> None:
+    p.add_argument(name, default=None, metavar="SIZE", help=help)
+    p.add_argument("--headroom", type=float, default=HEADROOM * 100, metavar="PERCENT",
+                   help=f"call a fit tight when its peak is within this share of {name} (default "
+                        f"{HEADROOM * 100:.0f} %%, as plan: the allocator's cache and the CUDA context are not in "
+                        "the predicted bytes)")
+
+
+SIZE_OPTIONS = ("--memory", "--budget", "--budgets")
+_NEGATIVE = re.compile(r"-[0-9.]")
+
+
+def _join_negative_sizes(argv: list[str]) -> list[str]:
+    """`--memory -24GB`: argparse reads "-24GB" as an option and says "expected one argument"; join it to
+    its option (--memory=-24GB) so that the size check says what is wrong with it."""
+    out = []
+    for a in argv:
+        if out and out[-1] in SIZE_OPTIONS and _NEGATIVE.match(a):
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
     """Run the command line; returns the exit status (2 with one line on stderr for bad input)."""
     parser = build_parser()
+    argv = _join_negative_sizes(list(sys.argv[1:] if argv is None else argv))
     prog = "labkit"
     try:
         args = parser.parse_args(argv)

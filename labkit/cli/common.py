@@ -234,3 +234,40 @@ def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
         out.append("  ".join(cells).rstrip())
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- sizes and verdicts
+def size_option(parser, name: str, text: str) -> int:
+    """A memory size option's bytes: its unit required (labkit.memory.units.parse_size_option), from one byte
+    to 2**64 bytes; one line naming the option otherwise."""
+    from labkit.memory.units import parse_size_option
+
+    try:
+        b = parse_size_option(text)
+    except ValueError as err:
+        parser.error(f"{name}: {err}")
+    if not 1 <= b <= ADDRESS_SPACE:
+        parser.error(f"{name} must be from 1 byte to 2**64 bytes, got {text!r}")
+    return b
+
+
+def headroom_fraction(parser, percent: float) -> float:
+    import math
+
+    if not (math.isfinite(percent) and 0 <= percent < 100):
+        parser.error(f"--headroom is a percentage of the budget from 0 to below 100, got {percent:g}")
+    return percent / 100
+
+
+def verdict_line(peak: int, budget: int, headroom: float) -> str:
+    """plan's rule in words: 'fits', 'tight' or 'does not fit', with the bytes left or missing."""
+    from labkit.memory.units import DOES_NOT_FIT, TIGHT, fit_verdict, fmt_bytes
+
+    v = fit_verdict(peak, budget, headroom)
+    if v == DOES_NOT_FIT:
+        return f"does not fit: {fmt_bytes(peak)} > {fmt_bytes(budget)} ({fmt_bytes(peak - budget)} over)"
+    left = f"{fmt_bytes(budget - peak)} left of {fmt_bytes(budget)}"
+    if v == TIGHT:
+        return (f"tight: fits with {left}, within {headroom:.0%} of the budget (the allocator's cache and the "
+                "CUDA context are not in the predicted bytes): verify it on the device")
+    return f"fits: {left}"

@@ -8,7 +8,8 @@ import json
 from labkit.memory.report import CATEGORIES, PHASES
 from labkit.memory.units import fmt_bytes
 
-from .common import GPU_SIZED, UNITS_NOTE, _check_peak, _cli_words, _positive, _table, check_model, read_model
+from .common import (GPU_SIZED, UNITS_NOTE, _check_peak, _cli_words, _positive, _table, check_model, headroom_fraction,
+                     read_model, size_option, verdict_line)
 
 
 def estimate_dict(model_text: str, e, args) -> dict:
@@ -32,7 +33,8 @@ def estimate_dict(model_text: str, e, args) -> dict:
 
 def format_estimate(e, device: str) -> str:
     """The readable report: every term with its formula and source, then each phase's peak by category."""
-    lines = [f"{e.label} on {device}: {e.n_params:,} parameters", f"units: {UNITS_NOTE}", "", "terms"]
+    lines = [f"{e.label} on {device}: {e.n_params:,} parameters; {kernels(device)}", f"units: {UNITS_NOTE}", "",
+             "terms"]
     rows = [["term", "category", "bytes", "formula", "source"]]
     rows += [[t.name, str(t.category), fmt_bytes(t.bytes), t.formula, t.source] for t in e.terms]
     lines += [_table(rows, right={2}), "", "peak of each phase, by category"]
@@ -43,6 +45,18 @@ def format_estimate(e, device: str) -> str:
     lines += [_table(rows, right=set(range(1, len(rows[0])))), ""]
     lines.append(f"peak: {fmt_bytes(e.peak.total)} ({e.peak.total:,} bytes) in the {e.peak_phase} phase")
     return "\n".join(lines)
+
+
+def kernels(device: str) -> str:
+    """Whose kernels the figures model, said in the first line (estimate's default is cpu, wall's cuda)."""
+    return (f"{device} kernels" + (" (estimate's default; wall's is cuda: --device cuda for a GPU's)"
+                                   if device == "cpu" else ""))
+
+
+def budget_of(args, parser):
+    """(--budget in bytes, headroom as a fraction), or (None, headroom) without --budget."""
+    headroom = headroom_fraction(parser, args.headroom)
+    return (None if args.budget is None else size_option(parser, "--budget", args.budget)), headroom
 
 
 def check_estimate_options(args, parser) -> int | None:
@@ -126,9 +140,10 @@ def cmd_estimate(args, parser) -> int:
     from labkit.estimate import estimate
 
     micro = check_estimate_options(args, parser)
+    budget, headroom = budget_of(args, parser)
     spec = read_model(check_model(args.model)[0], args.model)
     if args.tp > 1 or args.pp > 1:
-        return _estimate_layout(args, spec, micro)
+        return _estimate_layout(args, spec, micro, budget, headroom)
     def run(device):
         try:
             return estimate(_recipe(args, spec, micro, device))
@@ -142,10 +157,23 @@ def cmd_estimate(args, parser) -> int:
         out = estimate_dict(args.model, e, args)
         if gpu is not None:
             out["cuda_peak"] = int(gpu.peak.total)
-        print(json.dumps(out))
+        print(json.dumps(out | _verdict_dict(e.peak.total, budget, headroom)))
     else:
-        print(format_estimate(e, args.device) + ("" if gpu is None else "\n" + cpu_note(e, gpu)))
+        print(format_estimate(e, args.device) + ("" if gpu is None else "\n" + cpu_note(e, gpu))
+              + _verdict_text(e.peak.total, budget, headroom))
     return 0
+
+
+def _verdict_dict(peak: int, budget: int | None, headroom: float) -> dict:
+    from labkit.memory.units import fit_verdict
+
+    if budget is None:
+        return {}
+    return {"budget": budget, "headroom": headroom, "verdict": fit_verdict(peak, budget, headroom)}
+
+
+def _verdict_text(peak: int, budget: int | None, headroom: float) -> str:
+    return "" if budget is None else f"\nbudget: {verdict_line(peak, budget, headroom)}"
 
 
 def cpu_note(e, gpu) -> str:
@@ -157,7 +185,7 @@ def cpu_note(e, gpu) -> str:
             + f" in the {gpu.peak_phase} phase: add --device cuda for a GPU")
 
 
-def _estimate_layout(args, spec, micro) -> int:
+def _estimate_layout(args, spec, micro, budget=None, headroom=0.1) -> int:
     """--tp / --pp: every rank's peak (the largest first in the report), then the largest rank's terms, and
     the bytes each layout sends per step by the collectives' definitions."""
     from labkit.estimate.layout_terms import layout_wire_bytes
@@ -181,7 +209,7 @@ def _estimate_layout(args, spec, micro) -> int:
                          "categories": {k: v for k, v in e.peak.as_dict().items() if k != "total"}}
                         for i, e in enumerate(ranks)]
         out["wire_bytes_per_step"] = {k: float(v) for k, v in wire.items()}
-        print(json.dumps(out))
+        print(json.dumps(out | _verdict_dict(top.peak.total, budget, headroom)))
         return 0
     rows = [["rank", "stage", "tp rank", "peak", "phase"] + [str(c) for c in CATEGORIES]]
     for i, e in enumerate(ranks):
@@ -189,11 +217,13 @@ def _estimate_layout(args, spec, micro) -> int:
                     + [fmt_bytes(e.peak[c]) for c in CATEGORIES])
     lines = [f"per-rank peaks (tp={args.tp} pp={args.pp}"
              + (f" {args.schedule}" if args.pp > 1 else "") + (" sequence-parallel" if args.sequence_parallel else "")
-             + f", {r.rank_batch // r.micro} micro-batches of {r.micro} rows)"
+             + f", {r.rank_batch // r.micro} micro-batches of {r.micro} rows; {kernels(args.device)})"
              + (f"; each of the dp={args.dp} replicas (ZeRO-{args.zero}) holds the same" if args.dp > 1 else ""),
              _table(rows, right={3}), ""]
     lines.append("bytes sent per step (by the collectives' definitions)")
     lines += [f"  {k}: {fmt_bytes(int(v))}" for k, v in wire.items()]
     lines += ["", f"the largest rank: {top.label}", format_estimate(top, args.device)]
+    if budget is not None:
+        lines.append(f"budget (the largest rank): {verdict_line(top.peak.total, budget, headroom)}")
     print("\n".join(lines))
     return 0

@@ -4,21 +4,19 @@ fidelity then predicted step time (labkit.plan)."""
 from __future__ import annotations
 
 import json
-import math
 import re
 import shlex
 import sys
 
 from labkit.memory.units import fmt_bytes
 
-from .common import ADDRESS_SPACE, UNITS_NOTE, _INTEGER, _items, _positive, check_model
+from .common import UNITS_NOTE, _INTEGER, _items, _positive, check_model, headroom_fraction, size_option
 
 PLAN_PRECISIONS = ("fp32", "mixed-bf16", "mixed-fp16", "bf16", "fp16")
 
 
 def _plan_inputs(args, parser) -> dict:
     """plan()'s keywords from the command line, every value checked (one line on error, exit 2)."""
-    from labkit.memory.units import parse_bytes
     from labkit.plan.devices import names
     from labkit.plan.search import MAX_DEVICES, OPTIMIZERS, SearchOptions
 
@@ -26,18 +24,10 @@ def _plan_inputs(args, parser) -> dict:
     if args.devices > MAX_DEVICES:
         parser.error(f"--devices must be at most {MAX_DEVICES}, got {args.devices}")
     _positive(parser, "--top", args.top)
-    if not (math.isfinite(args.headroom) and 0 <= args.headroom < 100):
-        parser.error(f"--headroom is a percentage of --memory from 0 to below 100, got {args.headroom:g}")
+    headroom = headroom_fraction(parser, args.headroom)
     if args.memory is None and args.device_preset is None:
         parser.error("give --memory (e.g. 24GiB) or --device-preset (one of " + ", ".join(names()) + ")")
-    memory = None
-    if args.memory is not None:
-        try:
-            memory = parse_bytes(args.memory)
-        except ValueError as err:
-            parser.error(f"--memory: {err}")
-        if not 1 <= memory <= ADDRESS_SPACE:
-            parser.error(f"--memory must be from 1 byte to 2**64 bytes, got {args.memory!r}")
+    memory = None if args.memory is None else size_option(parser, "--memory", args.memory)
     if args.device_preset is not None and args.device_preset.lower() not in names() + ["a100", "a100-80", "a100-40"]:
         parser.error(f"--device-preset: unknown preset {args.device_preset!r}; choose one of {', '.join(names())}")
     if args.tokens is not None:
@@ -55,7 +45,7 @@ def _plan_inputs(args, parser) -> dict:
         parser.error(f"--optimizers: unknown optimizer {unknown[0]!r}; choose from {', '.join(OPTIMIZERS)}")
     model, _ = check_model(args.model)
     options = SearchOptions("allow" if args.peft else False, args.min_precision, args.top, tuple(optimizers),
-                            args.headroom / 100)
+                            headroom)
     return dict(model=model, devices=args.devices, memory=memory, device_preset=args.device_preset,
                 batch=args.batch, seq=args.seq, options=options)
 
@@ -126,9 +116,16 @@ def cmd_plan(args, parser) -> int:
             rc = 0 if checked.fits else 1
         except ValueError as err:
             checked, rc = f"verify: not run: {' '.join(str(err).split())}", 1
-    exported = None
+    exported, refusals = None, []
     if export_plan is not None:
+        from labkit.plan.export import export_gaps, refusal_line
+
         exported = {k: str(v) for k, v in export_plan(plans[0].recipe, out_dir, devices=args.devices).items()}
+        gaps = export_gaps(plans[0].recipe, args.devices)
+        refusals = [f"warning: {refusal_line(t, g)}" for t, g in gaps.items() if g]
+        carried = [t for t, g in gaps.items() if not g]
+        refusals += ([f"the {', '.join(carried)} target(s) carry every memory-changing field of plan 1"] if carried
+                     else ["warning: no target carries every memory-changing field of plan 1"]) if refusals else []
     if args.json:
         out = {"model": args.model, "devices": args.devices, "memory": int(plans[0].memory),
                "device": device.name, "batch": plans[0].recipe.batch, "seq": plans[0].recipe.seq,
@@ -137,6 +134,9 @@ def cmd_plan(args, parser) -> int:
             out["verify"] = checked if isinstance(checked, str) else checked.as_dict()
         if exported is not None:
             out["export"] = exported
+            out["export_refused"] = {t: [g.field for g in gs] for t, gs in gaps.items() if gs}
+            for line in refusals:
+                print(f"labkit plan: {line}", file=sys.stderr)
         print(json.dumps(out))
         return rc
     text = format_plans(plans, args, device)
@@ -144,6 +144,7 @@ def cmd_plan(args, parser) -> int:
         text += "\n\n" + str(checked)
     if exported is not None:
         text += "\n\nexported plan 1:\n" + "\n".join(f"  {k}: {v}" for k, v in exported.items())
+        text += "".join(f"\n{line}" for line in refusals)
     else:
         text += ("\n\nto export plan 1 (training_args.json, accelerate and torchrun files; ds_config.json for "
                  f"ZeRO/offload plans):\n  {export_command(args)}")

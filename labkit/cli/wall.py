@@ -4,13 +4,12 @@ under the QLoRA paper's recipe (every row the same batch, sequence, checkpointin
 from __future__ import annotations
 
 import json
-import math
 import re
 
-from labkit.memory.units import GiB, fmt_bytes
+from labkit.memory.units import GiB, fit_verdict, fmt_bytes
 
 from .common import (MAX_WALL_LAYERS, UNITS_NOTE, _check_peak, _cli_words, _items, _positive, _table, check_model,
-                     read_model)
+                     headroom_fraction, read_model, size_option)
 
 # Dettmers et al. 2023 (QLoRA, arXiv 2305.14314): LLaMA-65B fine-tuned on one 48 GB GPU, with artidoro/qlora's
 # scripts/finetune_guanaco_65b.sh: --per_device_train_batch_size 4 --gradient_accumulation_steps 4
@@ -19,7 +18,6 @@ from .common import (MAX_WALL_LAYERS, UNITS_NOTE, _check_peak, _cli_words, _item
 # 16-bit baseline under the same recipe; full fine-tuning the same batch in mixed bf16.
 WALL_RECIPE = {"batch": 16, "micro_batch": 4, "seq": 512, "lora_rank": 64, "checkpoint": "full", "optimizer": "adamw"}
 WALL_SOURCE = "Dettmers et al. 2023, LLaMA-65B on one 48 GB GPU; artidoro/qlora scripts/finetune_guanaco_65b.sh"
-_NUMBER = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")  # no nan, inf or hex
 
 
 def _count(n: int) -> str:
@@ -30,25 +28,15 @@ def _count(n: int) -> str:
 
 
 def _budgets(parser, text: str) -> list[tuple[str, int]]:
-    """--budgets: (label, bytes) each; a bare number is GiB, else a size with its unit (24GB = 24 x 10**9 bytes,
-    24GiB = 24 x 2**30); each at least one byte and at most 2**64 bytes (2**34 GiB)."""
-    from labkit.memory.units import GiB, parse_bytes
-
+    """--budgets: (label, bytes) each, a size with its unit (24GB = 24 x 10**9 bytes, 24GiB = 24 x 2**30; a bare
+    number is refused, as plan's --memory), each at least one byte and at most 2**64 bytes (2**34 GiB)."""
     out = []
     for item in _items(parser, "--budgets", text):
-        if _NUMBER.fullmatch(item):
-            b = float(item) * GiB
-            label = f"{float(item):g} GiB"
-        else:
-            try:
-                b = parse_bytes(item) if re.fullmatch(r"[0-9.eE+-]+ ?[A-Za-z]+", item) else math.nan
-            except ValueError:
-                b = math.nan
-            label = re.sub(r"(?<=[0-9.])(?=[A-Za-z])", " ", item)
-        if not (1 <= b <= 2**64):
-            parser.error(f"--budgets must be numbers of GiB or sizes such as 24GB (10**9 bytes) or 24GiB, from one "
-                         f"byte to 2**64 bytes, got {item!r}")
-        out.append((label, b))
+        if not re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)? ?[A-Za-z]+", item):
+            size_option(parser, "--budgets", item)  # says what is wrong: a bare number, a sign, ...
+            parser.error(f"--budgets: give sizes such as 24GB (10**9 bytes) or 24GiB, got {item!r}")
+        b = size_option(parser, "--budgets", item)
+        out.append((re.sub(r"(?<=[0-9.])(?=[A-Za-z])", " ", item), b))
     if len({b for _, b in out}) < len(out):
         parser.error(f"--budgets gives one budget twice in {text!r}")
     return out
@@ -62,8 +50,9 @@ def _recipe_words(args) -> str:
                                     if args.micro_batch < args.batch else "")
     whose = (f"the QLoRA paper's ({WALL_SOURCE})" if mine == WALL_RECIPE else
              "given; the QLoRA paper's is --batch 16 --micro-batch 4 --seq 512 --lora-rank 64 --checkpoint full")
-    return (f"recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, {args.optimizer}, "
-            f"{args.device} kernels")
+    kernels = (f"{args.device} kernels" + (" (wall's default; estimate's is cpu: --device cpu for CPU kernels)"
+                                           if args.device == "cuda" else ""))
+    return (f"{kernels}; recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, {args.optimizer}")
 
 
 def format_wall(rows: list[dict], args) -> str:
@@ -73,13 +62,14 @@ def format_wall(rows: list[dict], args) -> str:
             "; ".join(([f"full fine-tuning in {args.dtype}"] if "full" in methods else [])
                       + ([f"LoRA/QLoRA: rank {args.lora_rank} on all linear layers but the head, frozen base in bf16 "
                "(QLoRA: NF4 with double quantization)"] if methods != ["full"] else []))
-            + f": predicted peak vs budget ({UNITS_NOTE})", ""]
+            + f": predicted peak vs budget ({UNITS_NOTE}); tight: fits within {args.headroom_fraction:.0%} of "
+              "the budget, as plan flags it (verify on the device)", ""]
     table = [["model", "method", "params", "peak", "peak phase"] + budgets]
     for r in rows:
         rank = r.get("lora_rank", args.lora_rank)
         method = r["method"] + (f" r={rank}" if rank != args.lora_rank else "")
         table.append([r["model"], method, _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
-                     + ["fits" if r["fits"][b] else "no" for b in budgets])
+                     + [{"does not fit": "no"}.get(r["verdicts"][b], r["verdicts"][b]) for b in budgets])
     return "\n".join(head) + _table(table, right={2, 3})
 
 
@@ -100,6 +90,7 @@ def cmd_wall(args, parser) -> int:
     _positive(parser, "--lora-rank", args.lora_rank)
     models = _items(parser, "--models", args.models) if args.models is not None else None
     budgets = _budgets(parser, args.budgets)
+    args.headroom_fraction = headroom_fraction(parser, args.headroom)
     methods = _items(parser, "--methods", args.methods)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -141,6 +132,7 @@ def cmd_wall(args, parser) -> int:
             if r["method"] != "full":
                 r["lora_rank"] = rank
             r["fits"] = {label: ok for (label, _), ok in zip(budgets, r["fits"].values())}
+            r["verdicts"] = {label: fit_verdict(r["peak"], b, args.headroom_fraction) for label, b in budgets}
         rows += new
     if args.json:
         print(json.dumps({"batch": args.batch, "micro_batch": args.micro_batch, "seq": args.seq,
@@ -148,7 +140,8 @@ def cmd_wall(args, parser) -> int:
                           "device": args.device, "budgets": [label for label, _ in budgets],
                           "budgets_gib": [b / GiB for _, b in budgets],
                           "budgets_bytes": [int(b) for _, b in budgets], "methods": methods,
-                          "lora_rank": args.lora_rank, "recipe": _recipe_words(args), "rows": rows}))
+                          "lora_rank": args.lora_rank, "headroom": args.headroom_fraction,
+                          "recipe": _recipe_words(args), "rows": rows}))
     else:
         print(format_wall(rows, args))
     return 0

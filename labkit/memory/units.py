@@ -44,3 +44,40 @@ def parse_bytes(text: str | float | int) -> int:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"a memory size must be positive and finite, got {text!r}")
     return int(value * UNITS[u])
+
+
+def parse_size_option(text: str) -> int:
+    """A memory size given on a command line (plan --memory, wall --budgets, estimate --budget): the unit is
+    required, since a bare number could mean bytes, GB or GiB. '24GB' -> 24 x 10**9, '24GiB' -> 24 x 2**30;
+    ValueError for a bare number ("give a unit: 24GB or 24GiB"), a negative or zero size, or nonsense."""
+    s = str(text).strip().replace(" ", "")
+    if s.startswith("-"):
+        raise ValueError(f"a memory budget must be positive, got {text!r}")
+    try:
+        float(s)
+    except ValueError:
+        pass
+    else:
+        raise ValueError(f"give a unit: {s}GB or {s}GiB (a bare number {s!r} could be bytes, GB or GiB)"
+                         if s.lstrip("+").replace(".", "", 1).isdigit() else
+                         f"give a size with a unit, such as 24GB or 24GiB, not {text!r}")
+    return parse_bytes(s)
+
+
+# One rule for "does it fit" (plan, estimate --budget, wall): a predicted peak above the budget does not fit;
+# one within HEADROOM of it is tight (the estimate counts logical bytes: the allocator's rounding and
+# fragmentation and the CUDA context are not in them); any other fits.
+HEADROOM = 0.10  # the default share of the budget a step should leave free
+FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does not fit"
+
+
+def is_tight(peak: float, budget: float, headroom: float = HEADROOM) -> bool:
+    """The peak is above (1 - headroom) x budget: less than `headroom` of the budget is left free."""
+    return peak > (1 - headroom) * budget
+
+
+def fit_verdict(peak: float, budget: float, headroom: float = HEADROOM) -> str:
+    """FITS, TIGHT (fits, within `headroom` of the budget) or DOES_NOT_FIT (the peak is above the budget)."""
+    if peak > budget:
+        return DOES_NOT_FIT
+    return TIGHT if is_tight(peak, budget, headroom) else FITS

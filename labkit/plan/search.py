@@ -32,7 +32,7 @@ from dataclasses import astuple, dataclass, field
 
 from labkit.estimate.recipe import Recipe
 from labkit.memory.report import Category
-from labkit.memory.units import fmt_bytes
+from labkit.memory.units import HEADROOM, fmt_bytes, is_tight  # HEADROOM, is_tight: the one fit rule
 
 from . import cost
 from .devices import Device, closest, get_device
@@ -46,7 +46,6 @@ LISA_LAYERS = 2  # LISA's gamma (Pan et al. 2024)
 MAX_MICRO_CHOICES = 6  # micro-batch sizes tried per family (a geometric subset of the divisors)
 MAX_TRIES = 16  # estimates per family before it is given up
 MAX_DEVICES = 4096
-HEADROOM = 0.10  # the default share of the budget a plan should leave free (the module docstring)
 
 
 class NoPlanError(ValueError):
@@ -528,7 +527,7 @@ def _make_plan(s: _Search, fam: _Family, fams: list[_Family], fastest: float) ->
 
 
 def _tight(s: _Search, peak: int) -> bool:
-    return peak > (1 - s.headroom) * s.memory
+    return is_tight(peak, s.memory, s.headroom)
 
 
 def _smallest(fams, pred) -> tuple[int, str] | None:

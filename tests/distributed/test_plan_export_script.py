@@ -44,3 +44,31 @@ def test_exported_script_trains_on_two_cpu_ranks(tmp_path):
             rows = t[rank * 4:(rank + 1) * 4]
             torch.testing.assert_close(torch.tensor(losses[rank][0]), model(rows[:, :-1], rows[:, 1:]))
     assert losses[0][1] != losses[0][0]  # the step changed the weights
+
+
+def test_exported_script_steps_in_backward(tmp_path):
+    """One rank, step_in_backward (per-parameter AdamW stepped by a post-accumulate-grad hook), sqrt
+    checkpointing (labkit.recompute) and activation offload: the two steps' losses equal plain AdamW's in
+    one process on the same batches (stepping each parameter in backward changes when, not what)."""
+    recipe = Recipe(TINY, batch=4, seq=8, checkpoint="sqrt", offload_activations=True, step_in_backward=True)
+    paths = export_plan(recipe, tmp_path / "plan", devices=1)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           str(paths["train_fsdp2"]), "--steps", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = json.loads(out.stdout.strip().splitlines()[-1])["losses"][0]
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    ref = []
+    for _ in range(2):
+        t = torch.randint(0, TINY.vocab_size, (4, 9), generator=gen)
+        loss = model(t[:, :-1], t[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)

@@ -60,13 +60,13 @@ def test_gpt_spec_builds_a_gpt_config(capsys):
 
 
 def test_wall_command(capsys):
-    code, out, _ = run(capsys, "wall", "--models", "gpt2,llama2-70b", "--budgets", "24,141", "--methods", "full", "--json")
+    code, out, _ = run(capsys, "wall", "--models", "gpt2,llama2-70b", "--budgets", "24GiB,141GiB", "--methods", "full", "--json")
     assert code == 0
     rows = json.loads(out)["rows"]
     assert [r["model"] for r in rows] == ["gpt2", "llama2-70b"]
     assert rows[0]["fits"] == {"24 GiB": True, "141 GiB": True}
     assert rows[1]["fits"] == {"24 GiB": False, "141 GiB": False}
-    code, out, _ = run(capsys, "wall", "--models", "gpt2", "--budgets", "1,24")
+    code, out, _ = run(capsys, "wall", "--models", "gpt2", "--budgets", "1GiB,24GiB")
     assert code == 0 and "GiB = 2**30 bytes" in out and "24 GiB" in out
 
 
@@ -170,7 +170,7 @@ def test_wall_states_its_recipe_and_defaults_to_qlora_s(capsys):
     scripts/finetune_guanaco_65b.sh: 4 x 4 rows, 512 tokens, r=64, NF4, gradient checkpointing). wall's defaults
     are that recipe, its header says so, and its QLoRA-65B peak is estimate's for the same options; without
     checkpointing it does not fit, and the header says the recipe is not the paper's."""
-    code, out, _ = run(capsys, "wall", "--models", "llama-65b", "--methods", "qlora", "--budgets", "48,48GB", "--json")
+    code, out, _ = run(capsys, "wall", "--models", "llama-65b", "--methods", "qlora", "--budgets", "48GiB,48GB", "--json")
     d = json.loads(out)
     row = d["rows"][0]
     e = estimate("llama-65b", 16, 512, "bf16", "adamw", device="cuda", checkpoint="full", micro_batch=4,
@@ -179,7 +179,7 @@ def test_wall_states_its_recipe_and_defaults_to_qlora_s(capsys):
     assert d["budgets_bytes"] == [48 * 2**30, 48 * 10**9]
     assert (d["batch"], d["micro_batch"], d["seq"], d["lora_rank"], d["checkpoint"]) == (16, 4, 512, 64, "full")
     assert "the QLoRA paper's" in d["recipe"] and "finetune_guanaco_65b.sh" in d["recipe"]
-    code, out, _ = run(capsys, "wall", "--models", "llama-65b", "--methods", "qlora", "--budgets", "48",
+    code, out, _ = run(capsys, "wall", "--models", "llama-65b", "--methods", "qlora", "--budgets", "48GiB",
                        "--checkpoint", "none")
     head, last = out.splitlines()[0], out.splitlines()[-1]
     assert code == 0 and "checkpoint none" in head and "given; the QLoRA paper's is" in head
@@ -187,13 +187,13 @@ def test_wall_states_its_recipe_and_defaults_to_qlora_s(capsys):
 
 
 def test_sizes_read_gb_as_decimal_and_gib_as_binary(capsys):
-    code, out, _ = run(capsys, "wall", "--models", "gpt2", "--methods", "full", "--budgets", "3.3GB,3.3GiB,3", "--json")
+    code, out, _ = run(capsys, "wall", "--models", "gpt2", "--methods", "full", "--budgets", "3.3GB,3.3GiB,3GiB", "--json")
     d = json.loads(out)
     assert code == 0 and d["budgets_bytes"] == [int(3.3e9), int(3.3 * 2**30), 3 * 2**30]
     peak = d["rows"][0]["peak"]
     assert 3.3e9 < peak <= 3.3 * 2**30  # between the two readings of "3.3 G": the units decide
     assert d["rows"][0]["fits"] == {"3.3 GB": False, "3.3 GiB": True, "3 GiB": False}
-    code, _, err = run(capsys, "wall", "--models", "gpt2", "--budgets", "3GiB,3")
+    code, _, err = run(capsys, "wall", "--models", "gpt2", "--budgets", "3GiB,3.0GiB")
     assert code == 2 and "twice" in err
     code, _, err = run(capsys, "wall", "--models", "gpt2", "--budgets", "24XB")
     assert code == 2 and "--budgets" in err
@@ -216,3 +216,85 @@ def test_estimate_help_and_the_cpu_note(capsys):
     assert "note:" not in out
     code, out, _ = run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8")
     assert "note:" not in out  # a tiny step is not GPU-sized
+
+
+# ----------------------------------------------------------------------------- one fit rule (issue 38, item 4)
+def test_estimate_budget_says_fits_tight_or_does_not_fit_by_plans_rule(capsys):
+    """estimate --budget uses plan's rule (labkit.memory.units.fit_verdict: above the budget does not fit,
+    within --headroom of it is tight), and plan's tight flag is that same rule."""
+    from labkit.memory.units import HEADROOM, fit_verdict
+    from labkit.plan import plan
+    from labkit.plan.search import HEADROOM as PLAN_HEADROOM
+
+    assert PLAN_HEADROOM == HEADROOM == 0.10
+    base = ["estimate", "--model", "gpt2-tiny", "--batch", "2", "--seq", "32", "--json"]
+    code, out, _ = run(capsys, *base)
+    peak = json.loads(out)["peak"]
+    for budget, want in ((2 * peak, "fits"), (int(peak / 0.95), "tight"), (int(peak * 0.9), "does not fit"),
+                         (peak, "tight")):
+        code, out, _ = run(capsys, *base, "--budget", f"{budget}B")
+        d = json.loads(out)
+        assert code == 0 and d["verdict"] == want == fit_verdict(peak, budget) and d["budget"] == budget
+        code, out, _ = run(capsys, *base[:-1], "--budget", f"{budget}B")
+        assert out.rstrip().splitlines()[-1].startswith(f"budget: {want}")
+    code, out, _ = run(capsys, *base, "--budget", f"{int(peak / 0.95)}B", "--headroom", "1")
+    assert json.loads(out)["verdict"] == "fits"  # 5 % left is more than a 1 % headroom
+    plans = plan("gpt2-tiny", memory="2MiB", device_preset="cpu", batch=8, seq=128)
+    for p in plans:
+        assert p.tight == (fit_verdict(p.peak, p.memory, p.headroom) == "tight")
+
+
+def test_wall_flags_tight_fits_as_plan_does(capsys):
+    base = ["wall", "--models", "gpt2", "--methods", "full"]
+    code, out, _ = run(capsys, *base, "--json", "--budgets", "1GiB")
+    peak = json.loads(out)["rows"][0]["peak"]
+    budgets = [2 * peak, int(peak / 0.95), int(peak * 0.9)]
+    code, out, _ = run(capsys, *base, "--json", "--budgets", ",".join(f"{b}B" for b in budgets))
+    row = json.loads(out)["rows"][0]
+    assert list(row["verdicts"].values()) == ["fits", "tight", "does not fit"]
+    assert list(row["fits"].values()) == [True, True, False]  # tight still fits
+    code, out, _ = run(capsys, *base, "--budgets", ",".join(f"{b}B" for b in budgets))
+    assert out.rstrip().splitlines()[-1].split()[-3:] == ["fits", "tight", "no"]
+    assert "tight: fits within 10% of the budget" in out
+
+
+def test_the_first_line_says_whose_kernels(capsys):
+    """estimate models CPU kernels by default and wall CUDA's: each says so in its first line."""
+    code, out, _ = run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8")
+    first = out.splitlines()[0]
+    assert "cpu kernels (estimate's default; wall's is cuda" in first
+    code, out, _ = run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8", "--device", "cuda")
+    assert out.splitlines()[0].endswith("cuda kernels")
+    code, out, _ = run(capsys, "wall", "--models", "gpt2-tiny", "--methods", "full", "--budgets", "1GiB", "--seq", "64")
+    assert out.splitlines()[0].startswith("cuda kernels (wall's default; estimate's is cpu")
+    code, out, _ = run(capsys, "wall", "--models", "gpt2-tiny", "--methods", "full", "--budgets", "1GiB", "--seq", "64",
+                       "--device", "cpu")
+    assert out.splitlines()[0].startswith("cpu kernels;")
+
+
+def test_plan_export_prints_the_targets_it_refuses(capsys, tmp_path, monkeypatch):
+    """A plan that steps in backward: --export says visibly that the Trainer targets do not carry it."""
+    import dataclasses
+
+    import labkit.plan as lp
+
+    real = lp.plan
+
+    def stepping(*a, **k):
+        plans = real(*a, **k)
+        r = plans[0].recipe.replace(optimizer="adafactor", rank=None, proj_dtype=None, step_in_backward=True,
+                                    micro_batch=None, optimizer_offload=None, checkpoint="none", segments=None,
+                                    selective_policy="matmuls")
+        return [dataclasses.replace(plans[0], recipe=r)] + plans[1:]
+
+    monkeypatch.setattr(lp, "plan", stepping)
+    argv = ["plan", "--model", "gpt2-tiny", "--memory", "2MiB", "--device-preset", "cpu", "--tokens", "8*128",
+            "--top", "1", "--export", str(tmp_path / "p")]
+    code, out, err = run(capsys, *argv)
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert code == 0 and len(warnings) == 3 and all("step_in_backward" in w for w in warnings)
+    assert {w.split(" target")[0].split()[-1] for w in warnings} == {"training_args", "accelerate", "deepspeed"}
+    assert "the torchrun target(s) carry every memory-changing field" in out
+    code, out, err = run(capsys, *argv, "--json")
+    assert json.loads(out)["export_refused"]["training_args"] == ["step_in_backward"]
+    assert err.count("labkit plan: warning:") == 3

@@ -198,9 +198,23 @@ BAD = [
     (W + ["--budgets", "1e11"], ["--budgets", "1e11"]),
     (W + ["--budgets", "abc"], ["--budgets", "abc"]),
     (W + ["--budgets", "0x10"], ["--budgets", "0x10"]),
-    (W + ["--budgets", "16,16"], ["--budgets", "16", "twice"]),
-    (W + ["--budgets", "16,16.0"], ["--budgets", "twice"]),
+    (W + ["--budgets", "16GiB,16GiB"], ["--budgets", "16", "twice"]),
+    (W + ["--budgets", "16GiB,16.0GiB"], ["--budgets", "twice"]),
+    (W + ["--budgets", "24"], ["--budgets", "give a unit: 24GB or 24GiB"]),
+    (W + ["--budgets", "-24GB"], ["--budgets", "must be positive", "-24GB"]),
+    (W + ["--budgets", "-1GiB,2GiB"], ["--budgets", "must be positive"]),
     (W + ["--methods", ","], ["--methods", "','"]),
+    (W + ["--headroom", "100"], ["--headroom", "100"]),
+    # ---- sizes: one rule for every memory option (a unit required, a positive size)
+    (E + ["--budget", "24"], ["--budget", "give a unit: 24GB or 24GiB"]),
+    (E + ["--budget", "-24GB"], ["--budget", "must be positive", "-24GB"]),
+    (E + ["--budget=-24GB"], ["--budget", "must be positive"]),
+    (E + ["--budget", "24XB"], ["--budget", "24XB"]),
+    (E + ["--budget", "24GB", "--headroom", "-1"], ["--headroom", "-1"]),
+    (["plan", "--model", "gpt2-tiny", "--memory", "24"], ["--memory", "give a unit: 24GB or 24GiB"]),
+    (["plan", "--model", "gpt2-tiny", "--memory", "-24GB"], ["--memory", "must be positive", "-24GB"]),
+    (["plan", "--model", "gpt2-tiny", "--memory", "-.5GiB"], ["--memory", "must be positive"]),
+    (["plan", "--model", "gpt2-tiny", "--memory", "0GB"], ["--memory", "positive"]),
     (W + ["--methods", ""], ["--methods", "''"]),
     (W + ["--methods", "full,"], ["--methods", "full,"]),
     (W + ["--methods", "foo"], ["--methods", "foo"]),
@@ -271,9 +285,11 @@ GOOD = [
     E + ["--batch", "1000000"],
     ["estimate", "--model", "{cfg}/g_ok.json", "--seq", "8"],
     ["estimate", "--model", "{cfg}/l_ok.json", "--seq", "8", "--lora-rank", "8", "--quant", "nf4"],
-    ["wall", "--models", "gpt2-tiny,gpt:n_layer=2,n_embd=64,llama-tiny", "--seq", "8", "--budgets", "0.5,24"],
+    ["wall", "--models", "gpt2-tiny,gpt:n_layer=2,n_embd=64,llama-tiny", "--seq", "8", "--budgets", "0.5GiB,24GB"],
     W + ["--methods", "lora", "--lora-rank", "8"],
-    W + ["--budgets", f"{2**-30!r},{2**34}"],  # one byte and 2**64 bytes
+    W + ["--budgets", f"1B,{2**34}GiB"],  # one byte and 2**64 bytes
+    W + ["--budgets", "24GB"],
+    E + ["--budget", "24GB", "--headroom", "0"],
     ["wall", "--json"],  # every non-tiny preset
 ]
 

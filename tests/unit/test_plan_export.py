@@ -15,7 +15,7 @@ import yaml
 
 from labkit.estimate import Recipe
 from labkit.models.gpt import GPTConfig
-from labkit.plan.export import FILES, export_plan, wants_deepspeed
+from labkit.plan.export import FILES, export_plan
 
 transformers = pytest.importorskip("transformers")
 from transformers import TrainingArguments  # noqa: E402
@@ -40,8 +40,7 @@ RECIPES = {
 def _export(recipe, tmp_path, devices=None):
     devices = recipe.world_size if devices is None else devices
     paths = export_plan(recipe, tmp_path / "plan", devices)
-    assert set(paths) - {"deepspeed"} == set(FILES) and all(p.is_file() for p in paths.values())
-    assert ("deepspeed" in paths) == wants_deepspeed(recipe)
+    assert set(paths) == set(FILES) and all(p.is_file() for p in paths.values())
     return paths, json.loads(paths["training_args"].read_text())
 
 
@@ -130,6 +129,7 @@ def test_single_device_accelerate_config(tmp_path):
     (dict(optimizer_offload="cpu"), "offload"),
     (dict(lisa_layers=1), "LISA"),
     (dict(step_in_backward=True), "step_in_backward"),
+    (dict(offload_activations=True), "offload_activations"),
     (dict(dtype="bf16"), "16-bit"),
 ])
 def test_fields_without_an_engine_option_are_notes(changes, word, tmp_path):
@@ -141,8 +141,8 @@ def test_fields_without_an_engine_option_are_notes(changes, word, tmp_path):
 
 
 def test_plain_recipe_has_no_technique_notes(tmp_path):
-    _, doc = _export(Recipe.of("gpt2-tiny", 4, 16), tmp_path)
-    assert doc["notes"] == []
+    paths, doc = _export(Recipe.of("gpt2-tiny", 4, 16), tmp_path)
+    assert doc["notes"] == [] and json.loads(paths["plan"].read_text())["refused"] == {}
 
 
 def test_plan_and_readme_carry_recipe_and_commands(tmp_path):
@@ -153,7 +153,7 @@ def test_plan_and_readme_carry_recipe_and_commands(tmp_path):
     assert "torchrun --standalone --nproc-per-node 8 train_fsdp2.py" in text
     assert "accelerate launch --config_file accelerate_config.yaml" in text
     sc = json.loads(paths["plan_config"].read_text())
-    assert sc["batch"] == 64 and sc["micro_batch"] == 4 and sc["zero"] == 3 and sc["checkpoint"] is True
+    assert sc["batch"] == 64 and sc["micro_batch"] == 4 and sc["zero"] == 3 and sc["checkpoint"] == "full"
     compile(paths["train_fsdp2"].read_text(), "train_fsdp2.py", "exec")
 
 
@@ -217,9 +217,11 @@ def test_deepspeed_config_loads_in_deepspeed(name, tmp_path):
     assert "ds_config.json" in paths["readme"].read_text()
 
 
-def test_deepspeed_config_only_for_zero_or_offload(tmp_path):
+def test_deepspeed_config_without_zero_is_stage_0(tmp_path):
+    """ds_config.json is written for every plan (every target exists); without ZeRO or offload it is stage 0."""
     paths, _ = _export(RECIPES["full adamw bf16 + checkpointing"], tmp_path)
-    assert "deepspeed" not in paths and not (tmp_path / "plan" / "ds_config.json").exists()
+    c = _ds_config(paths["deepspeed"])
+    assert c.zero_config.stage == 0 and c.zero_config.offload_optimizer is None and c.bfloat16_config.enabled
 
 
 def test_deepspeed_notes_name_what_differs(tmp_path):
