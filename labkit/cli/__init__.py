@@ -15,6 +15,7 @@ from labkit.estimate.peft_terms import QUANTS
 from labkit.estimate.moments import POLICIES
 from labkit.memory.units import HEADROOM
 
+from .configs import cmd_compare
 from .common import (ADDRESS_SPACE, INT_LIMIT, MAX_LAYERS, MAX_SIZE, MAX_WALL_LAYERS, UNITS_NOTE, UsageError, _Parser,
                      check_model, integer, parse_gpt_spec, read_model, resolve_model)
 from .estimate import check_estimate_options, cmd_estimate, estimate_dict, format_estimate
@@ -44,10 +45,18 @@ def build_parser() -> _Parser:
     e = sub.add_parser("estimate", help="predicted bytes of one training step, by term, category and phase",
                        description=f"Predict one training step's memory, with CPU kernels unless --device cuda. "
                                    f"{UNITS_NOTE}.")
-    e.add_argument("--model", required=True, metavar="NAME_OR_CONFIG",
+    e.add_argument("--model", default=None, metavar="NAME_OR_CONFIG",
                    help="a preset, a local transformers config, a hub id (online), or gpt:KEY=VAL,... "
                         "for labkit's GPT, e.g. gpt:n_layer=4,n_embd=256,block_size=512; at most "
-                        f"{MAX_LAYERS} layers, sizes up to 2**24")
+                        f"{MAX_LAYERS} layers, sizes up to 2**24 (with --from: the model of a config that "
+                        "names none)")
+    from_options(e)
+    e.add_argument("--waterfall", action="store_true",
+                   help="what each knob buys: from the naive step (fp32, AdamW, no recompute, the whole batch, "
+                        "one device) to the recipe, one knob at a time (savings depend on the order)")
+    e.add_argument("--plot", default=None, metavar="PNG", help="with --waterfall: draw it into this PNG file")
+    e.add_argument("--verify", action="store_true",
+                   help="with --waterfall: also measure each bar under the ledger (small models, one device)")
     common(e, "cpu", "mixed-bf16", "whose kernels to model (default cpu on every machine, with or without a GPU: "
            "CPU kernels; give --device cuda for a GPU's, whose fused attention, dropout masks and Adam's foreach "
            "path differ, so a GPU-sized model's peak differs)")
@@ -94,7 +103,7 @@ def build_parser() -> _Parser:
     e.add_argument("--zero-offload", action="store_true", help="ZeRO-Offload: the optimizer state shards in host memory")
     fit_options(e, "--budget", "a device's memory, with its unit (24GB = 24 x 10**9 bytes, 24GiB = 24 x 2**30): "
                 "say whether the step fits, is tight or does not fit, by plan's rule")
-    e.set_defaults(run=cmd_estimate, parser=e)
+    e.set_defaults(run=cmd_estimate, parser=e, seq=None, device=None)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
                        description=f"Which models fit which budgets, by default under the QLoRA paper's recipe "
                                    f"({WALL_SOURCE}). {UNITS_NOTE}.")
@@ -115,11 +124,13 @@ def build_parser() -> _Parser:
     w.add_argument("--headroom", type=float, default=HEADROOM * 100, metavar="PERCENT",
                    help=f"mark a fit tight when its peak is within this share of the budget (default "
                         f"{HEADROOM * 100:.0f} %%, as plan)")
+    from_options(w)
     w.set_defaults(batch=WALL_RECIPE["batch"], seq=WALL_RECIPE["seq"])
     w.set_defaults(run=cmd_wall, parser=w)
     p = sub.add_parser("plan", help="which training configuration fits a model on some devices, ranked",
                        description=f"Search configurations that fit, ranked by fidelity then predicted time. {UNITS_NOTE}.")
-    p.add_argument("--model", required=True, metavar="NAME_OR_CONFIG", help="as --model of estimate")
+    p.add_argument("--model", default=None, metavar="NAME_OR_CONFIG", help="as --model of estimate")
+    from_options(p)
     p.add_argument("--devices", type=integer, default=1, help="devices (GPUs) to use (default 1)")
     p.add_argument("--memory", default=None,
                    help="memory per device: 24GiB = 24 x 2**30 bytes, 24GB = 24 x 10**9 bytes (default: the preset's)")
@@ -143,7 +154,26 @@ def build_parser() -> _Parser:
                    help="run the best plan for real under the ledger (small models only) and compare peaks")
     p.add_argument("--export", default=None, metavar="DIR", help="write the best plan's launch files to DIR")
     p.set_defaults(run=cmd_plan, parser=p)
+    c = sub.add_parser("compare", help="what the published memory calculators say, beside labkit's figures",
+                       description="accelerate's estimate-memory, ZeRO's Figure 1 and DeepSpeed's zero2/zero3 "
+                                   "estimators, each with its own conventions, beside labkit's textbook and exact "
+                                   f"figures, with one line per difference. {UNITS_NOTE}.")
+    c.add_argument("--model", required=True, metavar="NAME", help="a labkit preset (the calculators read a model "
+                                                                     "by name)")
+    common(c, "cpu", "mixed-bf16", "whose kernels labkit models (default cpu; cuda for a GPU's)")
+    c.add_argument("--dp", type=integer, default=1, help="devices: ZeRO's N_d and DeepSpeed's GPUs (default 1)")
+    c.set_defaults(run=cmd_compare, parser=c, seq=512)
     return parser
+
+
+def from_options(p) -> None:
+    p.add_argument("--from", dest="from_path", default=None, metavar="PATH",
+                   help="a training config: a torchtune or axolotl YAML, a TrainingArguments or DeepSpeed JSON, "
+                        "an accelerate config, or a folder `plan --export` wrote (labkit.plan.configs); every "
+                        "knob comes from it, and what it leaves open (--seq, --dp for the devices) from here")
+    p.add_argument("--target", default=None, choices=("training_args", "accelerate", "torchrun", "deepspeed"),
+                   help="with --from an export folder: whose files to read (default: the first that carries "
+                        "every field)")
 
 
 def fit_options(p, name: str, help: str) -> None:

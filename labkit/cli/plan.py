@@ -88,6 +88,22 @@ def cmd_plan(args, parser) -> int:
     from labkit.plan import NoPlanError, plan
     from labkit.plan.devices import closest, get_device
 
+    if args.from_path:  # the config's model, rows, sequence and devices; the search tries every knob itself
+        from .configs import reading_of
+
+        if args.batch is not None or args.tokens is not None:
+            parser.error("--from gives the batch (the config's micro-batch x accumulation x devices): "
+                         "drop --batch/--tokens")
+        args.dp = None
+        reading = reading_of(args, parser)
+        r = reading.recipe
+        args.model, args.batch, args.seq = r.model, r.batch, r.seq
+        args.devices = r.world_size if args.devices == 1 else args.devices
+        print(reading.summary())
+        print(f"planning its model, batch {r.batch} x seq {r.seq} on {args.devices} device(s); the search "
+              "tries every knob itself (the config's own choices: `estimate --from`)\n")
+    elif args.model is None:
+        parser.error("give --model NAME, or --from PATH (a training config)")
     kw = _plan_inputs(args, parser)
     out_dir = args.export
     export_plan = None

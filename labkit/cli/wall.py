@@ -81,9 +81,35 @@ def _rank_for(spec, rank: int) -> int:
     return min([rank] + sides)
 
 
+def _from_config(args, parser) -> None:
+    """wall --from PATH: the config's model, rows, sequence, micro-batch, checkpointing, optimizer, precision
+    and LoRA rank become the wall's recipe (its methods then vary full / LoRA / QLoRA over it)."""
+    from .configs import reading_of
+
+    if args.models is not None:
+        parser.error("--from gives the model: drop --models")
+    args.dp, args.model = None, None
+    reading = reading_of(args, parser)
+    r = reading.recipe
+    if not isinstance(r.model, str):
+        parser.error("wall --from needs a config that names a model by name")
+    if r.distributed:
+        parser.error(f"wall predicts one device; {args.from_path} uses {r.world_size}: use estimate --from")
+    args.models, args.batch, args.seq, args.micro_batch = r.model, r.batch, r.seq, r.micro
+    args.checkpoint, args.dtype = r.checkpoint, r.dtype
+    if not r.optimizer.startswith("galore"):
+        args.optimizer = r.optimizer
+    if r.lora_rank:
+        args.lora_rank = r.lora_rank
+    print(reading.summary() + "\n")
+
+
 def cmd_wall(args, parser) -> int:
     from labkit.estimate import Recipe
     from labkit.estimate.wall import METHODS, default_models, fit_table
+
+    if args.from_path:
+        _from_config(args, parser)
 
     _positive(parser, "--batch", args.batch)
     _positive(parser, "--seq", args.seq)

@@ -1,4 +1,6 @@
-"""Read the training config a person already has into a Recipe: a torchtune recipe YAML or an axolotl YAML.
+"""Read the training config a person already has into a Recipe: a torchtune recipe YAML, an axolotl YAML, a
+Hugging Face TrainingArguments JSON, an accelerate config YAML, a DeepSpeed JSON, or a folder that labkit's
+`plan --export` wrote (the readers of its files are labkit.plan.export's; this module adds the rest).
 
     >>> reading = read_config("llama3_2/3B_lora_single_device.yaml", seq=2048)   # doctest: +SKIP
     >>> reading.recipe, reading.ignored, reading.approximated                      # doctest: +SKIP
@@ -49,6 +51,10 @@ class ConfigRefused(ValueError):
 class Format(enum.Enum):
     TORCHTUNE = "torchtune recipe config"
     AXOLOTL = "axolotl config"
+    TRAINING_ARGS = "transformers TrainingArguments (JSON)"
+    ACCELERATE = "accelerate config"
+    DEEPSPEED = "DeepSpeed config"
+    LABKIT_EXPORT = "labkit plan --export folder"
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,11 @@ class Reading:
 
     def summary(self) -> str:
         """Lines for a terminal: the source, then what was approximated, assumed and ignored."""
-        lines = [f"read {self.path} as a {self.format.value}"]
-        lines += [f"  approximated: {k}: {why}" for k, why in self.approximated]
-        lines += [f"  assumed: {k}: {why}" for k, why in self.assumed]
+        lines = [f"read {self.path} ({self.format.value})"]
+        for word, pairs in (("approximated", self.approximated), ("assumed", self.assumed)):
+            for k, why in pairs:
+                lines += textwrap.wrap(f"{word}: {k}: {why}", 100, initial_indent="  ", subsequent_indent="    ",
+                                       break_on_hyphens=False)
         if self.ignored:
             names = ", ".join(f"`{k}`" for k, _ in self.ignored)
             lines += textwrap.wrap("ignored (no memory effect): " + names, 100, initial_indent="  ",
@@ -478,35 +486,183 @@ def example_configs() -> dict[str, pathlib.Path]:
     return {p.name: p for p in sorted(EXAMPLES.glob("*.y*ml"))}
 
 
-def read_config(path, seq: int | None = None, devices: int | None = None) -> Reading:
-    """A torchtune or axolotl YAML file -> Reading (its Recipe, and what was ignored or approximated).
+# TrainingArguments fields that set nothing a step's memory depends on, by prefix
+TA_NO_MEMORY = ("output_dir", "overwrite_output_dir", "do_", "eval", "prediction_loss_only",
+                "per_device_eval_batch_size", "learning_rate", "weight_decay", "adam_", "max_grad_norm",
+                "num_train_epochs", "max_steps", "lr_scheduler", "warmup", "log", "save", "seed", "data_seed",
+                "dataloader_", "disable_tqdm", "remove_unused_columns", "label_", "load_best_model_at_end",
+                "metric_for_best_model", "greater_is_better", "ignore_data_skip", "resume_from_checkpoint",
+                "push_to_hub", "hub_", "report_to", "run_name", "include_", "full_determinism", "tf32",
+                "local_rank", "ddp_", "jit_mode_eval", "use_ipex", "restore_callback_states_from_checkpoint",
+                "past_index", "length_column_name", "group_by_length", "auto_find_batch_size",
+                "batch_eval_metrics", "skip_memory_metrics", "use_legacy_prediction_loop", "split_batches",
+                "accelerator_config", "average_tokens_across_devices", "project", "trackio_space_id")
 
-    seq: the sequence length when the config leaves it open (torchtune's `max_seq_len: null`);
-    devices: the world size, which a launcher sets rather than the config.
+
+def _model_for(name, model, path: str):
+    """The model a config names (labkit's export writes it), else the caller's `model=`."""
+    if model is not None:
+        return model
+    if name:
+        return name
+    raise ConfigRefused(Refusal.UNKNOWN_FORMAT, f"{path} names no model: give model=NAME (--model NAME)")
+
+
+def read_training_args(doc: dict, path: str, model=None, seq: int | None = None,
+                       devices: int | None = None) -> Reading:
+    """A TrainingArguments dict (its JSON; `TrainingArguments(**doc)` takes it) -> Reading. Batch sizes are
+    per device; the model and the sequence length come from the caller (a TrainingArguments has neither)."""
+    from labkit.plan.export import _recipe_from, from_training_args
+
+    notes = _Notes()
+    entry = doc.get("model") or {}
+    name = _model_for(entry.get("name") if isinstance(entry, dict) else None, model, path)
+    try:
+        fields = from_training_args(doc)
+    except ValueError as e:
+        raise ConfigRefused(Refusal.TECHNIQUE, str(e)) from None
+    if "seq" not in fields:
+        if not seq:
+            raise ConfigRefused(Refusal.NO_SEQUENCE, "a TrainingArguments sets no sequence length: give "
+                                                     "seq=N (--seq N)")
+        fields["seq"] = seq
+        notes.assumed.append(("seq", f"{seq}, as given"))
+    if devices:
+        fields["devices"] = devices
+        notes.assumed.append(("devices", f"{devices}, as given"))
+    notes.mapped += [k for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16",
+                                 "optim", "optim_args", "fsdp", "fsdp_config", "activation_checkpointing",
+                                 "gradient_checkpointing", "use_cpu", "model", "peft",
+                                 "gradient_checkpointing_kwargs") if k in doc]
+    for key in doc:
+        if key.startswith(TA_NO_MEMORY) and key not in notes.mapped:
+            notes.ignored.append((key, "no memory effect on a training step"))
+    if doc.get("torch_compile"):
+        notes.approximated.append(("torch_compile", "compile: not modelled (eager memory predicted)"))
+    _account_rest(doc, notes)
+    return notes.reading(_recipe_from(name, fields), Format.TRAINING_ARGS, path)
+
+
+def read_deepspeed(doc: dict, path: str, model=None, seq: int | None = None,
+                   devices: int | None = None) -> Reading:
+    """A DeepSpeed JSON -> Reading (ZeRO stage, optimizer offload, bf16/fp16, micro-batch, accumulation);
+    the model, the sequence length and the number of processes come from the caller."""
+    from labkit.plan.export import _recipe_from, from_deepspeed
+
+    notes = _Notes()
+    name = _model_for(None, model, path)
+    if not seq:
+        raise ConfigRefused(Refusal.NO_SEQUENCE, "a DeepSpeed config sets no sequence length: give seq=N")
+    n = devices or 1
+    notes.assumed += [("seq", f"{seq}, as given"), ("devices", f"{n}, " + ("as given" if devices else
+                                                                           "the launcher sets it: give devices=N"))]
+    try:
+        fields = from_deepspeed(doc, n)
+    except ValueError as e:
+        raise ConfigRefused(Refusal.TECHNIQUE, str(e)) from None
+    fields.update(seq=seq, devices=n)
+    if fields["zero"] and n == 1 and not fields["zero_offload"]:
+        notes.approximated.append(("zero_optimization", f"ZeRO-{fields['zero']} over one process shards "
+                                                        "nothing: predicted without ZeRO"))
+        fields["zero"] = 0
+    notes.mapped += [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
+                                 "zero_optimization", "optimizer") if k in doc]
+    for key in ("train_batch_size", "steps_per_print", "gradient_clipping", "wall_clock_breakdown", "scheduler"):
+        if key in doc:
+            notes.ignored.append((key, "no memory effect on a training step"))
+    _account_rest(doc, notes)
+    return notes.reading(_recipe_from(name, fields), Format.DEEPSPEED, path)
+
+
+def read_accelerate(doc: dict, path: str, model=None, seq: int | None = None, batch: int | None = None) -> Reading:
+    """An accelerate config YAML -> Reading (processes, mixed precision, FSDP's sharding, offload and
+    checkpointing); the model, rows per device (batch) and the sequence length come from the caller."""
+    from labkit.plan.export import _dtype_of, _recipe_from, from_accelerate
+
+    notes = _Notes()
+    name = _model_for(None, model, path)
+    if not seq or not batch:
+        raise ConfigRefused(Refusal.NO_SEQUENCE, "an accelerate config sets no batch or sequence length: give "
+                                                 "batch=N (rows per device) and seq=N")
+    fields = from_accelerate(doc)
+    fields["dtype"] = _dtype_of(fields.pop("mixed_precision"), "float32")
+    if fields["zero"] == 0:
+        fields.pop("checkpoint", None)
+    if fields["devices"] == 1 and fields["zero"]:
+        notes.approximated.append(("fsdp_config", "FSDP over one process shards nothing: predicted without it"))
+        fields["zero"], fields["zero_offload"] = 0, False
+    fields.update(seq=seq, micro=batch, accumulation=1)
+    notes.assumed += [("seq", f"{seq}, as given"), ("batch", f"{batch} rows per device, as given")]
+    notes.mapped += [k for k in ("num_processes", "mixed_precision", "distributed_type", "fsdp_config", "use_cpu")
+                     if k in doc]
+    for key in ("compute_environment", "machine_rank", "main_training_function", "num_machines", "rdzv_backend",
+                "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "downcast_bf16", "debug",
+                "enable_cpu_affinity", "gpu_ids", "main_process_port", "main_process_ip"):
+        if key in doc:
+            notes.ignored.append((key, "launch details"))
+    _account_rest(doc, notes)
+    return notes.reading(_recipe_from(name, fields), Format.ACCELERATE, path)
+
+
+def read_labkit_export(folder: pathlib.Path, target: str | None = None) -> Reading:
+    """A folder `plan --export` wrote -> Reading of the Recipe that `target`'s files launch (default: the
+    first target that carries every field; labkit.plan.export.read_export)."""
+    from labkit.plan.export import TARGETS, read_export
+
+    plan = json.loads((folder / "plan.json").read_text())
+    refused = plan.get("refused") or {}
+    chosen = target or next((t for t in TARGETS if not refused.get(t)), "torchrun")
+    notes = _Notes(mapped=[chosen])
+    if refused.get(chosen):
+        notes.approximated.append((chosen, f"this target does not carry: {refused[chosen]}"))
+    return notes.reading(read_export(folder, chosen), Format.LABKIT_EXPORT, str(folder))
+
+
+def read_config(path, seq: int | None = None, devices: int | None = None, model=None,
+                batch: int | None = None, target: str | None = None) -> Reading:
+    """A training config -> Reading (its Recipe, and what was ignored or approximated): a torchtune or
+    axolotl YAML, a TrainingArguments JSON, an accelerate config YAML, a DeepSpeed JSON, or a folder that
+    `plan --export` wrote.
+
+    seq: the sequence length when the config leaves it open (torchtune's `max_seq_len: null`, and every
+    TrainingArguments, accelerate and DeepSpeed config); devices: the world size, which a launcher sets;
+    model: the model for configs that name none (TrainingArguments, accelerate, DeepSpeed); batch: rows per
+    device for an accelerate config; target: which exported target's files to read in an export folder.
     """
     p = pathlib.Path(path)
+    if p.is_dir():
+        if (p / "plan.json").is_file():
+            return read_labkit_export(p, target)
+        raise ConfigRefused(Refusal.UNKNOWN_FORMAT, f"{path} is a folder without the plan.json of a labkit export")
     try:
         text = p.read_text()
     except OSError as e:
         raise FileNotFoundError(f"cannot read the config {path}: {e.strerror}") from None
     try:
-        cfg = yaml.safe_load(text)
+        cfg = yaml.safe_load(text)  # JSON is YAML
     except yaml.YAMLError as e:
         raise ConfigRefused(Refusal.UNKNOWN_FORMAT, f"{path} is not YAML or JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigRefused(Refusal.UNKNOWN_FORMAT, f"{path} holds no mapping of fields")
     header = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
-    model = cfg.get("model")
-    if isinstance(model, dict) and str(model.get("_component_", "")).startswith("torchtune."):
+    model_entry = cfg.get("model")
+    if isinstance(model_entry, dict) and str(model_entry.get("_component_", "")).startswith("torchtune."):
         return read_torchtune(cfg, str(path), header, seq, devices)
     if "output_dir" in cfg and "checkpointer" in cfg:  # torchtune without a model: generation, eval
         return read_torchtune(cfg, str(path), header, seq, devices)
     if "base_model" in cfg:
         return read_axolotl(cfg, str(path), devices)
-    raise ConfigRefused(Refusal.UNKNOWN_FORMAT, f"{path}: neither a torchtune recipe config "
-                                                "(model._component_) nor an axolotl config (base_model)")
+    if "per_device_train_batch_size" in cfg or "optim" in cfg:
+        return read_training_args(cfg, str(path), model, seq, devices)
+    if "zero_optimization" in cfg or "train_micro_batch_size_per_gpu" in cfg:
+        return read_deepspeed(cfg, str(path), model, seq, devices)
+    if "distributed_type" in cfg or "compute_environment" in cfg:
+        return read_accelerate(cfg, str(path), model, seq, batch)
+    raise ConfigRefused(Refusal.UNKNOWN_FORMAT, f"{path}: not a torchtune recipe config (model._component_), an "
+                                                "axolotl config (base_model), a TrainingArguments JSON, a "
+                                                "DeepSpeed JSON or an accelerate config")
 
 
-def from_config(path, seq: int | None = None, devices: int | None = None) -> Recipe:
-    """The Recipe of a torchtune or axolotl config (read_config(...).recipe)."""
-    return read_config(path, seq, devices).recipe
+def from_config(path, **given) -> Recipe:
+    """The Recipe of a training config (read_config(path, **given).recipe)."""
+    return read_config(path, **given).recipe
