@@ -10,8 +10,9 @@ published unit, the difference (labkit minus published, and in % of published), 
 does not model for that row. Nothing is fitted: where labkit can derive the bytes of a cause from
 the published setup, that allocation is printed beside the difference ("named") with what is left
 after it ("left %"); otherwise the difference stands with its causes named. A row whose model
-labkit does not know prints "not modelled" with the reason. The last line is the summary:
-`published_runs: rows=N modelled=M median_abs_diff=X% max_abs_diff=Y% median_abs_left=Z%`.
+labkit does not know prints "not modelled", and a combination labkit's estimator refuses prints
+"refused", each with the reason. The last line is the summary: `published_runs: rows=N
+modelled=M refused=K median_abs_diff=X% max_abs_diff=Y% median_abs_left=Z%`.
 """
 
 from __future__ import annotations
@@ -142,6 +143,21 @@ ROWS: tuple[Published, ...] = (
         dict(model="llama2-13b", micro_batch=1, quant="nf4", **RT_LORA), LITGPT_OWN + "; " + BNB,
         (Named.BNB_EVERY_LINEAR,)),
     Published(
+        "litgpt-rt-llama2-7b-lora-fsdp2", RT.replace("on 1 GPU", "on Multiple GPUs"),
+        RT_SETUP.format(trainable="4,194,304").replace("1xA100", "2xA100")
+        + "; FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}, "
+        "state_dict_type='full', limit_all_gathers=True); Llama 2 7B, no quantization, "
+        "micro-batch 1",
+        # "| 7 B   | Llama 2        | None         | 1               | 4,194,304            |
+        #  2 x A100 | 22.18 GB    | 5.93 min           |"
+        # The lit-gpt script of that period (finetune/lora.py at 0010d8ef): "devices = 2", and with
+        # devices > 1: precision="bf16-true", strategy=FSDPStrategy(auto_wrap_policy={Block},
+        # activation_checkpointing_policy={Block}, state_dict_type="full", limit_all_gathers=True).
+        22.18, "GB", ALLOC, LITGPT_MEASURE,
+        dict(model="llama2-7b", micro_batch=1, dp=2, zero=3, checkpoint="full", **RT_LORA),
+        LITGPT_OWN + "; FSDP's flat parameters and the model's load (`fabric.init_module("
+        "empty_init=False)` then `load_raw` of the whole checkpoint)"),
+    Published(
         "litgpt-hub-llama2-7b-lora", HUB + HUB_YAML.format("llama-2-7b/lora"),
         HUB_SETUP.format(2) + "; Llama 2 7B",
         # "| llama-2-7b/lora.yaml              | llama-2-7b             | 4      | 512            |
@@ -225,7 +241,11 @@ def run_row(row: Published) -> dict:
     from labkit.estimate import estimate
 
     unit = UNITS[row.unit]
-    pred = estimate(out["recipe"]).peak.total / unit
+    try:
+        pred = estimate(out["recipe"]).peak.total / unit
+    except ValueError as e:  # a combination labkit refuses, with its reason
+        out["refused"] = str(e)
+        return out
     named = sum(NAMED_BYTES[n](out["recipe"]) for n in row.named) / unit
     diff = pred - row.figure
     out.update(pred=pred, diff=diff, pct=100 * diff / row.figure,
@@ -243,9 +263,10 @@ def describe_recipe(recipe) -> str:
     if recipe is None:
         return "none (not modelled)"
     keys = ("model", "batch", "micro_batch", "seq", "dtype", "optimizer", "checkpoint",
-            "lora_rank", "lora_targets", "quant", "device")
+            "lora_rank", "lora_targets", "quant", "dp", "zero", "device")
     return " ".join(f"{k}={getattr(recipe, k)}" for k in keys
-                    if getattr(recipe, k) not in (None, "none"))
+                    if getattr(recipe, k) not in (None, "none", 0)
+                    and not (k == "dp" and recipe.dp == 1))
 
 
 def main(argv=None) -> int:
@@ -267,8 +288,9 @@ def main(argv=None) -> int:
         row = r["row"]
         fig = f"{row.figure:,.2f} {row.unit}"
         short = row.measures.name.lower()
-        if r["recipe"] is None:
-            table.append([row.key, fig, short, "not modelled", "", "", "", ""])
+        if r["recipe"] is None or "refused" in r:
+            what = "not modelled" if r["recipe"] is None else "refused"
+            table.append([row.key, fig, short, what, "", "", "", ""])
             continue
         named = "" if r["named"] is None else f"{r['named']:+.2f}"
         left = "" if r["named"] is None else f"{r['left_pct']:+.1f}"
@@ -283,13 +305,15 @@ def main(argv=None) -> int:
         print(f"\n{row.key}")
         for label, text in (("source", row.source), ("setup", row.setup),
                             ("measures", f"{row.measures.value}, {row.unit}: {row.how_known}"),
-                            ("recipe", describe_recipe(r["recipe"])),
+                            ("recipe", describe_recipe(r["recipe"])
+                             + (f" -> refused: {r['refused']}" if "refused" in r else "")),
                             ("named", "; ".join(n.value for n in row.named) or "-"),
                             ("not modelled", row.not_modelled)):
             print(wrap.fill(f"{label}: {text}"))
 
-    modelled = [r for r in results if r["recipe"] is not None]
-    summary = f"published_runs: rows={len(results)} modelled={len(modelled)}"
+    modelled = [r for r in results if "pred" in r]
+    refused = sum("refused" in r for r in results)
+    summary = f"published_runs: rows={len(results)} modelled={len(modelled)} refused={refused}"
     if modelled:
         diffs = [abs(r["pct"]) for r in modelled]
         lefts = [abs(r["left_pct"]) for r in modelled]
