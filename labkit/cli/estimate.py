@@ -166,7 +166,8 @@ def cmd_estimate(args, parser) -> int:
     if args.waterfall:
         if args.tp > 1 or args.pp > 1:
             parser.error("--waterfall takes one device's or a data-parallel recipe, not --tp/--pp")
-        return cmd_estimate_from(args, parser, _recipe(args, spec, micro, args.device))
+        # the model as given (a name or GPTConfig), so that --verify can build it
+        return cmd_estimate_from(args, parser, _recipe(args, check_model(args.model)[0], micro, args.device))
     e = run(args.device)
     _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
     gpu = run("cuda") if args.device == "cpu" and e.peak.total >= GPU_SIZED else None

@@ -96,7 +96,9 @@ def _from_config(args, parser) -> None:
     if r.distributed:
         parser.error(f"wall predicts one device; {args.from_path} uses {r.world_size}: use estimate --from")
     args.models, args.batch, args.seq, args.micro_batch = r.model, r.batch, r.seq, r.micro
-    args.checkpoint, args.dtype = r.checkpoint, r.dtype
+    args.checkpoint = r.checkpoint
+    if "full" in args.methods:  # full fine-tuning's precision; LoRA and QLoRA rows keep their bf16 base
+        args.dtype = r.dtype
     if not r.optimizer.startswith("galore"):
         args.optimizer = r.optimizer
     if r.lora_rank:
