@@ -58,7 +58,7 @@ class Table:
     def text(self, width: int = WIDTH) -> str:
         w = self.widths(width)
         pad = " " * self.indent
-        lines = [self.caption] if self.caption else []
+        lines = [wrap_line(self.caption, width)] if self.caption else []
         for i, row in enumerate([self.header] + self.rows):
             parts = [textwrap.wrap(c, w[j], break_on_hyphens=False) or [""] if j not in self.right else [c]
                      for j, c in enumerate(row)]
@@ -68,7 +68,7 @@ class Table:
                 lines.append((pad + GAP.join(cells)).rstrip())
             if i == 0 and self.rule:
                 lines.append(pad + GAP.join("-" * x for x in w))
-        lines += [pad + line for line in self.footer]
+        lines += [wrap_line(pad + line, width, pad + "  ") for line in self.footer]
         return "\n".join(lines)
 
     def html(self) -> str:
