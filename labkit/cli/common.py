@@ -228,12 +228,10 @@ def _check_peak(peak: int, what: str) -> None:
 
 # ----------------------------------------------------------------------------- output
 def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for r in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
-        out.append("  ".join(cells).rstrip())
-    return "\n".join(out)
+    """rows[0] is the header; within 120 columns, a long cell wrapping at its words in its own column."""
+    from labkit.memory.table import Table
+
+    return Table(rows[0], rows[1:], set(right), rule=False).text()
 
 
 # ----------------------------------------------------------------------------- sizes and verdicts

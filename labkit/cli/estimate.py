@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from labkit.memory.report import CATEGORIES, PHASES
+from labkit.memory.table import wrap_line
 from labkit.memory.units import fmt_bytes
 
 from .common import (GPU_SIZED, UNITS_NOTE, _check_peak, _cli_words, _positive, _table, check_model, headroom_fraction,
@@ -197,10 +198,10 @@ def _verdict_text(peak: int, budget: int | None, headroom: float) -> str:
 def cpu_note(e, gpu) -> str:
     """What --device cpu (the default) modelled, and the peak a GPU's kernels give (--device cuda)."""
     diff = gpu.peak.total / e.peak.total - 1
-    return (f"note: this modelled CPU kernels (--device cpu, the default on every machine); a GPU's kernels (fused "
+    return wrap_line(f"note: this modelled CPU kernels (--device cpu, the default on every machine); a GPU's kernels (fused "
             f"attention, dropout masks, Adam's foreach path) give "
             + (f"{fmt_bytes(gpu.peak.total)} ({diff:+.1%})" if diff else "the same peak")
-            + f" in the {gpu.peak_phase} phase: add --device cuda for a GPU")
+            + f" in the {gpu.peak_phase} phase: add --device cuda for a GPU", indent="      ")
 
 
 def _estimate_layout(args, spec, micro, budget=None, headroom=0.1) -> int:

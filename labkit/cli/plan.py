@@ -9,6 +9,7 @@ import shlex
 import sys
 
 from labkit.memory.units import fmt_bytes
+from labkit.memory.table import wrap_line
 
 from .common import UNITS_NOTE, _INTEGER, _items, _positive, check_model, headroom_fraction, size_option
 
@@ -68,7 +69,9 @@ def format_plans(plans, args, device) -> str:
             lines[-4] += f"  [tight: within {p.headroom:.0%} of the budget]"
         lines += [f"   - {w}" for w in p.why]
         lines.append("")
-    return "\n".join(lines).rstrip()
+    # within 120 columns: a long line wraps at its words, its next lines indented under its text
+    return "\n".join(wrap_line(line, indent=" " * (len(line) - len(line.lstrip(" -0123456789."))))
+                     for line in lines).rstrip()
 
 
 def export_command(args) -> str:

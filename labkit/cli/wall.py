@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+from labkit.memory.table import wrap_line
 from labkit.memory.units import GiB, fit_verdict, fmt_bytes
 
 from .common import (MAX_WALL_LAYERS, UNITS_NOTE, _check_peak, _cli_words, _items, _positive, _table, check_model,
@@ -70,7 +71,7 @@ def format_wall(rows: list[dict], args) -> str:
         method = r["method"] + (f" r={rank}" if rank != args.lora_rank else "")
         table.append([r["model"], method, _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
                      + [{"does not fit": "no"}.get(r["verdicts"][b], r["verdicts"][b]) for b in budgets])
-    return "\n".join(head) + _table(table, right={2, 3})
+    return "\n".join(wrap_line(h) for h in head) + _table(table, right={2, 3})
 
 
 def _rank_for(spec, rank: int) -> int:

@@ -17,6 +17,8 @@ STATES = {"sgd": 0, "sgd-momentum": 1, "lion": 1, "adam": 2, "adamw": 2}  # stat
 STATES_8BIT = {"adam8bit": 2, "adamw8bit": 2}  # 1-byte states per parameter
 ZERO = "ZeRO, Rajbhandari et al. 2020 (arXiv 1910.02054), section 5 and Figure 1"
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), section 4, eq. 1-4"
+LOGITS = "pytorch/pytorch tools/autograd/derivatives.yaml: _log_softmax's backward reads its result"
+HF_ANATOMY = "HF docs, Model training anatomy (huggingface.co/docs/transformers/model_memory_anatomy)"
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,8 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 
 def logits_bytes(b: int, s: int, v: int) -> int:
-    """B S V x 4: the fp32 logits the loss reads (the term only the asmirnov calculator has; predictors.md 3.10)."""
+    """B S V x 4: the fp32 log-softmax of the logits the loss keeps for backward (cross_entropy is log_softmax then
+    nll_loss, and _log_softmax's backward reads its result: tools/autograd/derivatives.yaml in pytorch/pytorch)."""
     return 4 * b * s * v
 
 
@@ -137,12 +140,12 @@ def figure(spec, r, n_train: int, n_quant: int = 0) -> list[Term]:
     acts = layers * layer * in_flight(r.schedule, r.rank_batch // b, r.pp, 0) * (not r.offload_activations)
     terms = [Term("parameters", Category.PARAM, int(p), f"N x {d} B" + (", sharded" if r.zero >= 3 else ""), ZERO),
              Term("autocast 16-bit weight copies", Category.PARAM, copy16_bytes(int(n)) if r.dtype.startswith(
-                 "mixed") else 0, "2 x N", "HF docs: 18 B per parameter"),
+                 "mixed") else 0, "2 x N", HF_ANATOMY),
              Term("frozen base, quantized", Category.BUFFER, int(qbytes), "4.127 bits (NF4) or 1 B (int8) per weight",
                   "Dettmers et al. 2023"),
              Term("gradients", Category.GRAD, int(g), f"N_train x {d} B", "Playbook #104"),
              Term("optimizer state", Category.OPT, int(o), f"{r.optimizer} on N_train = {n_train:,}", ZERO),
              Term("activations", Category.ACT, int(acts), f"{layers} layers x the layer formula ({r.checkpoint})",
                   KORTHIKANTI),
-             Term("logits", Category.ACT, logits_bytes(b, s, spec.vocab), "B S V x 4", "predictors.md 3.10")]
+             Term("logits", Category.ACT, logits_bytes(b, s, spec.vocab), "B S V x 4", LOGITS)]
     return [t for t in terms if t.bytes]

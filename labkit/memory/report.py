@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .table import Report, Table, wrap_line
+
 
 class Category(str, enum.Enum):
     """What a block of memory is for. The same six tags in the estimator and the ledger."""
@@ -78,17 +80,19 @@ class Moment:
             b.bytes[t.category] += t.bytes
         return b
 
-    def explain(self) -> str:
-        """The moment's terms as a table: bytes, category, name, formula and source; the last line the sum."""
+    def explain(self) -> "Report":
+        """The moment's terms as a table: bytes, category, name, formula and source; the last line the sum.
+        Text within 120 columns (print it); an HTML table in Jupyter."""
+        return Report([self.table()])
+
+    def table(self) -> "Table":
+        """The terms that hold bytes, one row each, under the moment's phase and where; the sum below."""
         from .units import fmt_bytes
 
-        rows = [(fmt_bytes(t.bytes), str(t.category), t.name, t.formula, t.source) for t in self.terms if t.bytes]
-        widths = [max([len(r[i]) for r in rows] + [0]) for i in range(4)]
-        lines = [f"{self.phase}: {self.where}"]
-        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + (f"  [{r[4]}]" if r[4] else "")
-                  for r in rows]
-        lines.append(f"  {fmt_bytes(self.total)} = the sum of the {len(rows)} terms above")
-        return "\n".join(line.rstrip() for line in lines)
+        rows = [[fmt_bytes(t.bytes), str(t.category), t.name, t.formula, t.source] for t in self.terms if t.bytes]
+        return Table(["bytes", "category", "term", "formula", "source"], rows, right={0},
+                     caption=f"{self.phase}: {self.where}", indent=2,
+                     footer=[f"{fmt_bytes(self.total)} = the sum of the {len(rows)} terms above"])
 
 
 class _Phases:
@@ -140,27 +144,29 @@ class Estimate(_Phases):
             raise ValueError(f"every moment's where contains {text!r}: nothing would be left")
         return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept, textbook=list(self.textbook))
 
-    def explain(self, phase: str | None = None) -> str:
-        """Where every byte of the peak (or of `phase`'s largest moment) comes from: term, formula, source."""
+    def explain(self, phase: str | None = None) -> "Report":
+        """Where every byte of the peak (or of `phase`'s largest moment) comes from: term, formula, source.
+        Text within 120 columns (print it, or read it in the CLI); HTML tables in Jupyter."""
         if not self.moments:
             raise ValueError("this estimate was built from phases, not moments: nothing to explain")
         pool = [m for m in self.moments if phase is None or m.phase == phase]
         if not pool:
             raise ValueError(f"no moment in phase {phase!r}; phases: {', '.join(self.phases)}")
         top = max(pool, key=lambda m: m.total)
-        head = f"{self.label}: {'peak' if phase is None else phase + ' peak'} at {top.phase}, {top.where}"
+        head = wrap_line(f"{self.label}: {'peak' if phase is None else phase + ' peak'} at {top.phase}, {top.where}")
         if not self.textbook:
-            return head + "\n" + top.explain()
+            return Report([head, top.table()])
         from .units import fmt_bytes
 
         fixes = corrections(self.textbook, top.terms)
         book = sum(t.bytes for t in self.textbook)
-        lines = [head, Moment("textbook", "the published formulas (labkit.estimate.textbook)", self.textbook).explain(),
-                 Moment("corrections", "what the exact layer's ops add or take away at this moment", fixes).explain(),
-                 f"exact: {fmt_bytes(top.total)} = {fmt_bytes(book)} (textbook) + {fmt_bytes(top.total - book)} "
-                 f"({len(fixes)} corrections); the textbook is {100 * (book - top.total) / top.total:+.1f} % off",
-                 top.explain()]
-        return "\n".join(lines)
+        exact = wrap_line(f"exact: {fmt_bytes(top.total)} = {fmt_bytes(book)} (textbook) + "
+                          f"{fmt_bytes(top.total - book)} ({len(fixes)} corrections); the textbook is "
+                          f"{100 * (book - top.total) / top.total:+.1f} % off")
+        return Report([head, Moment("textbook", "the published formulas (labkit.estimate.textbook)",
+                                    self.textbook).table(),
+                       Moment("corrections", "what the exact layer's ops add or take away at this moment",
+                              fixes).table(), exact, top.table()])
 
 
 def corrections(textbook: list[Term], exact: list[Term]) -> list[Term]:

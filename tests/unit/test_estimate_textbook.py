@@ -5,6 +5,7 @@ import pytest
 
 from labkit.estimate import Recipe, estimate, textbook
 from labkit.memory.report import corrections
+from labkit.memory.table import Table
 
 
 def test_bytes_per_parameter_by_dtype_and_optimizer():
@@ -62,5 +63,6 @@ def test_explain_shows_textbook_then_corrections_that_sum_to_the_exact_peak(reci
     assert book + sum(t.bytes for t in fixes) == top.total == e.peak.total
     text = e.explain()
     assert text.index("textbook:") < text.index("corrections:") < text.index("exact:")
+    cells = {c for b in text.blocks if isinstance(b, Table) for row in b.rows for c in row}
     for t in fixes:
-        assert t.name in text
+        assert t.name in cells and all(w in text for w in t.name.split())

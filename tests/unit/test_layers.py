@@ -23,7 +23,7 @@ ROOT = pathlib.Path(labkit.__file__).parent
 ORDER = ["memory", "paths", "quant", "precision", "recompute", "data", "models", "device", "optim", "distributed",
          "accumulate", "peft", "estimate", "run", "session", "plan", "viz", "exercises", "course", "cli", "colab", "__main__"]
 MODULE_ORDER = {
-    "memory": ["units", "allocator", "state", "report", "memviz", "replay", "budget", "ledger"],
+    "memory": ["units", "table", "allocator", "state", "report", "memviz", "replay", "budget", "ledger"],
     "estimate": ["recipe", "textbook", "attention", "tape", "spec", "optim_terms", "peft_terms", "walk", "families",
                  "moments", "predict", "zero_terms", "layout_terms", "estimator", "wall"],
 }
