@@ -34,7 +34,7 @@ def estimate_dict(model_text: str, e, args) -> dict:
 
 def format_estimate(e, device: str) -> str:
     """The readable report: every term with its formula and source, then each phase's peak by category."""
-    lines = [f"{e.label} on {device}: {e.n_params:,} parameters; {kernels(device)}", f"units: {UNITS_NOTE}", "",
+    lines = [wrap_line(f"{kernels(device)}: {e.label}, {e.n_params:,} parameters"), f"units: {UNITS_NOTE}", "",
              "terms"]
     rows = [["term", "category", "bytes", "formula", "source"]]
     rows += [[t.name, str(t.category), fmt_bytes(t.bytes), t.formula, t.source] for t in e.terms]
@@ -234,10 +234,10 @@ def _estimate_layout(args, spec, micro, budget=None, headroom=0.1) -> int:
     for i, e in enumerate(ranks):
         rows.append([str(i), str(i // args.tp), str(i % args.tp), fmt_bytes(e.peak.total), e.peak_phase]
                     + [fmt_bytes(e.peak[c]) for c in CATEGORIES])
-    lines = [f"per-rank peaks (tp={args.tp} pp={args.pp}"
+    lines = [wrap_line(f"per-rank peaks (tp={args.tp} pp={args.pp}"
              + (f" {args.schedule}" if args.pp > 1 else "") + (" sequence-parallel" if args.sequence_parallel else "")
              + f", {r.rank_batch // r.micro} micro-batches of {r.micro} rows; {kernels(args.device)})"
-             + (f"; each of the dp={args.dp} replicas (ZeRO-{args.zero}) holds the same" if args.dp > 1 else ""),
+             + (f"; each of the dp={args.dp} replicas (ZeRO-{args.zero}) holds the same" if args.dp > 1 else "")),
              _table(rows, right={3}), ""]
     lines.append("bytes sent per step (by the collectives' definitions)")
     lines += [f"  {k}: {fmt_bytes(int(v))}" for k, v in wire.items()]

@@ -264,7 +264,7 @@ def test_the_first_line_says_whose_kernels(capsys):
     first = out.splitlines()[0]
     assert "cpu kernels (estimate's default; wall's is cuda" in first
     code, out, _ = run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8", "--device", "cuda")
-    assert out.splitlines()[0].endswith("cuda kernels")
+    assert out.splitlines()[0].startswith("cuda kernels: gpt2-tiny")
     code, out, _ = run(capsys, "wall", "--models", "gpt2-tiny", "--methods", "full", "--budgets", "1GiB", "--seq", "64")
     assert out.splitlines()[0].startswith("cuda kernels (wall's default; estimate's is cpu")
     code, out, _ = run(capsys, "wall", "--models", "gpt2-tiny", "--methods", "full", "--budgets", "1GiB", "--seq", "64",
