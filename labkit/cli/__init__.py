@@ -83,6 +83,10 @@ def build_parser() -> _Parser:
     e.add_argument("--quant-group", type=integer, default=None,
                    help="int4's group size along the input features (default 128; must divide every target's "
                         "input features); needs --quant int4 or int4-awq")
+    e.add_argument("--base-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="the frozen base's precision under LoRA/QLoRA: bf16 or fp16 with --dtype mixed-bf16 / "
+                        "mixed-fp16 is peft's usual setup (16-bit base, fp32 adapters under autocast); "
+                        "default: --dtype's weights; needs --lora-rank")
     e.add_argument("--lisa-layers", type=integer, default=None,
                    help="LISA: train embeddings, head and this many sampled layers at a time")
     e.add_argument("--dp", type=integer, default=1,

@@ -72,7 +72,7 @@ def format_wall(rows: list[dict], args) -> str:
     head = [_recipe_words(args),
             "; ".join(([f"full fine-tuning in {args.dtype}"] if "full" in methods else [])
                       + ([f"LoRA/QLoRA: rank {args.lora_rank} on all linear layers but the head, frozen base in bf16 "
-               "(QLoRA: NF4 with double quantization)"] if methods != ["full"] else []))
+               "under fp32 adapters and autocast, as peft runs it (QLoRA: NF4 with double quantization)"] if methods != ["full"] else []))
             + f": predicted peak vs budget ({UNITS_NOTE})", ""]
     table = [["model", "method", "params", "peak", "peak phase"] + budgets]
     for r in rows:

@@ -22,11 +22,14 @@ def default_models() -> list[str]:
 
 def _row_recipe(recipe: Recipe, model, method: str, peft_dtype: str | None) -> Recipe:
     """One row's step: "full" the recipe without adapters; "lora" and "qlora" adapters of rank recipe.lora_rank
-    (None: LORA_RANK) on recipe.lora_targets, the frozen base in `peft_dtype` (None: recipe.dtype), "qlora" in NF4."""
+    (None: LORA_RANK) on recipe.lora_targets, "qlora" in NF4. The frozen base in `peft_dtype`: "bf16"/"fp16" as
+    peft runs it (the base in 16 bits, the adapters and their state in fp32, under autocast: Recipe.base_dtype);
+    "fp32" or None: recipe.dtype's weights."""
     if method == "full":
-        return recipe.replace(model=model, lora_rank=None, quant="none", quant_group=None)
+        return recipe.replace(model=model, lora_rank=None, quant="none", quant_group=None, base_dtype=None)
+    base = dict(dtype=f"mixed-{peft_dtype}", base_dtype=peft_dtype) if peft_dtype in ("bf16", "fp16") else {}
     return recipe.replace(model=model, lora_rank=recipe.lora_rank or LORA_RANK, quant_group=None,
-                          quant="nf4" if method == "qlora" else "none", dtype=peft_dtype or recipe.dtype)
+                          quant="nf4" if method == "qlora" else "none", **base)
 
 
 def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEFAULT_RECIPE, methods=("full",),
@@ -37,8 +40,8 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEF
     a model fits a budget when its predicted peak is at most budget x 2**30 bytes. recipe: the step of every
     row (batch, seq, dtype, optimizer, device, checkpoint, micro_batch, ...), its model left None: each row's
     is one of `models`. methods: some of METHODS ("full" fine-tuning in recipe.dtype, "lora", "qlora"). LoRA and
-    QLoRA keep their frozen base in `peft_dtype` (bf16, as peft loads models; None: recipe.dtype) with adapters
-    of rank recipe.lora_rank (None: LORA_RANK) on recipe.lora_targets. Nothing is allocated: every model is read
+    QLoRA keep their frozen base in `peft_dtype` (bf16, as peft loads models, its fp32 adapters under autocast;
+    None: recipe.dtype) with adapters of rank recipe.lora_rank (None: LORA_RANK) on recipe.lora_targets. Nothing is allocated: every model is read
     on the meta device. Errors from `estimate` (say, seq beyond a model's positions) are raised, not hidden in
     the table.
     """
