@@ -107,6 +107,9 @@ def build_parser() -> _Parser:
                    help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")
     w.add_argument("--lora-rank", type=integer, default=None,
                    help="LoRA rank for the lora and qlora methods (default 64, QLoRA's)")
+    w.add_argument("--adapters", choices=("base", "fp32"), default="base",
+                   help="LoRA/QLoRA adapters in the bf16 base's dtype (base: the QLoRA paper's scripts, the "
+                        "default) or in fp32 under autocast (fp32: peft's default, Recipe.base_dtype)")
     common(w, "cuda", None, "whose kernels to model (default cuda: a GPU's fused attention, dropout masks and "
            "Adam's foreach path; cpu for CPU kernels)")
     w.add_argument("--checkpoint", choices=POLICIES, default="full",

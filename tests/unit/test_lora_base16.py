@@ -184,17 +184,29 @@ def test_plan_without_peft_says_what_it_left_out():
 
 
 def test_wall_and_cli_use_the_bf16_base():
+    import contextlib
+    import io
     import json
 
     from labkit.cli import main
     from labkit.estimate import fit_table
 
-    row = fit_table(["llama2-7b"], [24], methods=("lora",))[0]
-    expect = estimate(Recipe("llama2-7b", 1, 1024, "mixed-bf16", device="cuda", lora_rank=16, base_dtype="bf16"))
-    assert row["peak"] == expect.peak.total
-    import contextlib
-    import io
-
+    # the wall's rows: adapters in the base's bf16 by default (the QLoRA paper's scripts cast them), or fp32 over
+    # the bf16 base as peft keeps them
+    paper, peft_ = (fit_table(["llama2-7b"], [24], methods=("lora",), adapters=a)[0]["peak"] for a in ("base", "fp32"))
+    ours = [estimate(Recipe("llama2-7b", 1, 1024, d, device="cuda", lora_rank=16, base_dtype=b)).peak.total
+            for d, b in (("bf16", None), ("mixed-bf16", "bf16"))]
+    assert [paper, peft_] == ours and peft_ > paper
+    with pytest.raises(ValueError, match="adapters must be 'base' or 'fp32'"):
+        fit_table(["llama2-7b"], [24], methods=("lora",), adapters="fp16")
+    walls = {}
+    for a in ("base", "fp32"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(["wall", "--models", "llama2-7b", "--methods", "lora", "--adapters", a]) == 0
+        walls[a] = buf.getvalue()
+    assert "bf16 adapters, as the QLoRA paper's scripts" in walls["base"]
+    assert "under fp32 adapters and autocast, as peft runs it" in walls["fp32"]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(["estimate", "--model", "llama-tiny", "--batch", "1", "--seq", "16", "--dtype", "mixed-bf16",
