@@ -576,7 +576,9 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
         sm = _smallest(fams, lambda f: f.key[:5] == fam.key[:5] and f.key[6] == fam.key[6]
                        and f.key[5] != r.dtype)
         lost = cost.LOST_UPDATE[r.dtype]
-        lines.append(f"precision: pure {r.dtype}, no fp32 master weights: an update below 2**{math.log2(lost):.0f} "
+        lines.append(f"precision: pure {r.dtype}, no fp32 master weights"
+                     + (" for the trained adapters (their frozen base takes no update)" if r.lora_rank else "")
+                     + f": an update below 2**{math.log2(lost):.0f} "
                      f"of its weight rounds away, so small updates are lost (stale weights: a step of 1e-5 moves no "
                      f"weight above {1e-5 / lost:.2g}) and labkit's optimizers do not round stochastically"
                      + (f"; with fp32 master weights {sm[1]} > {budget}" if sm and sm[0] > s.memory
