@@ -69,6 +69,8 @@ def test_the_states_follow_the_formulas_and_the_base_halves():
     terms = {t.name: t.bytes for t in half.terms}
     assert terms["frozen base weights"] == 2 * spec.n_params and terms["LoRA adapters"] == 4 * n
     assert terms["autocast 16-bit weight copies"] == 2 * n  # the adapters' casts only
+    book = {t.name: t.bytes for t in half.textbook}  # the textbook layer agrees: 2 B per frozen weight, no cast
+    assert book["parameters"] == 2 * spec.n_params and book["autocast 16-bit weight copies"] == 2 * n
     # on a 7B model the frozen weights decide: an fp32 base holds 4 B per weight and a 2-B autocast copy of each
     # matmul weight (saved for dx), a bf16 one 2 B: 44.15 GB against 17.56 GB at the peak
     big = [estimate(Recipe("llama2-7b", 1, 512, "mixed-bf16", device="cuda", lora_rank=16, base_dtype=b)).peak.total
