@@ -220,3 +220,17 @@ def test_wall_and_cli_use_the_bf16_base():
     out = json.loads(buf.getvalue())
     r = Recipe("llama-tiny", 1, 16, "mixed-bf16", lora_rank=4, base_dtype="bf16")
     assert out["options"]["base_dtype"] == "bf16" and out["peak"] == estimate(r).peak.total
+
+
+def test_export_loads_the_base_in_its_dtype(tmp_path):
+    """plan 1 for llama2-7b on 24 GiB is LoRA over a bf16 base: its training_args.json must load the model in
+    bf16 (peft keeps the adapters in fp32 itself), or the exported run would hold an fp32 base."""
+    import json
+
+    from labkit.plan.export import export_plan
+
+    r = Recipe("gpt2-tiny", 2, 32, "mixed-bf16", lora_rank=8, base_dtype="bf16")
+    doc = json.loads(export_plan(r, tmp_path / "a", 1)["training_args"].read_text())
+    assert doc["model"]["dtype"] == "bfloat16" and doc["bf16"] is True
+    doc = json.loads(export_plan(r.replace(base_dtype=None), tmp_path / "b", 1)["training_args"].read_text())
+    assert doc["model"]["dtype"] == "float32"
