@@ -94,6 +94,10 @@ def build_parser() -> _Parser:
     e.add_argument("--quant-group", type=integer, default=None,
                    help="int4's group size along the input features (default 128; must divide every target's "
                         "input features); needs --quant int4 or int4-awq")
+    e.add_argument("--base-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="the frozen base's precision under LoRA/QLoRA: bf16 or fp16 with --dtype mixed-bf16 / "
+                        "mixed-fp16 is peft's usual setup (16-bit base, fp32 adapters under autocast); "
+                        "default: --dtype's weights; needs --lora-rank")
     e.add_argument("--lisa-layers", type=integer, default=None,
                    help="LISA: train embeddings, head and this many sampled layers at a time")
     e.add_argument("--dp", type=integer, default=1,
@@ -115,6 +119,9 @@ def build_parser() -> _Parser:
                    help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")
     w.add_argument("--lora-rank", type=integer, default=None,
                    help="LoRA rank for the lora and qlora methods (default 64, QLoRA's)")
+    w.add_argument("--adapters", choices=("base", "fp32"), default="base",
+                   help="LoRA/QLoRA adapters in the bf16 base's dtype (base: the QLoRA paper's scripts, the "
+                        "default) or in fp32 under autocast (fp32: peft's default, Recipe.base_dtype)")
     common(w, "cuda", None, "whose kernels to model (default cuda: a GPU's fused attention, dropout masks and "
            "Adam's foreach path; cpu for CPU kernels)")
     w.add_argument("--checkpoint", choices=POLICIES, default="full",

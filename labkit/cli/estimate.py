@@ -22,7 +22,8 @@ def estimate_dict(model_text: str, e, args) -> dict:
         "options": {k: getattr(args, k) for k in ("checkpoint", "segments", "offload_activations", "micro_batch",
                                                    "accumulate", "rank", "proj_dtype", "optimizer_offload",
                                                    "step_in_backward",
-                                                   "lora_rank", "lora_targets", "quant", "quant_group", "lisa_layers")
+                                                   "lora_rank", "lora_targets", "quant", "quant_group", "lisa_layers",
+                                                   "base_dtype")
                     if hasattr(args, k)}
                    # given only: a default run's JSON is unchanged
                    | ({"selective_policy": args.selective_policy} if getattr(args, "selective_policy", None) else {}),
@@ -134,6 +135,7 @@ def _recipe(args, spec, micro, device: str, **layout):
                   proj_dtype=args.proj_dtype, optimizer_offload=args.optimizer_offload,
                   step_in_backward=args.step_in_backward, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                   quant=args.quant, quant_group=args.quant_group, lisa_layers=args.lisa_layers, dp=args.dp,
+                  base_dtype=getattr(args, "base_dtype", None),
                   zero=args.zero, zero_offload=args.zero_offload, **layout)
 
 

@@ -62,7 +62,9 @@ def format_wall(rows: list[dict], args) -> str:
     head = [_recipe_words(args),
             "; ".join(([f"full fine-tuning in {args.dtype}"] if "full" in methods else [])
                       + ([f"LoRA/QLoRA: rank {args.lora_rank} on all linear layers but the head, frozen base in bf16 "
-               "(QLoRA: NF4 with double quantization)"] if methods != ["full"] else []))
+               + ("under fp32 adapters and autocast, as peft runs it" if getattr(args, "adapters", "base") == "fp32"
+                  else "and bf16 adapters, as the QLoRA paper's scripts run it")
+               + " (QLoRA: NF4 with double quantization)"] if methods != ["full"] else []))
             + f": predicted peak vs budget ({UNITS_NOTE}); tight: fits within {args.headroom_fraction:.0%} of "
               "the budget, as plan flags it (verify on the device)", ""]
     table = [["model", "method", "params", "peak", "peak phase"] + budgets]
@@ -152,7 +154,8 @@ def cmd_wall(args, parser) -> int:
         try:
             recipe = Recipe(None, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
                             checkpoint=args.checkpoint, micro_batch=args.micro_batch, lora_rank=rank)
-            new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods)
+            new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods,
+                            adapters=getattr(args, "adapters", "base"))
         except ValueError as err:  # fit_table names the model by its spec: name it as typed
             raise ValueError(f"{text}: {_cli_words(str(err.__cause__ or err))}") from err
         for r in new:

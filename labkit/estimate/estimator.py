@@ -39,6 +39,8 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
     "int4-awq" (AWQ, its per-input-channel scale kept in each layer); needs lora_rank.
     quant_group: int4's group size along the input features (default 128); it must divide every target's d_in.
     lisa_layers: LISA with gamma = lisa_layers active layers (labkit.peft.LISA); not with lora_rank.
+    base_dtype: the frozen base's precision under LoRA/QLoRA: "bf16"/"fp16" with dtype "mixed-bf16"/"mixed-fp16"
+    is peft's setup (16-bit base, fp32 adapters under autocast); None: the trained weights' dtype.
     """
     if isinstance(model, Recipe):
         if batch is not None or seq is not None or options or (dtype, optimizer) != ("fp32", "adamw"):

@@ -70,14 +70,15 @@ def input_bytes(batch: int, seq: int) -> int:
 
 
 def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, device: str, peft=None,
-                     selective: str = "matmuls"):
+                     selective: str = "matmuls", base_bytes: int | None = None):
     """Bytes saved for backward by the forward walk of the model's family (labkit.estimate.families):
     per layer this reproduces Korthikanti et al.'s sbh(34 + 5as/h) for their layer and precision,
     and adds the logits' log-softmax, B x S x V (4 bytes when the loss runs in fp32).
     peft (labkit.estimate.peft_terms.Peft): frozen weights save less, adapters save a little more.
     selective: the selective checkpointing policy whose kept outputs the tape marks
-    (labkit.estimate.tape.keep_kinds)."""
-    w = Walk(x_bytes=prec.weight, autocast=prec.autocast, device=device,
+    (labkit.estimate.tape.keep_kinds). base_bytes: a frozen base's bytes per weight, when they differ from
+    the trained parameters' (a 16-bit base under fp32 adapters): the stream then runs in the base's dtype."""
+    w = Walk(x_bytes=base_bytes or prec.weight, train_bytes=prec.weight, autocast=prec.autocast, device=device,
              linears={name: (d_in, d_out, bias) for name, d_in, d_out, bias in spec.linears},
              tape=Tape(kinds=keep_kinds(selective)))
     peft_terms.setup_walk(w, peft)
@@ -112,8 +113,8 @@ def single_estimate(r: Recipe) -> Estimate:
     b, w = step_bytes(spec, r, peft)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = b.opt_cast = 0
-    terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft)
-    b.states = _state_groups(_model_state_terms(spec, prec, optimizer, b, peft))
+    terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft, _frozen_bytes(r))
+    b.states = _state_groups(_model_state_terms(spec, prec, optimizer, b, peft, _frozen_bytes(r)))
     moments = step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward)
     if micro < batch:  # later micro-batches: every gradient already exists
         moments += step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=True,
@@ -127,6 +128,7 @@ def single_estimate(r: Recipe) -> Estimate:
     extras += [f"attention=tiled({spec.attn_block})"] * (spec.attention == "tiled")
     extras += [f"loss_chunk={spec.loss_chunk}"] * (spec.loss_chunk is not None)
     if peft is not None:
+        extras += [f"base_dtype={r.base_dtype}"] * (r.base_dtype is not None)
         extras.append(f"LISA layers={peft.lisa_layers}" if peft.lisa_layers else
                       f"{peft.method} r={peft.rank} targets={len(peft.targets)}")
     label = " ".join([f"{spec.name} B={batch} S={seq} {dtype} {optimizer}", *extras])
@@ -150,7 +152,8 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
     prec, B, micro, S, optimizer, rank, proj_dtype = (Precision.of(recipe.dtype), recipe.rank_batch, recipe.micro,
                                                       recipe.seq, recipe.optimizer, recipe.rank, recipe.proj_dtype)
     foreach = (recipe.device == "cuda") if recipe.foreach is None else recipe.foreach
-    w, marks = walk_activations(spec, prec, micro, S, recipe.device, peft, recipe.selective_policy)
+    fb = _frozen_bytes(recipe)  # a frozen base's bytes per weight (2 for a 16-bit base under LoRA)
+    w, marks = walk_activations(spec, prec, micro, S, recipe.device, peft, recipe.selective_policy, fb)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     chunked = w.loss_scratch is not None  # labkit GPT's chunked loss: no (r, V) tensor outlives a chunk
     lsm = 0 if chunked else next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
@@ -162,13 +165,14 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
     head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
     units = optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank, proj_dtype)
     block_largest = units["block_step"][0] // gb  # the block's largest matrix: the one a block's moment steps
-    head_copy = 2 * V * h if prec.autocast and not chunked else 0  # the chunked loss casts the head itself
+    # the chunked loss casts the head itself; a frozen 16-bit head needs no copy
+    head_copy = 2 * V * h if prec.autocast and not chunked and (w.frozen_copy or head_trains) else 0
     fields = {}
     if chunked:  # chunked_ce.scratch_bytes: the loss's forward temporaries, and the head's backward ones (less
         # the weight's gradient, head_grad: the fp32 accumulator itself, or its cast for a 16-bit weight)
         fields = dict(logits=w.loss_scratch[0], head_temp=w.loss_scratch[1] - V * h * gb)
     return StepBytes(
-        P=param_bytes(spec, prec) if peft is None else _peft_param_bytes(spec, peft, prec.weight),
+        P=param_bytes(spec, prec) if peft is None else _peft_param_bytes(spec, peft, prec.weight, fb),
         # with frozen weights the walk counts autocast's copies (Walk._count_copies)
         C=(autocast_copy_bytes(spec, prec) - (2 * V * h if prec.autocast and chunked else 0)) if peft is None
         else w.copy_bytes, G=grad_bytes(ts, prec),
@@ -184,7 +188,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         after=w.saved_bytes - marks[-1][0], lsm=lsm,
         **(fields or dict(logits=r * V * mm + upcast,
                           head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0))),
-        head_grad=head_grad, head_new=V * h * gb if head_trains else 0, stream=r * h * gb,
+        head_grad=head_grad, head_new=V * h * gb if head_trains else 0, stream=r * h * w.x_bytes,
         head_cast=r * h * mm + V * h * mm if head_copy and head_trains else 0,
         # MLP backward: the gradients into and out of the activation are alive while its output is
         # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors. Under LoRA
@@ -196,7 +200,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         proj_dx=r * spec.ffn * mm,  # the MLP output projection's dX, beside its weight gradient
         layer_grad=ts.layer_params * gb,
         layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
-        else max(w.copy_bytes - 2 * V * h, 0) // L,
+        else max(w.copy_bytes - (2 * V * h if w.frozen_copy else 0), 0) // L,
         head_copy=head_copy,
         emb_temp=2 * V * h * gb if spec.tied and emb_trains else 0,  # tied: the dense embedding gradient and the sum
         # with gradients already there (micro-batch 2 on), each embedding table's dense gradient is a temporary
@@ -234,16 +238,23 @@ def _block_points(w: Walk, marks, gb: int) -> list[tuple]:
             and start[2] <= trained <= end[2]][: 2 * max(1, len(w.points) // max(len(marks) - 1, 1) // 2)]
 
 
-def _peft_param_bytes(spec, peft, d: int) -> int:
-    """LISA: every parameter, as in full training. LoRA: the parameters left in the model's dtype (all
-    but int8/NF4-quantized weights) + the adapters, in the same dtype (as apply_lora makes them)."""
+def _frozen_bytes(r: Recipe) -> int:
+    """Bytes per frozen base weight: base_dtype's, else the trained weights' (Recipe.frozen_dtype)."""
+    return 4 if r.frozen_dtype == "fp32" else 2
+
+
+def _peft_param_bytes(spec, peft, d: int, fb: int | None = None) -> int:
+    """LISA: every parameter, as in full training. LoRA: the parameters left in the base's dtype, fb bytes
+    (all but int8/NF4-quantized weights), + the adapters in the trained dtype, d bytes (as apply_lora makes them)."""
     if peft.lisa_layers:
         return spec.n_params * d
-    return (spec.n_params - peft_terms.quantized_weights(spec, peft) + peft_terms.adapter_elements(peft)) * d
+    fb = d if fb is None else fb
+    return (spec.n_params - peft_terms.quantized_weights(spec, peft)) * fb + peft_terms.adapter_elements(peft) * d
 
 
-def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft) -> list[Term]:
+def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft, fb: int | None = None) -> list[Term]:
     d = prec.weight
+    fb = d if fb is None else fb  # a frozen base's bytes per weight
     copies = Term("autocast 16-bit weight copies", Category.PARAM, b.C, "2 x matmul parameters" if peft is None else
                   "2 x (trained matmul parameters + frozen weights whose input needs grad + adapters)",
                   "torch.autocast weight cache; autograd saves a frozen weight's copy for dx")
@@ -267,8 +278,8 @@ def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft) -> list[Term]:
     n_adapt = peft_terms.adapter_elements(peft)
     frozen = spec.n_params - peft_terms.quantized_weights(spec, peft)
     out = [
-        Term("frozen base weights", Category.PARAM, frozen * d,
-             f"{'all N' if peft.quant == 'none' else 'N - quantized weights'} x {d} B = {frozen:,} x {d}",
+        Term("frozen base weights", Category.PARAM, frozen * fb,
+             f"{'all N' if peft.quant == 'none' else 'N - quantized weights'} x {fb} B = {frozen:,} x {fb}",
              "labkit.peft.apply_lora freezes every parameter"),
         Term("LoRA adapters", Category.PARAM, n_adapt * d,
              f"r (d_in + d_out) x {d} B per target, r={peft.rank}, {len(peft.targets)} targets", "Hu et al. 2021"),
@@ -308,11 +319,11 @@ def _state_groups(terms: list[Term]) -> dict[str, list[Term]]:
     return out
 
 
-def _terms(spec, prec, optimizer, B, S, w, b: StepBytes, peft=None) -> list[Term]:
+def _terms(spec, prec, optimizer, B, S, w, b: StepBytes, peft=None, fb: int | None = None) -> list[Term]:
     scores = sum(t.nbytes for t in w.saved.values() if "attention probs" in t.name or "attention dropout" in t.name)
     blocks = w.saved_bytes - b.lsm - scores
     return [
-        *_model_state_terms(spec, prec, optimizer, b, peft),
+        *_model_state_terms(spec, prec, optimizer, b, peft, fb),
         Term("activations saved by the blocks", Category.ACT, blocks, "forward walk per layer ~ sbh(34 + ...)", "Korthikanti et al. 2022"),
         Term("attention scores (s^2)", Category.ACT, scores, "L x B x a x S^2 x bytes (x2-3 with dropout)", "Korthikanti et al. 2022: 5as/h"),
         Term("log-softmax of the logits", Category.ACT, b.lsm, "B x S x V x bytes (4 if the loss runs in fp32)"

@@ -22,6 +22,7 @@ QUANTS = ("none", "int8", "nf4", "int4", "int4-awq")
 INT4_QUANTS = ("int4", "int4-awq")  # group-wise int4: round-to-nearest, or AWQ (labkit.quant.awq)
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (pp > 1)
 ZERO_STAGES = (0, 1, 2, 3)
+BASE_DTYPES = (None, "fp32", "bf16", "fp16")  # a frozen base's precision (None: the trained weights')
 STEP_AND_OFFLOAD = "step_in_backward and optimizer_offload: OffloadAdamW steps all parameters at once; choose one"
 
 
@@ -30,6 +31,30 @@ def _positive_int(name: str, v, optional: bool = False) -> None:
         return
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _check_base_dtype(r) -> None:
+    """base_dtype: a frozen base's precision, so LoRA/QLoRA only, and 16 bits only under that autocast dtype."""
+    b = r.base_dtype
+    if b not in BASE_DTYPES:
+        raise ValueError(f"base_dtype must be None, 'fp32', 'bf16' or 'fp16', got {b!r}")
+    if b is None:
+        return
+    if r.lisa_layers is not None:
+        raise ValueError("base_dtype sets the precision of a frozen LoRA/QLoRA base; LISA moves which layers "
+                         "train, so its frozen layers keep the trained ones' dtype: drop base_dtype")
+    if r.lora_rank is None:
+        raise ValueError("base_dtype sets the precision of the frozen base under LoRA/QLoRA: give lora_rank too "
+                         "(e.g. 16), or set the whole model's precision with dtype")
+    own = {"fp32": "fp32", "mixed-bf16": "fp32", "mixed-fp16": "fp32", "bf16": "bf16", "fp16": "fp16"}[r.dtype]
+    if b == own:
+        return
+    if b == "fp32":
+        raise ValueError(f"base_dtype='fp32' under {r.dtype} adapters: a base wider than what trains is not "
+                         f"modelled; give dtype='mixed-bf16' (fp32 adapters under autocast) or drop base_dtype")
+    if r.dtype != f"mixed-{b}":
+        raise ValueError(f"a {b} base under {r.dtype} adapters runs under autocast in {b}: give "
+                         f"dtype='mixed-{b}' (fp32 adapters, {b} matmuls), or drop base_dtype")
 
 
 @dataclass(frozen=True)
@@ -57,6 +82,10 @@ class Recipe:
     quant: str = "none"  # the frozen base under LoRA: "none", "int8", "nf4" (QLoRA), "int4" or "int4-awq"
     quant_group: int | None = None  # int4's group size along the input features (None: 128); int4 quants only
     lisa_layers: int | None = None  # LISA: this many layers train at a time
+    # The frozen base's precision under LoRA / QLoRA (one of BASE_DTYPES). None: the trained weights' (dtype's);
+    # "bf16"/"fp16" with dtype "mixed-bf16"/"mixed-fp16": peft's usual setup, a 16-bit base (its matmuls need
+    # no autocast copy) under fp32 adapters, their gradients and optimizer state.
+    base_dtype: str | None = None
     # Layout over several devices (lessons 09-10); every size above is per optimizer step for the whole job.
     dp: int = 1  # data-parallel ranks: `batch` is the global batch, each rank takes batch / dp rows
     zero: int = 0  # ZeRO stage over the dp ranks: 1 shards optimizer states, 2 also gradients, 3 also parameters
@@ -136,6 +165,7 @@ class Recipe:
             if self.quant not in INT4_QUANTS:
                 raise ValueError(f"quant_group is int4's group size: give quant='int4' or 'int4-awq', not {self.quant!r}")
             _positive_int("quant_group", self.quant_group)
+        _check_base_dtype(self)
         for name in ("offload_activations", "step_in_backward", "zero_offload", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -175,6 +205,13 @@ class Recipe:
     def distributed(self) -> bool:
         """True when the step runs on more than one device."""
         return self.world_size > 1
+
+    @property
+    def frozen_dtype(self) -> str:
+        """The frozen base's storage dtype: base_dtype, else the trained weights' ("fp32" under mixed-*)."""
+        if self.base_dtype is not None:
+            return self.base_dtype
+        return "fp32" if self.dtype in ("fp32", "mixed-bf16", "mixed-fp16") else self.dtype
 
     @property
     def config(self) -> dict:

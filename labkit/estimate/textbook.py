@@ -124,13 +124,15 @@ def nf4_bytes(n: int) -> float:
 def figure(spec, r, n_train: int, n_quant: int = 0) -> list[Term]:
     """The textbook peak of a recipe on its busiest rank: model states (shared as ZeRO, TP and PP divide them),
     all of them live, plus one layer formula x layers x micro-batches in flight, plus the logits.
-    n_train: trained parameters (LoRA's adapters, LISA's active layers); n_quant: weights stored in int8/NF4."""
+    n_train: trained parameters (LoRA's adapters, LISA's active layers); n_quant: weights stored in int8/NF4.
+    A 16-bit frozen base (r.base_dtype) keeps 2 B per weight and needs no autocast copy: only what trains is cast."""
     d, n = Precision.of(r.dtype).weight, spec.n_params / (r.tp * r.pp)
+    fd = 2 if getattr(r, "base_dtype", None) in ("bf16", "fp16") else d  # the frozen base's bytes per weight
     qbytes = (nf4_bytes(n_quant) if r.quant == "nf4" else n_quant * (1 if r.quant == "int8" else 0.5))
     state = (factored_state_elements(spec.param_shapes) * d if r.optimizer == "adafactor" else
              galore_state_elements(spec.param_shapes, r.rank) * (d if r.optimizer == "galore" else 1)
              if r.optimizer.startswith("galore") else optimizer_state_bytes(n_train, d, r.optimizer))
-    p, g, o = zero_shares(param_bytes(n - n_quant, d), grad_bytes(n_train, d), state, r.dp, r.zero)
+    p, g, o = zero_shares(param_bytes(n - n_quant, fd), grad_bytes(n_train, d), state, r.dp, r.zero)
     e = 2 if r.dtype != "fp32" else 4
     b, s, layers = r.micro, r.seq, -(-spec.n_layer // r.pp)
     if r.tp > 1:
@@ -138,9 +140,10 @@ def figure(spec, r, n_train: int, n_quant: int = 0) -> list[Term]:
     else:
         layer = layer_activation_bytes(s, b, spec.hidden, spec.n_head, e, r.checkpoint.replace("sqrt", "full"))
     acts = layers * layer * in_flight(r.schedule, r.rank_batch // b, r.pp, 0) * (not r.offload_activations)
-    terms = [Term("parameters", Category.PARAM, int(p), f"N x {d} B" + (", sharded" if r.zero >= 3 else ""), ZERO),
-             Term("autocast 16-bit weight copies", Category.PARAM, copy16_bytes(int(n)) if r.dtype.startswith(
-                 "mixed") else 0, "2 x N", HF_ANATOMY),
+    copied = n_train if fd == 2 else n  # a 16-bit frozen base is not cast
+    terms = [Term("parameters", Category.PARAM, int(p), f"N x {fd} B" + (", sharded" if r.zero >= 3 else ""), ZERO),
+             Term("autocast 16-bit weight copies", Category.PARAM, copy16_bytes(int(copied)) if r.dtype.startswith(
+                 "mixed") else 0, "2 x N" if fd == d else "2 x N_train", HF_ANATOMY),
              Term("frozen base, quantized", Category.BUFFER, int(qbytes), "4.127 bits (NF4) or 1 B (int8) per weight",
                   "Dettmers et al. 2023"),
              Term("gradients", Category.GRAD, int(g), f"N_train x {d} B", "Playbook #104"),

@@ -43,7 +43,8 @@ class T:
 class Walk:
     """Walk a forward pass on shapes. autocast: matmuls run in 16-bit on 16-bit copies of inputs.
 
-    x_bytes: bytes per element of the residual stream (the parameters' dtype).
+    x_bytes: bytes per element of the residual stream (the parameters' dtype; a frozen base's under PEFT).
+    train_bytes: bytes per element of the trained parameters (None: x_bytes), e.g. fp32 adapters over a bf16 base.
     low_bytes: bytes per element of autocast's low precision (2), unused without autocast.
     device: "cpu" or "cuda" (dropout masks and fused attention differ).
     """
@@ -51,6 +52,7 @@ class Walk:
     x_bytes: int
     autocast: bool = False
     low_bytes: int = 2
+    train_bytes: int | None = None
     device: str = "cpu"
     saved: dict[int, T] = field(default_factory=dict)  # id(root) -> root tensor
     kept_bytes: int = 0  # outputs of matmul-like ops: what "matmuls" selective checkpointing keeps
@@ -109,6 +111,16 @@ class Walk:
         return self.saved_total
 
     @property
+    def tb(self) -> int:
+        """Bytes per element of a trained parameter (and of its gradient)."""
+        return self.x_bytes if self.train_bytes is None else self.train_bytes
+
+    @property
+    def frozen_copy(self) -> bool:
+        """Whether autocast copies a frozen weight for its matmul: not when it is stored in 16 bits already."""
+        return self.autocast and self.x_bytes != self.low_bytes
+
+    @property
     def mm_bytes(self) -> int:
         """Bytes per element of a matmul's output: 16-bit under autocast, else the stream dtype."""
         return self.low_bytes if self.autocast else self.x_bytes
@@ -148,13 +160,15 @@ class Walk:
         goes straight to .grad; under autocast the matmul makes a 16-bit one, and the copy's own node (it runs
         once the matmul's has returned) casts it to the parameter's dtype."""
         if not self.autocast:
-            return None, ([("wgrad", elements * self.x_bytes)] if trains else [])
+            return None, ([("wgrad", elements * self.tb)] if trains else [])
+        if not trains and not self.frozen_copy:  # a 16-bit frozen weight: the matmul reads it as it is
+            return None, []
         w16 = self.new(elements, self.low_bytes, name, trains)
         w16.weight = True
         self.made(w16, cached=trains)
         if not trains:
             return w16, []
-        self.node(f"{name}: cast back", [w16], (), [("wgrad", elements * self.x_bytes)])
+        self.node(f"{name}: cast back", [w16], (), [("wgrad", elements * self.tb)])
         return w16, [("grad", w16)]
 
     def _matmul(self, x: T, module: str, trains: bool, rows: int, d_out: int, name: str, saved_x: T | None,
@@ -217,7 +231,7 @@ class Walk:
         """LoRALinear's side path on the tape: h = x.to(adapter dtype), A then B (autocast copies h to
         16-bit: the saved `saved_in`), times the scaling, added to the base's output."""
         d_in, r = self.linears[module][0], self.lora[module]
-        h = self.cast(x, self.x_bytes, f"{name} adapter input (adapter dtype)")
+        h = self.cast(x, self.tb, f"{name} adapter input (adapter dtype)")
         a16, asteps = self._weight_copy(r * d_in, True, f"{module}.lora_A (16-bit copy)")
         a_in = h
         if self.autocast:
@@ -285,7 +299,7 @@ class Walk:
         d_in, d_out, bias = self.linears[module]
         if trains:
             self.copy_bytes += self.low_bytes * (d_in * d_out + bias)
-        elif x_rg and not (r and self.quantized):
+        elif x_rg and not (r and self.quantized) and self.frozen_copy:
             self.copy_bytes += self.low_bytes * d_in * d_out
             self.copy_frozen[module] = self.low_bytes * d_in * d_out
         self.copy_bytes += self.low_bytes * r * (d_in + d_out)
@@ -315,18 +329,24 @@ class Walk:
         makes dx and, when they train, the weight's and bias's gradients."""
         trains = self.trains(module)
         rg = x.rg or trains
+        x_in = x
+        if self.autocast and self.device == "cuda" and x.itemsize != 4:  # CUDA autocast runs it in fp32
+            x = self.cast(x, 4, f"{name} input (fp32 copy)")
         stats = self.new(2 * rows, 4 if self.device == "cuda" else x.itemsize, f"{name} stats")
         if rg:
             self.save(x, stats)
-        out = self.made(self.new(x.numel, 4 if self.autocast else x.itemsize, f"{name} out", rg))
+        # CPU autocast leaves layer_norm in its input's dtype (fp32 after an fp32 stream, 16-bit after a 16-bit one)
+        out = self.made(self.new(x.numel, 4 if self.autocast and x.itemsize == 4 else x.itemsize, f"{name} out", rg))
         self.made(stats)
         self.keep(out, kind="norm"), self.keep(stats, kind="norm")  # native_layer_norm's (out, mean, rstd)
         self.tape.keep(out, "norm"), self.tape.keep(stats, "norm")
         if rg:
             h = x.numel // max(rows, 1)
             self.node(f"{name} layer_norm", [out], [x, stats],
-                      ([("grad", x)] if x.rg else []) + ([("wgrad", h * self.x_bytes)] * 2 if trains else []))
+                      ([("grad", x)] if x.rg else []) + ([("wgrad", h * self.tb)] * 2 if trains else []))
         self.drop(stats)
+        if x is not x_in:
+            self.drop(x)
         return out
 
     def rms_norm_python(self, x: T, rows: int, name: str, module: str = "") -> T:
@@ -379,7 +399,7 @@ class Walk:
         if x.rg or trains:
             self.node(f"{name} weight *", [out], [normed] if trains else [],
                       ([("grad", normed)] if x.rg else [])
-                      + ([("tmp", "grad * normed", normed.nbytes), ("wgrad", (x.numel // max(rows, 1)) * self.x_bytes),
+                      + ([("tmp", "grad * normed", normed.nbytes), ("wgrad", (x.numel // max(rows, 1)) * self.tb),
                           ("free", "grad * normed")] if trains else []))
         self.drop(normed, var)
         return out

@@ -20,17 +20,31 @@ def default_models() -> list[str]:
     return [name for name in PRESETS if not name.endswith("-tiny")]
 
 
-def _row_recipe(recipe: Recipe, model, method: str, peft_dtype: str | None) -> Recipe:
+ADAPTERS = ("base", "fp32")  # LoRA adapters in the base's dtype (the QLoRA paper's scripts), or fp32 (peft's)
+
+
+def _row_recipe(recipe: Recipe, model, method: str, peft_dtype: str | None, adapters: str = "base") -> Recipe:
     """One row's step: "full" the recipe without adapters; "lora" and "qlora" adapters of rank recipe.lora_rank
-    (None: LORA_RANK) on recipe.lora_targets, the frozen base in `peft_dtype` (None: recipe.dtype), "qlora" in NF4."""
+    (None: LORA_RANK) on recipe.lora_targets, "qlora" in NF4, the frozen base in `peft_dtype` (None: recipe.dtype).
+    adapters "base": the adapters in that dtype too (artidoro/qlora casts its LoRA layers to bf16 under --bf16);
+    "fp32": fp32 adapters and state under autocast over the 16-bit base, as peft's get_peft_model keeps them
+    (Recipe.base_dtype)."""
     if method == "full":
-        return recipe.replace(model=model, lora_rank=None, quant="none", quant_group=None)
+        return recipe.replace(model=model, lora_rank=None, quant="none", quant_group=None, base_dtype=None)
+    if adapters == "fp32":
+        low = peft_dtype or recipe.frozen_dtype
+        if low not in ("bf16", "fp16"):
+            raise ValueError(f"adapters='fp32' keeps fp32 adapters over a 16-bit base: give peft_dtype 'bf16' or "
+                             f"'fp16', not {low!r}")
+        base = dict(dtype=f"mixed-{low}", base_dtype=low)
+    else:
+        base = dict(dtype=peft_dtype or recipe.dtype, base_dtype=None)
     return recipe.replace(model=model, lora_rank=recipe.lora_rank or LORA_RANK, quant_group=None,
-                          quant="nf4" if method == "qlora" else "none", dtype=peft_dtype or recipe.dtype)
+                          quant="nf4" if method == "qlora" else "none", **base)
 
 
 def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEFAULT_RECIPE, methods=("full",),
-              peft_dtype: str | None = "bf16") -> list[dict]:
+              peft_dtype: str | None = "bf16", adapters: str = "base") -> list[dict]:
     """One row per model and method: its predicted peak for one training step and whether it fits each budget.
 
     A row is {"model", "method", "n_params", "peak" (bytes), "peak_phase", "fits": {budget in GiB: bool}};
@@ -38,7 +52,8 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEF
     row (batch, seq, dtype, optimizer, device, checkpoint, micro_batch, ...), its model left None: each row's
     is one of `models`. methods: some of METHODS ("full" fine-tuning in recipe.dtype, "lora", "qlora"). LoRA and
     QLoRA keep their frozen base in `peft_dtype` (bf16, as peft loads models; None: recipe.dtype) with adapters
-    of rank recipe.lora_rank (None: LORA_RANK) on recipe.lora_targets. Nothing is allocated: every model is read
+    in that dtype (adapters="base", the QLoRA paper's scripts) or in fp32 under autocast (adapters="fp32", peft's
+    default: Recipe.base_dtype), of rank recipe.lora_rank (None: LORA_RANK) on recipe.lora_targets. Nothing is allocated: every model is read
     on the meta device. Errors from `estimate` (say, seq beyond a model's positions) are raised, not hidden in
     the table.
     """
@@ -53,6 +68,8 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEF
     methods = [methods] if isinstance(methods, str) else list(methods)
     if not methods:
         raise ValueError(f"methods must name at least one of {', '.join(METHODS)}")
+    if adapters not in ADAPTERS:
+        raise ValueError(f"adapters must be 'base' or 'fp32', got {adapters!r}")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
@@ -60,7 +77,7 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEF
     for model in models:
         for method in methods:
             try:
-                e = estimate(_row_recipe(recipe, model, method, peft_dtype))
+                e = estimate(_row_recipe(recipe, model, method, peft_dtype, adapters))
             except ValueError as err:  # name the model that failed
                 raise ValueError(f"{model}: {err}") from err
             peak = e.peak.total  # bytes

@@ -90,6 +90,8 @@ class Fidelity:
 
     @classmethod
     def of(cls, recipe) -> "Fidelity":
+        """Precision counts the trained parameters only (recipe.dtype): a frozen base in 16 bits (base_dtype)
+        takes no update, so it loses none."""
         return cls(precision=int(recipe.dtype in ("fp32", "mixed-bf16", "mixed-fp16")),
                    method=METHODS[method_of(recipe)], optimizer=int(recipe.optimizer in ("adamw", "adam")))
 

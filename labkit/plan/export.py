@@ -365,8 +365,8 @@ def training_arguments(recipe: Recipe, devices: int = 1) -> dict:
         notes.append(f"LISA ({recipe.lisa_layers} layers trained at a time) has no TrainingArguments option "
                      "(LMFlow implements it as a Trainer callback): exported as full fine-tuning")
     model = _model_entry(recipe)
-    model_section = {"name": model["name"], "dtype": _torch_dtype(recipe.dtype) if recipe.dtype in ("bf16", "fp16")
-                     else "float32", "seq": recipe.seq}
+    # load in the frozen base's dtype: a 16-bit base under fp32 adapters (Recipe.base_dtype) is loaded in 16 bits
+    model_section = {"name": model["name"], "dtype": _torch_dtype(recipe.frozen_dtype), "seq": recipe.seq}
     return {"kwargs": kw, "peft": peft, "model": model_section, "notes": notes}
 
 

@@ -114,7 +114,8 @@ class Plan:
     def as_dict(self) -> dict:
         r = self.recipe
         keys = ("batch", "seq", "dtype", "optimizer", "rank", "checkpoint", "micro_batch", "step_in_backward",
-                "optimizer_offload", "offload_activations", "lora_rank", "quant", "lisa_layers", "dp", "zero",
+                "optimizer_offload", "offload_activations", "lora_rank", "quant", "base_dtype", "lisa_layers", "dp",
+                "zero",
                 "zero_offload", "tp", "pp")
         return {
             "recipe": {k: getattr(r, k) for k in keys} | {"micro_batch": r.micro},
@@ -131,7 +132,8 @@ class Plan:
 def describe_recipe(r: Recipe) -> str:
     m = cost.method_of(r)
     parts = [cost.METHOD_TITLES[m] + (f" r={r.lora_rank}" if r.lora_rank else "")
-             + (f" ({r.lisa_layers} layers)" if r.lisa_layers else ""), r.dtype,
+             + (f" ({r.lisa_layers} layers)" if r.lisa_layers else "")
+             + (f" over a {r.base_dtype} base" if r.base_dtype else ""), r.dtype,
              r.optimizer + (f" rank {r.rank}" if r.rank else "")]
     if r.world_size > 1:
         parts.append(" ".join(f"{k}={v}" for k, v in (("dp", r.dp), ("tp", r.tp), ("pp", r.pp)) if v > 1)
@@ -226,10 +228,11 @@ class _Search:
 
     # activations of one row, for the cost of selective recompute and activation offload
     def act_row(self, r: Recipe, checkpoint: str) -> float:
-        key = (r.lora_rank, r.quant, r.lisa_layers, r.dtype, checkpoint)
+        key = (r.lora_rank, r.quant, r.lisa_layers, r.dtype, r.base_dtype, checkpoint)
         if key not in self.act_cache:
             one = Recipe(self.model, 1, self.seq, dtype=r.dtype, device=self.kind, checkpoint=checkpoint,
-                         lora_rank=r.lora_rank, quant=r.quant, lisa_layers=r.lisa_layers, overrides=r.overrides)
+                         lora_rank=r.lora_rank, quant=r.quant, lisa_layers=r.lisa_layers, base_dtype=r.base_dtype,
+                         overrides=r.overrides)
             e, _ = self.estimate(one)
             self.act_cache[key] = 0.0 if e is None else float(max(m.breakdown()[Category.ACT] for m in e.moments))
         return self.act_cache[key]
@@ -329,8 +332,9 @@ class _Search:
 def weights_lower_bound(r: Recipe, spec) -> int:
     """Bytes of the weights alone on the device that holds the most (no estimate needed): every plan needs at
     least these, so a family whose bound exceeds the budget is out. ZeRO-3 shards them over dp, tp and pp split
-    them (at best evenly); a 4-bit base keeps 0.5 B per quantized weight."""
-    d = cost.weight_bytes(r)
+    them (at best evenly); a 4-bit base keeps 0.5 B per quantized weight; a frozen base its own dtype's bytes
+    (2 B for a bf16 base under fp32 adapters: Recipe.frozen_dtype)."""
+    d = cost.weight_bytes(r) if not r.lora_rank else (4 if r.frozen_dtype == "fp32" else 2)
     n = spec.n_params
     q = 0
     if r.lora_rank and r.quant != "none":
@@ -424,6 +428,9 @@ def _families(s: _Search, devices: int, peft, dtypes, optimizers) -> list[_Famil
             opts = optimizers if method in ("full", "lisa") else [o for o in optimizers if o == "adamw"] or \
                 [o for o in optimizers if not o.startswith("galore")][:1]
             for dtype in dtypes:
+                # LoRA / QLoRA under autocast: the frozen base in the 16-bit format (peft's usual setup)
+                base_kw = dict(base_dtype=dtype[6:]) if method in ("lora", "qlora") and dtype.startswith("mixed") \
+                    else {}
                 for opt in opts:
                     if method == "lisa" and opt.startswith("galore"):
                         continue  # LISA and GaLore are two ways to shrink the state (the estimator refuses both)
@@ -432,7 +439,7 @@ def _families(s: _Search, devices: int, peft, dtypes, optimizers) -> list[_Famil
                     try:
                         base = Recipe(s.model, s.batch, s.seq, dtype=dtype, optimizer=opt, device=s.kind,
                                       rank=galore_rank if opt.startswith("galore") else None, dp=dp, tp=tp, pp=pp,
-                                      zero=zero, **peft_kw)
+                                      zero=zero, **peft_kw, **base_kw)
                     except ValueError:
                         continue
                     key = (dp, tp, pp, zero, method, dtype, opt)
@@ -512,10 +519,14 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
     if top is not None:
         ranked = ranked[:top]
     fastest = min(s.time(f.best).total for f in ranked)
-    return [_make_plan(s, f, fams, fastest) for f in ranked]
+    return [_make_plan(s, f, fams, fastest, first=i == 0) for i, f in enumerate(ranked)]
 
 
-def _make_plan(s: _Search, fam: _Family, fams: list[_Family], fastest: float) -> Plan:
+NO_PEFT_NOTE = ("PEFT: LoRA, QLoRA and LISA were not considered (full training only); add --peft "
+                "(SearchOptions(peft='allow')) to search them too")
+
+
+def _make_plan(s: _Search, fam: _Family, fams: list[_Family], fastest: float, first: bool = False) -> Plan:
     r = fam.best
     e, _ = s.estimate(r)
     top = e.peak_moment
@@ -523,7 +534,8 @@ def _make_plan(s: _Search, fam: _Family, fams: list[_Family], fastest: float) ->
     t = s.time(r)
     return Plan(r, e.peak.total, e.peak_phase, top.where if top else e.peak_phase,
                 biggest.name if biggest else "", biggest.bytes if biggest else 0, t, t.total / fastest,
-                fam.fidelity, tuple(_why(s, fam, fams)), s.memory, s.device.name, s.headroom, _tight(s, e.peak.total))
+                fam.fidelity, tuple(_why(s, fam, fams) + ([NO_PEFT_NOTE] if first and all(
+                    f.key[4] == "full" for f in fams) else [])), s.memory, s.device.name, s.headroom, _tight(s, e.peak.total))
 
 
 def _tight(s: _Search, peak: int) -> bool:
@@ -563,14 +575,18 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
         sm = _smallest(fams, lambda f: f.key[:5] == fam.key[:5] and f.key[6] == fam.key[6]
                        and f.key[5] != r.dtype)
         lost = cost.LOST_UPDATE[r.dtype]
-        lines.append(f"precision: pure {r.dtype}, no fp32 master weights: an update below 2**{math.log2(lost):.0f} "
+        lines.append(f"precision: pure {r.dtype}, no fp32 master weights"
+                     + (" for the trained adapters (their frozen base takes no update)" if r.lora_rank else "")
+                     + f": an update below 2**{math.log2(lost):.0f} "
                      f"of its weight rounds away, so small updates are lost (stale weights: a step of 1e-5 moves no "
                      f"weight above {1e-5 / lost:.2g}) and labkit's optimizers do not round stochastically"
                      + (f"; with fp32 master weights {sm[1]} > {budget}" if sm and sm[0] > s.memory
                         else " (higher precision not allowed, not estimated or ranked elsewhere)"))
     else:
         lines.append(f"precision: {r.dtype}: fp32 master weights" + (", matmuls in 16 bits under autocast"
-                                                                   if r.dtype.startswith("mixed") else ""))
+                                                                   if r.dtype.startswith("mixed") else "")
+                     + (f"; the frozen base in {r.base_dtype} (a frozen weight takes no update: nothing to lose)"
+                        if r.base_dtype not in (None, "fp32") else ""))
     if r.optimizer != "adamw":
         sm = _smallest(fams, lambda f: f.key[:6] == fam.key[:6] and f.key[6] == "adamw")
         tail = (f": with AdamW {sm[1]} > {budget}" if sm and sm[0] > s.memory

@@ -5,5 +5,5 @@ Above the techniques and the estimator: it wires them together; nothing below im
 
 from labkit.estimate.recipe import Recipe
 
-from .step import LISA_INTERVAL, apply_peft, build_model, make_optimizer, measure_step, optimizer_class, train_step
+from .step import LISA_INTERVAL, adapters_to, apply_peft, build_model, make_optimizer, measure_step, optimizer_class, train_step
 from .policies import StepFigures, activation_flops_report, format_report, measure_training_step, saved_bytes

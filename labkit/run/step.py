@@ -19,6 +19,7 @@ from labkit.memory.report import Measurement
 from labkit.paths import data_dir
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "mixed-fp16": torch.float16, "mixed-bf16": torch.bfloat16}
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LISA_INTERVAL = 20  # steps between LISA's layer switches (LMFlow's default K)
 
 
@@ -89,6 +90,20 @@ def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = 
     else:
         apply_lora(m, targets, r=lora_rank)
     return peft
+
+
+def adapters_to(m: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Store every LoRA adapter (labkit.peft.LoRALinear's A and B) in `dtype`, e.g. fp32 over a bf16 base, as
+    peft's get_peft_model does (autocast_adapter_dtype=True); call it before the optimizer is made."""
+    from labkit.peft import LoRALinear
+
+    for mod in m.modules():
+        if isinstance(mod, LoRALinear):
+            for name in ("lora_A", "lora_B"):
+                p = getattr(mod, name)
+                if p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+    return m
 
 
 def optimizer_class(optimizer: str, lr: float = 1e-3, foreach=None) -> tuple[type, dict]:
@@ -183,7 +198,9 @@ def measure_step(recipe: Recipe, *, steps: int = 2, budget: int | None = None, d
     `measure_step(r).of_step(steps)` with `estimate(r).without("projector refresh")`).
     The recipe's fields: checkpoint, segments, selective_policy: labkit.recompute.checkpoint_blocks;
     offload_activations, micro_batch: as in `train_step`; the optimizer's: as in `make_optimizer` (disk offload:
-    a temporary folder in data_dir()); lora_rank, lora_targets, quant, quant_group, lisa_layers: see `apply_peft`
+    a temporary folder in data_dir()); base_dtype: the model is cast to it before `apply_peft` and the adapters
+    kept in the trained dtype (fp32 under mixed-*, `adapters_to`); lora_rank, lora_targets, quant, quant_group,
+    lisa_layers: see `apply_peft`
     (int4-awq calibrates on one batch of the same shape as the step's, drawn with seed + 1; LISA switches layers
     every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires).
     """
@@ -204,7 +221,11 @@ def measure_step(recipe: Recipe, *, steps: int = 2, budget: int | None = None, d
     calib = None
     if r.quant == "int4-awq":  # AWQ's calibration batch: like the step's, from its own generator (seed + 1)
         calib = [_sample(data, vocab, r.batch, r.seq, torch.Generator().manual_seed(seed + 1)).to(device)]
+    if r.frozen_dtype != "fp32" and r.frozen_dtype != r.dtype:  # a 16-bit base under fp32 adapters (peft's way)
+        m = m.to(_TORCH[r.frozen_dtype])
     peft = apply_peft(m, r.dtype, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers, r.quant_group, calib)
+    if r.base_dtype is not None and r.lora_rank is not None:
+        adapters_to(m, torch.float32 if r.dtype.startswith("mixed") else _TORCH[r.dtype])
     if peft is not None:
         _check_peft_options(peft, r.optimizer, r.optimizer_offload, r.step_in_backward)
     disk = r.optimizer_offload == "disk"

@@ -30,6 +30,8 @@ _OFFLOAD = ("none", "cpu", "disk")  # where AdamW's state lives ("none": on the 
 # lesson 08's target choices: what the dropdown says -> labkit.peft's lora_targets
 PEFT_TARGETS = {"all linear": "all-linear", "attention (c_attn, attn.c_proj)": ["c_attn", "attn.c_proj"],
                 "MLP (c_fc, mlp.c_proj)": ["c_fc", "mlp.c_proj"], "c_attn only": ["c_attn"]}
+# lesson 08's frozen-base choices: what the dropdown says -> the Recipe fields (labkit.estimate.Recipe.base_dtype)
+PEFT_BASES = {"model dtype": {}, "bf16 (peft)": dict(dtype="mixed-bf16", base_dtype="bf16")}
 
 
 def _fixed(recipe) -> dict:
@@ -147,18 +149,25 @@ class PEFTPanel(RecipePanel):
         self.quant = with_tooltip(widgets.Dropdown(options=["none", "int8", "nf4"], value="none", description="base",
                                                    style=STYLE),
                                   "the frozen base weights: as they are, int8, or NF4 (QLoRA)")
+        self.base_dtype = with_tooltip(widgets.Dropdown(options=list(PEFT_BASES), value=next(iter(PEFT_BASES)),
+                                                        description="base dtype", style=STYLE),
+                                       "the frozen base's precision: the model's dtype, or bf16 under fp32 "
+                                       "adapters and autocast (how peft runs LoRA)")
         self.layers = widgets.IntSlider(value=1, min=1, max=recipe.model.n_layer, description="LISA layers",
                                         style=STYLE, continuous_update=False)
-        super().__init__([self.method, self.rank, self.targets, self.quant, self.layers], budget, fixed=_fixed(recipe),
+        super().__init__([self.method, self.rank, self.targets, self.quant, self.base_dtype, self.layers], budget,
+                         fixed=_fixed(recipe),
                          kind=recipe.device, device=device, data=data)
 
     def recipe(self) -> dict:
         method = self.method.value
-        for w, used in ((self.rank, method == "LoRA"), (self.targets, method == "LoRA"), (self.quant, method == "LoRA"),
+        lora = method == "LoRA"
+        for w, used in ((self.rank, lora), (self.targets, lora), (self.quant, lora), (self.base_dtype, lora),
                         (self.layers, method == "LISA")):
             w.disabled = not used  # each method reads its own knobs only
-        if method == "LoRA":
-            return dict(lora_rank=self.rank.value, lora_targets=self.targets_map[self.targets.value], quant=self.quant.value)
+        if lora:
+            return dict(lora_rank=self.rank.value, lora_targets=self.targets_map[self.targets.value],
+                        quant=self.quant.value, **PEFT_BASES[self.base_dtype.value])
         return dict(lisa_layers=self.layers.value) if method == "LISA" else {}
 
     def describe(self, est) -> str:

@@ -121,6 +121,15 @@ def test_peft_panel_methods():
     assert p.last_estimate.peak[Category.PARAM] < weights
     p.targets.value = "c_attn only"
     assert trainable(p.last_estimate) < 32 / 8 * lora
+    # a bf16 base under fp32 adapters (peft's way): the frozen weights halve, the trained state stays fp32
+    p.quant.value = "none"
+    fp32_base = p.last_estimate
+    p.base_dtype.value = "bf16 (peft)"
+    assert "base_dtype=bf16" in p.last_estimate.label and not p.base_dtype.disabled
+    assert trainable(p.last_estimate) == trainable(fp32_base)
+    assert p.last_estimate.phases["optimizer"][Category.PARAM] < fp32_base.phases["optimizer"][Category.PARAM]
+    p.method.value = "LISA"
+    assert p.base_dtype.disabled and "base_dtype" not in p.last_estimate.label
 
 
 def test_budget_readout_verdict_and_an_out_of_memory_in_one_style():
