@@ -17,7 +17,9 @@ ATEN_CPU_CAPABILITY=default: these kernels live in bitsandbytes' own library, wh
 itself). (1) Its CPU dequantize_4bit, which every CPU Linear4bit forward and backward runs, finds a
 value's absmax as row * (in_features // blocksize) + column // blocksize: right only when
 in_features is a multiple of the block size (64 for NF4); a 32-input layer is dequantized with
-block 0's absmax in every row, silently. `bnb_linear4bit` refuses such a layer on the CPU. (2) On a
+block 0's absmax in every row, silently. bitsandbytes 0.50.2 dequantizes it right: `cpu_dequantize_is_right`
+asks the installed version (one 32 x 32 weight against labkit's NF4), and `bnb_linear4bit` refuses such a
+layer on the CPU only where it is wrong. (2) On a
 CPU whose bitsandbytes reports AVX512-BF16 (`bitsandbytes.functional.has_avx512bf16()`), a
 Linear4bit in eval mode given an input that does not require grad repacks its weight in place for a
 fused kernel that computes in bf16 whatever compute_dtype says (about 3e-3 relative off the fp32
@@ -33,6 +35,8 @@ largest such temporary: one targeted weight in the compute dtype.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -54,13 +58,29 @@ def peft_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
     return peft_model
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_dequantize_is_right() -> bool:
+    """Whether the installed bitsandbytes' CPU dequantize_4bit gives a 32-input weight back as NF4 defines
+    it (labkit.quant.nf4 from the same codes and absmax): wrong before 0.50.2 (module docstring)."""
+    import bitsandbytes as bnb
+
+    from labkit.quant.nf4 import dequantize_nf4, quantize_nf4
+
+    w = torch.randn(32, 32, generator=torch.Generator().manual_seed(0)) * 0.1
+    codes, state = bnb.functional.quantize_4bit(w, blocksize=NF4_BLOCKSIZE, quant_type="nf4",
+                                                compress_statistics=False)
+    mine, mine_state = quantize_nf4(w, NF4_BLOCKSIZE, double_quant=False)
+    return torch.allclose(bnb.functional.dequantize_4bit(codes, state), dequantize_nf4(mine, mine_state))
+
+
 def bnb_linear4bit(lin: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     """bitsandbytes' Linear4bit (NF4, double quantization) holding `lin`'s weight, quantized on its device,
     computing in compute_dtype in eval mode too (bitsandbytes' bf16 CPU inference shortcut off).
-    On the CPU, in_features must be a multiple of 64 (ValueError otherwise; see the module docstring)."""
+    On the CPU with a bitsandbytes older than 0.50.2, in_features must be a multiple of 64 (ValueError
+    otherwise; see the module docstring)."""
     import bitsandbytes as bnb
 
-    if lin.weight.device.type == "cpu" and lin.in_features % NF4_BLOCKSIZE:
+    if lin.weight.device.type == "cpu" and lin.in_features % NF4_BLOCKSIZE and not cpu_dequantize_is_right():
         raise ValueError(f"bitsandbytes' CPU 4-bit kernels need in_features divisible by {NF4_BLOCKSIZE} (the NF4 block "
                          f"size) to dequantize correctly, got a Linear with {lin.in_features} inputs (see labkit.peft.reference)")
     q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=compute_dtype,

@@ -77,9 +77,10 @@ def test_reference_linear4bit_computes_in_its_dtype_in_eval_too(shape):
 
 @pytest.mark.parity
 def test_reference_linear4bit_refuses_what_bitsandbytes_cpu_dequantizes_wrongly():
-    """bitsandbytes' CPU dequantize_4bit takes a value's block from its row and column, right only when
-    in_features is a multiple of 64: a 32-input layer comes back with block 0's scale in every row."""
-    from labkit.peft.reference import bnb_linear4bit
+    """bitsandbytes' CPU dequantize_4bit before 0.50.2 took a value's block from its row and column, right
+    only when in_features is a multiple of 64: a 32-input layer came back with block 0's scale in every row.
+    The reference refuses such a layer exactly where the installed version is wrong, and builds it where not."""
+    from labkit.peft.reference import bnb_linear4bit, cpu_dequantize_is_right
 
     torch.manual_seed(0)
     w = torch.randn(32, 32) * 0.1
@@ -87,10 +88,18 @@ def test_reference_linear4bit_refuses_what_bitsandbytes_cpu_dequantizes_wrongly(
     mine, mine_state = quantize_nf4(w, 64, double_quant=False)
     assert torch.equal(codes.view(-1), mine.view(-1))  # the same codes and absmax ...
     assert torch.equal(state.absmax, mine_state.absmax)
-    assert not torch.allclose(bnb.functional.dequantize_4bit(codes, state), dequantize_nf4(mine, mine_state))  # ... not the same weight
-    with pytest.raises(ValueError, match="in_features divisible by 64") as e:
-        bnb_linear4bit(nn.Linear(32, 64), torch.float32)
-    assert "\n" not in str(e.value)
+    right = torch.allclose(bnb.functional.dequantize_4bit(codes, state), dequantize_nf4(mine, mine_state))
+    assert cpu_dequantize_is_right() == right  # ... and the probe sees what this direct check sees
+    lin = nn.Linear(32, 64)
+    if right:  # the layer is built, and computes what the fp32 layer with NF4 weights computes
+        q = bnb_linear4bit(lin, torch.float32)
+        x = torch.randn(3, 32)
+        ref = x @ bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).T + lin.bias
+        assert torch.allclose(q(x), ref, atol=1e-5)
+    else:
+        with pytest.raises(ValueError, match="in_features divisible by 64") as e:
+            bnb_linear4bit(lin, torch.float32)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
