@@ -167,7 +167,8 @@ def build_student(dest: Path, grader: Path, root: Path = REPO_ROOT, lessons=None
     for module in modules:
         plan = stubs.plan(module, notebooks, root / "notebooks" / "solutions" / f"{module}.py")
         target = dest / "labkit" / "exercises" / f"{module}.py"
-        target.write_text(stubs.stub_source(target.read_text(), module, plan.stubbed))
+        sealed, plan.sealed = stubs.seal_choices(target.read_text())
+        target.write_text(stubs.stub_source(sealed, module, plan.stubbed))
         plans[module] = plan
         table.update(plan.table)
     recorded.dump(table, dest / "labkit" / "exercises" / recorded.TABLE_FILE)
@@ -181,8 +182,10 @@ def build(out: Path, root: Path = REPO_ROOT, lessons=None, exercises_only: bool 
         (out / sub).mkdir(parents=True)
     build_grader(out / "grader", root, lessons, exercises_only)
     plans = build_student(out / "student", out / "grader", root, lessons)
-    report = {m: {"stubbed": p.stubbed, "kept": p.kept} for m, p in plans.items()}
-    lines = ["# What the student build stubbed (labkit/course/stubs.py has the rule)", ""]
+    report = {m: {"stubbed": p.stubbed, "kept": p.kept, "sealed": p.sealed} for m, p in plans.items()}
+    lines = ["# What the student build stubbed (labkit/course/stubs.py has the rule)", "",
+             "Multiple-choice checks sealed (their right letter a salted SHA-256 digest): "
+             f"{sum(r['sealed'] for r in report.values())}.", ""]
     for m, r in report.items():
         lines.append(f"- {m}: stubbed {', '.join(r['stubbed']) or 'none'}"
                      + "".join(f"; kept {k} ({why})" for k, why in r["kept"].items()))

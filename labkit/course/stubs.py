@@ -38,6 +38,7 @@ class ModulePlan:
     stubbed: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)  # answer -> why it stays
     table: dict[str, object] = field(default_factory=dict)  # fingerprint -> recorded value
+    sealed: int = 0  # multiple-choice checks whose right letter the student build ships sealed
 
 
 def _defs(tree: ast.Module) -> dict[str, ast.FunctionDef]:
@@ -147,6 +148,55 @@ def _hint(fn: ast.FunctionDef) -> str:
     doc = ast.get_docstring(fn) or "see the lesson's section this exercise follows"
     first = doc.split("\n\n")[0].replace("\n", " ")
     return first.removeprefix("Reference: ").strip()
+
+
+def seal_choices(source: str, salt=None) -> tuple[str, int]:
+    """The module's source with each multiple-choice check's right letter (`checked_choice(..., right="b")`) and
+    its hints' letter keys replaced by salted SHA-256 digests (labkit.exercises.Sealed), so that no right letter
+    stands in the student build: neither as `right=` nor as the one letter the hints leave out. Returns the source
+    and the number of checks sealed. `salt(check)` gives each check's salt (default: random per build)."""
+    import secrets
+
+    from labkit.exercises import Sealed
+
+    salt = salt or (lambda check: secrets.token_hex(8))
+    tree = ast.parse(source)
+    data = source.encode()
+    starts = [0]
+    for line in data.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+
+    def span(node):  # byte offsets (ast's columns are UTF-8 byte offsets)
+        return starts[node.lineno - 1] + node.col_offset, starts[node.end_lineno - 1] + node.end_col_offset
+
+    edits, sealed = [], 0
+    for fn in tree.body:
+        if not isinstance(fn, ast.FunctionDef) or not fn.name.startswith("check_"):
+            continue
+        for call in ast.walk(fn):
+            if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "checked_choice"):
+                continue
+            kw = {k.arg: k.value for k in call.keywords}
+            right = kw.get("right")
+            if not (isinstance(right, ast.Constant) and isinstance(right.value, str)):
+                raise ValueError(f"{fn.name}: right= must be a letter written in the call to be sealed")
+            s = salt(fn.name)
+            edits.append((*span(right), f"_Sealed({s!r}, {Sealed.digest_of(right.value, s)!r})"))
+            hints = kw.get("hints")
+            if hints is not None:
+                if not isinstance(hints, ast.Dict) or not all(isinstance(k, ast.Constant) for k in hints.keys):
+                    raise ValueError(f"{fn.name}: hints= must be a dict literal keyed by letters to be sealed")
+                for key in hints.keys:
+                    edits.append((*span(key), repr(Sealed.digest_of(key.value, s))))
+            sealed += 1
+    if not sealed:
+        return source, 0
+    first = next(n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 1)  # `from . import ...`
+    end = starts[first.end_lineno]
+    edits.append((end, end, "from labkit.exercises import Sealed as _Sealed  # the right letters, sealed\n"))
+    for a, b, text in sorted(edits, reverse=True):
+        data = data[:a] + text.encode() + data[b:]
+    return data.decode(), sealed
 
 
 def stub_source(source: str, module: str, stubbed: list[str]) -> str:

@@ -92,6 +92,8 @@ assert lesson09.check_zero3_wire_bytes(3 * 7 / 8 * 2e9, n_params=1e9, world=8, b
 assert lesson09.check_zero3_wire_bytes(2 * 7 / 8 * 2e9, n_params=1e9, world=8, bytes_per_param=2) is False
 assert lesson00.check_gpt_params(sol00.gpt_params) is True
 assert lesson00.check_gpt_params(lambda cfg: 7) is False
+assert lesson00.check_why_peak("b") is True and lesson00.check_why_peak("(B)") is True
+assert lesson00.check_why_peak("a") is False and lesson00.check_why_peak("c") is False
 print("student build ok")
 '''
 
@@ -105,7 +107,8 @@ def test_student_build_stubs_answers_and_keeps_checks(tmp_path):
     for module in ("lesson00", "lesson09"):
         plan = stubs.plan(module, notebooks, SOLUTIONS / f"{module}.py")
         target = student / "labkit" / "exercises" / f"{module}.py"
-        target.write_text(stubs.stub_source(target.read_text(), module, plan.stubbed))
+        sealed, _ = stubs.seal_choices(target.read_text())
+        target.write_text(stubs.stub_source(sealed, module, plan.stubbed))
         table.update(plan.table)
         assert plan.kept == {}, plan.kept
     assert "zero3_wire_bytes" in stubs.plan("lesson09", notebooks, SOLUTIONS / "lesson09.py").stubbed
@@ -175,3 +178,42 @@ def test_a_check_that_gets_the_lessons_objects_may_not_reach_an_answer(tmp_path,
     assert kept.stubbed == [] and list(kept.kept) == ["answer"]
     plain = stubs.plan("lesson99", [lesson("lesson99.check_with_literals(value, 3)")], tmp_path / "none.py")
     assert plain.stubbed == ["answer"] and plain.kept == {}
+
+
+def _choice_checks(module):
+    return [n for n in dir(module) if n.startswith("check_why")]
+
+
+def test_sealed_choices_hide_the_letter_and_grade_alike(capsys):
+    """Issue 41 item 2: in the student build no multiple-choice check's right letter stands in plain text (not
+    as right=, not as the one letter its hints leave out), and each sealed check prints and returns what the
+    original does for every letter."""
+    import ast
+    import importlib
+    import importlib.util
+    import re
+
+    total = 0
+    for path in sorted((REPO_ROOT / "labkit" / "exercises").glob("lesson*.py")):
+        original = importlib.import_module(f"labkit.exercises.{path.stem}")
+        text, n = stubs.seal_choices(path.read_text())
+        total += n
+        assert n == len(_choice_checks(original)), path.stem
+        if not n:
+            continue
+        assert not re.search(r"right\s*=\s*['\"]", text), path.stem
+        for call in (c for c in ast.walk(ast.parse(text)) if isinstance(c, ast.Call)
+                     and getattr(c.func, "id", None) == "checked_choice"):
+            hints = next((k.value for k in call.keywords if k.arg == "hints"), None)
+            assert hints is None or all(len(k.value) == 64 for k in hints.keys), path.stem  # digests only
+        spec = importlib.util.spec_from_loader(f"labkit.exercises._sealed_{path.stem}", loader=None)
+        sealed = importlib.util.module_from_spec(spec)
+        sealed.__package__ = "labkit.exercises"
+        exec(compile(text, str(path), "exec"), sealed.__dict__)
+        for check in _choice_checks(original):
+            letters = next(v for k, v in vars(original).items() if k.startswith("WHY") and isinstance(v, dict))
+            for letter in [*letters, "z", None]:
+                want = getattr(original, check)(letter), capsys.readouterr().out
+                got = getattr(sealed, check)(letter), capsys.readouterr().out
+                assert got == want, (path.stem, check, letter)
+    assert total == 11
