@@ -161,7 +161,12 @@ def build_student(dest: Path, grader: Path, root: Path = REPO_ROOT, lessons=None
     paths = lesson_notebooks(root, lessons)
     for path in paths:
         shutil.copy2(grader / "release" / path.stem / path.name, dest / "notebooks" / path.name)
-    notebooks = [nbformat.read(p, as_version=4) for p in paths]
+    return student_exercises(dest, [nbformat.read(p, as_version=4) for p in paths], root)
+
+
+def student_exercises(dest: Path, notebooks, root: Path = REPO_ROOT) -> dict[str, stubs.ModulePlan]:
+    """dest/labkit/exercises as the student build ships it (dest/labkit copied already): every answer function
+    stubbed, the multiple-choice letters sealed, the recorded answers beside them."""
     modules = sorted({c.module for nb in notebooks for c in check_calls(nb)})
     plans, table = {}, {}
     for module in modules:
@@ -190,4 +195,7 @@ def build(out: Path, root: Path = REPO_ROOT, lessons=None, exercises_only: bool 
         lines.append(f"- {m}: stubbed {', '.join(r['stubbed']) or 'none'}"
                      + "".join(f"; kept {k} ({why})" for k, why in r["kept"].items()))
     (out / "STUBS.md").write_text("\n".join(lines) + "\n")
+    from .audit import leaks_markdown
+
+    (out / "LEAKS.md").write_text(leaks_markdown())
     return report

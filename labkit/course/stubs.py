@@ -213,8 +213,12 @@ def stub_source(source: str, module: str, stubbed: list[str]) -> str:
             body = [f'{indent}"""{doc}"""\n' if doc else "",
                     f"{indent}import sys\n\n",
                     f"{indent}from labkit.exercises.recorded import lookup\n\n",
+                    f"{indent}caller = sys._getframe(1)\n",
+                    f"{indent}if caller.f_locals.get('fn') is {node.name}:  # the stub offered as the answer\n",
+                    f"{indent}    raise NotImplementedError({node.name!r} + ' is the answer to write, not shipped "
+                    f"in this build')\n",
                     f"{indent}return lookup(__name__ + {'.' + node.name!r}, {_hint(node)!r}, "
-                    f"sys._getframe(1).f_code.co_filename, args, kwargs)\n"]
+                    f"caller.f_code.co_filename, args, kwargs)\n"]
             head = f"{' ' * node.col_offset}def {node.name}(*args, **kwargs):  # the answer is not shipped here\n"
             first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
             edits.append((first, node.end_lineno, head + "".join(body)))

@@ -92,6 +92,7 @@ assert lesson09.check_zero3_wire_bytes(3 * 7 / 8 * 2e9, n_params=1e9, world=8, b
 assert lesson09.check_zero3_wire_bytes(2 * 7 / 8 * 2e9, n_params=1e9, world=8, bytes_per_param=2) is False
 assert lesson00.check_gpt_params(sol00.gpt_params) is True
 assert lesson00.check_gpt_params(lambda cfg: 7) is False
+assert lesson00.check_gpt_params(lesson00.gpt_params) is False  # the stub offered as the answer raises
 assert lesson00.check_why_peak("b") is True and lesson00.check_why_peak("(B)") is True
 assert lesson00.check_why_peak("a") is False and lesson00.check_why_peak("c") is False
 print("student build ok")
