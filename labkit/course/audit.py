@@ -1,19 +1,26 @@
 """The leak audit (issue 41): play the student who reads the code instead of doing the exercise.
 
-For every exercise of every lesson (each `lessonNN.check_*(...)` call after "## Exercises"), with the lesson's
+For every exercise of every lesson (each `lessonNN.check_*(...)` call after "## Exercises"), with
+the lesson's
 own inputs rebuilt from its cells (only the statements that define them: `lesson_inputs`), it tries
 
-- every public function of the exercise modules (`labkit.exercises.lessonNN`, all of them) called with the
+- every public function of the exercise modules (`labkit.exercises.lessonNN`, all of them) called
+with the
   check's inputs: in the student build each one is a stub that raises NotImplementedError;
-- every labkit function the lesson itself calls or imports (`named_calls`), called with the check's inputs, every
-  number its result holds (a dataclass's fields, a list's items, a property such as `.peak.total`) offered as
+- every labkit function the lesson itself calls or imports (`named_calls`), called with the check's
+inputs, every
+  number its result holds (a dataclass's fields, a list's items, a property such as `.peak.total`)
+  offered as
   the answer; for a code exercise the function itself is offered;
-- for a multiple-choice check, a letter read from the check's source (`right="b"`, or the one letter its hints
+- for a multiple-choice check, a letter read from the check's source (`right="b"`, or the one
+letter its hints
   leave out).
 
-An answer counts as obtained when the check prints a ✅ it did not print for an empty answer. `audit()` returns
+An answer counts as obtained when the check prints a ✅ it did not print for an empty answer.
+`audit()` returns
 what it obtained, each with how (`Leak.call`); run it against the student build (release/student on
-PYTHONPATH, `python -m labkit.course.audit`) and compare with release/LEAKS.md. Sizes: the smoke profile
+PYTHONPATH, `python -m labkit.course.audit`) and compare with release/LEAKS.md. Sizes: the smoke
+profile
 (LABKIT_SMOKE=1), so the lessons' objects are small.
 """
 
@@ -51,8 +58,10 @@ class Leak:
         return f"{self.lesson} {self.exercise}"
 
 
-# What the student build still gives away: (lesson, exercise) -> the call that gives it and why it stays. The
-# release writes them to release/LEAKS.md for the instructor; tests/unit/test_course_audit.py fails on any leak
+# What the student build still gives away: (lesson, exercise) -> the call that gives it and why it
+# stays. The
+# release writes them to release/LEAKS.md for the instructor; tests/unit/test_course_audit.py fails
+# on any leak
 # the audit finds that is not here, and on an entry here that the audit no longer finds.
 _OPTIM = ("the estimator's optimizer terms call it (labkit.estimate), so the student build cannot stub it; "
           "open: ask for the derivation as a function checked on fresh shapes (issue 41, item 3)")
@@ -75,7 +84,8 @@ def leaks_markdown() -> str:
     return "\n".join(lines + ([] if LEAKS else ["(none)"])) + "\n"
 
 
-# ---- the lesson's own inputs --------------------------------------------------------------------------------
+# ---- the lesson's own inputs
+# --------------------------------------------------------------------------------
 def _bound(stmt: ast.stmt) -> set[str]:
     if isinstance(stmt, (ast.Import, ast.ImportFrom)):
         return {(a.asname or a.name).split(".")[0] for a in stmt.names}
@@ -162,7 +172,8 @@ def named_calls(nb, ns: dict) -> dict[str, object]:
     return out
 
 
-# ---- trying a function --------------------------------------------------------------------------------------
+# ---- trying a function
+# --------------------------------------------------------------------------------------
 def _calls(fn, inputs: dict, positional: list):
     """Ways to call `fn` with the check's inputs: by parameter name (with synonyms), and positionally."""
     try:
@@ -226,7 +237,8 @@ def numbers_in(obj, depth: int = 3, out: list | None = None) -> list[float]:
     return out
 
 
-# ---- one exercise -------------------------------------------------------------------------------------------
+# ---- one exercise
+# -------------------------------------------------------------------------------------------
 def _ticks(check, args, kwargs) -> int:
     out = io.StringIO()
     try:

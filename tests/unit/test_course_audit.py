@@ -1,9 +1,13 @@
 """The leak audit (labkit/course/audit.py, issue 41): the student who reads the code instead of doing the work.
 
-Against this repository's exercise modules (answers and letters in plain text; lessons 09 and 11) the audit
-obtains answers, so it can fail; against the student build it obtains none but those labkit.course.audit.LEAKS lists (release/LEAKS.md),
-and each of those it still obtains. Lessons 05, 09 and 13 (numbers, code exercises, a why-question, library
-shortcuts; their inputs are cheap to rebuild): the whole course's audit takes far longer than a unit test.
+Against this repository's exercise modules (answers and letters in plain text; lessons 09 and 11)
+the audit
+obtains answers, so it can fail; against the student build it obtains none but those
+labkit.course.audit.LEAKS lists (release/LEAKS.md),
+and each of those it still obtains. Lessons 05, 09 and 13 (numbers, code exercises, a why-question,
+library
+shortcuts; their inputs are cheap to rebuild): the whole course's audit takes far longer than a
+unit test.
 """
 
 import json

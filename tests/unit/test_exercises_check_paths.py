@@ -1,5 +1,6 @@
 """The checks that get a lesson's own objects compute their expected value through another path than the answer
-function (which the student build stubs, issue 41): each path agrees with the answer function it replaces, on
+function (which the student build stubs, issue 41): each path agrees with the answer function it
+replaces, on
 the profiles' GPTs and on configurations the lessons do not use."""
 
 import pytest
