@@ -161,13 +161,19 @@ def build_student(dest: Path, grader: Path, root: Path = REPO_ROOT, lessons=None
     paths = lesson_notebooks(root, lessons)
     for path in paths:
         shutil.copy2(grader / "release" / path.stem / path.name, dest / "notebooks" / path.name)
-    notebooks = [nbformat.read(p, as_version=4) for p in paths]
+    return student_exercises(dest, [nbformat.read(p, as_version=4) for p in paths], root)
+
+
+def student_exercises(dest: Path, notebooks, root: Path = REPO_ROOT) -> dict[str, stubs.ModulePlan]:
+    """dest/labkit/exercises as the student build ships it (dest/labkit copied already): every answer function
+    stubbed, the multiple-choice letters sealed, the recorded answers beside them."""
     modules = sorted({c.module for nb in notebooks for c in check_calls(nb)})
     plans, table = {}, {}
     for module in modules:
         plan = stubs.plan(module, notebooks, root / "notebooks" / "solutions" / f"{module}.py")
         target = dest / "labkit" / "exercises" / f"{module}.py"
-        target.write_text(stubs.stub_source(target.read_text(), module, plan.stubbed))
+        sealed, plan.sealed = stubs.seal_choices(target.read_text())
+        target.write_text(stubs.stub_source(sealed, module, plan.stubbed))
         plans[module] = plan
         table.update(plan.table)
     recorded.dump(table, dest / "labkit" / "exercises" / recorded.TABLE_FILE)
@@ -181,10 +187,15 @@ def build(out: Path, root: Path = REPO_ROOT, lessons=None, exercises_only: bool 
         (out / sub).mkdir(parents=True)
     build_grader(out / "grader", root, lessons, exercises_only)
     plans = build_student(out / "student", out / "grader", root, lessons)
-    report = {m: {"stubbed": p.stubbed, "kept": p.kept} for m, p in plans.items()}
-    lines = ["# What the student build stubbed (labkit/course/stubs.py has the rule)", ""]
+    report = {m: {"stubbed": p.stubbed, "kept": p.kept, "sealed": p.sealed} for m, p in plans.items()}
+    lines = ["# What the student build stubbed (labkit/course/stubs.py has the rule)", "",
+             "Multiple-choice checks sealed (their right letter a salted SHA-256 digest): "
+             f"{sum(r['sealed'] for r in report.values())}.", ""]
     for m, r in report.items():
         lines.append(f"- {m}: stubbed {', '.join(r['stubbed']) or 'none'}"
                      + "".join(f"; kept {k} ({why})" for k, why in r["kept"].items()))
     (out / "STUBS.md").write_text("\n".join(lines) + "\n")
+    from .audit import leaks_markdown
+
+    (out / "LEAKS.md").write_text(leaks_markdown())
     return report

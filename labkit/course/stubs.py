@@ -1,13 +1,16 @@
-"""The student build's exercise modules: each answer function a lesson's checks can do without is replaced by
-a stub that raises NotImplementedError with a hint, and the checks compare with its recorded values.
+"""The student build's exercise modules: every answer function is replaced by a stub that raises
+NotImplementedError with a hint, and the checks that reach one compare with its recorded values.
 
-Rule. An answer function is a public function of labkit/exercises/lessonNN.py that is not a check. It is
-stubbed when every check that reaches it (directly or through the module's helpers) is called by the lessons
-only with inputs that can be recorded when the build runs: literals, the learner's answers (a number, or for
-a code exercise the reference solution from notebooks/solutions/), and a fixed seed (`STUDENT_SEED`: in the
+Rule. An answer function is a public function of labkit/exercises/lessonNN.py that is not a check; every one is
+stubbed. A check that reaches an answer (directly or through the module's helpers) must be called by the lessons
+only with inputs that can be recorded when the build runs: literals, the learner's answers (a number, or for a
+code exercise the reference solution from notebooks/solutions/), and a fixed seed (`STUDENT_SEED`: in the
 student build a code exercise is checked on the cases that seed draws; the grader's hidden checks draw
-afresh). An answer whose check gets the lesson's own objects (its model, its tensors: profile-dependent)
-stays, since no recording could cover every learner's device; `plan()` names both sets.
+afresh). A check that gets the lesson's own objects (its model, its tensors: profile-dependent, so no recording
+covers every learner's device) computes its expected value through a path that is not the answer: the
+estimator's whole step rather than the one term asked for, the answer's defining property tested on the
+objects, or a measurement. Should such a check still reach an answer, `plan()` keeps that answer and names it in
+`kept` (release/STUBS.md); tests/unit/test_course_release.py fails on any.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class ModulePlan:
     stubbed: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)  # answer -> why it stays
     table: dict[str, object] = field(default_factory=dict)  # fingerprint -> recorded value
+    sealed: int = 0  # multiple-choice checks whose right letter the student build ships sealed
 
 
 def _defs(tree: ast.Module) -> dict[str, ast.FunctionDef]:
@@ -127,13 +131,9 @@ def plan(module: str, notebooks, solutions: Path) -> ModulePlan:
         for f in sorted(stubbed):
             users = [c for c in defs if f in reach[c] and (c.startswith("check_") or c in answers)]
             checks = [c for c in users if c.startswith("check_")]
-            why = None
-            if not checks:
-                why = "no lesson's check uses it"
-            elif any(c not in fully_recorded for c in checks):
-                why = "a check that uses it is not called by a lesson"
-            elif not all(fully_recorded[c] for c in checks):
-                why = "its check gets the lesson's own objects (profile-dependent)"
+            why = None  # no check reaches it, or only checks the lessons call with recordable inputs: stubbed
+            if not all(fully_recorded.get(c, True) for c in checks):
+                why = "a check the lessons call with their own objects (profile-dependent) reaches it"
             elif any(g not in stubbed for g in users if g in answers):
                 why = "a kept answer uses it"
             if why:
@@ -150,6 +150,55 @@ def _hint(fn: ast.FunctionDef) -> str:
     return first.removeprefix("Reference: ").strip()
 
 
+def seal_choices(source: str, salt=None) -> tuple[str, int]:
+    """The module's source with each multiple-choice check's right letter (`checked_choice(..., right="b")`) and
+    its hints' letter keys replaced by salted SHA-256 digests (labkit.exercises.Sealed), so that no right letter
+    stands in the student build: neither as `right=` nor as the one letter the hints leave out. Returns the source
+    and the number of checks sealed. `salt(check)` gives each check's salt (default: random per build)."""
+    import secrets
+
+    from labkit.exercises import Sealed
+
+    salt = salt or (lambda check: secrets.token_hex(8))
+    tree = ast.parse(source)
+    data = source.encode()
+    starts = [0]
+    for line in data.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+
+    def span(node):  # byte offsets (ast's columns are UTF-8 byte offsets)
+        return starts[node.lineno - 1] + node.col_offset, starts[node.end_lineno - 1] + node.end_col_offset
+
+    edits, sealed = [], 0
+    for fn in tree.body:
+        if not isinstance(fn, ast.FunctionDef) or not fn.name.startswith("check_"):
+            continue
+        for call in ast.walk(fn):
+            if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "checked_choice"):
+                continue
+            kw = {k.arg: k.value for k in call.keywords}
+            right = kw.get("right")
+            if not (isinstance(right, ast.Constant) and isinstance(right.value, str)):
+                raise ValueError(f"{fn.name}: right= must be a letter written in the call to be sealed")
+            s = salt(fn.name)
+            edits.append((*span(right), f"_Sealed({s!r}, {Sealed.digest_of(right.value, s)!r})"))
+            hints = kw.get("hints")
+            if hints is not None:
+                if not isinstance(hints, ast.Dict) or not all(isinstance(k, ast.Constant) for k in hints.keys):
+                    raise ValueError(f"{fn.name}: hints= must be a dict literal keyed by letters to be sealed")
+                for key in hints.keys:
+                    edits.append((*span(key), repr(Sealed.digest_of(key.value, s))))
+            sealed += 1
+    if not sealed:
+        return source, 0
+    first = next(n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 1)  # `from . import ...`
+    end = starts[first.end_lineno]
+    edits.append((end, end, "from labkit.exercises import Sealed as _Sealed  # the right letters, sealed\n"))
+    for a, b, text in sorted(edits, reverse=True):
+        data = data[:a] + text.encode() + data[b:]
+    return data.decode(), sealed
+
+
 def stub_source(source: str, module: str, stubbed: list[str]) -> str:
     """The module's source with each stubbed answer's body replaced by a lookup of its recorded values (for
     the module's own checks) that raises NotImplementedError with a hint for anyone else, and the code
@@ -164,8 +213,12 @@ def stub_source(source: str, module: str, stubbed: list[str]) -> str:
             body = [f'{indent}"""{doc}"""\n' if doc else "",
                     f"{indent}import sys\n\n",
                     f"{indent}from labkit.exercises.recorded import lookup\n\n",
+                    f"{indent}caller = sys._getframe(1)\n",
+                    f"{indent}if caller.f_locals.get('fn') is {node.name}:  # the stub offered as the answer\n",
+                    f"{indent}    raise NotImplementedError({node.name!r} + ' is the answer to write, not shipped "
+                    f"in this build')\n",
                     f"{indent}return lookup(__name__ + {'.' + node.name!r}, {_hint(node)!r}, "
-                    f"sys._getframe(1).f_code.co_filename, args, kwargs)\n"]
+                    f"caller.f_code.co_filename, args, kwargs)\n"]
             head = f"{' ' * node.col_offset}def {node.name}(*args, **kwargs):  # the answer is not shipped here\n"
             first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
             edits.append((first, node.end_lineno, head + "".join(body)))

@@ -6,7 +6,9 @@ to the end. Expected values are always computed from the library (labkit.memory)
 
 from __future__ import annotations
 
+import hashlib
 import numbers
+from dataclasses import dataclass
 
 PLACEHOLDERS = (None, Ellipsis)  # what an answer cell holds before the learner fills it in
 
@@ -79,15 +81,37 @@ def show_guess(what: str, guess, predicted: float, measured: float | None = None
     return True
 
 
-def checked_choice(answer, what: str, options: dict, right: str, praise: str, hints: dict | None = None,
+@dataclass(frozen=True)
+class Sealed:
+    """A multiple-choice question's right letter as the student build ships it: a salted SHA-256 digest, not the
+    letter (labkit.course.stubs writes these; this repository and the grader build keep the letters)."""
+
+    salt: str
+    digest: str
+
+    @staticmethod
+    def of(letter: str, salt: str) -> "Sealed":
+        return Sealed(salt, Sealed.digest_of(letter, salt))
+
+    @staticmethod
+    def digest_of(letter: str, salt: str) -> str:
+        return hashlib.sha256(f"{salt}:{letter}".encode()).hexdigest()
+
+    def matches(self, choice: str) -> bool:
+        return Sealed.digest_of(choice, self.salt) == self.digest
+
+
+def checked_choice(answer, what: str, options: dict, right: "str | Sealed", praise: str, hints: dict | None = None,
                    otherwise: str = "") -> bool:
-    """A "why" question with lettered options: ✅ `praise` for the right letter; ❌ the wrong letter's hint
-    from `hints` (else `otherwise`), each pointing at what to look at, never at the answer."""
+    """A "why" question with lettered options: ✅ `praise` for the right letter (a letter, or in the student build
+    a `Sealed` digest of it); ❌ the wrong letter's hint from `hints` (else `otherwise`), each pointing at what to
+    look at, never at the answer."""
     if unanswered(answer):
         return not_answered(what)
     choice = str(answer).strip().lower().strip("()")
     if choice not in options:
         return failed(f"{what}: answer with one of {', '.join(options)}")
-    if choice == right:
+    sealed = isinstance(right, Sealed)  # then the hints' keys are sealed with the same salt
+    if right.matches(choice) if sealed else choice == right:
         return passed(praise)
-    return failed((hints or {}).get(choice, otherwise))
+    return failed((hints or {}).get(Sealed.digest_of(choice, right.salt) if sealed else choice, otherwise))

@@ -65,7 +65,8 @@ def check_zeros_per_tensor(answer, w: torch.Tensor) -> bool:
     value = integer(answer, name)
     if value is None:
         return False
-    expected = zeros_per_tensor(w)
+    # round(w / step) with step = max|W| / 127 (not zeros_per_tensor, which the student build stubs)
+    expected = int((torch.round(w / (w.abs().max() / 127)) == 0).sum())
     share = expected / w.numel()
     if value == expected:
         return passed(f"{name}: {expected} of {w.numel()} ({share:.1%}): the step is max|W|/127 = "

@@ -34,8 +34,8 @@ def check_lora_params(answer, model: nn.Module, targets=("query", "value"), r: i
     value = integer(answer, name)
     if value is None:
         return False
-    expected = lora_params(model, targets, r)
     layers = [model.get_submodule(n) for n in find_targets(model, list(targets))]
+    expected = _adapters(model, targets, r)
     shapes = sorted({(lin.in_features, lin.out_features) for lin in layers})
     example = f"r x (d_in + d_out) = {r} x ({shapes[0][0]} + {shapes[0][1]})"
     if value == expected:
@@ -47,13 +47,20 @@ def check_lora_params(answer, model: nn.Module, targets=("query", "value"), r: i
         return failed(f"{name}: that is the size of the frozen weights themselves; LoRA trains the low-rank factors.")
     if value == sum(lin.weight.numel() + (lin.bias.numel() if lin.bias is not None else 0) for lin in layers):
         return failed(f"{name}: that is the frozen weights and biases of those layers; LoRA freezes them.")
-    if value == lora_params(model, ["query"], r) or value == expected // len(layers):
+    if value == _adapters(model, ["query"], r) or value == expected // len(layers):
         return failed(f"{name}: count every targeted layer: {len(layers)} of them ({', '.join(targets)} in every block).")
-    if value == lora_params(model, find_targets(model, "all-linear"), r):
+    if value == _adapters(model, find_targets(model, "all-linear"), r):
         return failed(f"{name}: that is all-linear; the question targets only {', '.join(targets)}.")
     if value in (2 * expected, expected // 2):
         return failed(f"{name}: off by a factor of 2: one A (r x d_in) and one B (d_out x r) per layer.")
     return failed(f"{name}: per targeted Linear, r x (d_in + d_out); add them up over the {len(layers)} layers.")
+
+
+def _adapters(model: nn.Module, targets, r: int) -> int:
+    """The check's path (not lora_params, which the student build stubs): the targeted Linear layers' shapes,
+    A (r x d_in) and B (d_out x r) each."""
+    layers = [model.get_submodule(n) for n in find_targets(model, list(targets))]
+    return sum(r * (lin.in_features + lin.out_features) for lin in layers)
 
 
 # ---- exercise 2: bytes of a frozen NF4 base -------------------------------------------------------------
@@ -103,13 +110,17 @@ def check_lisa_opt_bytes(answer, model: nn.Module, gamma: int = 1) -> bool:
     value = integer(answer, name)
     if value is None:
         return False
-    expected = lisa_opt_bound(model, gamma)
     _, layers = find_layers(model)
     in_layers = {id(p) for p in layers.parameters()}
     outside = {id(p): p for p in model.parameters() if id(p) not in in_layers}
     out_n, out_t = sum(p.numel() for p in outside.values()), len(outside)
     layer = max(layers, key=lambda lay: sum(p.numel() for p in lay.parameters()))
     lay_n, lay_t = sum(p.numel() for p in layer.parameters()), len(list(layer.parameters()))
+    # the check's path (not lisa_opt_bound, which the student build stubs): the model's tensors, 8 B per value and
+    # 4 B per tensor for what is trained at once, the always-trained part and the gamma largest layers
+    sizes = sorted(((sum(p.numel() for p in lay.parameters()), len(list(lay.parameters()))) for lay in layers),
+                   reverse=True)[:gamma]
+    expected = 8 * (out_n + sum(n for n, _ in sizes)) + 4 * (out_t + sum(t for _, t in sizes))
     if value == expected:
         return passed(f"{name}: {expected:,} = 8 x ({out_n:,} always-trained + {gamma} x {lay_n:,} per layer) + 4 x "
                       f"{out_t + gamma * lay_t} step counters; full fine-tuning's AdamW holds "

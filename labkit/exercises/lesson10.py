@@ -33,7 +33,7 @@ def check_stage0_activations(gpipe, one_f_one_b, model, batch: int, seq: int, p:
         if value is None:
             ok = False
             continue
-        expected, one, k = stage0_activation_bytes(model, batch, seq, p, m, name)
+        expected, one, k = _stage0(model, batch, seq, p, m, name)
         if value == expected:
             passed(f"{what}: {expected:,} = {k} micro-batches in flight x {one:,} bytes each.")
             continue
@@ -47,6 +47,19 @@ def check_stage0_activations(gpipe, one_f_one_b, model, batch: int, seq: int, p:
             failed(f"{what}: count micro-batches in flight x one micro-batch's activations on stage 0 "
                    f"(the term 'activations of one micro-batch' of estimate_ranks(...)[0]).")
     return ok
+
+
+def _stage0(model, batch: int, seq: int, p: int, m: int, schedule: str) -> tuple[int, int, int]:
+    """The check's path (not stage0_activation_bytes, which the student build stubs): the per-rank estimate's
+    activation category on stage 0 (one micro-batch), times the micro-batches the schedule's own actions hold."""
+    from labkit.distributed.pipeline import max_in_flight, schedule as actions
+    from labkit.estimate import estimate_ranks
+    from labkit.memory.report import Category
+
+    est = estimate_ranks(model, batch, seq, pp=p, micro_batch=batch // m, schedule=schedule)[0]
+    one = sum(t.bytes for t in est.terms if t.category is Category.ACT)
+    k = max_in_flight(actions(schedule, m, p, 0))
+    return k * one, one, k
 
 
 # ---- exercise 2: the bubble ------------------------------------------------------------------------------------
@@ -88,7 +101,12 @@ def check_tp_param_bytes(answer, model, t: int = 2) -> bool:
     value = integer(answer, what)
     if value is None:
         return False
-    expected = tp_param_bytes(model, t)
+    from labkit.estimate import estimate_ranks
+    from labkit.memory.report import Category
+
+    # the estimator's whole step for rank 0 at tp=t, its parameter category (fp32 here; not tp_param_bytes,
+    # which the student build stubs)
+    expected = sum(x.bytes for x in estimate_ranks(model, 1, 1, tp=t)[0].terms if x.category is Category.PARAM)
     full = 4 * spec_from(model).n_params
     if value == expected:
         return passed(f"{what}: {expected:,} of the unsplit {full:,}: the blocks' matrices and the column-parallel "

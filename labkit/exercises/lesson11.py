@@ -10,7 +10,7 @@ import random
 
 from labkit.distributed.compression import DGCConfig, dgc_state_bytes, dgc_wire_bytes
 
-from . import close, failed, not_answered, passed, unanswered
+from . import checked_choice, close, failed, not_answered, passed, unanswered
 
 
 # ---- exercise 1: write the bytes one DGC step sends -------------------------------------------------------
@@ -69,25 +69,21 @@ WHY_CHOICES = {
     "c": "the all-gather receives every rank's full gradient",
     "d": "gloo buffers the messages of every step until the end",
 }
-_WRONG = {
-    "a": "top-k's temporaries are freed after the step; the ledger's final bytes show what stays.",
-    "c": "each rank sends k values and k indices: the gathered tensor is N x 8k bytes, tiny at 99.9 % sparsity.",
-    "d": "nothing the transport does shows in the ledger: it counts tensors that live after the steps.",
-}
 
 
 def check_why_memory(answer, n_params: int = 1_000_000) -> bool:
     name = "why a DGC rank holds more memory than a dense data-parallel rank"
-    if unanswered(answer):
-        return not_answered(name)
-    choice = str(answer).strip().lower()
-    if choice not in WHY_CHOICES:
-        return failed(f"{name}: answer one of {', '.join(WHY_CHOICES)}")
-    if choice == "b":
-        mc = dgc_state_bytes(n_params, DGCConfig())
-        plain = dgc_state_bytes(n_params, DGCConfig(momentum_correction=False))
-        return passed(f"{name}: (b): a residual v per parameter (what was not sent yet) and, with momentum "
-                      f"correction, a momentum u per parameter. For {n_params:,} parameters: {mc:,} bytes with "
-                      f"momentum correction, {plain:,} without (then SGD keeps its own momentum, {plain:,} again). "
-                      "DGC saves communication, not memory.")
-    return failed(f"{name}: ({choice}) {_WRONG[choice]}")
+    mc = dgc_state_bytes(n_params, DGCConfig())
+    plain = dgc_state_bytes(n_params, DGCConfig(momentum_correction=False))
+    return checked_choice(
+        answer, name, WHY_CHOICES, right="b",
+        praise=f"{name}: right: a residual v per parameter (what was not sent yet) and, with momentum "
+               f"correction, a momentum u per parameter. For {n_params:,} parameters: {mc:,} bytes with "
+               f"momentum correction, {plain:,} without (then SGD keeps its own momentum, {plain:,} again). "
+               "DGC saves communication, not memory.",
+        hints={"a": f"{name}: top-k's temporaries are freed after the step; the ledger's final bytes show what "
+                    "stays.",
+               "c": f"{name}: each rank sends k values and k indices: the gathered tensor is N x 8k bytes, tiny "
+                    "at 99.9 % sparsity.",
+               "d": f"{name}: nothing the transport does shows in the ledger: it counts tensors that live after "
+                    "the steps."})

@@ -92,6 +92,9 @@ assert lesson09.check_zero3_wire_bytes(3 * 7 / 8 * 2e9, n_params=1e9, world=8, b
 assert lesson09.check_zero3_wire_bytes(2 * 7 / 8 * 2e9, n_params=1e9, world=8, bytes_per_param=2) is False
 assert lesson00.check_gpt_params(sol00.gpt_params) is True
 assert lesson00.check_gpt_params(lambda cfg: 7) is False
+assert lesson00.check_gpt_params(lesson00.gpt_params) is False  # the stub offered as the answer raises
+assert lesson00.check_why_peak("b") is True and lesson00.check_why_peak("(B)") is True
+assert lesson00.check_why_peak("a") is False and lesson00.check_why_peak("c") is False
 print("student build ok")
 '''
 
@@ -105,7 +108,8 @@ def test_student_build_stubs_answers_and_keeps_checks(tmp_path):
     for module in ("lesson00", "lesson09"):
         plan = stubs.plan(module, notebooks, SOLUTIONS / f"{module}.py")
         target = student / "labkit" / "exercises" / f"{module}.py"
-        target.write_text(stubs.stub_source(target.read_text(), module, plan.stubbed))
+        sealed, _ = stubs.seal_choices(target.read_text())
+        target.write_text(stubs.stub_source(sealed, module, plan.stubbed))
         table.update(plan.table)
         assert plan.kept == {}, plan.kept
     assert "zero3_wire_bytes" in stubs.plan("lesson09", notebooks, SOLUTIONS / "lesson09.py").stubbed
@@ -118,9 +122,99 @@ def test_student_build_stubs_answers_and_keeps_checks(tmp_path):
     assert "✅" in done.stdout and "❌" in done.stdout and "student build ok" in done.stdout
 
 
-def test_the_stub_rule_keeps_answers_whose_checks_get_the_lessons_objects():
-    nb = nbformat.read(release.lesson_notebooks(lessons=["05"])[0], as_version=4)
-    plan = stubs.plan("lesson05", [nb], SOLUTIONS / "lesson05.py")
-    assert "state_bytes" in plan.stubbed  # a code exercise: recorded on STUDENT_SEED's cases
-    assert "adam8bit_state_bytes" in plan.stubbed  # called with literal shapes
-    assert "step_in_backward_grad_bytes" in plan.kept  # called with the lesson's CONFIG (profile-dependent)
+def test_every_answer_function_is_stubbed():
+    """Issue 41: no answer survives in the student build. Every public function of every exercise module that
+    is not a check is stubbed, so no check the lessons call with their own objects may reach one."""
+    import ast
+
+    notebooks = [nbformat.read(p, as_version=4) for p in release.lesson_notebooks()]
+    modules = sorted({c.module for nb in notebooks for c in check_calls(nb)})
+    assert len(modules) == 14
+    for module in modules:
+        plan = stubs.plan(module, notebooks, SOLUTIONS / f"{module}.py")
+        tree = ast.parse((REPO_ROOT / "labkit" / "exercises" / f"{module}.py").read_text())
+        public = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+                  and not n.name.startswith(("_", "check_"))}
+        assert plan.kept == {}, (module, plan.kept)
+        assert set(plan.stubbed) == public, module
+        stubbed = stubs.stub_source((REPO_ROOT / "labkit" / "exercises" / f"{module}.py").read_text(), module,
+                                    plan.stubbed)
+        left = {n.name for n in ast.parse(stubbed).body if isinstance(n, ast.FunctionDef) and n.name in public
+                and not any(isinstance(c, ast.Call) and getattr(c.func, "id", "") == "lookup" for c in ast.walk(n))}
+        assert left == set(), (module, left)
+
+
+FAKE_LESSON = """
+def answer(config):
+    return 2 * config
+
+
+def check_with_objects(value, config):
+    return value == answer(config)
+
+
+def check_with_literals(value, n):
+    return value == answer(n)
+"""
+
+
+def test_a_check_that_gets_the_lessons_objects_may_not_reach_an_answer(tmp_path, monkeypatch):
+    """The rule fails loudly: a check the lesson calls with its own object that reaches an answer keeps that
+    answer (STUBS.md names it), and the same answer reached only with literals is stubbed."""
+    import importlib.util
+
+    path = tmp_path / "lesson99.py"
+    path.write_text(FAKE_LESSON)
+    spec = importlib.util.spec_from_file_location("labkit.exercises.lesson99", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "labkit.exercises.lesson99", module)
+
+    def lesson(call: str):
+        return nbformat.v4.new_notebook(cells=[
+            nbformat.v4.new_code_cell("CONFIG = 3"), nbformat.v4.new_markdown_cell("## Exercises"),
+            nbformat.v4.new_code_cell("value = None"), nbformat.v4.new_code_cell(call)])
+
+    kept = stubs.plan("lesson99", [lesson("lesson99.check_with_objects(value, CONFIG)")], tmp_path / "none.py")
+    assert kept.stubbed == [] and list(kept.kept) == ["answer"]
+    plain = stubs.plan("lesson99", [lesson("lesson99.check_with_literals(value, 3)")], tmp_path / "none.py")
+    assert plain.stubbed == ["answer"] and plain.kept == {}
+
+
+def _choice_checks(module):
+    return [n for n in dir(module) if n.startswith("check_why")]
+
+
+def test_sealed_choices_hide_the_letter_and_grade_alike(capsys):
+    """Issue 41 item 2: in the student build no multiple-choice check's right letter stands in plain text (not
+    as right=, not as the one letter its hints leave out), and each sealed check prints and returns what the
+    original does for every letter."""
+    import ast
+    import importlib
+    import importlib.util
+    import re
+
+    total = 0
+    for path in sorted((REPO_ROOT / "labkit" / "exercises").glob("lesson*.py")):
+        original = importlib.import_module(f"labkit.exercises.{path.stem}")
+        text, n = stubs.seal_choices(path.read_text())
+        total += n
+        assert n == len(_choice_checks(original)), path.stem
+        if not n:
+            continue
+        assert not re.search(r"right\s*=\s*['\"]", text), path.stem
+        for call in (c for c in ast.walk(ast.parse(text)) if isinstance(c, ast.Call)
+                     and getattr(c.func, "id", None) == "checked_choice"):
+            hints = next((k.value for k in call.keywords if k.arg == "hints"), None)
+            assert hints is None or all(len(k.value) == 64 for k in hints.keys), path.stem  # digests only
+        spec = importlib.util.spec_from_loader(f"labkit.exercises._sealed_{path.stem}", loader=None)
+        sealed = importlib.util.module_from_spec(spec)
+        sealed.__package__ = "labkit.exercises"
+        exec(compile(text, str(path), "exec"), sealed.__dict__)
+        for check in _choice_checks(original):
+            letters = next(v for k, v in vars(original).items() if k.startswith("WHY") and isinstance(v, dict))
+            for letter in [*letters, "z", None]:
+                want = getattr(original, check)(letter), capsys.readouterr().out
+                got = getattr(sealed, check)(letter), capsys.readouterr().out
+                assert got == want, (path.stem, check, letter)
+    assert total == 11
