@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from labkit.memory import MiB, fmt_bytes
+from labkit.memory import MiB, TermKey, fmt_bytes
 from labkit.estimate import estimate
 from labkit.estimate.predict import Precision
 from labkit.estimate.spec import spec_from
@@ -46,7 +46,7 @@ def check_kept_per_block(answer, config, batch: int, seq: int, dtype: str = "fp3
         return failed(f"{name}: that is the MLP's inner width ({spec.ffn}); the block's input is the residual stream, "
                       f"{spec.hidden} wide.")
     layer = estimate(spec, batch, seq, dtype).terms
-    blocks = next(t.bytes for t in layer if t.name == "activations saved by the blocks")
+    blocks = next(t.bytes for t in layer if t.key is TermKey.SAVED_ACTIVATIONS)
     if close(value, blocks / spec.n_layer, rel=0.02):
         return failed(f"{name}: that is what a block saves *without* checkpointing; with it, only its input stays.")
     if close(value, expected / MiB, rel=0.01):
@@ -96,7 +96,7 @@ def block_to_input(config, batch: int, seq: int, dtype: str = "fp32", device: st
     input)."""
     spec = spec_from(config)
     blocks = next(t.bytes for t in estimate(spec, batch, seq, dtype, device=device).terms
-                  if t.name == "activations saved by the blocks")
+                  if t.key is TermKey.SAVED_ACTIVATIONS)
     return blocks / spec.n_layer / kept_per_block(spec, batch, seq, dtype)
 
 
