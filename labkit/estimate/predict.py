@@ -153,7 +153,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
     w, marks = walk_activations(spec, prec, micro, S, recipe.device, peft, recipe.selective_policy)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     chunked = w.loss_scratch is not None  # labkit GPT's chunked loss: no (r, V) tensor outlives a chunk
-    lsm = 0 if chunked else next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
+    lsm = 0 if chunked else w.log_softmax.nbytes
     upcast = r * V * 4 if not chunked and lsm // (r * V) != mm else 0  # the fp32 copy the loss makes
     L = max(spec.n_layer, 1)
     layer = (marks[-1][0] - marks[0][0]) // L

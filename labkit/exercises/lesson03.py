@@ -152,8 +152,8 @@ def scores_crossover(config, batch: int, seq: int, dtype: str = "fp32", device: 
     cfg = replace(config, attention="manual", dropout=0.0, block_size=max(config.block_size, 2 * seq))
 
     def terms(s):
-        t = {x.name: x.bytes for x in estimate(cfg, batch, s, dtype, device=device).terms}
-        return t["activations saved by the blocks"], t["attention scores (s^2)"]
+        t = {x.key: x.bytes for x in estimate(cfg, batch, s, dtype, device=device).terms}
+        return t[TermKey.SAVED_ACTIVATIONS], t[TermKey.ATTENTION_SCORES]
 
     (r1, p1), (r2, _) = terms(seq), terms(2 * seq)
     quad = (r2 - 2 * r1) / (2 * seq * seq)  # rest = lin S + quad S^2 (the bool mask)
@@ -181,8 +181,8 @@ def check_scores_crossover(answer, config, batch: int, seq: int, dtype: str = "f
         return failed(f"{name}: that is about the square of the answer: the probabilities grow with S^2 and the rest "
                       "with S, so their ratio grows with S itself, not with S^2.")
     spec = spec_from(replace_attention(config))
-    terms = {x.name: x.bytes for x in estimate(spec, batch, seq, dtype, device=device).terms}
-    naive = seq * terms["activations saved by the blocks"] / terms["attention scores (s^2)"]
+    terms = {x.key: x.bytes for x in estimate(spec, batch, seq, dtype, device=device).terms}
+    naive = seq * terms[TermKey.SAVED_ACTIVATIONS] / terms[TermKey.ATTENTION_SCORES]
     if close(value, naive, rel=0.005):
         return failed(f"{name}: almost: S x R / P treats all of R as linear in S, but R also holds the causal mask, "
                       f"S^2 bools per layer ({spec.n_layer} x {seq}^2 bytes here), which grows like the probabilities.")
