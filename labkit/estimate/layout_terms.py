@@ -17,7 +17,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from labkit.memory.report import Category, Estimate, Moment, Term
+from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey as K
 
 from . import predict, zero_terms
 from .moments import custom, step_moments
@@ -65,15 +65,19 @@ def labkit_layer_extras(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = F
     e = layer.e
     rep = t if sp else 1  # what the formula's '10' covers is divided by t only with sequence parallelism
     out = [Term("LayerNorm mean and rstd (2 norms)", Category.ACT, 2 * 2 * s * b * e // rep,
-                "2 x 2 x sb x e" + (" / t" if sp else ""), "native_layer_norm saves mean and rstd")]
+                "2 x 2 x sb x e" + (" / t" if sp else ""), "native_layer_norm saves mean and rstd",
+                key=K.SAVED_ACTIVATIONS)]
     if layer.manual:
-        out.append(Term("causal mask (S x S bool)", Category.ACT, s * s, "s^2", "masked_fill saves its mask"))
+        out.append(Term("causal mask (S x S bool)", Category.ACT, s * s, "s^2", "masked_fill saves its mask",
+                        key=K.SAVED_ACTIVATIONS))
     if layer.dropout and layer.device == "cpu" and e > 1:
         if layer.manual:
             out.append(Term("attention dropout mask at e bytes, not 1", Category.ACT, (e - 1) * a * s * s * b // t,
-                            "(e - 1) as^2 b / t", "aten native_dropout on CPU: mask in the input's dtype"))
+                            "(e - 1) as^2 b / t", "aten native_dropout on CPU: mask in the input's dtype",
+                            key=K.SAVED_ACTIVATIONS))
         out.append(Term("residual dropout masks at e bytes, not 1", Category.ACT, 2 * (e - 1) * s * b * h // rep,
-                        "2 (e - 1) sbh" + (" / t" if sp else ""), "aten native_dropout on CPU"))
+                        "2 (e - 1) sbh" + (" / t" if sp else ""), "aten native_dropout on CPU",
+                        key=K.SAVED_ACTIVATIONS))
     return out
 
 
@@ -241,12 +245,13 @@ def estimate_ranks(recipe) -> list[Estimate]:
         label = (f"{spec.name} B={r.batch} S={r.seq} {r.dtype} {r.optimizer} tp={t}{' sp' if sp else ''} pp={p}"
                  f"{' ' + r.schedule if p > 1 else ''} m={m}: stage {s}")
         terms = [Term("parameters", Category.PARAM, b.P, f"{rs.n_params:,} x {d} B (this rank's share)",
-                      "Shoeybi et al. 2019; Narayanan et al. 2021"),
-                 Term("gradients", Category.GRAD, b.G, f"{rs.n_params:,} x {d} B", ""),
-                 Term("optimizer state", Category.OPT, b.O, "per optimizer on this rank's parameters", ""),
+                      "Shoeybi et al. 2019; Narayanan et al. 2021", key=K.PARAMETERS),
+                 Term("gradients", Category.GRAD, b.G, f"{rs.n_params:,} x {d} B", "", key=K.GRADIENTS),
+                 Term("optimizer state", Category.OPT, b.O, "per optimizer on this rank's parameters", "",
+                      key=K.OPTIMIZER_STATE),
                  Term("activations of one micro-batch on this stage", Category.ACT, a_s,
                       f"{'before + ' if first else ''}{n_blocks} x layer + {'after' if last else 'output'}",
-                      "Korthikanti et al. 2022 per layer")]
+                      "Korthikanti et al. 2022 per layer", key=K.SAVED_ACTIVATIONS)]
         if r.dp > 1:
             label += f" dp={r.dp}" + (f" zero={r.zero}" if r.zero else "")
         if r.zero:
@@ -254,9 +259,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
             moments = zero_terms.rank_moments(moments, lay, r.optimizer, n_blocks)
             terms = [t_ for t_ in terms if t_.category is not Category.OPT] + [
                 Term("optimizer state shards", Category.OPT, lay.opt(), f"ZeRO-1 over dp={r.dp}",
-                     zero_terms.SOURCE)]
+                     zero_terms.SOURCE, key=K.OPTIMIZER_STATE)]
             terms[0] = Term("parameters", Category.PARAM, lay.params(), f"the part's flat buffers, padded to dp",
-                            zero_terms.SOURCE)
+                            zero_terms.SOURCE, key=K.PARAMETERS)
         est = [Estimate(label + (f" tp rank {k}" if t > 1 else ""), rs.n_params, terms=terms, moments=moments)
                for k in range(t)]
         out += est
@@ -294,18 +299,19 @@ def _others_in_flight(actions) -> tuple[int, int]:
 def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0):
     """The moments of one micro-batch with the activations of k others in flight added (forward and backward),
     and, inside the blocks' and embedding's backward, the stage's output (`root` bytes) that backward started from."""
-    extra = [custom(f"activations of {k} other micro-batch(es) in flight ({schedule})", Category.ACT, k * a_s,
+    extra = [custom(K.IN_FLIGHT,
+                    f"activations of {k} other micro-batch(es) in flight ({schedule})", Category.ACT, k * a_s,
                     f"{k} x the stage's activations per micro-batch",
                     "GPipe keeps all m; 1F1B at most p - s (Narayanan et al. 2021)")] if k > 0 else []
-    held = [custom("the stage's output, root of this backward", Category.ACT, root, "r x h x bytes",
+    held = [custom(K.IN_FLIGHT, "the stage's output, root of this backward", Category.ACT, root, "r x h x bytes",
                    "torch.autograd.backward(output, grad) holds the output until it returns")] if root else []
     out = []
     for mo in moments:
         if mo.phase == "optimizer":
             out.append(mo)
             continue
-        inner = mo.phase == "backward" and not mo.where.startswith(("start", "the head"))
-        out.append(Moment(mo.phase, mo.where, [*mo.terms, *extra, *(held if inner else [])]))
+        inner = mo.phase == "backward" and mo.kind not in (MomentKind.LOSS_BACKWARD, MomentKind.HEAD_BACKWARD)
+        out.append(dataclasses.replace(mo, terms=[*mo.terms, *extra, *(held if inner else [])]))
     return out
 
 

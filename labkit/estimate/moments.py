@@ -29,19 +29,21 @@ formula and source (`StepBytes.term`): a moment is a list of those terms, so its
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 
-from labkit.memory.report import Category, Moment, Term
+from labkit.memory.report import Category, Moment, MomentKind, Term, TermKey, Variant
 
 POLICIES = ("none", "full", "sqrt", "selective")
 # GaLore's optimizer moments are named by the step they describe: `Estimate.without(REFRESH)` keeps the steady ones
-REFRESH, STEADY = "projector refresh", "steady (no refresh)"
+REFRESH, STEADY = Variant.REFRESH, Variant.STEADY
 P_, B_, G_, O_, A_, T_ = (Category.PARAM, Category.BUFFER, Category.GRAD, Category.OPT, Category.ACT, Category.TEMP)
+K, MK = TermKey, MomentKind
 
 
-def _f(cat: Category, name: str, formula: str, source: str = ""):
-    return field(default=0, metadata=dict(cat=cat, name=name, formula=formula, source=source))
+def _f(key: TermKey, cat: Category, name: str, formula: str, source: str = ""):
+    return field(default=0, metadata=dict(key=key, cat=cat, name=name, formula=formula, source=source))
 
 
 @dataclass
@@ -50,58 +52,77 @@ class StepBytes:
     h hidden, f MLP width, V vocabulary, d bytes per parameter element, m bytes of a matmul output
     (2 under autocast, else d), L blocks."""
 
-    P: int = _f(P_, "parameters", "N x d", "every predictor")
-    C: int = _f(P_, "autocast 16-bit weight copies", "2 x matmul parameters",
+    P: int = _f(K.PARAMETERS, P_, "parameters", "N x d", "every predictor")
+    C: int = _f(K.COPIES_16BIT, P_, "autocast 16-bit weight copies", "2 x matmul parameters",
                 "torch.autocast's weight cast cache, kept until backward")
-    G: int = _f(G_, "gradients", "N_train x d", "gradients take the parameters' dtype (fp32 under mixed precision)")
-    O: int = _f(O_, "optimizer state", "per optimizer (labkit.estimate.optim_terms)", "labkit.optim / torch.optim")
-    opt_temp: int = _f(T_, "optimizer step temporaries", "per optimizer (labkit.estimate.optim_terms.temp_bytes)",
+    G: int = _f(K.GRADIENTS,
+                G_, "gradients", "N_train x d", "gradients take the parameters' dtype (fp32 under mixed precision)")
+    O: int = _f(K.OPTIMIZER_STATE,
+                O_, "optimizer state", "per optimizer (labkit.estimate.optim_terms)", "labkit.optim / torch.optim")
+    opt_temp: int = _f(K.OPTIMIZER_TEMPS,
+                       T_, "optimizer step temporaries", "per optimizer (labkit.estimate.optim_terms.temp_bytes)",
                        "the ops of each step: torch.optim's Adam sqrt(v) and its quotient, labkit.optim's fp32 copies")
-    opt_cast: int = _f(P_, "the step's fp32 working copy of a 16-bit parameter", "4 x (elements or chunk) of the "
+    opt_cast: int = _f(K.STEP_CAST,
+                       P_, "the step's fp32 working copy of a 16-bit parameter", "4 x (elements or chunk) of the "
                        "stepping tensor (labkit.estimate.optim_terms.cast_bytes)",
                        "labkit.optim: p.float(), a cast of the parameter (parameter memory in the ledger)")
-    opt_refresh: int = _f(T_, "GaLore projector refresh: the costliest matrix's SVD (or the steady step's temporaries)",
+    opt_refresh: int = _f(K.OPTIMIZER_TEMPS,
+                          T_, "GaLore projector refresh: the costliest matrix's SVD (or the steady step's temporaries)",
                           "4(m k + k + k n) U, S, Vh (+ 4 m n a 16-bit G's fp32 copy, or + 4 r k an int8 projector's "
                           "quotient), or the steady step's if larger (optim_terms.galore_step_split)",
                           "labkit.optim.galore make_projector: torch.linalg.svd(G.float(), full_matrices=False)")
-    refresh_freed: int = _f(O_, "the refreshed matrix's old projector, freed before its SVD (while the SVD's output "
+    refresh_freed: int = _f(K.OPTIMIZER_STATE,
+                            O_, "the refreshed matrix's old projector, freed before its SVD (while the SVD's output "
                                 "and a 16-bit G's fp32 copy live)", "r k x its bytes (optim_terms.galore_refresh_split)",
                             "labkit.optim GaLore: state.pop('projector') before make_projector")
-    inputs: int = _f(A_, "token ids and targets", "2 x B x S x 8 (int64)", "the batch")
-    before: int = _f(A_, "saved before the first block", "walk: position ids, embedding dropout mask",
+    inputs: int = _f(K.INPUTS, A_, "token ids and targets", "2 x B x S x 8 (int64)", "the batch")
+    before: int = _f(K.EMBEDDING, A_, "saved before the first block", "walk: position ids, embedding dropout mask",
                      "autograd's saved tensors (derivatives.yaml)")
-    layer: int = _f(A_, "saved by one block", "walk of one block ~ sbh(34 + 5as/h) for Megatron's layer",
+    layer: int = _f(K.SAVED_ACTIVATIONS,
+                    A_, "saved by one block", "walk of one block ~ sbh(34 + 5as/h) for Megatron's layer",
                     "Korthikanti et al. 2022 (arXiv 2205.05198); derivatives.yaml")
-    after: int = _f(A_, "saved after the last block", "walk: final norm input and statistics, head input, log-softmax",
+    after: int = _f(K.HEAD,
+                    A_, "saved after the last block", "walk: final norm input and statistics, head input, log-softmax",
                     "derivatives.yaml")
-    lsm: int = _f(A_, "log-softmax of the logits", "r x V x 4 (loss in fp32) or x m",
+    lsm: int = _f(K.LOG_SOFTMAX, A_, "log-softmax of the logits", "r x V x 4 (loss in fp32) or x m",
                   "log_softmax saves its output; nll_loss reads it")
-    logits: int = _f(T_, "logits (and their fp32 copy) while the loss runs", "r x V x m (+ r x V x 4 upcast)",
+    logits: int = _f(K.LOGITS, T_, "logits (and their fp32 copy) while the loss runs", "r x V x m (+ r x V x 4 upcast)",
                      "lm_head's output; .float() or autocast's fp32 loss")
-    head_temp: int = _f(T_, "head backward: dlogits, dX (and a 16-bit dW)", "r V m + r h m (+ V h m under autocast)",
+    head_temp: int = _f(K.HEAD_BACKWARD,
+                        T_, "head backward: dlogits, dX (and a 16-bit dW)", "r V m + r h m (+ V h m under autocast)",
                         "mm backward: grad_input = dy @ W, grad_weight = dy^T @ x")
-    head_cast: int = _f(T_, "head backward after its matmul: dX and the 16-bit dW being cast to fp32", "r h m + V h m",
+    head_cast: int = _f(K.HEAD_BACKWARD,
+                        T_, "head backward after its matmul: dX and the 16-bit dW being cast to fp32", "r h m + V h m",
                         "the mm node frees its saved weight copy and dlogits once it returns; ToCopyBackward casts dW")
-    head_grad: int = _f(G_, "output matrix and final norm gradients", "(V h + 2h) x d", "made at the head's backward")
-    head_new: int = _f(T_, "the output matrix's new gradient, before it is summed into .grad (or held for the tied "
+    head_grad: int = _f(K.HEAD_GRADIENTS,
+                        G_, "output matrix and final norm gradients", "(V h + 2h) x d", "made at the head's backward")
+    head_new: int = _f(K.NEW_GRADIENT,
+                       T_, "the output matrix's new gradient, before it is summed into .grad (or held for the tied "
                            "embedding's part)", "V x h x d", "AccumulateGrad adds it into the .grad of the earlier "
                            "micro-batches")
-    stream: int = _f(T_, "gradient of the residual stream", "r x h x d", "carried from block to block in backward")
-    tau: int = _f(T_, "MLP backward transient", "(1 exact GELU | 2 Python GELU/SwiGLU (+1 under LoRA)) x r x f x m",
+    stream: int = _f(K.RESIDUAL_GRADIENT,
+                     T_, "gradient of the residual stream", "r x h x d", "carried from block to block in backward")
+    tau: int = _f(K.LAYER_TEMPS,
+                  T_, "MLP backward transient", "(1 exact GELU | 2 Python GELU/SwiGLU (+1 under LoRA)) x r x f x m",
                   "gelu_backward / mul backward: the gradients into and out of the activation alive together")
-    tau_grad: int = _f(G_, "one weight gradient before accumulation", "f x h x m (LoRA: the largest trained tensor)",
+    tau_grad: int = _f(K.NEW_GRADIENT,
+                       G_, "one weight gradient before accumulation", "f x h x m (LoRA: the largest trained tensor)",
                        "AccumulateGrad: a weight's gradient exists before it is stored in .grad")
-    proj_dx: int = _f(T_, "the MLP output projection's input gradient", "r x f x m",
+    proj_dx: int = _f(K.LAYER_TEMPS, T_, "the MLP output projection's input gradient", "r x f x m",
                       "mm backward: grad_input = dy @ W, made with the projection's weight gradient")
-    layer_grad: int = _f(G_, "gradients of one block", "block parameters x d", "")
-    layer_copy: int = _f(P_, "autocast copies of one block's weights", "2 x block matmul parameters", "torch.autocast")
-    head_copy: int = _f(P_, "autocast copy of the output matrix", "2 x V x h", "torch.autocast")
-    emb_temp: int = _f(T_, "dense embedding gradient (and the tied sum)", "2 x V x h x d",
+    layer_grad: int = _f(K.BLOCK_GRADIENTS, G_, "gradients of one block", "block parameters x d", "")
+    layer_copy: int = _f(K.COPIES_16BIT,
+                         P_, "autocast copies of one block's weights", "2 x block matmul parameters", "torch.autocast")
+    head_copy: int = _f(K.COPIES_16BIT, P_, "autocast copy of the output matrix", "2 x V x h", "torch.autocast")
+    emb_temp: int = _f(K.EMBEDDING_TIED_SUM, T_, "dense embedding gradient (and the tied sum)", "2 x V x h x d",
                        "embedding_dense_backward; AccumulateGrad adds the head's part")
-    emb_dense: int = _f(T_, "dense embedding-table gradients before accumulation",
+    emb_dense: int = _f(K.EMBEDDING_GRADIENT, T_, "dense embedding-table gradients before accumulation",
                         "(V h + positions x h) x d", "embedding_dense_backward, then AccumulateGrad's in-place add")
-    buffers: int = _f(B_, "int8/NF4 frozen base weights", "per weight (labkit.estimate.peft_terms)", "Dettmers et al. 2023")
-    dequant: int = _f(T_, "dequantization scratch of one weight", "6 B (NF4) or 6-8 B (int8) x the largest weight",
+    buffers: int = _f(K.QUANTIZED_BASE,
+                      B_, "int8/NF4 frozen base weights", "per weight (labkit.estimate.peft_terms)",
+                      "Dettmers et al. 2023")
+    dequant: int = _f(K.DEQUANT_SCRATCH,
+                      T_, "dequantization scratch of one weight", "6 B (NF4) or 6-8 B (int8) x the largest weight",
                       "labkit.quant.dequantize_nf4 / dequantize_int8")
     # step-in-backward: (largest gradient, step temporaries, fp32 casts of the parameter) of one block's
     # parameters and of the rest;
@@ -116,7 +137,8 @@ class StepBytes:
     block_refresh: tuple | None = None
     rest_refresh: tuple | None = None
     tied_refresh: tuple | None = None
-    head_held: int = _f(T_, "the tied head's partial gradient (a gradient in flight, not yet a .grad)", "V x h x d",
+    head_held: int = _f(K.TIED_HEAD_GRADIENT,
+                        T_, "the tied head's partial gradient (a gradient in flight, not yet a .grad)", "V x h x d",
                         "autograd holds it in the shared weight's input buffer until the embedding's part is added; "
                         "that sum becomes .grad")
     step_freed: tuple[int, int, int] = (0, 0, 0)
@@ -132,9 +154,10 @@ class StepBytes:
     locals_saved: int = 0
     final_out: tuple = (0, 0)  # transformers' last_hidden_state through the loss: (bytes, bytes no op saves)
     loss_locals: tuple = (0, 0)  # labkit GPT's forward locals while its loss runs: (bytes, bytes no op saves)
-    loss_saved: int = _f(T_, "the chunked loss's saved tensors copied back (hidden states, logsumexp, count)",
+    loss_saved: int = _f(K.LOSS_TEMPS,
+                         T_, "the chunked loss's saved tensors copied back (hidden states, logsumexp, count)",
                          "r x h x d + r x 4 + 8", "labkit.recompute.offload_activations unpacks them for its backward")
-    loss_lse: int = _f(T_, "the chunked loss's logsumexp, filled chunk by chunk", "r x 4",
+    loss_lse: int = _f(K.LOSS_TEMPS, T_, "the chunked loss's logsumexp, filled chunk by chunk", "r x 4",
                        "labkit.recompute.chunked_ce: saved (so offloaded) only when its forward returns")
     block0_local: int = 0  # the part of forward_locals that is block 0's input (held as a checkpointed input)
     block_kwargs: tuple = (0, 0)  # (bytes of the tensors every block gets besides its input, the part in `before`)
@@ -143,7 +166,8 @@ class StepBytes:
     #  bytes of the block's gradients made by then in backward, matmul outputs of the block up to the op)
     points: list = field(default_factory=list)
     forward_extra: int = 0  # alive through the forward, never saved (transformers' (B, 1, S, S) float mask)
-    forward_locals: int = _f(T_, "embeddings held by the model's forward function", "r h d (+ S h d positions)",
+    forward_locals: int = _f(K.FORWARD_LOCALS,
+                             T_, "embeddings held by the model's forward function", "r h d (+ S h d positions)",
                              "transformers' GPT2Model/LlamaModel.forward keep inputs_embeds (and position_embeds) "
                              "in locals until they return")
 
@@ -155,19 +179,27 @@ class StepBytes:
             return list(parts)
         return [self.term(key)] if getattr(self, key) else []
 
-    def term(self, key: str, times: int = 1, name: str | None = None, nbytes: int | None = None) -> Term:
-        """The field `key` as a term (times copies of it, or `nbytes` in its place), with its formula and source."""
+    def term(self, key: str, times: int = 1, name: str | None = None, nbytes: int | None = None,
+             as_key: TermKey | None = None) -> Term:
+        """The field `key` as a term (times copies of it, or `nbytes` in its place), with its formula, source and
+        TermKey (the field's, or `as_key`)."""
         meta = _META[key]
         n = getattr(self, key) if nbytes is None else nbytes
         formula = meta["formula"] if times == 1 else f"{times} x [{meta['formula']}]"
-        return Term(name or meta["name"], meta["cat"], times * n, formula, meta["source"])
+        return Term(name or meta["name"], meta["cat"], times * n, formula, meta["source"], key=as_key or meta["key"])
 
 
 _META = {f.name: f.metadata for f in fields(StepBytes) if f.metadata}
 
 
-def custom(name: str, cat: Category, nbytes: int, formula: str, source: str = "") -> Term:
-    return Term(name, cat, int(nbytes), formula, source)
+def _m(kind: MomentKind, block: int | None, phase: str, where: str, terms: list[Term],
+       variant: Variant | None = None) -> Moment:
+    return Moment(phase, where, terms, kind=kind, block=block, variant=variant)
+
+
+def custom(key: TermKey, name: str, cat: Category, nbytes: int, formula: str, source: str = "",
+           block: int | None = None) -> Term:
+    return Term(name, cat, int(nbytes), formula, source, key=key, block=block)
 
 
 def _tied(b: StepBytes) -> bool:
@@ -184,7 +216,8 @@ def _head_grads(b: StepBytes) -> list[Term]:
         return []
     if not _tied(b):
         return [b.term("head_grad")]
-    return [b.term("head_held"), custom("final norm gradients", G_, b.head_grad - b.head_held, "2h x d",
+    return [b.term("head_held"), custom(K.HEAD_GRADIENTS,
+                                        "final norm gradients", G_, b.head_grad - b.head_held, "2h x d",
                                         "made at the final norm's backward")]
 
 
@@ -206,7 +239,8 @@ def _held_terms(b: StepBytes, policy: str, offload: bool, sizes: list[int], unit
         return []
     blocks = sum(sizes[:units])
     if len(b.replays) >= blocks:
-        return [custom(f"saved by {blocks} block(s)", A_, sum(_block_saved(b, k) for k in range(blocks)),
+        return [custom(K.SAVED_ACTIVATIONS,
+                       f"saved by {blocks} block(s)", A_, sum(_block_saved(b, k) for k in range(blocks)),
                        "replay: each block's saved tensors (its input when it saves it), without autocast's weight "
                        "copies", _REPLAY_SOURCE)]
     return [b.term("layer", blocks, f"saved by {blocks} block(s)")]
@@ -262,25 +296,26 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
 
     # ---- forward: the loss (all held activations), the last block's dequantization, inside a block
     final = b.final_out[0] if offload else b.final_out[1]
-    held_final = [custom("the final norm's output, held as last_hidden_state", T_, final, "r x h x d",
+    held_final = [custom(K.FORWARD_LOCALS, "the final norm's output, held as last_hidden_state", T_, final, "r x h x d",
                          "transformers' CausalLM forward keeps the base model's output until it returns")] if final else []
     # labkit GPT runs the loss in its forward: its locals pos, x (and the chunked loss's h) are alive, and the
     # saved ones among them are counted in `outside` unless offloaded (their device storage still held)
     loss_held = b.loss_locals[0] if offload else b.loss_locals[1]
-    held_final += [custom("GPT.forward's locals while its loss runs (pos, the last block's output x, the chunked "
+    held_final += [custom(K.FORWARD_LOCALS,
+                          "GPT.forward's locals while its loss runs (pos, the last block's output x, the chunked "
                           "loss's input h)", T_, loss_held, "S x 8 + r x h x d (+ r x h x d chunked)",
                           "labkit.models.gpt.GPT.forward holds them until it returns"
                           + (" (saved ones offloaded, still held)" if offload else " (the part no op saves)"))
                    ] if loss_held else []
     # the chunked loss's logsumexp: under offload it is on the device only while the loss runs
     held_final += [b.term("loss_lse")] if offload and b.loss_lse else []
-    fwd = [Moment("forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
+    fwd = [_m(MK.LOSS, None, "forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
                                                  *held_all, *held_final, b.term("lsm"), b.term("logits")])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
         head = 0 if replayed and offload and b.c_frozen_head else b.head_copy  # (an offloaded frozen one: gone)
-        before_head = [custom(t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,
+        before_head = [custom(t.key, t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,
                               t.source) for t in fwd_copies[:1]] if fwd_copies and head else fwd_copies
-        fwd.append(Moment("forward", "last block, dequantizing its largest weight" + sfx,
+        fwd.append(_m(MK.DEQUANT, None, "forward", "last block, dequantizing its largest weight" + sfx,
                           [*states, *before_head, *buffers, b.term("inputs"), *outside[:1], *held_all,
                            b.term("dequant")]))
     if replayed:
@@ -297,13 +332,15 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         copies = [b.term("head_copy")] if b.C else []
     else:
         copies = [*b.state("C")]
-    loss_grads = [custom("the loss's gradients (dlogits, d log-softmax)", T_, 2 * b.lsm, "2 x r x V x (4 | m)",
+    loss_grads = [custom(K.LOSS_TEMPS,
+                         "the loss's gradients (dlogits, d log-softmax)", T_, 2 * b.lsm, "2 x r x V x (4 | m)",
                          "nll_loss_backward, log_softmax_backward_data")]
     if offload:
-        loss_grads.append(custom("log-softmax copied back for the loss's backward", T_, b.lsm, "r x V x (4 | m)",
+        loss_grads.append(custom(K.LOSS_TEMPS,
+                                 "log-softmax copied back for the loss's backward", T_, b.lsm, "r x V x (4 | m)",
                                  "labkit.recompute.offload_activations: unpacked on use"))
     kwargs = _kwargs(b, policy, offload)
-    start = Moment("backward", "start: the loss's backward" + sfx,
+    start = _m(MK.LOSS_BACKWARD, None, "backward", "start: the loss's backward" + sfx,
                    [*states, *copies, *buffers, b.term("inputs"), *outside, *kwargs, *held_all,
                     *([] if offload else [b.term("lsm")]), *loss_grads])
     head_grad = ([b.term("head_new")] if b.head_new else []) if grads_exist else _head_grads(b)
@@ -311,7 +348,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     # output matrix's gradient alone (a tied one in flight, TEMP, until the embedding's part is summed with it)
     in_head = ([b.term("head_new")] if b.head_new else []) if grads_exist else \
         [b.term("head_held")] if _tied(b) and b.head_grad else \
-        [custom("output matrix gradient", G_, b.head_new, "V x h x d", "made at the head's backward")] \
+        [custom(K.HEAD_GRADIENTS,
+                "output matrix gradient", G_, b.head_new, "V x h x d", "made at the head's backward")] \
         if b.head_grad else []
     # the chunked loss's saved tensors (hidden states, logsumexp, count) copied back for its backward
     loss_back = [b.term("loss_saved")] if offload and b.loss_saved else []
@@ -319,12 +357,13 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     # under autocast the head's matmul makes a 16-bit dW: its fp32 gradient (in_head) comes after, from the
     # weight copy's own node, once the matmul's node has returned and freed the copy it saved
     cast = bool(b.head_cast and not offload and in_head)
-    head = Moment("backward", "the head's backward" + sfx,
+    head = _m(MK.HEAD_BACKWARD, None, "backward", "the head's backward" + sfx,
                   [*around, *([] if cast else in_head), *loss_back, b.term("head_temp")])
     moments = [*fwd, start, head]
     if cast:
-        moments.append(Moment("backward", "the head's weight gradient cast to fp32" + sfx, [
-            *around, custom("freed: the head's 16-bit weight copy, with its matmul's backward", P_, -b.head_copy,
+        moments.append(_m(MK.HEAD_BACKWARD, None, "backward", "the head's weight gradient cast to fp32" + sfx, [
+            *around, custom(K.COPIES_16BIT,
+                            "freed: the head's 16-bit weight copy, with its matmul's backward", P_, -b.head_copy,
                             "2 x V x h", "autograd releases a node's saved tensors once it has run"),
             *in_head, b.term("head_cast")]))
     if b.tail is not None and not step_in_backward and len(b.replays) == n_layer:
@@ -336,10 +375,10 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         block_moments, block_steps = _replayed_backward(st)
     else:
         block_moments = _plain_backward(st, moments)
-    rest = [custom("gradients of the parameters outside the blocks (step in backward)", G_,
+    rest = [custom(K.GRADIENTS, "gradients of the parameters outside the blocks (step in backward)", G_,
                    max(b.rest_step[0], b.tied_step[0]),
                    "largest such gradient x d", "labkit.optim.StepInBackward")] if step_in_backward else b.state("G")
-    end = Moment("backward", "the embedding's backward" + sfx,
+    end = _m(MK.EMBEDDING_BACKWARD, None, "backward", "the embedding's backward" + sfx,
                  [*base_states, *buffers, b.term("inputs"), *rest, b.term("stream"),
                   b.term("emb_dense") if grads_exist else b.term("emb_temp")])
     if _tied(b) and not grads_exist and not step_in_backward:
@@ -347,10 +386,12 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         # sums its dense gradient with the head's part: two moments, not the stream beside both
         base = [*base_states, *buffers, b.term("inputs"), *rest]
         moments += [*block_moments,
-                    Moment("backward", "the embedding's backward" + sfx,
-                           [*base, b.term("stream"), custom("dense embedding gradient", T_, b.head_held,
+                    _m(MK.EMBEDDING_BACKWARD, None, "backward", "the embedding's backward" + sfx,
+                           [*base, b.term("stream"), custom(K.EMBEDDING_GRADIENT,
+                                                            "dense embedding gradient", T_, b.head_held,
                                                             "V x h x d", "embedding_dense_backward")]),
-                    Moment("backward", "the tied embedding's gradients summed (the stream's gradient freed)" + sfx,
+                    _m(MK.EMBEDDING_SUM, None,
+                       "backward", "the tied embedding's gradients summed (the stream's gradient freed)" + sfx,
                            [*base, b.term("emb_temp")])]
     elif b.head_held and b.emb_temp == 2 * b.head_held and grads_exist and not step_in_backward:
         # a tied matrix, gradients already there: the head's part, held since the head's backward, and the
@@ -358,9 +399,11 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         # gradient freed by then): three V x h tensors at once
         base = [*base_states, *buffers, b.term("inputs"), *rest]
         moments += [*block_moments, end,
-                    Moment("backward", "the tied embedding's gradients summed (the stream's gradient freed)" + sfx,
+                    _m(MK.EMBEDDING_SUM, None,
+                       "backward", "the tied embedding's gradients summed (the stream's gradient freed)" + sfx,
                            [*base, b.term("head_held"),
-                            custom("dense embedding gradient and the tied sum", T_, 2 * b.head_held,
+                            custom(K.EMBEDDING_TIED_SUM,
+                                   "dense embedding gradient and the tied sum", T_, 2 * b.head_held,
                                    "2 x V x h x d", "embedding_dense_backward; autograd's sum of the two parts")])]
     else:
         moments += [*block_moments, end]
@@ -371,11 +414,12 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         moments += block_steps or []
     elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
         opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
-        moments.append(Moment("optimizer", f"the optimizer step, {STEADY}" + sfx, [*opt, b.term("opt_temp")]))
-        moments.append(Moment("optimizer", f"the optimizer step, {REFRESH}" + sfx,
-                              [*opt, b.term("opt_refresh"), *_freed_projector(b.refresh_freed)]))
+        moments.append(_m(MK.OPTIMIZER_STEP, None, "optimizer", f"the optimizer step, {STEADY}" + sfx,
+                          [*opt, b.term("opt_temp")], STEADY))
+        moments.append(_m(MK.OPTIMIZER_STEP, None, "optimizer", f"the optimizer step, {REFRESH}" + sfx,
+                          [*opt, b.term("opt_refresh"), *_freed_projector(b.refresh_freed)], REFRESH))
     else:
-        moments.append(Moment("optimizer", "the optimizer step" + sfx,
+        moments.append(_m(MK.OPTIMIZER_STEP, None, "optimizer", "the optimizer step" + sfx,
                               [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp"),
                                b.term("opt_cast")]))
     return moments
@@ -393,24 +437,26 @@ def _tail_moment(st: _Step, kwargs: list[Term], held_all: list[Term], head_grad:
     terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]), *kwargs, *held_all]
     copies = sum(r.copies_saved for r in b.replays) if policy == "none" and not offload else 0
     if copies:
-        terms.append(custom("autocast weight copies saved by the blocks", P_, copies,
+        terms.append(custom(K.COPIES_16BIT, "autocast weight copies saved by the blocks", P_, copies,
                             "2 x the weights their matmuls save (for dx)",
                             "autograd keeps a matmul's 16-bit weight copy until that node's backward"))
     terms += head_grad
     if t.input_saved and not offload:
-        terms.append(custom("the last block's output, saved by the final norm", A_, t.input_saved, "r x h x d",
+        terms.append(custom(K.HEAD, "the last block's output, saved by the final norm", A_, t.input_saved, "r x h x d",
                             "derivatives.yaml"))
     saved = 0 if offload else w.saved  # the forward's own saved tensors (copied back ones are made in backward)
     if saved:
-        terms.append(custom(f"the final norm's saved tensors still needed at {w.op}", A_, saved,
+        terms.append(custom(K.HEAD, f"the final norm's saved tensors still needed at {w.op}", A_, saved,
                             "replay: each saved tensor until its last reader", _REPLAY_SOURCE))
-    terms.append(custom(f"the final norm's backward, {w.op}: " + ("its copied-back saved tensors, " if offload else "")
+    terms.append(custom(K.LAYER_TEMPS,
+                        f"the final norm's backward, {w.op}: " + ("its copied-back saved tensors, " if offload else "")
                         + "gradients and temporaries", T_, w.live - saved,
                         "replay: the norm's ops from its output's gradient", _REPLAY_SOURCE))
     if w.grads:  # (a later micro-batch: the new gradient, until it is summed into .grad)
-        terms.append(custom("the final norm's weight gradients made so far", T_ if grads_exist else G_, w.grads,
+        terms.append(custom(K.HEAD_GRADIENTS,
+                            "the final norm's weight gradients made so far", T_ if grads_exist else G_, w.grads,
                             "replay: AccumulateGrad", "autograd makes a weight's gradient at its op's backward"))
-    return Moment("backward", "the final norm's backward" + sfx, terms)
+    return _m(MK.FINAL_NORM_BACKWARD, None, "backward", "the final norm's backward" + sfx, terms)
 
 
 def _plain_backward(st: _Step, moments: list[Moment]) -> list[Moment]:
@@ -423,7 +469,8 @@ def _plain_backward(st: _Step, moments: list[Moment]) -> list[Moment]:
     done = 0  # blocks whose backward is finished
     for j in reversed(range(n_units)):  # units, last first
         m = sizes[j]
-        where = (f"block {j} backward" if m == 1 and policy != "full" and policy != "sqrt"
+        unit_block = j if m == 1 and policy != "full" and policy != "sqrt" else None  # one block, named
+        where = (f"block {j} backward" if unit_block is not None
                  else f"segment {j} backward (blocks {sum(sizes[:j])}-{sum(sizes[:j + 1]) - 1})")
         terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")])]
         terms += _held_terms(b, policy, offload, sizes, j)
@@ -440,14 +487,16 @@ def _plain_backward(st: _Step, moments: list[Moment]) -> list[Moment]:
         terms.append(b.term("stream"))
         if step_in_backward:  # the projection's weight gradient is stepped and freed before the activation's
             # backward: at most its input gradient beside it, the MLP transient after it
-            block_moments.append(Moment("backward", where + sfx, [*terms, b.term("tau_grad"), b.term("proj_dx")]))
+            block_moments.append(_m(MK.BLOCK_BACKWARD, unit_block,
+                                    "backward", where + sfx, [*terms, b.term("tau_grad"), b.term("proj_dx")]))
             where += ", the MLP activation's backward, its output projection stepped"
-            terms += [b.term("proj_dx"), custom("freed: the output projection's saved input", A_, -b.step_freed[1],
+            terms += [b.term("proj_dx"), custom(K.SAVED_ACTIVATIONS,
+                                                "freed: the output projection's saved input", A_, -b.step_freed[1],
                                                 "r x f x m", _RELEASED)]
         else:
             terms.append(b.term("tau_grad"))
         terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
-        block_moments.append(Moment("backward", where + sfx, terms))
+        block_moments.append(_m(MK.BLOCK_BACKWARD, unit_block, "backward", where + sfx, terms))
         moments += _backward_points(st, j, done, where)
         done += m
     return block_moments
@@ -479,11 +528,12 @@ def _held(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int
         return []
     spans = _units(sizes)[:units]
     inputs = sum(b.replays[s].input_bytes for s, _ in spans)
-    out = [custom(f"inputs of {units} checkpointed {'block' if policy == 'selective' else 'segment'}(s)", A_, inputs,
+    out = [custom(K.CHECKPOINT_INPUTS,
+                  f"inputs of {units} checkpointed {'block' if policy == 'selective' else 'segment'}(s)", A_, inputs,
                   "r x h x d each", "labkit.recompute.checkpoint keeps a region's inputs")]
     if policy == "selective":
         kept = sum(b.replays[i].kept_bytes for s, e in spans for i in range(s, e))
-        out.append(custom(f"outputs selective checkpointing keeps in {units} block(s)", A_, kept,
+        out.append(custom(K.CHECKPOINT_INPUTS, f"outputs selective checkpointing keeps in {units} block(s)", A_, kept,
                           "replay: the outputs of the policy's ops in the block (matmuls: mm/addmm/bmm/sdpa; "
                           "attention-core: the linears, norms and MLP activation)",
                           "labkit.recompute.selective (torch SAC policy MUST_SAVE)"))
@@ -497,7 +547,7 @@ def _kwargs(b: StepBytes, policy: str, offload: bool) -> list[Term]:
     if policy == "none":
         return []
     n = b.block_kwargs[0] - (0 if offload else b.block_kwargs[1])
-    return [custom("the blocks' other arguments, kept by the checkpointed regions", T_, n,
+    return [custom(K.CHECKPOINT_INPUTS, "the blocks' other arguments, kept by the checkpointed regions", T_, n,
                    "S x 8 position ids (+ 2 x S x head_dim x d cos, sin) (+ B x S x S x d mask)",
                    "labkit.recompute.checkpoint keeps a region's arguments until its recompute")] if n else []
 
@@ -509,7 +559,7 @@ def _forward_copies(b: StepBytes, policy: str, offload: bool) -> list[Term]:
     if not b.C:
         return []
     frozen = b.c_frozen_blocks + (b.c_frozen_head if offload else 0)
-    return [custom("autocast 16-bit weight copies (the cache: trained weights" +
+    return [custom(K.COPIES_16BIT, "autocast 16-bit weight copies (the cache: trained weights" +
                    ("" if offload else "; the frozen head's saved copy") + ")", P_, b.C - frozen,
                    "2 x trained matmul parameters" + ("" if offload else " (+ 2 x V x h frozen head)"),
                    "torch.autocast caches a cast of a leaf that requires grad until the forward ends")]
@@ -520,14 +570,16 @@ def _locals(b: StepBytes, offload: bool, checkpointed: bool, in_block0: bool = F
     4-D mask): under offload even those also saved (they leave only when the forward returns)."""
     out = []
     if b.forward_extra:
-        out.append(custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
+        out.append(custom(K.FORWARD_LOCALS,
+                          "transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
                           "made once per forward by the model's masking utilities"))
     # block 0's input is counted already when a checkpoint holds it, or as the input of the block running
     local = b.forward_locals - (b.block0_local if checkpointed or in_block0 else 0)
     if local:
         out.append(b.term("forward_locals", nbytes=local))
     if offload and b.locals_saved:
-        out.append(custom("position ids / rotary tables held by the model's forward", T_, b.locals_saved,
+        out.append(custom(K.FORWARD_LOCALS,
+                          "position ids / rotary tables held by the model's forward", T_, b.locals_saved,
                           "S x 8 or 2 x S x head_dim x d", "the model's forward locals (saved, offloaded, still held)"))
     return out
 
@@ -543,18 +595,22 @@ def _replayed_forward(st: _Step) -> list[Moment]:
     worst = last.kept if policy == "selective" else last.free
     copies = _forward_copies(b, policy, offload)
     if copies:  # the head's copy is made after the blocks, the last block's as its ops run
-        copies = [custom("autocast 16-bit weight copies cached so far (the blocks before, this block's up to "
+        copies = [custom(K.COPIES_16BIT,
+                         "autocast 16-bit weight copies cached so far (the blocks before, this block's up to "
                          "the op)", P_, copies[0].bytes - (0 if offload and b.c_frozen_head else b.head_copy)
                          - last.cached_bytes + worst.cached, copies[0].formula, copies[0].source)]
     terms = [*states, *copies, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
              *_locals(b, offload, policy != "none", e == 1), *_held(b, policy, offload, sizes, n_units - 1)]
     if e - 1 > s and policy != "none":
-        terms.append(custom("the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
+        terms.append(custom(K.CHECKPOINT_INPUTS, "the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
                             "labkit.recompute.checkpoint keeps a region's inputs"))
-    terms.append(custom(f"block {e - 1} forward, {_at(worst.op, e - 1)}: live in the block (its input included)", T_, worst.live,
+    terms.append(custom(K.LAYER_TEMPS,
+                        f"block {e - 1} forward, {_at(worst.op, e - 1)}: live in the block (its input included)",
+                        T_, worst.live,
                         "replay: the block's tensors alive then (saved tensors " +
                         ("offloaded)" if policy == "none" else "dropped by the checkpoint)"), _REPLAY_SOURCE))
-    return [Moment("forward", f"inside block {e - 1}'s forward ({_at(worst.op, e - 1)})" + sfx, terms)]
+    return [_m(MK.BLOCK_FORWARD, e - 1,
+               "forward", f"inside block {e - 1}'s forward ({_at(worst.op, e - 1)})" + sfx, terms)]
 
 
 def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
@@ -572,7 +628,7 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
             return [b.term("head_held")] if b.head_held else []
         t = _head_grads(b)
         if done_grads + extra:
-            t.append(custom("gradients of the finished blocks", G_, done_grads + extra,
+            t.append(custom(K.BLOCK_GRADIENTS, "gradients of the finished blocks", G_, done_grads + extra,
                             "replay: each block's parameter gradients", "AccumulateGrad"))
         return t
 
@@ -590,19 +646,19 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                          *_held_terms(b, policy, offload, sizes, k), *grads_terms(0)]
                 copies = sum(b.replays[i].copies_saved for i in range(k))
                 if copies:
-                    terms.append(custom(f"autocast weight copies saved by blocks 0-{k - 1}", P_, copies,
+                    terms.append(custom(K.COPIES_16BIT, f"autocast weight copies saved by blocks 0-{k - 1}", P_, copies,
                                         "2 x the weights their matmuls save (for dx)",
                                         "autograd keeps a matmul's 16-bit weight copy until that node's backward"))
                 if r.input_saved:
-                    terms.append(custom(f"the input of block {k}, saved by it", A_, r.input_saved, "r x h x d",
-                                        "derivatives.yaml"))
+                    terms.append(custom(K.BLOCK_INPUT, f"the input of block {k}, saved by it", A_, r.input_saved,
+                                        "r x h x d", "derivatives.yaml", block=k))
                 if step_in_backward:
                     steps.append(_step_moment(b, list(terms), w.step, k, sfx))
                 terms += _saved_terms(w, k)
                 terms.append(_bwd_term(w, k, offload=False, plain=True))
                 if w.grads:
                     terms.append(_wgrad_term(w, k, grads_exist))
-                out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
+                out.append(_m(MK.BLOCK_BACKWARD, k, "backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
                 done_grads += r.wgrad_bytes
             continue
         if policy == "none":  # offloaded blocks (with checkpointing, a region's own hooks win: recomputed)
@@ -612,12 +668,12 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                 terms = [*base, *grads_terms(0), _bwd_term(w, k, offload=True)]
                 if w.grads:
                     terms.append(_wgrad_term(w, k, grads_exist))
-                out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
+                out.append(_m(MK.BLOCK_BACKWARD, k, "backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
                 if step_in_backward:
                     steps.append(_step_moment(b, terms[:-1], w.step, k, sfx))
                 done_grads += r.wgrad_bytes
             continue
-        unit_held = [custom(f"the input of {unit}", A_, b.replays[s].input_bytes, "r x h x d",
+        unit_held = [custom(K.CHECKPOINT_INPUTS, f"the input of {unit}", A_, b.replays[s].input_bytes, "r x h x d",
                             "labkit.recompute.checkpoint keeps a region's inputs")]
         # the recompute: the unit's forward again, everything saved; the gradient of its output waits
         sel = policy == "selective"
@@ -630,19 +686,21 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
         rec = last.recompute_sel if sel else last.recompute
         # its input: the unit's own (held) or the block before's output (counted in `earlier` when saved)
         rec_live = rec.live - (last.input_bytes if e - 1 == s else last.input_saved)
-        cached = [custom(f"outputs selective checkpointing keeps in {unit}", A_,
+        cached = [custom(K.CHECKPOINT_INPUTS, f"outputs selective checkpointing keeps in {unit}", A_,
                          sum(b.replays[i].kept_bytes for i in range(s, e - 1)),
                          "replay: the outputs of the policy's ops", "labkit.recompute.selective")] if sel and e - s > 1 else []
         terms = [*base, *kwargs, *unit_held, *cached, *grads_terms(0),
-                 custom("gradients made before the recompute (the unit's output's and those of the ops that "
+                 custom(K.LAYER_TEMPS,
+                        "gradients made before the recompute (the unit's output's and those of the ops that "
                         "save nothing)", T_, last.offload.trigger, "replay: the backward up to the first node "
                         "that reads a saved tensor", _REPLAY_SOURCE)]
         if earlier:
-            terms.append(custom("saved by the unit's earlier blocks (recomputed)", A_, earlier,
+            terms.append(custom(K.SAVED_ACTIVATIONS, "saved by the unit's earlier blocks (recomputed)", A_, earlier,
                                 "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
-        terms.append(custom(f"block {e - 1} recompute, {_at(rec.op, e - 1)}: live in the block", T_, rec_live,
+        terms.append(custom(K.LAYER_TEMPS,
+                            f"block {e - 1} recompute, {_at(rec.op, e - 1)}: live in the block", T_, rec_live,
                             "replay: the block's forward with every saved tensor kept", _REPLAY_SOURCE))
-        out.append(Moment("backward", f"{unit} recompute" + sfx, terms))
+        out.append(_m(MK.RECOMPUTE, s if e - s == 1 else None, "backward", f"{unit} recompute" + sfx, terms))
         # each block's backward, the unit's last first; the earlier blocks' recomputed tensors wait
         unit_grads = 0
         for k in reversed(range(s, e)):
@@ -652,18 +710,20 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
             w = r.recomputed_later if grads_exist or step_in_backward else r.recomputed
             wait = sum(saved_by(i) for i in range(s, k)) + sum(b.replays[i].input_saved for i in range(s + 1, k + 1))
             # the recompute over, the region lets its input go; it stays only if the first block saved it
-            kept_in = [custom(f"the input of {unit}, saved by its first block", A_, b.replays[s].input_saved,
+            kept_in = [custom(K.CHECKPOINT_INPUTS,
+                              f"the input of {unit}, saved by its first block", A_, b.replays[s].input_saved,
                               "r x h x d", "the recompute's saved tensors")] if b.replays[s].input_saved else []
             terms = [*base, *(kwargs if j else []), *kept_in, *grads_terms(unit_grads)]
             if wait:
-                terms.append(custom("saved by the unit's earlier blocks (recomputed), waiting", A_, wait,
+                terms.append(custom(K.SAVED_ACTIVATIONS,
+                                    "saved by the unit's earlier blocks (recomputed), waiting", A_, wait,
                                     "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
             if step_in_backward:
                 steps.append(_step_moment(b, list(terms), w.step, k, sfx))
             terms.append(_bwd_term(w, k, offload=False))
             if w.grads:
                 terms.append(_wgrad_term(w, k, grads_exist))
-            out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
+            out.append(_m(MK.BLOCK_BACKWARD, k, "backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
             unit_grads += r.wgrad_bytes
         done_grads += unit_grads
     return out, steps
@@ -673,15 +733,17 @@ def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str) -> Moment
     """Block k's backward when one of its parameters steps (labkit.optim.StepInBackward: as soon as its node
     has returned): what is alive then, that gradient, and a step's temporaries (the block's largest tensor's)."""
     live, grad, op = (w.live, w.grads, w.op) if w is not None else (0, 0, "")
-    return Moment("optimizer", f"block {k} backward, {_at(op, k)}" + sfx, [
+    return _m(MK.PARAMETER_STEP, k, "optimizer", f"block {k} backward, {_at(op, k)}" + sfx, [
         *terms,
-        custom(f"block {k} backward when a parameter's gradient is ready: live", T_, live,
+        custom(K.LAYER_TEMPS, f"block {k} backward when a parameter's gradient is ready: live", T_, live,
                "replay: the backward up to that node", _REPLAY_SOURCE),
-        custom("the stepping parameter's gradient", G_, grad, "replay: the parameter's gradient",
+        custom(K.GRADIENTS, "the stepping parameter's gradient", G_, grad, "replay: the parameter's gradient",
                "labkit.optim.StepInBackward"),
-        custom("its optimizer step's temporaries", T_, b.block_step[1], "the block's largest tensor's step "
+        custom(K.OPTIMIZER_TEMPS,
+               "its optimizer step's temporaries", T_, b.block_step[1], "the block's largest tensor's step "
                "(optim_terms.tensor_step_bytes)", "torch.optim single-tensor step; labkit.optim's update of one tensor"),
-        custom("its step's fp32 working copy of the parameter", P_, b.block_step[2], "4 x its elements (16-bit) or 0",
+        custom(K.STEP_CAST,
+               "its step's fp32 working copy of the parameter", P_, b.block_step[2], "4 x its elements (16-bit) or 0",
                "labkit.optim: p.float(), counted as parameter memory")])
 
 
@@ -691,12 +753,14 @@ def _saved_terms(w, k: int) -> list[Term]:
     and the autocast weight copies among them parameter memory (the ledger tags a parameter's cast so)."""
     out = []
     if w.saved - w.copies:
-        out.append(custom(f"block {k}'s saved tensors still needed at {_at(w.op, k)}", A_, w.saved - w.copies,
-                          "replay: each saved tensor until its last reader", _REPLAY_SOURCE))
+        out.append(custom(K.SAVED_ACTIVATIONS,
+                          f"block {k}'s saved tensors still needed at {_at(w.op, k)}", A_, w.saved - w.copies,
+                          "replay: each saved tensor until its last reader", _REPLAY_SOURCE, block=k))
     if w.copies:
-        out.append(custom(f"block {k}'s autocast weight copies still needed at {_at(w.op, k)}", P_, w.copies,
+        out.append(custom(K.COPIES_16BIT,
+                          f"block {k}'s autocast weight copies still needed at {_at(w.op, k)}", P_, w.copies,
                           "2 x the weights its matmuls save (for dx), until their node's backward",
-                          "autograd keeps a matmul's 16-bit weight copy until that node's backward"))
+                          "autograd keeps a matmul's 16-bit weight copy until that node's backward", block=k))
     return out
 
 
@@ -705,7 +769,7 @@ def _bwd_term(w, k: int, offload: bool, plain: bool = False) -> Term:
     gradients and temporaries only, its saved tensors are `_saved_terms`."""
     held = "recomputed saved tensors still needed, "
     what = "copied-back saved tensors, " if offload else "" if plain else held
-    return custom(f"block {k} backward, {_at(w.op, k)}: {what}gradients and temporaries",
+    return custom(K.LAYER_TEMPS, f"block {k} backward, {_at(w.op, k)}: {what}gradients and temporaries",
                   T_, w.live - (w.saved if plain else 0), "replay: the output's gradient, each node's " +
                   ("saved tensors copied back (labkit.recompute.offload_activations unpacks on use)" if offload
                    else "saved tensors until their last reader") + ", its gradients and temporaries", _REPLAY_SOURCE)
@@ -713,10 +777,12 @@ def _bwd_term(w, k: int, offload: bool, plain: bool = False) -> Term:
 
 def _wgrad_term(w, k: int, later: bool = False) -> Term:
     if later:  # a later micro-batch: the new gradient exists until AccumulateGrad has added it into .grad
-        return custom(f"block {k}: a parameter's new gradient, before it is summed into .grad", T_, w.grads,
-                      "replay: the parameter's gradient (x d)", "AccumulateGrad adds it into the existing .grad")
-    return custom(f"block {k}'s parameter gradients made so far", G_, w.grads, "replay: AccumulateGrad in reverse",
-                  "autograd makes a weight's gradient at its op's backward")
+        return custom(K.NEW_GRADIENT,
+                      f"block {k}: a parameter's new gradient, before it is summed into .grad", T_, w.grads,
+                      "replay: the parameter's gradient (x d)", "AccumulateGrad adds it into the existing .grad", k)
+    return custom(K.GRADIENTS_SO_FAR,
+                  f"block {k}'s parameter gradients made so far", G_, w.grads, "replay: AccumulateGrad in reverse",
+                  "autograd makes a weight's gradient at its op's backward", k)
 
 
 def _forward_points(st: _Step, plain: bool = False) -> list[Moment]:
@@ -727,14 +793,15 @@ def _forward_points(st: _Step, plain: bool = False) -> list[Moment]:
     sfx = st.sfx
     out = []
     L = sum(sizes)
-    extra = [custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
+    extra = [custom(K.FORWARD_LOCALS, "transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
                     "made once per forward by the model's masking utilities")] if b.forward_extra else []
     extra += [b.term("forward_locals")] if b.forward_locals else []
     if extra or b.points:  # the blocks' end: all saved, nothing freed yet
-        out.append(Moment("forward", f"the end of block {L - 1}" + sfx, [
+        out.append(_m(MK.BLOCK_FORWARD, L - 1, "forward", f"the end of block {L - 1}" + sfx, [
             *states, *b.state("C"), *buffers, b.term("inputs"), b.term("before"),
             *_held_terms(b, policy, offload, sizes, L), *extra,
-            b.term("stream", name="the last block's output projection and residual sum", nbytes=2 * b.stream)]))
+            b.term("stream", name="the last block's output projection and residual sum", nbytes=2 * b.stream,
+                   as_key=K.LAYER_TEMPS)]))
     if plain:
         last = b.replays[L - 1]
         worst = last.full
@@ -745,35 +812,42 @@ def _forward_points(st: _Step, plain: bool = False) -> list[Moment]:
                  *_locals(b, False, False, L == 1 or b.replays[0].input_saved > 0),
                  *_held_terms(b, policy, offload, sizes, L - 1)]
         if copies:
-            terms.append(custom("autocast 16-bit weight copies made so far (the blocks before, this block's up to "
+            terms.append(custom(K.COPIES_16BIT,
+                                "autocast 16-bit weight copies made so far (the blocks before, this block's up to "
                                 "the op)", P_, copies, "2 x the matmul weights passed (trained: cached; frozen: saved "
                                 "for dx)", "torch.autocast's weight cast cache; autograd's saved tensors"))
         # what the block saved so far lives on into backward: activations (and a frozen weight's saved copy,
         # parameter memory) in the ledger, which tags what the forward made by whether backward starts with it
         if worst.saved - worst.copies:
-            terms.append(custom(f"block {L - 1} forward, {_at(worst.op, L - 1)}: what the block saved so far (its "
+            terms.append(custom(K.SAVED_ACTIVATIONS,
+                                f"block {L - 1} forward, {_at(worst.op, L - 1)}: what the block saved so far (its "
                                 "input if it saves it)", A_, worst.saved - worst.copies,
                                 "replay: the block's ops with every saved tensor kept", _REPLAY_SOURCE))
         if worst.copies:
-            terms.append(custom(f"block {L - 1} forward: frozen weights' autocast copies it saved so far", P_,
+            terms.append(custom(K.COPIES_16BIT,
+                                f"block {L - 1} forward: frozen weights' autocast copies it saved so far", P_,
                                 worst.copies, "2 x the frozen matmul weights passed (saved for dx)",
                                 "autograd's saved tensors"))
-        terms.append(custom(f"block {L - 1} forward, {_at(worst.op, L - 1)}: live in the block and not saved "
+        terms.append(custom(K.LAYER_TEMPS,
+                            f"block {L - 1} forward, {_at(worst.op, L - 1)}: live in the block and not saved "
                             "(temporaries, its input if not saved)", T_, worst.live - worst.saved,
                             "replay: the block's ops with every saved tensor kept", _REPLAY_SOURCE))
-        out.append(Moment("forward", f"inside block {L - 1}'s forward ({_at(worst.op, L - 1)})" + sfx, terms))
+        out.append(_m(MK.BLOCK_FORWARD, L - 1,
+                      "forward", f"inside block {L - 1}'s forward ({_at(worst.op, L - 1)})" + sfx, terms))
         return out
     for phase, what, before, saved, temp, _, kept in b.points:
         if phase != "forward":
             continue
         terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra,
                  b.term("before"), *_held_terms(b, policy, offload, sizes, L - 1),
-                 custom(f"saved by block {L - 1} before it", A_, before, "walk, block prefix", "derivatives.yaml"),
-                 custom(f"{what} saved so far", A_, saved, "replayed ops (labkit.estimate.attention)",
+                 custom(K.SAVED_ACTIVATIONS,
+                        f"saved by block {L - 1} before it", A_, before, "walk, block prefix", "derivatives.yaml"),
+                 custom(K.SAVED_ACTIVATIONS,
+                        f"{what} saved so far", A_, saved, "replayed ops (labkit.estimate.attention)",
                         "the op sequence of this attention path"),
-                 custom(f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
+                 custom(K.LAYER_TEMPS, f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
                         "the op sequence of this attention path")]
-        out.append(Moment("forward", f"block {L - 1} forward, {what}" + sfx, terms))
+        out.append(_m(MK.BLOCK_FORWARD, L - 1, "forward", f"block {L - 1} forward, {what}" + sfx, terms))
     return out
 
 
@@ -782,34 +856,37 @@ def _backward_points(st: _Step, j: int, done: int, where: str) -> list[Moment]:
     the block's earlier ops saved is still alive, what came after it is freed, the op's temporaries on top."""
     b, policy, offload, sizes, states, buffers = st.b, st.policy, st.offload, st.sizes, st.states, st.buffers
     grads_exist, step_in_backward, sfx, n_layer = st.grads_exist, st.step_in_backward, st.sfx, sum(st.sizes)
+    unit_block = j if sizes[j] == 1 and policy != "full" and policy != "sqrt" else None  # as _plain_backward's
     out = []
     for phase, what, before, saved, temp, grads_made, _ in b.points:
         if phase != "backward":
             continue
         terms = [*states, *buffers, b.term("inputs"), b.term("before"), *_held_terms(b, policy, offload, sizes, j)]
-        terms += [custom(f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",
+        terms += [custom(K.SAVED_ACTIVATIONS,
+                         f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",
                          "derivatives.yaml"),
-                  custom(f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.estimate.attention)",
+                  custom(K.SAVED_ACTIVATIONS,
+                         f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.estimate.attention)",
                          "the op sequence of this attention path")]
         if b.C:
             terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
                                 name=f"autocast copies of the {n_layer - done} blocks not finished"))
-        terms.append(custom(f"{what}: temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
+        terms.append(custom(K.LAYER_TEMPS, f"{what}: temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
                             "the op sequence of this attention path"))
         terms.append(b.term("stream"))
         if not grads_exist and not step_in_backward:
             terms += _head_grads(b)
             if done:
                 terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
-            terms.append(custom("gradients of this block made so far", G_, grads_made,
+            terms.append(custom(K.GRADIENTS_SO_FAR, "gradients of this block made so far", G_, grads_made,
                                 "parameters after the op x d", "AccumulateGrad, in reverse order"))
-        out.append(Moment("backward", f"{where}, {what}" + sfx, terms))
+        out.append(_m(MK.BLOCK_BACKWARD, unit_block, "backward", f"{where}, {what}" + sfx, terms))
     return out
 
 
 def _freed_projector(nbytes: int) -> list:
     """GaLore's refresh: the refreshed matrix's old projector, gone from the state at the refresh's worst moment."""
-    return [custom("the refreshed matrix's old projector, freed before its SVD", O_, -nbytes,
+    return [custom(K.OPTIMIZER_STATE, "the refreshed matrix's old projector, freed before its SVD", O_, -nbytes,
                    "r k x its bytes (optim_terms.galore_refresh_split)",
                    "labkit.optim GaLore: state.pop('projector') before make_projector")] if nbytes else []
 
@@ -820,41 +897,47 @@ _RELEASED = "autograd releases a node's saved tensors when it returns; the step 
 def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str) -> list[Moment]:
     """The backward moments at which a parameter steps: each block's (its largest parameter's gradient and
     step temporaries on top), and the head's (untied head) or the last one's (the tied embedding)."""
-    def stepping(x: Moment, step: tuple, freed=(0, 0, 0), where: str = "") -> Moment:
+    def stepping(x: Moment, step: tuple, freed=(0, 0, 0), where: str = "", variant: Variant | None = None) -> Moment:
         keep = [t for t in x.terms if t.category is not G_]
-        return Moment("optimizer", where + sfx, [
+        return _m(MK.PARAMETER_STEP, x.block, "optimizer", where + sfx, [
             *keep,
-            custom("the stepping parameter's gradient", G_, step[0], "largest gradient of the unit x d",
+            custom(K.GRADIENTS, "the stepping parameter's gradient", G_, step[0], "largest gradient of the unit x d",
                    "labkit.optim.StepInBackward"),
-            custom("its optimizer step's temporaries", T_, step[1], "one tensor's step (optim_terms.tensor_step_bytes)",
+            custom(K.OPTIMIZER_TEMPS,
+                   "its optimizer step's temporaries", T_, step[1], "one tensor's step (optim_terms.tensor_step_bytes)",
                    "torch.optim single-tensor step; labkit.optim's update of one tensor"),
-            custom("its step's fp32 working copy of the parameter", P_, step[2], "4 x its elements (16-bit) or 0",
+            custom(K.STEP_CAST,
+                   "its step's fp32 working copy of the parameter", P_, step[2], "4 x its elements (16-bit) or 0",
                    "labkit.optim: p.float(), counted as parameter memory"),
             *_freed_projector(-step[3] if len(step) > 3 else 0),
-            custom("freed before the step: its autocast copy", P_, -freed[0], "the stepped matrix's 16-bit copy",
+            custom(K.COPIES_16BIT,
+                   "freed before the step: its autocast copy", P_, -freed[0], "the stepped matrix's 16-bit copy",
                    _RELEASED),
-            custom("freed before the step: its saved input", A_, -freed[1], "the stepped matmul's input", _RELEASED),
-            custom("freed before the step: transient gradients", T_, -freed[2], "all but its input gradient",
+            custom(K.SAVED_ACTIVATIONS,
+                   "freed before the step: its saved input", A_, -freed[1], "the stepped matmul's input", _RELEASED),
+            custom(K.LAYER_TEMPS,
+                   "freed before the step: transient gradients", T_, -freed[2], "all but its input gradient",
                    _RELEASED),
-        ])
+        ], variant)
 
-    runs = [(b.block_step, b.rest_step, b.tied_step, "")]
+    runs = [(b.block_step, b.rest_step, b.tied_step, "", None)]
     if b.block_refresh is not None:  # GaLore: each step in a steady step and in a projector-refresh step
-        runs = [(b.block_step, b.rest_step, b.tied_step, f", {STEADY}"),
-                (b.block_refresh, b.rest_refresh, b.tied_refresh, f", {REFRESH}")]
+        runs = [(b.block_step, b.rest_step, b.tied_step, f", {STEADY}", STEADY),
+                (b.block_refresh, b.rest_refresh, b.tied_refresh, f", {REFRESH}", REFRESH)]
     out = []
-    for block_step, rest_step, tied_step, kind in runs:
-        out += [stepping(x, block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps" + kind)
+    for block_step, rest_step, tied_step, kind, v in runs:
+        out += [stepping(x, block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps" + kind, v)
                 for x in blocks]
         # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad);
         # the other parameters outside the blocks (a position embedding) step before, beside the head's part
         if b.head_held:
-            out.append(stepping(end, tied_step, (0, 0, b.emb_temp), "the tied embedding steps" + kind))
+            out.append(stepping(end, tied_step, (0, 0, b.emb_temp), "the tied embedding steps" + kind, v))
             if rest_step[0]:
-                held = Moment(end.phase, end.where,
+                held = dataclasses.replace(end, terms=
                               [t for t in end.terms if t != b.term("emb_temp")] + [b.term("head_held")])
                 out.append(stepping(held, rest_step,
-                                    where="the position embedding steps (the tied head's gradient held)" + kind))
+                                    where="the position embedding steps (the tied head's gradient held)" + kind,
+                                    variant=v))
         else:
-            out.append(stepping(head, rest_step, b.head_freed, "the head steps" + kind))
+            out.append(stepping(head, rest_step, b.head_freed, "the head steps" + kind, v))
     return out

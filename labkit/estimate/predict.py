@@ -12,7 +12,7 @@ from .families import WALKS
 from . import optim_terms, peft_terms, textbook
 from .moments import StepBytes, step_moments
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
-from labkit.memory.report import Category, Estimate, Term
+from labkit.memory.report import Category, Estimate, Term, TermKey as K
 from .spec import ModelSpec, spec_from
 from .textbook import Precision
 from .tape import Tape, keep_kinds, replay_blocks, replay_tail
@@ -156,7 +156,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
     w, marks = walk_activations(spec, prec, micro, S, recipe.device, peft, recipe.selective_policy, fb)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     chunked = w.loss_scratch is not None  # labkit GPT's chunked loss: no (r, V) tensor outlives a chunk
-    lsm = 0 if chunked else next(t for t in w.saved.values() if t.name == "log_softmax(logits)").nbytes
+    lsm = 0 if chunked else w.log_softmax.nbytes
     upcast = r * V * 4 if not chunked and lsm // (r * V) != mm else 0  # the fp32 copy the loss makes
     L = max(spec.n_layer, 1)
     layer = (marks[-1][0] - marks[0][0]) // L
@@ -257,32 +257,39 @@ def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft, fb: int | None
     fb = d if fb is None else fb  # a frozen base's bytes per weight
     copies = Term("autocast 16-bit weight copies", Category.PARAM, b.C, "2 x matmul parameters" if peft is None else
                   "2 x (trained matmul parameters + frozen weights whose input needs grad + adapters)",
-                  "torch.autocast weight cache; autograd saves a frozen weight's copy for dx")
+                  "torch.autocast weight cache; autograd saves a frozen weight's copy for dx", key=K.COPIES_16BIT)
     if peft is None:
         return [
-            Term("parameters", Category.PARAM, b.P, f"N x {d} B = {spec.n_params:,} x {d}", "all predictors"), copies,
-            Term("gradients", Category.GRAD, b.G, f"N x {d} B", "Playbook #104; ml-engineering #23"),
-            Term("optimizer state", Category.OPT, b.O, optim_terms.state_formula(optimizer, d), "ZeRO K; HF docs; labkit.optim"),
+            Term("parameters", Category.PARAM, b.P, f"N x {d} B = {spec.n_params:,} x {d}", "all predictors",
+                 key=K.PARAMETERS),
+            copies,
+            Term("gradients", Category.GRAD, b.G, f"N x {d} B", "Playbook #104; ml-engineering #23", key=K.GRADIENTS),
+            Term("optimizer state", Category.OPT, b.O, optim_terms.state_formula(optimizer, d),
+                 "ZeRO K; HF docs; labkit.optim",
+                 key=K.OPTIMIZER_STATE),
         ]
     n_train = peft_terms.trainable_spec(spec, peft).n_params
     state = optim_terms.state_formula(optimizer, d).replace("N", "N_train")
     if peft.lisa_layers:
         return [
-            Term("parameters", Category.PARAM, b.P, f"N x {d} B = {spec.n_params:,} x {d}", "all predictors"), copies,
+            Term("parameters", Category.PARAM, b.P, f"N x {d} B = {spec.n_params:,} x {d}", "all predictors",
+                 key=K.PARAMETERS),
+            copies,
             Term("LISA active layers: gradients", Category.GRAD, b.G,
                  f"N_train x {d} B, N_train = embeddings, head, final norm + {peft.lisa_layers} layers = {n_train:,}",
-                 "Pan et al. 2024; labkit.peft.LISA (frozen layers' grads released)"),
+                 "Pan et al. 2024; labkit.peft.LISA (frozen layers' grads released)", key=K.GRADIENTS),
             Term("LISA active layers: optimizer state", Category.OPT, b.O, state,
-                 "LMFlow #729: state of frozen layers popped"),
+                 "LMFlow #729: state of frozen layers popped", key=K.OPTIMIZER_STATE),
         ]
     n_adapt = peft_terms.adapter_elements(peft)
     frozen = spec.n_params - peft_terms.quantized_weights(spec, peft)
     out = [
         Term("frozen base weights", Category.PARAM, frozen * fb,
              f"{'all N' if peft.quant == 'none' else 'N - quantized weights'} x {fb} B = {frozen:,} x {fb}",
-             "labkit.peft.apply_lora freezes every parameter"),
+             "labkit.peft.apply_lora freezes every parameter", key=K.FROZEN_BASE),
         Term("LoRA adapters", Category.PARAM, n_adapt * d,
-             f"r (d_in + d_out) x {d} B per target, r={peft.rank}, {len(peft.targets)} targets", "Hu et al. 2021"),
+             f"r (d_in + d_out) x {d} B per target, r={peft.rank}, {len(peft.targets)} targets", "Hu et al. 2021",
+             key=K.ADAPTERS),
     ]
     if peft.quant != "none":
         formula, source = {
@@ -295,15 +302,19 @@ def _model_state_terms(spec, prec, optimizer, b: StepBytes, peft, fb: int | None
             "int4-awq": (f"n/2 + 3 n/{peft.group} + 2 d_in per weight of n (int4 + AWQ's fp16 input scale kept in "
                          f"the layer; labkit.quant.int4_bytes_for)", "Lin et al. 2024 (arXiv 2306.00978)"),
         }[peft.quant]
-        out.append(Term(f"{peft.quant.upper()} frozen base (buffers)", Category.BUFFER, b.buffers, formula, source))
+        out.append(Term(f"{peft.quant.upper()} frozen base (buffers)", Category.BUFFER, b.buffers, formula, source,
+                        key=K.QUANTIZED_BASE))
     out += [copies,
-            Term("adapter gradients", Category.GRAD, b.G, f"N_train x {d} B = {n_train:,} x {d}", "Hu et al. 2021"),
-            Term("adapter optimizer state", Category.OPT, b.O, state, "labkit.optim / torch.optim over N_train")]
+            Term("adapter gradients", Category.GRAD, b.G, f"N_train x {d} B = {n_train:,} x {d}", "Hu et al. 2021",
+                 key=K.GRADIENTS),
+            Term("adapter optimizer state", Category.OPT, b.O, state, "labkit.optim / torch.optim over N_train",
+                 key=K.OPTIMIZER_STATE)]
     if peft.quant != "none":
         per = peft_terms.dequant_bytes_per_weight(peft.quant, 2 if prec.autocast else d)
         out.append(Term("dequantization scratch", Category.TEMP, b.dequant,
                         f"{per} B x the largest quantized weight, one layer at a time",
-                        "labkit.quant.dequantize_nf4 / dequantize_int8 / dequantize_int4"))
+                        "labkit.quant.dequantize_nf4 / dequantize_int8 / dequantize_int4",
+                        key=K.DEQUANT_SCRATCH))
     return out
 
 
@@ -313,7 +324,7 @@ def _state_groups(terms: list[Term]) -> dict[str, list[Term]]:
     out: dict[str, list[Term]] = {}
     for t in terms:
         if t.category is Category.PARAM:
-            out.setdefault("C" if t.name.startswith("autocast") else "P", []).append(t)
+            out.setdefault("C" if t.key is K.COPIES_16BIT else "P", []).append(t)
         elif t.category in key:
             out.setdefault(key[t.category], []).append(t)
     return out
@@ -324,17 +335,21 @@ def _terms(spec, prec, optimizer, B, S, w, b: StepBytes, peft=None, fb: int | No
     blocks = w.saved_bytes - b.lsm - scores
     return [
         *_model_state_terms(spec, prec, optimizer, b, peft, fb),
-        Term("activations saved by the blocks", Category.ACT, blocks, "forward walk per layer ~ sbh(34 + ...)", "Korthikanti et al. 2022"),
-        Term("attention scores (s^2)", Category.ACT, scores, "L x B x a x S^2 x bytes (x2-3 with dropout)", "Korthikanti et al. 2022: 5as/h"),
+        Term("activations saved by the blocks", Category.ACT, blocks, "forward walk per layer ~ sbh(34 + ...)",
+             "Korthikanti et al. 2022",
+             key=K.SAVED_ACTIVATIONS),
+        Term("attention scores (s^2)", Category.ACT, scores, "L x B x a x S^2 x bytes (x2-3 with dropout)",
+             "Korthikanti et al. 2022: 5as/h",
+             key=K.ATTENTION_SCORES),
         Term("log-softmax of the logits", Category.ACT, b.lsm, "B x S x V x bytes (4 if the loss runs in fp32)"
              + (" = 0: the chunked loss saves a logsumexp per row" if spec.loss_chunk is not None else ""),
-             "log_softmax saves its output for nll_loss's backward (derivatives.yaml)"),
-        Term("token ids and targets", Category.ACT, b.inputs, "2 x B x S x 8", "int64 inputs"),
+             "log_softmax saves its output for nll_loss's backward (derivatives.yaml)", key=K.LOG_SOFTMAX),
+        Term("token ids and targets", Category.ACT, b.inputs, "2 x B x S x 8", "int64 inputs", key=K.INPUTS),
         Term("logits (+ fp32 copy) during the loss", Category.TEMP, b.logits, "B x S x V x bytes",
-             "lm_head's output; transformers upcasts it with .float() before the loss")
+             "lm_head's output; transformers upcasts it with .float() before the loss", key=K.LOGITS)
         if spec.loss_chunk is None else
         Term("chunked loss: one chunk's logits during the loss", Category.TEMP, b.logits,
              "2 c V x 4 + 8c (+ 16-bit copies of the hidden states and the head under autocast)",
-             "labkit.recompute.chunked_ce.scratch_bytes"),
+             "labkit.recompute.chunked_ce.scratch_bytes", key=K.LOGITS),
     ]
 

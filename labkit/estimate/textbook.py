@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.memory.report import Category, Term
+from labkit.memory.report import Category, Term, TermKey
 
 from .recipe import DTYPES
 
@@ -141,14 +141,18 @@ def figure(spec, r, n_train: int, n_quant: int = 0) -> list[Term]:
         layer = layer_activation_bytes(s, b, spec.hidden, spec.n_head, e, r.checkpoint.replace("sqrt", "full"))
     acts = layers * layer * in_flight(r.schedule, r.rank_batch // b, r.pp, 0) * (not r.offload_activations)
     copied = n_train if fd == 2 else n  # a 16-bit frozen base is not cast
-    terms = [Term("parameters", Category.PARAM, int(p), f"N x {fd} B" + (", sharded" if r.zero >= 3 else ""), ZERO),
+    terms = [Term("parameters", Category.PARAM, int(p), f"N x {fd} B" + (", sharded" if r.zero >= 3 else ""), ZERO,
+                  key=TermKey.PARAMETERS),
              Term("autocast 16-bit weight copies", Category.PARAM, copy16_bytes(int(copied)) if r.dtype.startswith(
-                 "mixed") else 0, "2 x N" if fd == d else "2 x N_train", HF_ANATOMY),
+                 "mixed") else 0, "2 x N" if fd == d else "2 x N_train", HF_ANATOMY,
+                  key=TermKey.COPIES_16BIT),
              Term("frozen base, quantized", Category.BUFFER, int(qbytes), "4.127 bits (NF4) or 1 B (int8) per weight",
-                  "Dettmers et al. 2023"),
-             Term("gradients", Category.GRAD, int(g), f"N_train x {d} B", "Playbook #104"),
-             Term("optimizer state", Category.OPT, int(o), f"{r.optimizer} on N_train = {n_train:,}", ZERO),
+                  "Dettmers et al. 2023", key=TermKey.QUANTIZED_BASE),
+             Term("gradients", Category.GRAD, int(g), f"N_train x {d} B", "Playbook #104", key=TermKey.GRADIENTS),
+             Term("optimizer state", Category.OPT, int(o), f"{r.optimizer} on N_train = {n_train:,}", ZERO,
+                  key=TermKey.OPTIMIZER_STATE),
              Term("activations", Category.ACT, int(acts), f"{layers} layers x the layer formula ({r.checkpoint})",
-                  KORTHIKANTI),
-             Term("logits", Category.ACT, logits_bytes(b, s, spec.vocab), "B S V x 4", LOGITS)]
+                  KORTHIKANTI, key=TermKey.SAVED_ACTIVATIONS),
+             Term("logits", Category.ACT, logits_bytes(b, s, spec.vocab), "B S V x 4", LOGITS,
+                  key=TermKey.LOGITS)]
     return [t for t in terms if t.bytes]

@@ -83,6 +83,7 @@ class Walk:
     saved_total: int = 0  # bytes of `saved`, summed as tensors are saved (read once per layer by `mark`)
     tape: Tape = field(default_factory=Tape)  # allocations, lifetimes and backward nodes, for the replays
     block_end: list = field(default_factory=list)  # tensors a block's locals hold until it returns
+    log_softmax: T | None = None  # the loss's saved log-softmax (cross_entropy), None before the loss
     loss_scratch: tuple | None = None  # a chunked loss (labkit.recompute.chunked_ce): its (forward, backward) scratch
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -518,4 +519,5 @@ class Walk:
         itemsize = 4 if (upcast or self.autocast) else logits.itemsize
         lsm = self.new(rows * vocab, itemsize, "log_softmax(logits)")
         self.save(lsm)  # the loss always needs a gradient: something before it trains
+        self.log_softmax = lsm
         return lsm

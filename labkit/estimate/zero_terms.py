@@ -20,19 +20,19 @@ forward's start to the end of backward and one block gathered while it runs (no 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from labkit.memory.report import Category, Estimate, Moment, Term
+from labkit.memory.report import Category, Estimate, Moment, MomentKind, Term, TermKey as K
 
 from . import optim_terms
 from .predict import Precision, single_estimate
 from .spec import spec_from
 from .textbook import paper_bytes, zero_shares  # noqa: F401 (lessons 9 and 13 quote paper_bytes from here)
 
-HELD = "the tied head's partial gradient"  # a gradient in flight until the embedding's part is added (moments.py)
 SOURCE = "ZeRO, Rajbhandari et al. 2020 (arXiv 1910.02054), section 5; labkit.distributed.Zero"
 P_, G_, O_, T_ = Category.PARAM, Category.GRAD, Category.OPT, Category.TEMP
 
@@ -127,17 +127,18 @@ def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", 
 
 
 # ---- turning the single-device moments (at the rank's batch) into a rank's moments ----------------------
-def _t(name: str, cat: Category, nbytes: int, formula: str) -> Term:
-    return Term(name, cat, int(nbytes), formula, SOURCE)
+def _t(key: K, name: str, cat: Category, nbytes: int, formula: str) -> Term:
+    return Term(name, cat, int(nbytes), formula, SOURCE, key=key)
 
 
 def _gathered(lay: RankLayout, root: bool, blocks: int) -> list[Term]:
     out = []
     if root and lay.root:
-        out.append(_t("root unit gathered (embeddings, final norm, head)", P_, lay.d * lay.world * lay.s_root,
+        out.append(_t(K.GATHERED_ROOT,
+                      "root unit gathered (embeddings, final norm, head)", P_, lay.d * lay.world * lay.s_root,
                       f"N s_root x {lay.d} B, from the forward's start to the end of backward"))
     if blocks:
-        out.append(_t(f"{blocks} block(s) gathered", P_, blocks * lay.d * lay.world * lay.s_block,
+        out.append(_t(K.GATHERED_BLOCKS, f"{blocks} block(s) gathered", P_, blocks * lay.d * lay.world * lay.s_block,
                       f"N s_block x {lay.d} B while the block runs"))
     return out
 
@@ -146,45 +147,42 @@ def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer
     """The single-device moments of a rank's batch with the model-state terms of ZeRO stage `lay.stage`, and the
     moments of the gradient reduce (stage 1: after backward; stages 2-3: at the end of each unit's backward)."""
     d, st = lay.d, lay.stage
-    P = _t("parameters" if st < 3 else "parameter shards", P_, lay.params(),
+    P = _t(K.PARAMETERS, "parameters" if st < 3 else "parameter shards", P_, lay.params(),
            f"{'N s' if st < 3 else 's'} x {d} B per unit (s = ceil(n / N), N = {lay.world})")
-    O = _t("optimizer state shards" + (" (offloaded: on the host)" if lay.offload else ""), O_, lay.opt(),
+    O = _t(K.OPTIMIZER_STATE,
+           "optimizer state shards" + (" (offloaded: on the host)" if lay.offload else ""), O_, lay.opt(),
            f"{lay.state_per_elem} x s x {d} B per unit" + (" + 4 B step per unit" if lay.counters else ""))
     out = []
     for m in moments:
-        where = m.where
-        block = _block_of(where)
         terms, done = [], 0
         for t in m.terms:
-            if t.name == "parameters":
+            if t.key is K.PARAMETERS:
                 terms.append(P)
-            elif t.name == "optimizer state":
+            elif t.key is K.OPTIMIZER_STATE:
                 terms.append(O if st else t)
-            elif st >= 2 and t.category is G_ and "finished block" in t.name:
+            elif st >= 2 and t.category is G_ and t.key is K.BLOCK_GRADIENTS:
                 done = round(t.bytes / (d * lay.block)) if lay.block else 0
-                terms.append(_t(f"gradient shards of the {done} finished block(s)", G_, done * d * lay.s_block,
+                terms.append(_t(K.BLOCK_GRADIENTS,
+                                f"gradient shards of the {done} finished block(s)", G_, done * d * lay.s_block,
                                 f"{done} x s_block x {d} B (reduce-scattered at each block's end)"))
-            elif st >= 2 and t.name == "gradients" and m.phase == "backward":  # the embedding's backward
-                terms.append(_t("gradient shards of the blocks", G_, n_layer * d * lay.s_block, "L x s_block x d"))
-                terms.append(_t("root unit's full gradients (reduced last)", G_, d * lay.root, f"n_root x {d} B"))
-            elif st and t.name == "gradients" and m.phase == "optimizer":
-                terms.append(_t("gradient shards", G_, lay.grads_shard(), f"s x {d} B per unit"))
-            elif st and t.name == "optimizer step temporaries":
-                terms.append(_t("optimizer step temporaries (shards)", T_, lay.opt_temp(optimizer),
+            elif st >= 2 and t.key is K.GRADIENTS and m.phase == "backward":  # the embedding's backward
+                terms.append(_t(K.GRADIENTS,
+                                "gradient shards of the blocks", G_, n_layer * d * lay.s_block, "L x s_block x d"))
+                terms.append(_t(K.GRADIENTS,
+                                "root unit's full gradients (reduced last)", G_, d * lay.root, f"n_root x {d} B"))
+            elif st and t.key is K.GRADIENTS and m.phase == "optimizer":
+                terms.append(_t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), f"s x {d} B per unit"))
+            elif st and t.key is K.OPTIMIZER_TEMPS:
+                terms.append(_t(K.OPTIMIZER_TEMPS, "optimizer step temporaries (shards)", T_, lay.opt_temp(optimizer),
                                 "AdamW single tensor on the unit shards (optim_terms.step_bytes)"))
             else:
                 terms.append(t)
         if st == 3:
             in_fwd_bwd = m.phase in ("forward", "backward")
-            terms += _gathered(lay, in_fwd_bwd, 1 if block is not None else 0)
-        out.append(Moment(m.phase, where, terms))
+            terms += _gathered(lay, in_fwd_bwd, 1 if m.block is not None else 0)
+        out.append(dataclasses.replace(m, terms=terms))
     out += _reduce_moments(out, lay, n_layer)
     return out
-
-
-def _block_of(where: str) -> int | None:
-    hit = re.search(r"\bblock (\d+)", where)
-    return int(hit.group(1)) if hit else None
 
 
 def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> list[Moment]:
@@ -198,11 +196,13 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
     gradient and the gradient flowing into block k (twice: the residual's and the first norm's); and at the end
     of backward the root's gradients and their copy (stage 3: block k or the root gathered then)."""
     d = lay.d
-    flat_block = _t("a block's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_block,
+    flat_block = _t(K.COMM_BUFFERS,
+                    "a block's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_block,
                     "N s_block x d B (torch.cat of the block's gradients, padded)")
-    flat_root = _t("the root's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_root,
+    flat_root = _t(K.COMM_BUFFERS,
+                   "the root's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_root,
                    "N s_root x d B")
-    full_block = _t("the block's full gradients", G_, d * lay.block, "n_block x d B")
+    full_block = _t(K.GRADIENTS_SO_FAR, "the block's full gradients", G_, d * lay.block, "n_block x d B")
     if lay.stage == 1:
         opt = next((m for m in moments if m.phase == "optimizer"), None)
         if opt is None:
@@ -210,36 +210,42 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
         keep = [t for t in opt.terms if t.category not in (T_, G_)]
         first = flat_block if lay.block else flat_root
         return [Moment("backward", "after backward: the first unit's gradients flattened for its reduce-scatter",
-                       [*keep, _t("gradients", G_, lay.grads_full(), f"N s x {d} B per unit (all full)"), first])]
+                       [*keep, _t(K.GRADIENTS, "gradients", G_, lay.grads_full(), f"N s x {d} B per unit (all full)"),
+                        first], kind=MomentKind.GRADIENT_REDUCE)]
     out, seen = [], set()
     for m in moments:
-        k = _block_of(m.where)
-        if m.phase != "backward" or k is None or not m.where.startswith(f"block {k} backward") or k in seen:
+        k = m.block
+        if m.phase != "backward" or m.kind is not MomentKind.BLOCK_BACKWARD or k is None or k in seen:
             continue
         seen.add(k)
         # The block's replayed moment, at its end: its saved tensors and temporaries are gone (its input too:
         # the first norm was the last op to need it), its gradients are all made, and the gradient flowing into
         # the block (rows x h, the size of its input) is alive.
-        block_input = f"the input of block {k}, saved by it"
-        stream = next((t for t in m.terms if t.name == block_input), None)
-        own = (f"block {k}'s saved tensors", f"block {k}'s autocast weight copies")  # gone with its backward
-        terms = [t for t in m.terms if (t.category is not T_ or t.name.startswith(HELD)) and t.name != block_input
-                 and not t.name.startswith(own) and not t.name.endswith("parameter gradients made so far")]
+        def own(t: Term) -> bool:  # gone with block k's backward: its input, saved tensors, weight copies
+            return t.block == k and t.key in (K.BLOCK_INPUT, K.SAVED_ACTIVATIONS, K.COPIES_16BIT)
+
+        stream = next((t for t in m.terms if t.block == k and t.key is K.BLOCK_INPUT), None)
+        terms = [t for t in m.terms if (t.category is not T_ or t.key is K.TIED_HEAD_GRADIENT) and not own(t)
+                 and t.key is not K.GRADIENTS_SO_FAR]
         terms += [full_block, flat_block]
         if stream is not None:
-            terms.append(_t("gradient flowing into the block", T_, stream.bytes, "rows x h, its input's size"))
-        out.append(Moment("backward", f"block {k} backward ends: its gradients flattened for the reduce-scatter", terms))
-    end = next((m for m in moments if m.where == "the embedding's backward"), None)
+            terms.append(_t(K.RESIDUAL_GRADIENT,
+                            "gradient flowing into the block", T_, stream.bytes, "rows x h, its input's size"))
+        out.append(Moment("backward", f"block {k} backward ends: its gradients flattened for the reduce-scatter", terms,
+                          kind=MomentKind.GRADIENT_REDUCE, block=k))
+    end = next((m for m in moments if m.kind is MomentKind.EMBEDDING_BACKWARD), None)
     if end is not None and lay.root:
         terms = []
         for t in end.terms:
-            if t.name == "dense embedding gradient (and the tied sum)":  # the sum is .grad now; the dense part waits
-                terms.append(_t("the embedding's dense gradient, still in autograd's buffer", T_, t.bytes // 2,
+            if t.key is K.EMBEDDING_TIED_SUM:  # the sum is .grad now; the dense part waits
+                terms.append(_t(K.EMBEDDING_GRADIENT,
+                                "the embedding's dense gradient, still in autograd's buffer", T_, t.bytes // 2,
                                 "V x h x d (embedding_dense_backward's output)"))
-            elif not (lay.stage == 3 and t.name.endswith("block(s) gathered")):
+            elif not (lay.stage == 3 and t.key is K.GATHERED_BLOCKS):
                 terms.append(t)
         terms.append(flat_root)
-        out.append(Moment("backward", "backward ends: the root's gradients flattened for the reduce-scatter", terms))
+        out.append(Moment("backward", "backward ends: the root's gradients flattened for the reduce-scatter", terms,
+                          kind=MomentKind.GRADIENT_REDUCE))
     return out
 
 
@@ -267,9 +273,9 @@ def data_parallel_estimate(r) -> Estimate:
     lay = rank_layout(spec, Precision.of(r.dtype).weight, r.zero, r.dp, r.optimizer, r.zero_offload)
     moments = rank_moments(single.moments, lay, r.optimizer, spec.n_layer)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
-        _t("parameters" if r.zero < 3 else "parameter shards", P_, lay.params(), "per rank"),
-        _t("gradient shards", G_, lay.grads_shard(), "per rank, after the reduce-scatter"),
-        _t("optimizer state shards", O_, lay.opt(), "per rank")]
+        _t(K.PARAMETERS, "parameters" if r.zero < 3 else "parameter shards", P_, lay.params(), "per rank"),
+        _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "per rank, after the reduce-scatter"),
+        _t(K.OPTIMIZER_STATE, "optimizer state shards", O_, lay.opt(), "per rank")]
     return Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
 
 
@@ -322,15 +328,17 @@ def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward:
     - the reduce-scatter input: a block's gradients copied into one padded buffer, held until the next
       reduce-scatter starts (inside block k's backward, block k + 1's; in the embedding's, block 0's)."""
     d, L = lay.d, lay.n_blocks
-    unit = _t("all-gather output buffer (freed at the next all-gather)", T_, d * lay.world * lay.s_block,
+    unit = _t(K.COMM_BUFFERS,
+              "all-gather output buffer (freed at the next all-gather)", T_, d * lay.world * lay.s_block,
               "N s_block x d B")
-    rs = _t("the previous block's reduce-scatter input (freed at the next reduce-scatter)", T_,
+    rs = _t(K.COMM_BUFFERS, "the previous block's reduce-scatter input (freed at the next reduce-scatter)", T_,
             d * lay.world * lay.s_block, "N s_block x d B")
     out = []
     for m in moments:
-        k, terms = _block_of(m.where), list(m.terms)
-        ends = m.where.endswith("reduce-scatter")  # rank_moments' flat copy: the reduce-scatter input itself
-        head_side = k is None and not ends and "embedding" not in m.where  # the loss, the head, the final norm
+        k, terms = m.block, list(m.terms)
+        ends = m.kind is MomentKind.GRADIENT_REDUCE  # rank_moments' flat copy: the reduce-scatter input itself
+        # the loss, the head, the final norm
+        head_side = k is None and not ends and m.kind not in (MomentKind.EMBEDDING_BACKWARD, MomentKind.EMBEDDING_SUM)
         if L and m.phase == "forward":  # inside the last block or after it: the last block's buffer
             terms.append(unit)
             if not reshard_after_forward:
@@ -344,13 +352,13 @@ def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward:
                 terms.append(rs)
         elif L and m.phase == "backward" and not ends:  # the embedding's backward: block 0's input still held
             terms.append(rs)
-        out.append(Moment(m.phase, m.where, terms))
+        out.append(dataclasses.replace(m, terms=terms))
     return out
 
 
 def _regather(terms: list[Term], lay: RankLayout, blocks: int) -> list[Term]:
     """The terms with `blocks` blocks gathered in place of rank_moments' one-at-a-time block."""
-    kept = [t for t in terms if not t.name.endswith("block(s) gathered")]
+    kept = [t for t in terms if t.key is not K.GATHERED_BLOCKS]
     return kept + _gathered(lay, False, blocks)
 
 
@@ -367,8 +375,9 @@ def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
     lay = fsdp2_layout(spec, d, r.dp, r.optimizer)
     moments = fsdp2_moments(rank_moments(single.moments, lay, r.optimizer, spec.n_layer), lay, reshard_after_forward)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
-        _t("parameter shards", P_, lay.params(), "rank 0's dim-0 chunk of every parameter"),
-        _t("gradient shards", G_, lay.grads_shard(), "the same chunks, after the reduce-scatter"),
-        _t("optimizer state shards", O_, lay.opt(), f"{lay.state_per_elem} x s x {d} B + 4 B step per tensor")]
+        _t(K.PARAMETERS, "parameter shards", P_, lay.params(), "rank 0's dim-0 chunk of every parameter"),
+        _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "the same chunks, after the reduce-scatter"),
+        _t(K.OPTIMIZER_STATE,
+           "optimizer state shards", O_, lay.opt(), f"{lay.state_per_elem} x s x {d} B + 4 B step per tensor")]
     tag = f" dp={r.dp} FSDP2 reshard_after_forward={reshard_after_forward} (rank 0)"
     return Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)

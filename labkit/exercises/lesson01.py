@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from labkit.memory import GiB, MiB, fmt_bytes
+from labkit.memory import GiB, MiB, TermKey, fmt_bytes
 from labkit.memory.report import Category
 from labkit.estimate.predict import (
     Precision,
@@ -23,7 +23,7 @@ from labkit.estimate.spec import spec_from
 
 from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered
 
-LOGITS_TERM = "log-softmax of the logits"  # the estimator's name for the B x S x V term
+LOGITS_KEY = TermKey.LOG_SOFTMAX  # the estimator's key of the B x S x V term ("log-softmax of the logits")
 STATES = {"sgd": "no state", "sgd-momentum": "one momentum buffer", "adam": "two moments, m and v",
           "adamw": "two moments, m and v"}  # what each optimizer keeps per parameter
 
@@ -108,7 +108,7 @@ def _check_mixed(answer, expected, spec, optimizer, mixed_dtype, per) -> bool:
 def logits_term_bytes(model="gpt2", batch: int = 8, seq: int = 1024, dtype: str = "fp32") -> int:
     """The estimator's bytes for the log-softmax of the logits that the loss saves for backward."""
     est = estimate(model, batch, seq, dtype)
-    return next(t.bytes for t in est.terms if t.name == LOGITS_TERM)
+    return next(t.bytes for t in est.terms if t.key is LOGITS_KEY)
 
 
 def check_logits_bytes(answer, model="gpt2", batch: int = 8, seq: int = 1024, dtype: str = "fp32") -> bool:

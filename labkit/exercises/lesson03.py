@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from labkit.memory import MiB, fmt_bytes
+from labkit.memory import MiB, TermKey, fmt_bytes
 from labkit.memory.report import Category
 from labkit.estimate import estimate
 from labkit.estimate.predict import Precision
@@ -47,7 +47,7 @@ def check_kept_per_block(answer, config, batch: int, seq: int, dtype: str = "fp3
         return failed(f"{name}: that is the MLP's inner width ({spec.ffn}); the block's input is the residual stream, "
                       f"{spec.hidden} wide.")
     layer = estimate(spec, batch, seq, dtype).terms
-    blocks = next(t.bytes for t in layer if t.name == "activations saved by the blocks")
+    blocks = next(t.bytes for t in layer if t.key is TermKey.SAVED_ACTIVATIONS)
     if close(value, blocks / spec.n_layer, rel=0.02):
         return failed(f"{name}: that is what a block saves *without* checkpointing; with it, only its input stays.")
     if close(value, expected / MiB, rel=0.01):
@@ -114,7 +114,7 @@ def _block_to_input(config, batch: int, seq: int, dtype: str = "fp32", device: s
     input)."""
     spec = spec_from(config)
     blocks = next(t.bytes for t in estimate(spec, batch, seq, dtype, device=device).terms
-                  if t.name == "activations saved by the blocks")
+                  if t.key is TermKey.SAVED_ACTIVATIONS)
     return blocks / spec.n_layer / _checkpoint_input(spec, batch, seq, dtype, device)
 
 
@@ -178,8 +178,8 @@ def scores_crossover(config, batch: int, seq: int, dtype: str = "fp32", device: 
     cfg = replace(config, attention="manual", dropout=0.0, block_size=max(config.block_size, 2 * seq))
 
     def terms(s):
-        t = {x.name: x.bytes for x in estimate(cfg, batch, s, dtype, device=device).terms}
-        return t["activations saved by the blocks"], t["attention scores (s^2)"]
+        t = {x.key: x.bytes for x in estimate(cfg, batch, s, dtype, device=device).terms}
+        return t[TermKey.SAVED_ACTIVATIONS], t[TermKey.ATTENTION_SCORES]
 
     (r1, p1), (r2, _) = terms(seq), terms(2 * seq)
     quad = (r2 - 2 * r1) / (2 * seq * seq)  # rest = lin S + quad S^2 (the bool mask)
@@ -219,8 +219,8 @@ def check_scores_crossover(answer, config, batch: int, seq: int, dtype: str = "f
         return failed(f"{name}: that is about the square of the answer: the probabilities grow with S^2 and the rest "
                       "with S, so their ratio grows with S itself, not with S^2.")
     spec = spec_from(_replace_attention(config))
-    terms = {x.name: x.bytes for x in estimate(spec, batch, seq, dtype, device=device).terms}
-    naive = seq * terms["activations saved by the blocks"] / terms["attention scores (s^2)"]
+    terms = {x.key: x.bytes for x in estimate(spec, batch, seq, dtype, device=device).terms}
+    naive = seq * terms[TermKey.SAVED_ACTIVATIONS] / terms[TermKey.ATTENTION_SCORES]
     if close(value, naive, rel=0.005):
         return failed(f"{name}: almost: S x R / P treats all of R as linear in S, but R also holds the causal mask, "
                       f"S^2 bools per layer ({spec.n_layer} x {seq}^2 bytes here), which grows like the probabilities.")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from labkit.memory import TermKey
+
 from . import close, failed, integer, number, passed
 
 
@@ -20,7 +22,7 @@ def stage0_activation_bytes(model, batch: int, seq: int, p: int, m: int, schedul
     from labkit.estimate import estimate_ranks
 
     est = estimate_ranks(model, batch, seq, pp=p, micro_batch=batch // m, schedule=schedule)[0]
-    one = next(t.bytes for t in est.terms if t.name.startswith("activations of one micro-batch"))
+    one = next(t.bytes for t in est.terms if t.key is TermKey.SAVED_ACTIVATIONS)
     k = max_in_flight(actions(schedule, m, p, 0))
     return k * one, one, k
 

@@ -23,6 +23,81 @@ class Category(str, enum.Enum):
 
 
 CATEGORIES: tuple[Category, ...] = tuple(Category)
+
+
+class TermKey(enum.Enum):
+    """What a term of an estimate is, from one closed set: code decides on the key, people read the term's name.
+    A layer's terms carry the layer's index in `Term.block`, not in the key."""
+
+    PARAMETERS = "parameters"  # the trained weights (a rank's share or shards)
+    FROZEN_BASE = "frozen base"  # LoRA's frozen weights left in the model's dtype
+    QUANTIZED_BASE = "quantized base"  # int8/NF4/int4 codes and scales of a frozen base (buffers)
+    ADAPTERS = "adapters"  # LoRA's A and B
+    BUFFERS = "buffers"  # a model's own buffers (BatchNorm's running statistics)
+    GATHERED_ROOT = "gathered root"  # ZeRO-3: the root unit's parameters, all-gathered
+    GATHERED_BLOCKS = "gathered blocks"  # ZeRO-3: blocks' parameters, all-gathered
+    COPIES_16BIT = "16-bit copies"  # autocast's weight copies (a layer's in `block`)
+    STEP_CAST = "step cast"  # the optimizer step's fp32 working copy of a 16-bit parameter
+    GRADIENTS = "gradients"  # .grad of every trained parameter (or its shard)
+    HEAD_GRADIENTS = "head gradients"  # the output matrix's and final norm's .grad
+    TIED_HEAD_GRADIENT = "tied head gradient"  # a tied head's part, in flight until the embedding's is added
+    BLOCK_GRADIENTS = "block gradients"  # .grad of the blocks whose backward is finished
+    GRADIENTS_SO_FAR = "gradients so far"  # a block's gradients made so far in its backward
+    NEW_GRADIENT = "new gradient"  # a gradient made but not yet summed into .grad
+    EMBEDDING_GRADIENT = "embedding gradient"  # the embedding's dense gradient
+    EMBEDDING_TIED_SUM = "embedding tied sum"  # a tied matrix's dense gradient and its sum with the head's part
+    OPTIMIZER_STATE = "optimizer state"
+    OPTIMIZER_TEMPS = "optimizer temporaries"  # the step's own temporaries (GaLore's SVD included)
+    INPUTS = "inputs"  # token ids and targets
+    EMBEDDING = "embedding"  # what is saved before the first block (position ids, embedding dropout)
+    FORWARD_LOCALS = "forward locals"  # what the model's forward function holds (embeddings, masks, outputs)
+    SAVED_ACTIVATIONS = "saved activations"  # what layers save for backward (one layer's: `block` set)
+    BLOCK_INPUT = "block input"  # a layer's input, saved by the layer itself (`block` set)
+    CHECKPOINT_INPUTS = "checkpoint inputs"  # what checkpointed regions keep: inputs, cached outputs, arguments
+    HEAD = "head"  # what the final norm and the head save after the last block
+    LOGITS = "logits"
+    LOG_SOFTMAX = "log-softmax"  # the loss's saved log-probabilities
+    LOSS_TEMPS = "loss temporaries"  # the loss's gradients and its forward's locals
+    HEAD_BACKWARD = "head backward"  # the head's backward temporaries
+    RESIDUAL_GRADIENT = "residual gradient"  # the gradient carried from block to block
+    LAYER_TEMPS = "layer temporaries"  # what lives inside a layer's forward, recompute or backward
+    DEQUANT_SCRATCH = "dequantization scratch"
+    COMM_BUFFERS = "communication buffers"  # all-gather outputs, reduce-scatter inputs
+    IN_FLIGHT = "in flight"  # pipeline: other micro-batches' activations, a stage's output
+    ATTENTION_SCORES = "attention scores"  # the summary table's (S, S) probabilities and dropout masks
+
+
+class MomentKind(enum.Enum):
+    """Where in a step a moment is, from one closed set (a block's moments carry its index in `Moment.block`);
+    `Moment.where` says it in words."""
+
+    LOSS = "the loss"  # forward: every activation held, the loss running
+    DEQUANT = "dequantizing"  # forward: the last block dequantizing its largest weight
+    BLOCK_FORWARD = "block forward"  # forward inside or at the end of a block
+    LOSS_BACKWARD = "loss backward"  # backward's start: the loss's backward
+    HEAD_BACKWARD = "head backward"  # the head's backward (and its weight gradient's cast)
+    FINAL_NORM_BACKWARD = "final norm backward"
+    RECOMPUTE = "recompute"  # a checkpointed unit's forward again
+    BLOCK_BACKWARD = "block backward"  # inside a block's (or a segment's) backward
+    EMBEDDING_BACKWARD = "embedding backward"  # the embedding's backward
+    EMBEDDING_SUM = "embedding sum"  # a tied embedding's two gradient parts summed
+    GRADIENT_REDUCE = "gradient reduce"  # ZeRO: a unit's gradients flattened for their reduce-scatter
+    OPTIMIZER_STEP = "optimizer step"
+    PARAMETER_STEP = "parameter step"  # step in backward: a parameter steps as its gradient is ready
+
+
+class Variant(str, enum.Enum):
+    """Which of two alternative steps a moment belongs to (GaLore: a projector-refresh step or a steady one);
+    `Estimate.without(Variant.REFRESH)` keeps the steady step's moments."""
+
+    REFRESH = "projector refresh"
+    STEADY = "steady (no refresh)"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 
@@ -54,11 +129,13 @@ class Breakdown:
 class Term:
     """One named term of an estimate: its bytes, the formula that gave them, and its source."""
 
-    name: str
+    name: str  # for people; code decides on `key`
     category: Category
     bytes: int
     formula: str
     source: str = ""
+    key: TermKey = field(kw_only=True)  # what the term is (TermKey)
+    block: int | None = field(default=None, kw_only=True)  # the layer it belongs to, when it is one layer's
 
 
 @dataclass
@@ -67,8 +144,11 @@ class Moment:
     the sum of its terms; the estimate's peak is its largest moment."""
 
     phase: str  # "forward", "backward" or "optimizer"
-    where: str  # e.g. "block 3 backward (2nd micro-batch)", "the loss", "AdamW step"
+    where: str  # for people, e.g. "block 3 backward (2nd micro-batch)", "the loss", "AdamW step"
     terms: list[Term]
+    kind: MomentKind = field(kw_only=True)  # where in the step, for code (MomentKind)
+    block: int | None = field(default=None, kw_only=True)  # the block it is inside, if one
+    variant: Variant | None = field(default=None, kw_only=True)  # GaLore: the refresh step's or the steady one's
 
     @property
     def total(self) -> int:
@@ -87,12 +167,16 @@ class Moment:
 
     def table(self) -> "Table":
         """The terms that hold bytes, one row each, under the moment's phase and where; the sum below."""
-        from .units import fmt_bytes
+        return _term_table(f"{self.phase}: {self.where}", self.terms)
 
-        rows = [[fmt_bytes(t.bytes), str(t.category), t.name, t.formula, t.source] for t in self.terms if t.bytes]
-        return Table(["bytes", "category", "term", "formula", "source"], rows, right={0},
-                     caption=f"{self.phase}: {self.where}", indent=2,
-                     footer=[f"{fmt_bytes(self.total)} = the sum of the {len(rows)} terms above"])
+
+def _term_table(title: str, terms: list[Term]) -> "Table":
+    """Terms as a table under `title`: bytes, category, name, formula and source; their sum below."""
+    from .units import fmt_bytes
+
+    rows = [[fmt_bytes(t.bytes), str(t.category), t.name, t.formula, t.source] for t in terms if t.bytes]
+    return Table(["bytes", "category", "term", "formula", "source"], rows, right={0}, caption=title, indent=2,
+                 footer=[f"{fmt_bytes(sum(t.bytes for t in terms))} = the sum of the {len(rows)} terms above"])
 
 
 class _Phases:
@@ -134,14 +218,19 @@ class Estimate(_Phases):
         """The largest moment (the first of equals, in step order); None for an estimate built from phases."""
         return max(self.moments, key=lambda m: m.total) if self.moments else None
 
-    def without(self, text: str) -> "Estimate":
-        """The same estimate without the moments whose `where` contains `text`: e.g. GaLore's steady step,
-        `e.without("projector refresh")` (labkit.estimate.moments.REFRESH). The terms table is kept."""
+    def without(self, variant: Variant | str) -> "Estimate":
+        """The same estimate without the moments of one step variant: e.g. GaLore's steady step,
+        `e.without(Variant.REFRESH)` (labkit.estimate.moments.REFRESH). The terms table is kept."""
         if not self.moments:
             raise ValueError("this estimate was built from phases, not moments: nothing to leave out")
-        kept = [m for m in self.moments if text not in m.where]
+        try:
+            v = Variant(variant)
+        except ValueError:
+            raise ValueError(f"every moment is left out by its step variant, one of "
+                             f"{', '.join(repr(v.value) for v in Variant)}; got {variant!r}") from None
+        kept = [m for m in self.moments if m.variant is not v]
         if not kept:
-            raise ValueError(f"every moment's where contains {text!r}: nothing would be left")
+            raise ValueError(f"every moment is of the variant {variant!r}: nothing would be left")
         return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept, textbook=list(self.textbook))
 
     def explain(self, phase: str | None = None) -> "Report":
@@ -163,28 +252,31 @@ class Estimate(_Phases):
         exact = wrap_line(f"exact: {fmt_bytes(top.total)} = {fmt_bytes(book)} (textbook) + "
                           f"{fmt_bytes(top.total - book)} ({len(fixes)} corrections); the textbook is "
                           f"{100 * (book - top.total) / top.total:+.1f} % off")
-        return Report([head, Moment("textbook", "the published formulas (labkit.estimate.textbook)",
-                                    self.textbook).table(),
-                       Moment("corrections", "what the exact layer's ops add or take away at this moment",
-                              fixes).table(), exact, top.table()])
+        return Report([head, _term_table("textbook: the published formulas (labkit.estimate.textbook)",
+                                         self.textbook),
+                       _term_table("corrections: what the exact layer's ops add or take away at this moment",
+                                   fixes), exact, top.table()])
 
 
 def corrections(textbook: list[Term], exact: list[Term]) -> list[Term]:
-    """What turns the textbook terms into a moment's exact terms, category by category: an exact term the textbook
-    has by name, its difference; one it lacks (an op's transient, a tensor the formula omits), the term itself; a
-    textbook term the moment lacks by name, minus it. The corrections sum to exact - textbook."""
-    book = {t.name: t for t in textbook}
-    out = []
+    """What turns the textbook terms into a moment's exact terms, key by key: for a key both have, the exact
+    terms' sum minus the textbook's; an exact term whose key the textbook lacks (an op's transient, a tensor the
+    formula omits), the term itself; a textbook key the moment lacks, minus it. They sum to exact - textbook."""
+    book = {t.key: t for t in textbook}
+    out, done = [], set()
     for t in exact:
-        b = book.get(t.name)
+        b = book.get(t.key)
         if b is None:
             out.append(t)
-        elif t.bytes != b.bytes:
-            out.append(Term(f"{t.name}: exact - textbook", t.category, t.bytes - b.bytes,
-                            f"{t.formula} - ({b.formula})", t.source))
-    names = {t.name for t in exact}
+        elif t.key not in done:
+            done.add(t.key)
+            same = [x for x in exact if x.key is t.key]
+            diff = sum(x.bytes for x in same) - b.bytes
+            out.append(Term(f"{b.name}: exact - textbook", b.category, diff,
+                            f"{' + '.join(x.formula for x in same)} - ({b.formula})", t.source, key=t.key))
+    keys = {t.key for t in exact}
     out += [Term(f"{t.name}: textbook's formula, not in this moment's terms", t.category, -t.bytes, t.formula,
-                 t.source) for t in textbook if t.name not in names]
+                 t.source, key=t.key) for t in textbook if t.key not in keys]
     return [t for t in out if t.bytes]
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.memory import Category, Ledger, Measurement, Term
+from labkit.memory import Category, Ledger, Measurement, Term, TermKey
 
 ALPHA, BETA, GAMMA = 1.2, 1.1, 1.15  # EfficientNet's grid search on B0 (Tan & Le 2019, section 3.3)
 F32 = 4  # bytes per fp32 element
@@ -140,27 +140,31 @@ def predict(config: CNNConfig, batch: int, resolution: int | None = None) -> CNN
     res = config.scaled_resolution() if resolution is None else resolution
     p = CNNPrediction(config, batch, res)
     src = "tools/autograd/derivatives.yaml"
-    for name, c_in, c_out, _, h in layers(config, res):
+    for i, (name, c_in, c_out, _, h) in enumerate(layers(config, res)):
         n = batch * c_out * h * h
+        P, B, A = (dict(key=k, block=i) for k in (TermKey.PARAMETERS, TermKey.BUFFERS, TermKey.SAVED_ACTIVATIONS))
         p.terms += [
-            Term(f"{name} conv weight", Category.PARAM, 9 * c_in * c_out * F32, f"3*3*{c_in}*{c_out}*4"),
-            Term(f"{name} BN weight+bias", Category.PARAM, 2 * c_out * F32, f"2*{c_out}*4"),
-            Term(f"{name} BN running mean+var", Category.BUFFER, 2 * c_out * F32, f"2*{c_out}*4"),
-            Term(f"{name} BN num_batches_tracked", Category.BUFFER, 8, "one int64"),
-            Term(f"{name} conv output (BN's saved input)", Category.ACT, n * F32, f"{batch}*{c_out}*{h}*{h}*4", src),
-            Term(f"{name} BN save_mean+save_invstd", Category.ACT, 2 * c_out * F32, f"2*{c_out}*4", src),
+            Term(f"{name} conv weight", Category.PARAM, 9 * c_in * c_out * F32, f"3*3*{c_in}*{c_out}*4", **P),
+            Term(f"{name} BN weight+bias", Category.PARAM, 2 * c_out * F32, f"2*{c_out}*4", **P),
+            Term(f"{name} BN running mean+var", Category.BUFFER, 2 * c_out * F32, f"2*{c_out}*4", **B),
+            Term(f"{name} BN num_batches_tracked", Category.BUFFER, 8, "one int64", **B),
+            Term(f"{name} conv output (BN's saved input)", Category.ACT, n * F32, f"{batch}*{c_out}*{h}*{h}*4", src,
+                 **A),
+            Term(f"{name} BN save_mean+save_invstd", Category.ACT, 2 * c_out * F32, f"2*{c_out}*4", src, **A),
             Term(f"{name} ReLU output (relu's result, next conv's input)", Category.ACT, n * F32,
-                 f"{batch}*{c_out}*{h}*{h}*4", src),
+                 f"{batch}*{c_out}*{h}*{h}*4", src, **A),
         ]
     c, k = config.scaled_widths()[-1], config.classes
     p.terms += [
-        Term("head weight+bias", Category.PARAM, (c * k + k) * F32, f"({c}*{k}+{k})*4"),
-        Term("pooled features (addmm's mat1)", Category.ACT, batch * c * F32, f"{batch}*{c}*4", src),
-        Term("log_softmax output (nll_loss's input)", Category.ACT, batch * k * F32, f"{batch}*{k}*4", src),
-        Term("nll_loss total_weight", Category.ACT, F32, "one fp32 scalar", src),
-        Term("the loss", Category.ACT, F32, "one fp32 scalar, alive when backward starts"),
+        Term("head weight+bias", Category.PARAM, (c * k + k) * F32, f"({c}*{k}+{k})*4", key=TermKey.PARAMETERS),
+        Term("pooled features (addmm's mat1)", Category.ACT, batch * c * F32, f"{batch}*{c}*4", src, key=TermKey.HEAD),
+        Term("log_softmax output (nll_loss's input)", Category.ACT, batch * k * F32, f"{batch}*{k}*4", src,
+             key=TermKey.LOG_SOFTMAX),
+        Term("nll_loss total_weight", Category.ACT, F32, "one fp32 scalar", src, key=TermKey.LOSS_TEMPS),
+        Term("the loss", Category.ACT, F32, "one fp32 scalar, alive when backward starts", key=TermKey.LOSS_TEMPS),
         Term("backward's seed gradient", Category.ACT, F32,
-             "ones_like(loss), one fp32 scalar: loss.backward() makes it before the graph runs"),
+             "ones_like(loss), one fp32 scalar: loss.backward() makes it before the graph runs",
+             key=TermKey.LOSS_TEMPS),
     ]
     return p
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.memory.report import Variant
 from labkit.memory.units import fmt_bytes
 
 MAX_PARAMS = 20_000_000  # a model this large runs a few steps in seconds on a laptop CPU; above it, refuse
@@ -91,7 +92,7 @@ def verify(plan, steps: int = 2, device: str | None = None) -> Verification:
     e = estimate(r)
     galore = r.optimizer.startswith("galore")
     if galore:  # measured steps after the first do not refresh the projector (measure_step's default gap)
-        e = e.without("projector refresh")
+        e = e.without(Variant.REFRESH)
     predicted = e.peak.total
     base = dict(summary=plan.summary(), device=kind, budget=plan.memory, planned_peak=plan.peak, predicted=predicted)
     if r.dp > 1:
