@@ -194,9 +194,9 @@ def _gap(config, batch: int, seq: float, dtype: str, device: str) -> float:
 
     s = max(1, round(seq))
     cfg = replace(config, attention="manual", dropout=0.0, block_size=max(config.block_size, s))
-    t = {x.name: x.bytes for x in estimate(cfg, batch, s, dtype, device=device).terms}
-    p = t["attention scores (s^2)"]
-    return (p - t["activations saved by the blocks"]) / p
+    t = {x.key: x.bytes for x in estimate(cfg, batch, s, dtype, device=device).terms}
+    p = t[TermKey.ATTENTION_SCORES]
+    return (p - t[TermKey.SAVED_ACTIVATIONS]) / p
 
 
 def _replace_attention(config, attention: str = "manual"):
