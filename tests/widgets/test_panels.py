@@ -189,3 +189,12 @@ def test_measure_with_a_tiny_budget_reports_out_of_memory_and_carries_on(panel):
     panel.budget.value = 1.0  # the kernel lives on: the same panel measures again
     panel.button.click()
     assert panel.last_result.fits and panel.last_figure is not None
+
+
+def test_controls_and_picture_wrap_rather_than_squeeze(panel):
+    """Lessons 10 and 13 in a narrower window: the row of controls was squeezed ("sequenc", no readouts, cut
+    drop-downs). The browser test checks the words at 1280 pixels; this checks the layout that keeps them."""
+    row = panel.widget.children[0]
+    assert row.layout.flex_flow == "row wrap"
+    assert all(box.layout.flex == "0 0 auto" for box in row.children)  # none shrinks below its controls
+    assert panel.prediction.layout.max_width == "100%"  # the picture scales down instead
