@@ -28,11 +28,11 @@ def log_grid(value: float, lo: float, hi: float, step: float) -> tuple[float, fl
 
     The browser's slider snaps its value to min + k * step; with min on the grid through `value`, the value a
     lesson passes in (a budget of 26.64 MiB) stays what the panel uses, not the nearest grid point (26.91 MiB).
-    lo and hi: the exponents the range should reach (to within one step)."""
+    lo and hi: the exponents the range reaches at least (it may pass them by less than one step)."""
     import math
 
     at = math.log2(value)  # a value outside [lo, hi] widens the range to hold it
-    return at - max(math.floor((at - lo) / step), 0) * step, at + max(math.floor((hi - at) / step), 0) * step
+    return at - max(math.ceil((at - lo) / step), 0) * step, at + max(math.ceil((hi - at) / step), 0) * step
 
 
 def pick_unit(n_bytes: float) -> tuple[str, int]:
