@@ -396,12 +396,15 @@ def format_table(matrix: dict | None = None, gpu: str | None = None) -> str:
 
 def plot_matrix(matrix: dict | None = None, ax=None):
     """Memory saved (% of the baseline's peak) against time cost (step time / the baseline's), one labelled
-    point per technique, coloured by the regime where it wins. Returns the figure."""
-    import matplotlib.pyplot as plt
+    point per technique, coloured by the regime where it wins. Returns the figure: a matplotlib Figure that
+    pyplot does not hold, so a notebook shows it once, where it is displayed (a pyplot figure would be drawn
+    again by the inline backend at the cell's end)."""
+    from matplotlib.figure import Figure
 
     m = load_matrix() if matrix is None else matrix
     if ax is None:
-        fig, ax = plt.subplots(figsize=(8, 5.5))
+        fig = Figure(figsize=(8, 5.5))
+        ax = fig.add_subplot(1, 1, 1)
     else:
         fig = ax.figure
     colours = {"activation-bound": "tab:orange", "state-bound": "tab:blue", None: "tab:gray"}

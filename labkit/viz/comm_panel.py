@@ -15,7 +15,7 @@ from labkit.distributed.dp_ranks import TrainRun
 from labkit.distributed.param_server import PSConfig
 from labkit.memory import fmt_bytes
 
-from .style import _Panel, pick_unit, to_png
+from .style import _Panel, beside, pick_unit, to_png
 
 SPARSITIES = (0.75, 0.9, 0.99, 0.999)
 COLORS = {"dense": "#4C72B0", "dgc": "#DD8452", "powersgd": "#55A868", "parameter server": "#C44E52"}
@@ -39,7 +39,7 @@ class CommPanel(_Panel):
         self.last_plan = self.last_losses = self.last_error = None
         controls = (self.sparsity, self.warmup, self.rank, self.staleness)
         self.button.on_click(self._on_train)
-        self.widget = widgets.VBox([widgets.HBox([widgets.VBox(list(controls[:2])), widgets.VBox(list(controls[2:]))]),
+        self.widget = widgets.VBox([beside(widgets.VBox(list(controls[:2])), widgets.VBox(list(controls[2:]))),
                                     self.bytes_plot, self.verdict, self.button, self.message])
         self._watch(controls)
 

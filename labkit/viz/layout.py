@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 from labkit.memory.report import CATEGORIES
 from labkit.memory.units import fmt_bytes
 
-from .style import DOES_NOT_FIT, FITS, _axes, _legend, _Panel, _stack, pick_unit, to_png
+from .style import DOES_NOT_FIT, FITS, _axes, _legend, _Panel, _stack, beside, pick_unit, to_png
 
 __all__ = ["pipeline_chart", "rank_bars", "LayoutPanel"]
 
@@ -95,12 +95,13 @@ class LayoutPanel(_Panel):
                                           description="tensor parallel t", style=style, continuous_update=False)
         self.sp = widgets.Checkbox(value=DEFAULTS["sp"], description="sequence parallel", style=style)
         self.bars, self.chart = widgets.Image(format="png"), widgets.Image(format="png")
+        self.chart.layout.max_width = "100%"  # a narrow window scales the chart down rather than cut it
         self.words = widgets.HTML()
         self.note = widgets.HTML(f"<i>{html.escape(NO_MEASURE)}</i>")
         self.last_estimates = self.last_bubble = self.last_error = None
         self._hold = False
-        self.widget = widgets.VBox([widgets.HBox([widgets.VBox([self.pp, self.micro, self.schedule, self.tp, self.sp]),
-                                                  self.bars]), self.chart, self.words, self.note])
+        self.widget = widgets.VBox([beside(widgets.VBox([self.pp, self.micro, self.schedule, self.tp, self.sp]),
+                                           self.bars), self.chart, self.words, self.note])
         self._watch((self.pp, self.micro, self.schedule, self.tp, self.sp))
 
     @staticmethod

@@ -20,7 +20,7 @@ from labkit.quant.compare import INT4_GROUPS, INT4_METHODS, QUANT_BLOCKS, QUANT_
 from labkit.recompute import POLICIES
 
 from .panels import STYLE, RecipePanel, with_tooltip
-from .style import _Panel, to_png
+from .style import _Panel, beside, to_png
 
 __all__ = ["CheckpointPanel", "AccumulationPanel", "OptimizerPanel", "RankPanel", "PEFTPanel", "QuantPanel",
            "AWQPanel", "quantize_report", "QUANT_MODES", "QUANT_BLOCKS", "PEFT_TARGETS"]
@@ -198,7 +198,7 @@ class QuantPanel(_Panel):
                                                  style=STYLE, continuous_update=False)
         self.picture, self.words = widgets.Image(format="png"), widgets.HTML()
         self.last_figure = None
-        self.widget = widgets.VBox([widgets.HBox([self.mode, self.blocksize]), self.words, self.picture])
+        self.widget = widgets.VBox([beside(self.mode, self.blocksize), self.words, self.picture])
         self._watch((self.mode, self.blocksize))
 
     def _on_change(self, _change=None) -> None:
@@ -225,7 +225,7 @@ class AWQPanel(_Panel):
                                              continuous_update=False)
         self.picture, self.words = widgets.Image(format="png"), widgets.HTML()
         self.last_figure = self.last_report = None
-        self.widget = widgets.VBox([widgets.HBox([self.method, self.group]), self.words, self.picture])
+        self.widget = widgets.VBox([beside(self.method, self.group), self.words, self.picture])
         self._watch((self.method, self.group))
 
     def _on_change(self, _change=None) -> None:

@@ -20,7 +20,7 @@ from labkit.models.hf import PRESETS
 
 from .live import _in_ipython
 from .plots import compare_bar, prediction_bar, timeline
-from .style import DOES_NOT_FIT, FITS, _Panel, to_png
+from .style import DOES_NOT_FIT, FITS, _Panel, beside, log_grid, to_png
 
 RANKS = tuple(2**k for k in range(11))  # GaLore ranks offered: 1 to 1024 (the paper's 7B model uses 1024)
 
@@ -56,6 +56,8 @@ def with_tooltip(widget: widgets.Widget, text: str) -> widgets.Widget:
     setattr(widget, "tooltip" if widget.has_trait("tooltip") else "description_tooltip", text)
     return widget
 BUDGET_RANGE = (-20, 11)  # the budget slider's range, powers of two of a GiB: 1 KiB to 2 TiB
+BUDGET_STEP = 0.125  # the budget slider's step, in powers of two (x1.09 a step)
+SEQ_MAX = 131072  # the seq slider's end for models whose positions are not bounded lower (llama3.2-1b's 128 Ki)
 
 
 def say(text: str, color: str) -> str:
@@ -84,9 +86,10 @@ class RecipePanel(_Panel):
         self.kind = kind  # the kernels the estimate models: "cpu" or "cuda"
         self.device = kind if device is None else device  # where the button runs the steps
         self.data, self.steps, self.measure_limit = data, steps, measure_limit
-        lo, hi = BUDGET_RANGE
-        self.budget = widgets.FloatLogSlider(value=budget / GiB, base=2, min=lo, max=hi, step=0.125, description="budget",
-                                             readout=False, continuous_update=False, style=STYLE)  # value in GiB
+        lo, hi = log_grid(budget / GiB, *BUDGET_RANGE, BUDGET_STEP)  # its grid passes through the given budget
+        self.budget = widgets.FloatLogSlider(value=budget / GiB, base=2, min=lo, max=hi, step=BUDGET_STEP,
+                                             description="budget", readout=False, continuous_update=False,
+                                             style=STYLE)  # value in GiB
         self.budget_readout = widgets.Label()  # the budget in the unit that reads best: "3.13 MiB", "24.00 GiB"
         self.prediction = widgets.Image(format="png")  # the predicted bars, redrawn on every change
         self.verdict = widgets.HTML()  # the prediction in words: fits / does not fit, and what measuring offers
@@ -99,7 +102,7 @@ class RecipePanel(_Panel):
         self.controls = (*controls, self.budget)
         self.button.on_click(self._on_measure)
         self.widget = widgets.VBox([
-            widgets.HBox([widgets.VBox([*controls, widgets.HBox([self.budget, self.budget_readout])]), self.prediction]),
+            beside(widgets.VBox([*controls, widgets.HBox([self.budget, self.budget_readout])]), self.prediction),
             self.verdict, self.button, self.message, self.output,
         ])
         self._watch(self.controls)
@@ -161,9 +164,9 @@ class RecipePanel(_Panel):
 
     # ---- drawing ----------------------------------------------------------------------------
     def _draw_prediction(self, est, budget: int) -> None:
-        self.prediction.value = to_png(prediction_bar(est, budget), dpi=80, tight=False)
+        self.prediction.value = to_png(prediction_bar(est, budget, kernels=self.kind), dpi=80, tight=False)
         fits = est.peak.total <= budget
-        words = (f"predicted peak {fmt_bytes(est.peak.total)} ({est.peak_phase}): "
+        words = (f"predicted peak {fmt_bytes(est.peak.total)} ({est.peak_phase}, {self.kind} kernels): "
                  + ("fits" if fits else "does not fit") + f" in {fmt_bytes(budget)}")
         extra = self.describe(est)
         if extra:
@@ -218,12 +221,14 @@ class MemoryPanel(RecipePanel):
                  dtype: str | None = None, optimizer: str = "adamw", budget_gib: float | None = None, rank: int = 16):
         d = _defaults()
         model = model or d["model"]
-        positions = spec_from(model).max_positions or d["seq"]  # the default seq must suit the model
+        positions = self._positions(model)
         self.model = widgets.Dropdown(options=list(PRESETS), value=model, description="model", style=STYLE)
         self.batch = widgets.IntSlider(value=batch or d["batch"], min=1, max=64, description="batch", style=STYLE,
                                         continuous_update=False)  # redraw on release, not per pixel
-        self.seq = widgets.IntSlider(value=seq or min(d["seq"], positions), min=16, max=4096, step=16, description="seq",
-                                      style=STYLE, continuous_update=False)
+        # the sequence runs to the model's positions (gpt2-tiny's 128, gpt2's 1024), and follows the model
+        self.seq = widgets.IntSlider(value=min(seq or d["seq"], positions), min=16, max=positions, step=16,
+                                     description="seq", style=STYLE, continuous_update=False)
+        self.model.observe(self._bound_seq, names="value")  # before the redraw's observer: seq is bounded first
         self.dtype = widgets.Dropdown(options=list(DTYPES), value=dtype or d["dtype"], description="dtype", style=STYLE)
         self.optimizer = widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=STYLE)
         self.rank = with_tooltip(
@@ -232,6 +237,15 @@ class MemoryPanel(RecipePanel):
             "GaLore's rank: the optimizer state lives in a rank-r projection")
         super().__init__([self.model, self.batch, self.seq, self.dtype, self.optimizer, self.rank],
                          int((budget_gib or d["budget_gib"]) * GiB), kind=d["device"], measure_limit=int(d["limit"]))
+
+    @staticmethod
+    def _positions(model: str) -> int:
+        """The longest sequence the model takes: its positions (the seq slider's end)."""
+        return min(spec_from(model).max_positions or SEQ_MAX, SEQ_MAX)
+
+    def _bound_seq(self, change) -> None:
+        """A new model: the seq slider ends at its positions (a longer seq is cut to them: one redraw more)."""
+        self.seq.max = max(self._positions(change["new"]), self.seq.min)
 
     def recipe(self) -> dict:
         galore = self.optimizer.value.startswith("galore")

@@ -11,15 +11,19 @@ from matplotlib.figure import Figure
 
 from labkit.memory import GiB, fmt_bytes
 
-from .style import DOES_NOT_FIT, FITS, _Panel, to_png
+from .style import DOES_NOT_FIT, FITS, _Panel, beside, log_grid, to_png
 
 PEFT_CHOICES = {"full training only": False, "parameter-efficient only": True, "either": "allow"}
 PRECISIONS = ("fp32", "mixed-bf16", "bf16")
 
 
+TIGHT = "#E0A030"  # amber: fits, but within the plan's headroom of the budget
+
+
 def plan_bars(plans: list, memory: int, ax=None) -> Figure:
     """One horizontal bar per plan (best first, at the top): its predicted peak per device, the budget as a
-    line, and the predicted step time relative to the fastest plan at the bar's end."""
+    line, and the predicted step time relative to the fastest plan at the bar's end. A tight plan (it fits,
+    within its headroom of the budget: `plan.tight`) is amber, hatched and says "tight", wherever it is drawn."""
     h = 0.9 + 0.5 * max(len(plans), 1)
     fig = Figure(figsize=(9.5, h)) if ax is None else ax.figure
     ax = ax or fig.add_axes([0.5, 0.55 / h, 0.36, 1 - 0.75 / h])
@@ -28,12 +32,18 @@ def plan_bars(plans: list, memory: int, ax=None) -> Figure:
     names = "GiB" if unit == GiB else "MiB"
     for i, p in enumerate(plans):
         y = len(plans) - 1 - i
-        ax.barh(y, p.peak / unit, color=FITS if p.peak <= memory else DOES_NOT_FIT, alpha=0.85)
-        ax.text(top / unit * 1.03, y, f"{fmt_bytes(p.peak)}, {p.relative:.2f}x time", va="center", fontsize=8)
+        fits, tight = p.peak <= memory, p.peak <= memory and p.tight
+        ax.barh(y, p.peak / unit, color=TIGHT if tight else FITS if fits else DOES_NOT_FIT, alpha=0.85,
+                hatch="//" if tight else None, edgecolor="white")
+        ax.text(top / unit * 1.03, y, f"{fmt_bytes(p.peak)}, {p.relative:.2f}x time"
+                + (", tight" if tight else ""), va="center", fontsize=8)
     ax.axvline(memory / unit, color=DOES_NOT_FIT, linewidth=1.5)
     ax.set_yticks(range(len(plans)), [_short(i, p) for i, p in enumerate(plans)][::-1], fontsize=8)
     ax.set_xlim(0, top / unit * 1.6)
-    ax.set_xlabel(f"predicted peak per device ({names}); red line: the budget")
+    heads = sorted({p.headroom for p in plans if p.tight and p.peak <= memory})
+    ax.set_xlabel(f"predicted peak per device ({names}); red line: the budget"
+                  + (f"; amber: tight (within {heads[0]:.0%} of it)" if len(heads) == 1 else
+                     "; amber: tight (within its headroom)" if heads else ""))
     ax.spines[["top", "right"]].set_visible(False)
     return fig
 
@@ -72,7 +82,8 @@ class PlanPanel(_Panel):
         # whose kernels and speeds the plans assume: this machine's by default, so that verify checks the same bars
         preset = device_preset or ("h100" if torch.cuda.is_available() else "cpu")
         self.device = widgets.Dropdown(options=_devices(), value=preset, description="device kind", style=style)
-        self.memory = widgets.FloatLogSlider(value=memory_gib, base=2, min=-10, max=8, step=0.25,
+        lo, hi = log_grid(memory_gib, -10, 8, 0.25)  # the slider's grid passes through the memory given
+        self.memory = widgets.FloatLogSlider(value=memory_gib, base=2, min=lo, max=hi, step=0.25,
                                              description="GiB per device", readout_format=".3g", style=style,
                                              continuous_update=False)
         self.batch = widgets.Dropdown(options=[1, 2, 4, 8, 16, 32], value=batch, description="batch", style=style)
@@ -89,7 +100,7 @@ class PlanPanel(_Panel):
         self.last_plans = self.last_verification = self.last_figure = self.last_error = None
         controls = (self.model, self.devices, self.device, self.memory, self.batch, self.seq, self.peft, self.precision)
         self.button.on_click(self._on_run)
-        self.widget = widgets.VBox([widgets.HBox([widgets.VBox(list(controls)), self.prediction]),
+        self.widget = widgets.VBox([beside(widgets.VBox(list(controls)), self.prediction),
                                     self.verdict, self.button, self.message])
         self._watch(controls)
 

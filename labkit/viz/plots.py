@@ -6,9 +6,12 @@ names are importable from here too, as the lessons use them (`plots.fit_table`, 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import matplotlib
 import matplotlib.artist
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory, offset_copy
 
@@ -142,10 +145,13 @@ class _PhaseLabels(matplotlib.artist.Artist):
             t.set_position((to_data.transform((c, 0))[0], 1.0))
 
 
-def timeline(measurement, ax=None, budget: int | None = None, title: str | None = None) -> Figure:
+def timeline(measurement, ax=None, budget: int | None = None, title: str | None = None,
+             legend: bool = True) -> Figure:
     """Live bytes by category after every allocation or free (a stacked area), with the phases of each
-    step shaded and named, a dashed line at the peak, and a red line at `budget` (bytes) if given.
-    Phase labels that do not fit over their band move up a row, or are left out (see _PhaseLabels)."""
+    step shaded and named, a dashed line at the peak, and a red line at `budget` (bytes) if given, named
+    in the legend. Phase labels that do not fit over their band move up a row, or are left out (see
+    _PhaseLabels). legend=False leaves the legend out: timelines side by side draw it once, on the last, so
+    that one's legend does not cover its neighbour's axis."""
     tl = measurement.timeline
     total = tl.total
     fig, ax = _axes(ax, (10, 4.2), right=0.8)
@@ -178,18 +184,33 @@ def timeline(measurement, ax=None, budget: int | None = None, title: str | None 
 
     peak_at = total.index(peak)
     where, labels, shaded = "", [], []
-    for start, end, phase, step, pieces in _bands(tl.phase_starts, n):
+    bands = _bands(tl.phase_starts, n)
+    # gradient accumulation: a step of m micro-batches alternates forward and backward m times. Their bands are
+    # shaded one by one, but named once, "m micro-batches, step s", over them all: m labels of "forward 1"
+    # would pile up over bands too narrow to hold them
+    micro = Counter(step for _, _, phase, step, _ in bands if phase == "forward")
+    seen: Counter = Counter()  # forward bands met so far per step: the micro-batch a band belongs to
+    for start, end, phase, step, pieces in bands:
         color = PHASE_COLORS.get(phase.split(" ")[0], "#999999")  # "backward + optimizer": backward's shade
         ax.axvspan(start, end, color=color, alpha=0.10, linewidth=0, zorder=0)
         ax.axvline(start, color="#777777", linewidth=0.5, zorder=0.5)  # one line per band, not per sliver
         shaded.append(phase.split(" ")[0])
-        labels.append((start, end, ax.text(start, 1.0, f"{phase} {step}", ha="center", va="bottom", fontsize=8,
-                                           color=color, clip_on=False)))
+        seen[step] += phase == "forward"
+        grouped = micro[step] > 1 and phase != "optimizer"
+        if grouped and labels and labels[-1][3] == step:  # the same step's micro-batches: widen its one label
+            labels[-1] = (labels[-1][0], end, labels[-1][2], step)
+        else:
+            text = f"{micro[step]} micro-batches, step {step}" if grouped else f"{phase} {step}"
+            labels.append((start, end, ax.text(start, 1.0, text, ha="center", va="bottom", fontsize=8,
+                                               color="#555555" if grouped else color, clip_on=False),
+                           step if grouped else None))
         for s, e, piece in pieces:
             if s <= peak_at < e:
                 inner = phase != piece  # a piece of a "backward + optimizer" band
                 name = ("an optimizer step inside backward" if inner and piece == "optimizer" else piece)
-                where = f" ({name}, step {step})"
+                of = f" of micro-batch {seen[step]}" if grouped else ""
+                where = f" ({name}{of}, step {step})"
+    labels = [(start, end, t) for start, end, t, _ in labels]
     ax.add_artist(_PhaseLabels(ax, labels))
 
     # two lines close together: each label goes on the far side of its line, so neither covers the other line
@@ -198,11 +219,10 @@ def timeline(measurement, ax=None, budget: int | None = None, title: str | None 
     ax.axhline(peak / size, color="black", linestyle="--", linewidth=1)
     ax.text(n, peak / size, f"peak {fmt_bytes(peak)}{where} ", ha="right", va="top" if close and budget_above else "bottom",
             fontsize=8, bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
+    budget_line = []  # its size is named in the legend: a label on the chart would cover the stack under it
     if show_budget:
         ax.axhline(budget / size, color=DOES_NOT_FIT, linewidth=1.5)
-        ax.text(n * 0.01, budget / size, f"budget {fmt_bytes(budget)}", color=DOES_NOT_FIT, ha="left",
-                va="bottom" if budget_above else "top", fontsize=8,
-                bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
+        budget_line.append(Line2D([], [], color=DOES_NOT_FIT, linewidth=1.5, label=f"budget {fmt_bytes(budget)}"))
     elif budget is not None:
         ax.text(1.02, 0.0, f"budget {fmt_bytes(budget)}:\nfar above the peak\n(off the chart)",
                 transform=ax.transAxes, color=DOES_NOT_FIT, ha="left", va="bottom", fontsize=8)
@@ -211,14 +231,18 @@ def timeline(measurement, ax=None, budget: int | None = None, title: str | None 
     ax.spines[["top", "right"]].set_visible(False)
     used = [c for c in CATEGORIES if any(tl.bytes[c])]
     phases = [p for p in PHASE_COLORS if p in shaded]
-    handles = ([Patch(color=PHASE_COLORS[p], alpha=0.25, label=f"{p} phase") for p in phases]
+    handles = (budget_line + [Patch(color=PHASE_COLORS[p], alpha=0.25, label=f"{p} phase") for p in phases]
                + [Patch(color=CATEGORY_COLORS[c], label=c.value) for c in used[::-1]])
-    ax.legend(handles=handles, fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if legend:
+        ax.legend(handles=handles, fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
-def prediction_bar(estimate, budget: int | None = None, ax=None) -> Figure:
-    """The estimate's bytes at the peak of each phase as stacked bars, with the budget line and a verdict."""
+def prediction_bar(estimate, budget: int | None = None, ax=None, kernels: str | None = None) -> Figure:
+    """The estimate's bytes at the peak of each phase as stacked bars, with the budget line and a verdict.
+
+    The budget's size is named in the legend, beside its line, not written over the bars. kernels: the kernels
+    the estimate models ("cpu" or "cuda"), named in the title: the same recipe predicts differently on each."""
     phases = [p for p in PHASES if p in estimate.phases] + [p for p in estimate.phases if p not in PHASES]
     fig, ax = _axes(ax, (7, 4), right=0.72)
     peak = max(estimate.peak.total, 1)
@@ -233,15 +257,15 @@ def prediction_bar(estimate, budget: int | None = None, ax=None) -> Figure:
     ax.set_ylim(0, top / size * 1.15)
     ax.set_ylabel(f"predicted memory ({unit})")
     ax.spines[["top", "right"]].set_visible(False)
-    title = f"predicted: {estimate.label}"
+    title = f"predicted: {estimate.label}" + (f" ({kernels} kernels)" if kernels else "")
+    extra = []  # legend entries above the categories: the budget line
     if budget is not None:
         fits = estimate.peak.total <= budget
         verdict = (f"fits: {fmt_bytes(estimate.peak.total)} of {fmt_bytes(budget)}" if fits
                    else f"does not fit: {fmt_bytes(estimate.peak.total)} > {fmt_bytes(budget)} budget")
         if show_budget:
             ax.axhline(budget / size, color=DOES_NOT_FIT, linewidth=1.5)
-            ax.text(len(phases) - 0.6, budget / size, f"budget {fmt_bytes(budget)}", color=DOES_NOT_FIT,
-                    ha="right", va="bottom", fontsize=8)
+            extra.append(Line2D([], [], color=DOES_NOT_FIT, linewidth=1.5, label=f"budget {fmt_bytes(budget)}"))
         else:
             verdict += " (budget line off the chart)"
         ax.text(0.0, 1.02, verdict, transform=ax.transAxes, fontsize=10, weight="bold",
@@ -249,5 +273,5 @@ def prediction_bar(estimate, budget: int | None = None, ax=None) -> Figure:
         ax.set_title(title, fontsize=9, pad=22)
     else:
         ax.set_title(title, fontsize=9)
-    _legend(ax, CATEGORIES[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _legend(ax, CATEGORIES[::-1], extra=extra, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig

@@ -23,6 +23,18 @@ PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A8
 FITS, DOES_NOT_FIT = "#2E7D32", "#C62828"  # green and red for verdicts and budget lines
 
 
+def log_grid(value: float, lo: float, hi: float, step: float) -> tuple[float, float]:
+    """(min, max) exponents for a FloatLogSlider of base 2 whose grid of `step`s passes through `value`.
+
+    The browser's slider snaps its value to min + k * step; with min on the grid through `value`, the value a
+    lesson passes in (a budget of 26.64 MiB) stays what the panel uses, not the nearest grid point (26.91 MiB).
+    lo and hi: the exponents the range reaches at least (it may pass them by less than one step)."""
+    import math
+
+    at = math.log2(value)  # a value outside [lo, hi] widens the range to hold it
+    return at - max(math.ceil((at - lo) / step), 0) * step, at + max(math.ceil((hi - at) / step), 0) * step
+
+
 def pick_unit(n_bytes: float) -> tuple[str, int]:
     """The binary unit that reads best for sizes up to n_bytes: (name, bytes per unit)."""
     for name, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
@@ -52,6 +64,20 @@ def _show_figures_as_png() -> None:
 
 
 _show_figures_as_png()
+
+
+def beside(*boxes):
+    """Widgets side by side that wrap, one under the other, when the window is too narrow for them all: none
+    is squeezed (a squeezed control cuts its name, "sequenc", hides its slider's readout, truncates its
+    drop-down), and a picture shrinks to the width it is given rather than spill over."""
+    import ipywidgets as widgets
+
+    for box in boxes:
+        box.layout.flex = "0 0 auto"  # its own width: never shrunk below what its controls need
+        if isinstance(box, widgets.Image):
+            box.layout.max_width = "100%"  # a picture wider than the output area scales down
+            box.layout.height = "auto"
+    return widgets.HBox(list(boxes), layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start"))
 
 
 class _Panel:
@@ -90,6 +116,7 @@ def _stack(ax, x: float, b: Breakdown, size: int, width: float = 0.6, min_label:
         bottom += h
 
 
-def _legend(ax, cats=CATEGORIES, **kw) -> None:
-    handles = [Patch(color=CATEGORY_COLORS[c], label=c.value) for c in cats]
+def _legend(ax, cats=CATEGORIES, extra=(), **kw) -> None:
+    """The categories' colours (and `extra` handles first, e.g. the budget line) in a legend."""
+    handles = [*extra, *(Patch(color=CATEGORY_COLORS[c], label=c.value) for c in cats)]
     ax.legend(handles=handles, fontsize=8, frameon=False, **kw)

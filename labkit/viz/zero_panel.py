@@ -4,6 +4,8 @@ would) and draws measured vs predicted for each, one rank under the other."""
 
 from __future__ import annotations
 
+import html
+
 import ipywidgets as widgets
 from IPython.display import Image, display
 from matplotlib.figure import Figure
@@ -16,7 +18,7 @@ from labkit.models.gpt import GPTConfig
 
 from .live import _in_ipython
 from .plots import compare_bar
-from .style import DOES_NOT_FIT, FITS, _legend, _Panel, _stack, pick_unit, to_png
+from .style import DOES_NOT_FIT, FITS, _legend, _Panel, _stack, beside, log_grid, pick_unit, to_png
 
 # labkit GPTs from tiny (measurable here in seconds) to the ZeRO paper's scale
 MODELS = {
@@ -69,7 +71,8 @@ class ZeroPanel(_Panel):
                                       continuous_update=False)
         self.seq = widgets.IntSlider(value=seq, min=8, max=1024, step=8, description="seq", style=style,
                                      continuous_update=False)
-        self.budget = widgets.FloatLogSlider(value=budget_gib, base=2, min=-12, max=8, step=0.25,
+        lo, hi = log_grid(budget_gib, -12, 8, 0.25)  # the slider's grid passes through the budget given
+        self.budget = widgets.FloatLogSlider(value=budget_gib, base=2, min=lo, max=hi, step=0.25,
                                              description="budget GiB", readout_format=".3g", style=style,
                                              continuous_update=False)
         self.prediction = widgets.Image(format="png")
@@ -80,7 +83,7 @@ class ZeroPanel(_Panel):
         self.last_estimates = self.last_measurements = self.last_figure = self.last_error = None
         controls = (self.model, self.ranks, self.stage, self.offload, self.rows, self.seq, self.budget)
         self.button.on_click(self._on_run)
-        self.widget = widgets.VBox([widgets.HBox([widgets.VBox(list(controls)), self.prediction]),
+        self.widget = widgets.VBox([beside(widgets.VBox(list(controls)), self.prediction),
                                     self.verdict, self.button, self.message, self.output])
         self._watch(controls)
 
@@ -112,10 +115,16 @@ class ZeroPanel(_Panel):
         self.prediction.value = to_png(stage_bars(ests, budget, int(self.stage.value)), dpi=80, tight=False)
         e = ests[int(self.stage.value)]
         fits = e.peak.total <= budget
+        too_big = e.peak.total > MEASURE_LIMIT
+        # a greyed button says why: the reason is in the verdict and on the button's hover text
+        why = (f"too big to measure here: the button runs 2 ranks on this machine, for steps up to "
+               f"{fmt_bytes(MEASURE_LIMIT)} per rank; a smaller model, fewer rows or a shorter seq can be measured")
         self.verdict.value = (f"<b style='color:{FITS if fits else DOES_NOT_FIT}'>ZeRO-{self.stage.value}: "
                               f"{fmt_bytes(e.peak.total)} per rank ({e.peak_phase}) "
-                              f"{'fits' if fits else 'does not fit'} in {fmt_bytes(budget)}</b>")
-        self.button.disabled = e.peak.total > MEASURE_LIMIT
+                              f"{'fits' if fits else 'does not fit'} in {fmt_bytes(budget)}</b>"
+                              + (f"<br><span style='color:#555555'>{html.escape(why)}</span>" if too_big else ""))
+        self.button.disabled = too_big
+        self.button.tooltip = why if too_big else "run 2 real ranks of this stage, each under the budget"
 
     def _on_run(self, _button=None) -> None:
         if self.button.disabled:

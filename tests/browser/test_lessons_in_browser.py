@@ -2,7 +2,8 @@
 
 `make test-browser` runs this file: it starts JupyterLab on a copy of notebooks/ in smoke mode, opens each
 lesson, runs all its cells, and asserts what a learner would see: no error output, no "Error displaying
-widget", every panel rendered; changing a panel's control redraws its prediction; its measure button
+widget", every panel rendered, no control's words cut short in a 1280-pixel window (a label, a button, a
+drop-down's choice, a slider's readout); changing a panel's control redraws its prediction; its measure button
 shows a measurement. Screenshots of each panel go to tests/browser/screenshots/ (ignored by git). Each lesson,
 once Run All has passed and before a control is touched, is saved with its outputs to build/executed/ (what
 `make site` builds its pages from, so CI runs no lesson a third time). `make test-browser` runs two lessons at a
@@ -30,6 +31,7 @@ LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")
 SHOTS = Path(__file__).parent / "screenshots"
 EXECUTED = ROOT / "build" / "executed"  # <lesson>.ipynb as Run All left it (labkit/course/site.py reads them)
 RUN_TIMEOUT_S = 900  # one lesson, all cells, in smoke mode (the slowest takes about a minute and a half)
+WINDOW = {"width": 1280, "height": 1000}  # a laptop's window: every control's text must fit in it
 
 pytestmark = pytest.mark.browser
 
@@ -149,6 +151,53 @@ def _picture_views(page, folder: Path) -> None:
         box = view.bounding_box()
         if box and box["width"] >= 2 and box["height"] >= 2:
             view.screenshot(path=str(folder / f"{model_id}.png"))
+
+
+# the controls of one widget output whose words a learner cannot read whole: a label cut short ("sequenc"), a
+# button's words, a drop-down's chosen option, a slider's readout squeezed to nothing, or a control cut off by a
+# box too narrow to hold it (a squeezed row of controls hides their right part). Labels, buttons and readouts
+# clip their own text (overflow hidden): their scrollWidth exceeds their clientWidth. A <select> draws its option
+# itself: its text is measured with its font against its width less its padding (where the arrow is drawn).
+# A box that clips (overflow other than visible) cuts what reaches past its edges.
+CLIPPED = """out => {
+  const ctx = document.createElement('canvas').getContext('2d');
+  const what = '.widget-label, .widget-label-basic, .widget-readout, button, select';
+  const cutBy = el => {  // the left and right edges of the boxes between el and the output that clip it
+    let lo = -Infinity, hi = Infinity;
+    for (let a = el.parentElement; a && a !== out.parentElement; a = a.parentElement) {
+      if (getComputedStyle(a).overflowX === 'visible') continue;
+      const r = a.getBoundingClientRect();
+      lo = Math.max(lo, r.left); hi = Math.min(hi, r.right);
+    }
+    return [lo, hi];
+  };
+  return Array.from(out.querySelectorAll(what)).filter(el => el.offsetParent !== null).flatMap(el => {
+    let need = el.scrollWidth, text = (el.innerText || '').trim();
+    if (el.tagName === 'SELECT') {
+      const cs = getComputedStyle(el), opt = el.options[el.selectedIndex];
+      ctx.font = `${cs.fontStyle} ${cs.fontWeight} ${cs.fontSize} ${cs.fontFamily}`;
+      text = opt ? opt.text.trim() : '';
+      need = Math.ceil(ctx.measureText(text).width + parseFloat(cs.paddingLeft) + parseFloat(cs.paddingRight));
+    }
+    if (!text) return [];
+    const name = `${el.tagName.toLowerCase()} "${text}"`, box = el.getBoundingClientRect(), [lo, hi] = cutBy(el);
+    if (box.left < lo - 1 || box.right > hi + 1) return [`${name}: cut off by a box too narrow for it`];
+    return need > el.clientWidth + 1 ? [`${name}: needs ${need} px, has ${el.clientWidth}`] : [];
+  }); }"""
+
+
+def _clipped_controls(page) -> list[str]:
+    """Every widget output, scrolled into view (JupyterLab lays out off-screen cells lazily), checked with CLIPPED."""
+    outputs = page.locator(".jp-OutputArea-output:has(.jupyter-widgets)")
+    found = []
+    for i in range(outputs.count()):
+        out = outputs.nth(i)
+        if not out.is_visible():
+            continue
+        out.scroll_into_view_if_needed()
+        page.wait_for_timeout(200)
+        found += out.evaluate(CLIPPED)
+    return found
 
 
 def _errors(cells: list[dict]) -> list[str]:
@@ -272,7 +321,7 @@ MEASURED_STATE = {"09_data_parallel_zero": _measured_09}
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson_runs_and_its_panels_respond(lab, lesson):
     browser, url, root = lab
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(viewport=WINDOW)
     try:
         stem = lesson.removesuffix(".ipynb")
         (EXECUTED / lesson).unlink(missing_ok=True)  # no stale copy survives a run that fails
@@ -293,6 +342,8 @@ def test_lesson_runs_and_its_panels_respond(lab, lesson):
         assert page.locator(".jp-OutputArea-output .jupyter-widgets").count() >= views  # each view rendered
         if stem in FINAL_STATE:
             FINAL_STATE[stem](page)
+        clipped = _clipped_controls(page)
+        assert not clipped, f"{lesson}: controls whose text does not fit a {WINDOW['width']}-pixel window: {clipped}"
         _save_executed(page, root, lesson)
         _picture_views(page, EXECUTED / stem)
         SHOTS.mkdir(exist_ok=True)

@@ -5,6 +5,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.collections import FillBetweenPolyCollection, PolyCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
@@ -70,6 +71,10 @@ def texts(fig) -> str:
     return "\n".join(t.get_text() for ax in fig.axes for t in ax.texts + [ax.title])
 
 
+def legend_texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
 def bars(ax) -> list[Rectangle]:
     return [p for p in ax.patches if isinstance(p, Rectangle) and p.get_height() > 0]
 
@@ -132,8 +137,10 @@ def test_timeline_stacks_categories_and_names_phases_peak_and_budget():
     areas = [c for c in ax.collections if isinstance(c, (FillBetweenPolyCollection, PolyCollection))]
     assert len(areas) == sum(1 for c in CATEGORIES if any(meas.timeline.bytes[c]))  # 5: no buffers
     words = texts(fig)
-    for label in ("forward 1", "backward 1", "optimizer 2", "peak 12.00 MiB (backward, step 2)", "budget 13.00 MiB"):
+    for label in ("forward 1", "backward 1", "optimizer 2", "peak 12.00 MiB (backward, step 2)"):
         assert label in words
+    # the budget is named in the legend, beside its line: a label on the chart covered the stack under it
+    assert "budget" not in words and "budget 13.00 MiB" in legend_texts(ax)
     lines = {(round(l.get_ydata()[0], 3), l.get_linestyle(), to_hex(l.get_color())) for l in ax.lines}
     assert (12.0, "--", "#000000") in lines  # the peak, dashed
     assert any(y == 13.0 and ls == "-" and c != "#000000" for y, ls, c in lines)  # the budget, solid red
@@ -165,7 +172,61 @@ def test_timeline_says_when_the_budget_is_off_the_chart_and_copes_with_nothing()
     assert "no allocations" in texts(timeline(empty))
 
 
+def test_timelines_side_by_side_draw_one_legend_that_covers_no_axis():
+    """Lesson 09: rank 0's legend, right of its axes, covered rank 1's axis."""
+    fig = Figure(figsize=(12, 3.6))
+    axes = fig.subplots(1, 2, sharey=True)
+    for k, ax in enumerate(axes):
+        timeline(make_measurement(), ax=ax, legend=k == 1)
+    fig.subplots_adjust(left=0.06, right=0.83, wspace=0.08, top=0.78)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    assert axes[0].get_legend() is None
+    box = axes[1].get_legend().get_window_extent(renderer)
+    assert not any(box.overlaps(ax.bbox) for ax in axes)
+
+
+def test_micro_batches_are_named_once_per_step_not_once_per_band():
+    """Lesson 04: a step of 4 micro-batches drew "forward 1" four times, piled up over narrow bands."""
+    series = {c: [] for c in CATEGORIES}
+    marks = []
+    for step in (1, 2):
+        for _ in range(4):  # micro-batches: forward, backward, forward, backward, ...
+            for phase in ("forward", "backward"):
+                marks.append((len(series[Category.PARAM]), phase, step))
+                for v in (1, 2, 1):
+                    for c in CATEGORIES:
+                        series[c].append(int(v * MiB) if c is Category.ACT else MiB if c is Category.PARAM else 0)
+        marks.append((len(series[Category.PARAM]), "optimizer", step))
+        for c in CATEGORIES:
+            series[c].append(MiB if c is Category.PARAM else 0)
+    phases = {"forward": bd(param=1, act=2), "backward": bd(param=1, act=2), "optimizer": bd(param=1)}
+    fig = timeline(Measurement("accumulated", phases, Timeline(series, marks), bd(param=1)))
+    ax = fig.axes[0]
+    names = [t.get_text() for t in ax.texts if not t.get_text().startswith("peak")]
+    assert names == ["4 micro-batches, step 1", "optimizer 1", "4 micro-batches, step 2", "optimizer 2"]
+    assert len([p for p in ax.patches if p.get_alpha() == 0.10]) == 18  # each band still shaded: 2 x (8 + 1)
+    peak = next(t.get_text() for t in ax.texts if t.get_text().startswith("peak"))
+    assert peak.startswith("peak 3.00 MiB (forward of micro-batch 1, step 1)"), peak
+
+
 # ----------------------------------------------------------------------------------------- prediction
+def test_prediction_bar_names_its_kernels_and_the_budget_in_the_legend_not_over_the_bars():
+    """Lesson 01: "budget 9.00 MiB" was written over the last bar; the panel did not say which kernels."""
+    est = make_estimate()
+    fig = prediction_bar(est, budget=9 * MiB, kernels="cpu")
+    ax = fig.axes[0]
+    assert "(cpu kernels)" in ax.get_title()
+    assert "budget 9.00 MiB" in legend_texts(ax) and not any(t.get_text().startswith("budget") for t in ax.texts)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for t in ax.texts:  # the totals sit on their bars; no text covers a bar
+        box = t.get_window_extent(renderer).padded(-1.5)  # a pixel in: touching is not covering
+        assert not any(box.overlaps(b.get_window_extent(renderer)) for b in bars(ax)), t.get_text()
+
+
 def test_prediction_bar_says_whether_the_peak_fits():
     est = make_estimate()
     fits = prediction_bar(est, budget=16 * MiB)

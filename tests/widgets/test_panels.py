@@ -4,10 +4,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import math  # noqa: E402
+
 import ipywidgets as widgets  # noqa: E402
 import pytest  # noqa: E402
 
-from labkit.memory import Category  # noqa: E402
+from labkit.memory import GiB, Category, fmt_bytes  # noqa: E402
 from labkit.viz.panels import MemoryPanel, with_tooltip  # noqa: E402
 
 
@@ -112,13 +114,57 @@ def png_size(png: bytes) -> tuple[int, int]:
     return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk's width, height
 
 
-def test_a_sequence_longer_than_the_model_is_explained_not_raised(panel):
-    bars = png_size(bytes(panel.prediction.value))
+def test_the_seq_slider_ends_at_the_models_positions_and_follows_the_model(panel):
+    """gpt2-tiny has 128 positions: the slider ran to 4096, where every value past 128 predicted nothing."""
+    assert panel.seq.max == 128
+    panel.seq.value = 1024  # set past the end (as a script could): held at the end, and predicted
+    assert panel.seq.value == 128 and panel.last_estimate.label == "gpt2-tiny B=2 S=128 fp32 adamw"
+    panel.model.value = "gpt2"
+    assert panel.seq.max == 1024 and panel.seq.value == 128  # room to grow; the sequence kept
     panel.seq.value = 1024
+    assert panel.last_estimate.label == "gpt2 B=2 S=1024 fp32 adamw"
+    panel.model.value = "gpt2-tiny"  # back to 128 positions: the sequence is cut to them, and predicted
+    assert (panel.seq.max, panel.seq.value) == (128, 128) and panel.last_estimate.label.startswith("gpt2-tiny")
+    assert MemoryPanel(model="llama2-7b", batch=1, seq=512).seq.max == 4096
+    assert MemoryPanel(model="gpt2-tiny", seq=4096).seq.value == 128  # a too-long default is cut too
+
+
+def test_a_sequence_the_estimator_refuses_is_explained_not_raised(panel):
+    bars = png_size(bytes(panel.prediction.value))
+    panel.seq.max = 4096  # a slider made past the model's positions (a panel over a Recipe can be)
+    panel.seq.value = 1024  # the estimator refuses it
     assert png_size(bytes(panel.prediction.value)) == bars  # the explanation keeps the picture's shape
     assert panel.last_estimate is None
     assert "no prediction" in panel.verdict.value and "128 positions" in panel.verdict.value
     assert panel.button.disabled
+
+
+def test_the_panel_says_which_kernels_it_predicts_for(panel):
+    """Lesson 01's panel (cpu kernels) and its memory wall (cuda kernels) gave two figures for one recipe."""
+    assert "cpu kernels" in panel.verdict.value
+    cuda = MemoryPanel(model="gpt2-xl", batch=1, seq=1024, dtype="fp32")
+    cuda.kind = "cuda"  # what a GPU's profile gives it
+    cuda._on_change()
+    assert "cuda kernels" in cuda.verdict.value
+    assert cuda.last_estimate.peak.total < panel_peak("gpt2-xl", "cpu")  # the figure the kernels change
+
+
+def panel_peak(model, kind):
+    from labkit.estimate import estimate
+
+    return estimate(model=model, batch=1, seq=1024, dtype="fp32", optimizer="adamw", device=kind).peak.total
+
+
+@pytest.mark.parametrize("budget_gib", [26.64 / 1024, 0.75, 3.3, 24.0, 2.0**-25])
+def test_the_budget_sliders_grid_passes_through_the_budget_given(budget_gib):
+    """The browser snaps a slider to min + k * step: lesson 12's 26.64 MiB became 26.91 MiB."""
+    p = MemoryPanel(model="gpt2-tiny", budget_gib=budget_gib)
+    value = p.budget.value  # in GiB: the budget's whole bytes
+    assert abs(value / budget_gib - 1) < 1e-7 and p.budget_readout.value == fmt_bytes(int(budget_gib * GiB))
+    k = (math.log2(value) - p.budget.min) / p.budget.step
+    assert abs(k - round(k)) < 1e-9 and p.budget.min <= math.log2(value) <= p.budget.max
+    assert p.budget.max - p.budget.min > 20  # still a wide range
+    assert abs(2 ** (p.budget.min + round(k) * p.budget.step) / value - 1) < 1e-12
 
 
 def test_measure_with_a_generous_budget_draws_predicted_vs_measured(panel):
@@ -143,3 +189,12 @@ def test_measure_with_a_tiny_budget_reports_out_of_memory_and_carries_on(panel):
     panel.budget.value = 1.0  # the kernel lives on: the same panel measures again
     panel.button.click()
     assert panel.last_result.fits and panel.last_figure is not None
+
+
+def test_controls_and_picture_wrap_rather_than_squeeze(panel):
+    """Lessons 10 and 13 in a narrower window: the row of controls was squeezed ("sequenc", no readouts, cut
+    drop-downs). The browser test checks the words at 1280 pixels; this checks the layout that keeps them."""
+    row = panel.widget.children[0]
+    assert row.layout.flex_flow == "row wrap"
+    assert all(box.layout.flex == "0 0 auto" for box in row.children)  # none shrinks below its controls
+    assert panel.prediction.layout.max_width == "100%"  # the picture scales down instead

@@ -36,3 +36,26 @@ def test_button_verifies_the_top_plan():
     v = p.last_verification
     assert p.last_error is None and v is not None and v.fits
     assert abs(v.error) < 0.03 and "measured peak" in p.message.value and "fits in" in p.message.value
+
+
+def test_plan_bars_mark_tight_plans_wherever_they_are_drawn():
+    """Lesson 13 printed its tight plans in one cell; its bars (cell 9 and the panel) drew them green."""
+    from types import SimpleNamespace
+
+    from matplotlib.colors import to_hex
+
+    from labkit.viz.plan_panel import TIGHT, plan_bars
+    from labkit.viz.style import DOES_NOT_FIT, FITS
+
+    def plan(peak, tight):
+        return SimpleNamespace(peak=peak * GiB, relative=1.0, tight=tight, headroom=0.1,
+                               summary=lambda: f"full training, plan of {peak} GiB")
+
+    fig = plan_bars([plan(17, False), plan(23.6, True), plan(30, False)], 24 * GiB)
+    ax = fig.axes[0]
+    colors = [to_hex(p.get_facecolor()[:3]) for p in ax.patches]
+    assert colors == [to_hex(c) for c in (FITS, TIGHT, DOES_NOT_FIT)]
+    assert [bool(p.get_hatch()) for p in ax.patches] == [False, True, False]
+    ends = [t.get_text() for t in ax.texts]
+    assert [w.endswith(", tight") for w in ends] == [False, True, False]
+    assert "amber: tight (within 10% of it)" in ax.get_xlabel()

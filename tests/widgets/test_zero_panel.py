@@ -15,8 +15,12 @@ def test_controls_redraw_the_per_rank_bars():
     p.ranks.value = 64
     assert p.last_estimates[3].peak.total < ests[3].peak.total  # more ranks, smaller shards
     assert bytes(p.prediction.value) != png
+    assert not p.button.disabled and "too big to measure" not in p.verdict.value
     p.model.value = "gpt2-xl (1.6B)"
     assert p.button.disabled and "does not fit" in p.verdict.value  # too big to run here, and for 10 MiB
+    # a greyed button says why, in the verdict and on hover
+    assert "too big to measure here" in p.verdict.value and "64.00 MiB per rank" in p.verdict.value
+    assert p.button.tooltip.startswith("too big to measure here")
     p.ranks.value, p.stage.value = 1, 3
     assert p.last_estimates[3].peak.total > 0  # one rank: ZeRO shards over 1
 
