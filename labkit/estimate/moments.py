@@ -11,6 +11,11 @@ What each block holds until its backward depends on the activation policy:
 | selective ("matmuls") | input + matmul outputs | the rest of that block's A |
 | offload | nothing on the device | that block's A, copied back |
 
+Categories follow lesson 00's one definition, as the ledger does (labkit.memory.ledger): what the forward
+made and backward still holds is ACT (a checkpointed unit's input, selective's cached outputs, also while a
+recompute or a block's backward reads them); what a recompute makes during backward is TEMP, the tensors
+autograd saves for the unit's backward included, but for autocast's weight copies, PARAM wherever made.
+
 Micro-batching runs this with the micro-batch's activations; from the second micro-batch on, every
 gradient already exists, so the full gradient bytes sit under every moment.
 
@@ -585,7 +590,7 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
         if policy == "none" and not offload:  # nothing checkpointed or offloaded: every saved tensor is alive
             for k in reversed(range(s, e)):
                 r = b.replays[k]
-                w = r.recomputed_later if grads_exist or step_in_backward else r.recomputed
+                w = r.plain_later if grads_exist or step_in_backward else r.plain
                 terms = [*states, *buffers, b.term("inputs"), b.term("before"),
                          *_held_terms(b, policy, offload, sizes, k), *grads_terms(0)]
                 copies = sum(b.replays[i].copies_saved for i in range(k))
@@ -638,10 +643,9 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                         "save nothing)", T_, last.offload.trigger, "replay: the backward up to the first node "
                         "that reads a saved tensor", _REPLAY_SOURCE)]
         if earlier:
-            terms.append(custom("saved by the unit's earlier blocks (recomputed)", A_, earlier,
-                                "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
-        terms.append(custom(f"block {e - 1} recompute, {_at(rec.op, e - 1)}: live in the block", T_, rec_live,
-                            "replay: the block's forward with every saved tensor kept", _REPLAY_SOURCE))
+            terms += _recomputed(b, "saved by the unit's earlier blocks (recomputed)", earlier, range(s, e - 1), sel)
+        terms += _split(f"block {e - 1} recompute, {_at(rec.op, e - 1)}: live in the block", rec_live, rec.params,
+                        rec.kept if sel else 0, "replay: the block's forward with every saved tensor kept")
         out.append(Moment("backward", f"{unit} recompute" + sfx, terms))
         # each block's backward, the unit's last first; the earlier blocks' recomputed tensors wait
         unit_grads = 0
@@ -656,17 +660,45 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                               "r x h x d", "the recompute's saved tensors")] if b.replays[s].input_saved else []
             terms = [*base, *(kwargs if j else []), *kept_in, *grads_terms(unit_grads)]
             if wait:
-                terms.append(custom("saved by the unit's earlier blocks (recomputed), waiting", A_, wait,
-                                    "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
+                terms += _recomputed(b, "saved by the unit's earlier blocks (recomputed), waiting", wait,
+                                     range(s, k), sel)
             if step_in_backward:
                 steps.append(_step_moment(b, list(terms), w.step, k, sfx))
-            terms.append(_bwd_term(w, k, offload=False))
+            terms += _split(f"block {k} backward, {_at(w.op, k)}: recomputed saved tensors still needed, gradients "
+                            "and temporaries", w.live, w.copies, w.kept if sel else 0,
+                            "replay: the output's gradient, each node's saved tensors until their last reader, "
+                            "its gradients and temporaries")
             if w.grads:
                 terms.append(_wgrad_term(w, k, grads_exist))
             out.append(Moment("backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
             unit_grads += r.wgrad_bytes
         done_grads += unit_grads
     return out, steps
+
+
+def _split(name: str, nbytes: int, params: int, kept: int, formula: str) -> list[Term]:
+    """Bytes a recompute or a recomputed block's backward holds, by lesson 00's categories: the tensors the
+    recompute makes are temporaries (made in backward, not by the forward), its autocast weight copies parameter
+    memory (the ledger tags a cast of a parameter so), selective's cached outputs among them activations (the
+    forward made them and held them until backward)."""
+    out = [custom(name, T_, nbytes - params - kept, formula, _REPLAY_SOURCE)]
+    if params:
+        out.append(custom(name.split(":")[0] + ": autocast weight copies made again", P_, params,
+                          "2 x the weights its matmuls read", "torch.autocast casts each weight again in the "
+                          "recompute; the ledger counts a parameter's cast as parameter memory"))
+    if kept:
+        out.append(custom(name.split(":")[0] + ": selective's cached outputs", A_, kept,
+                          "replay: the policy's outputs autograd saves", "labkit.recompute.selective hands the "
+                          "forward's outputs back to the recompute"))
+    return out
+
+
+def _recomputed(b: StepBytes, name: str, nbytes: int, blocks, sel: bool) -> list[Term]:
+    """The saved tensors of a unit's earlier `blocks`, made again by its recompute (`_split`'s categories):
+    each block's autocast weight copies, and under selective its cached outputs, are apart."""
+    params = sum(b.replays[i].copies_saved for i in blocks)
+    kept = sum(b.replays[i].kept_saved for i in blocks) if sel else 0
+    return _split(name, nbytes, params, kept, "replay: saved tensors and autocast weight copies")
 
 
 def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str) -> Moment:
