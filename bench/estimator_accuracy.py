@@ -359,8 +359,9 @@ def main(argv=None) -> int:
     print(f"textbook layer: max_error={max(book):.1f}% median_error={statistics.median(book):.1f}%")
     print(f"largest category error: {worst['worst'].name.lower()} {worst['worst_error']:+.2f}% of the peak in "
           f"{describe(worst['config'])}")
-    print(f"estimator: configs={len(results)} max_error={max(errors):.2f}% median_error={statistics.median(errors):.2f}% "
-          f"max_category_error={max(cats):.2f}% median_category_error={statistics.median(cats):.2f}%")
+    print(f"estimator: configs={len(results)} max_error={max(errors):.2f}% "
+          f"median_error={statistics.median(errors):.2f}% max_category_error={max(cats):.2f}% "
+          f"median_category_error={statistics.median(cats):.2f}%")
     return 0
 
 
