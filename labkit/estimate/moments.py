@@ -502,7 +502,8 @@ def _kwargs(b: StepBytes, policy: str, offload: bool) -> list[Term]:
     if policy == "none":
         return []
     n = b.block_kwargs[0] - (0 if offload else b.block_kwargs[1])
-    return [custom("the blocks' other arguments, kept by the checkpointed regions", T_, n,
+    # made by the forward and held into backward (a region's boundary): activations, as lesson 00 defines them
+    return [custom("the blocks' other arguments, kept by the checkpointed regions", A_, n,
                    "S x 8 position ids (+ 2 x S x head_dim x d cos, sin) (+ B x S x S x d mask)",
                    "labkit.recompute.checkpoint keeps a region's arguments until its recompute")] if n else []
 
@@ -525,8 +526,9 @@ def _locals(b: StepBytes, offload: bool, checkpointed: bool, in_block0: bool = F
     4-D mask): under offload even those also saved (they leave only when the forward returns)."""
     out = []
     if b.forward_extra:
-        out.append(custom("transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
-                          "made once per forward by the model's masking utilities"))
+        # checkpointed: every region keeps it as an argument into backward, so an activation (lesson 00)
+        out.append(custom("transformers' 4-D float attention mask", A_ if checkpointed else T_, b.forward_extra,
+                          "B x S x S x d", "made once per forward by the model's masking utilities"))
     # block 0's input is counted already when a checkpoint holds it, or as the input of the block running
     local = b.forward_locals - (b.block0_local if checkpointed or in_block0 else 0)
     if local:
@@ -556,9 +558,19 @@ def _replayed_forward(st: _Step) -> list[Moment]:
     if e - 1 > s and policy != "none":
         terms.append(custom("the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
                             "labkit.recompute.checkpoint keeps a region's inputs"))
-    terms.append(custom(f"block {e - 1} forward, {_at(worst.op, e - 1)}: live in the block (its input included)", T_, worst.live,
+    # a region's input and selective's cached outputs are kept into backward: activations (lesson 00)
+    held_in = last.input_bytes if policy != "none" and e - 1 == s else 0
+    kept = worst.saved if policy == "selective" else 0
+    terms.append(custom(f"block {e - 1} forward, {_at(worst.op, e - 1)}: live in the block" +
+                        ("" if held_in else " (its input included)"), T_, worst.live - held_in - kept,
                         "replay: the block's tensors alive then (saved tensors " +
                         ("offloaded)" if policy == "none" else "dropped by the checkpoint)"), _REPLAY_SOURCE))
+    if held_in:
+        terms.append(custom(f"the input of block {e - 1}, kept by its checkpoint", A_, held_in, "r x h x d",
+                            "labkit.recompute.checkpoint keeps a region's inputs"))
+    if kept:
+        terms.append(custom(f"block {e - 1}'s outputs selective checkpointing has cached so far", A_, kept,
+                            "replay: the policy's outputs made by then", "labkit.recompute.selective"))
     return [Moment("forward", f"inside block {e - 1}'s forward ({_at(worst.op, e - 1)})" + sfx, terms)]
 
 
