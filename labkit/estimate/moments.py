@@ -11,6 +11,11 @@ What each block holds until its backward depends on the activation policy:
 | selective ("matmuls") | input + matmul outputs | the rest of that block's A |
 | offload | nothing on the device | that block's A, copied back |
 
+Categories follow lesson 00's one definition, as the ledger does (labkit.memory.ledger): what the forward
+made and backward still holds is ACT (a checkpointed unit's input, selective's cached outputs, also while a
+recompute or a block's backward reads them); what a recompute makes during backward is TEMP, the tensors
+autograd saves for the unit's backward included, but for autocast's weight copies, PARAM wherever made.
+
 Micro-batching runs this with the micro-batch's activations; from the second micro-batch on, every
 gradient already exists, so the full gradient bytes sit under every moment.
 
@@ -547,7 +552,8 @@ def _kwargs(b: StepBytes, policy: str, offload: bool) -> list[Term]:
     if policy == "none":
         return []
     n = b.block_kwargs[0] - (0 if offload else b.block_kwargs[1])
-    return [custom(K.CHECKPOINT_INPUTS, "the blocks' other arguments, kept by the checkpointed regions", T_, n,
+    # made by the forward and held into backward (a region's boundary): activations, as lesson 00 defines them
+    return [custom(K.CHECKPOINT_INPUTS, "the blocks' other arguments, kept by the checkpointed regions", A_, n,
                    "S x 8 position ids (+ 2 x S x head_dim x d cos, sin) (+ B x S x S x d mask)",
                    "labkit.recompute.checkpoint keeps a region's arguments until its recompute")] if n else []
 
@@ -570,9 +576,9 @@ def _locals(b: StepBytes, offload: bool, checkpointed: bool, in_block0: bool = F
     4-D mask): under offload even those also saved (they leave only when the forward returns)."""
     out = []
     if b.forward_extra:
-        out.append(custom(K.FORWARD_LOCALS,
-                          "transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
-                          "made once per forward by the model's masking utilities"))
+        # checkpointed: every region keeps it as an argument into backward, so an activation (lesson 00)
+        out.append(custom(K.FORWARD_LOCALS, "transformers' 4-D float attention mask", A_ if checkpointed else T_,
+                          b.forward_extra, "B x S x S x d", "made once per forward by the model's masking utilities"))
     # block 0's input is counted already when a checkpoint holds it, or as the input of the block running
     local = b.forward_locals - (b.block0_local if checkpointed or in_block0 else 0)
     if local:
@@ -604,11 +610,19 @@ def _replayed_forward(st: _Step) -> list[Moment]:
     if e - 1 > s and policy != "none":
         terms.append(custom(K.CHECKPOINT_INPUTS, "the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
                             "labkit.recompute.checkpoint keeps a region's inputs"))
-    terms.append(custom(K.LAYER_TEMPS,
-                        f"block {e - 1} forward, {_at(worst.op, e - 1)}: live in the block (its input included)",
-                        T_, worst.live,
+    # a region's input and selective's cached outputs are kept into backward: activations (lesson 00)
+    held_in = last.input_bytes if policy != "none" and e - 1 == s else 0
+    kept = worst.saved if policy == "selective" else 0
+    terms.append(custom(K.LAYER_TEMPS, f"block {e - 1} forward, {_at(worst.op, e - 1)}: live in the block" +
+                        ("" if held_in else " (its input included)"), T_, worst.live - held_in - kept,
                         "replay: the block's tensors alive then (saved tensors " +
                         ("offloaded)" if policy == "none" else "dropped by the checkpoint)"), _REPLAY_SOURCE))
+    if held_in:
+        terms.append(custom(K.CHECKPOINT_INPUTS, f"the input of block {e - 1}, kept by its checkpoint", A_, held_in,
+                            "r x h x d", "labkit.recompute.checkpoint keeps a region's inputs"))
+    if kept:
+        terms.append(custom(K.CHECKPOINT_INPUTS, f"block {e - 1}'s outputs selective checkpointing has cached so far",
+                            A_, kept, "replay: the policy's outputs made by then", "labkit.recompute.selective"))
     return [_m(MK.BLOCK_FORWARD, e - 1,
                "forward", f"inside block {e - 1}'s forward ({_at(worst.op, e - 1)})" + sfx, terms)]
 
@@ -641,7 +655,7 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
         if policy == "none" and not offload:  # nothing checkpointed or offloaded: every saved tensor is alive
             for k in reversed(range(s, e)):
                 r = b.replays[k]
-                w = r.recomputed_later if grads_exist or step_in_backward else r.recomputed
+                w = r.plain_later if grads_exist or step_in_backward else r.plain
                 terms = [*states, *buffers, b.term("inputs"), b.term("before"),
                          *_held_terms(b, policy, offload, sizes, k), *grads_terms(0)]
                 copies = sum(b.replays[i].copies_saved for i in range(k))
@@ -695,11 +709,10 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                         "save nothing)", T_, last.offload.trigger, "replay: the backward up to the first node "
                         "that reads a saved tensor", _REPLAY_SOURCE)]
         if earlier:
-            terms.append(custom(K.SAVED_ACTIVATIONS, "saved by the unit's earlier blocks (recomputed)", A_, earlier,
-                                "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
-        terms.append(custom(K.LAYER_TEMPS,
-                            f"block {e - 1} recompute, {_at(rec.op, e - 1)}: live in the block", T_, rec_live,
-                            "replay: the block's forward with every saved tensor kept", _REPLAY_SOURCE))
+            terms += _recomputed(b, "saved by the unit's earlier blocks (recomputed)", earlier, range(s, e - 1), sel)
+        terms += _split(K.LAYER_TEMPS, f"block {e - 1} recompute, {_at(rec.op, e - 1)}: live in the block",
+                        rec_live, rec.params, rec.kept if sel else 0,
+                        "replay: the block's forward with every saved tensor kept")
         out.append(_m(MK.RECOMPUTE, s if e - s == 1 else None, "backward", f"{unit} recompute" + sfx, terms))
         # each block's backward, the unit's last first; the earlier blocks' recomputed tensors wait
         unit_grads = 0
@@ -715,18 +728,45 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                               "r x h x d", "the recompute's saved tensors")] if b.replays[s].input_saved else []
             terms = [*base, *(kwargs if j else []), *kept_in, *grads_terms(unit_grads)]
             if wait:
-                terms.append(custom(K.SAVED_ACTIVATIONS,
-                                    "saved by the unit's earlier blocks (recomputed), waiting", A_, wait,
-                                    "replay: saved tensors and autocast weight copies", _REPLAY_SOURCE))
+                terms += _recomputed(b, "saved by the unit's earlier blocks (recomputed), waiting", wait,
+                                     range(s, k), sel)
             if step_in_backward:
                 steps.append(_step_moment(b, list(terms), w.step, k, sfx))
-            terms.append(_bwd_term(w, k, offload=False))
+            terms += _split(K.LAYER_TEMPS, f"block {k} backward, {_at(w.op, k)}: recomputed saved tensors still "
+                            "needed, gradients and temporaries", w.live, w.copies, w.kept if sel else 0,
+                            "replay: the output's gradient, each node's saved tensors until their last reader, "
+                            "its gradients and temporaries")
             if w.grads:
                 terms.append(_wgrad_term(w, k, grads_exist))
             out.append(_m(MK.BLOCK_BACKWARD, k, "backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
             unit_grads += r.wgrad_bytes
         done_grads += unit_grads
     return out, steps
+
+
+def _split(key: TermKey, name: str, nbytes: int, params: int, kept: int, formula: str) -> list[Term]:
+    """Bytes a recompute or a recomputed block's backward holds, by lesson 00's categories: the tensors the
+    recompute makes are temporaries (made in backward, not by the forward), its autocast weight copies parameter
+    memory (the ledger tags a cast of a parameter so), selective's cached outputs among them activations (the
+    forward made them and held them until backward)."""
+    out = [custom(key, name, T_, nbytes - params - kept, formula, _REPLAY_SOURCE)]
+    if params:
+        out.append(custom(K.COPIES_16BIT, name.split(":")[0] + ": autocast weight copies made again", P_, params,
+                          "2 x the weights its matmuls read", "torch.autocast casts each weight again in the "
+                          "recompute; the ledger counts a parameter's cast as parameter memory"))
+    if kept:
+        out.append(custom(K.CHECKPOINT_INPUTS, name.split(":")[0] + ": selective's cached outputs", A_, kept,
+                          "replay: the policy's outputs autograd saves", "labkit.recompute.selective hands the "
+                          "forward's outputs back to the recompute"))
+    return out
+
+
+def _recomputed(b: StepBytes, name: str, nbytes: int, blocks, sel: bool) -> list[Term]:
+    """The saved tensors of a unit's earlier `blocks`, made again by its recompute (`_split`'s categories):
+    each block's autocast weight copies, and under selective its cached outputs, are apart."""
+    params = sum(b.replays[i].copies_saved for i in blocks)
+    kept = sum(b.replays[i].kept_saved for i in blocks) if sel else 0
+    return _split(K.RECOMPUTED, name, nbytes, params, kept, "replay: saved tensors and autocast weight copies")
 
 
 def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str) -> Moment:

@@ -65,7 +65,8 @@ class Node:
     """One autograd node: `outs` are the tensors whose gradients it reads, `saved` what it unpacks, and
     `steps` its backward, in order: ("grad", t) a gradient for input t (t's bytes), ("pass", t) the
     incoming gradient handed to t unchanged, ("tmp", name, nbytes) / ("free", name) a temporary,
-    ("wgrad", nbytes) a parameter's gradient (accumulated into .grad)."""
+    ("wgrad", nbytes) a parameter's gradient (accumulated into .grad), ("bgrad", nbytes) a bias's gradient that
+    the engine sums out of the broadcast node's gradient once the node has returned (validate_outputs)."""
 
     op: str
     outs: tuple
@@ -170,6 +171,9 @@ class Worst:
     saved: int = 0  # the part of `live` that is saved tensors (forward "all" / backward "saved": the forward's
     # own, so activations in the ledger when nothing is recomputed), autocast weight copies included
     copies: int = 0  # the part of `saved` that is autocast weight copies (parameter memory in the ledger)
+    params: int = 0  # the part of `live` that is autocast weight copies, saved or not (parameter memory)
+    kept: int = 0  # the part of `live` that is selective checkpointing's cached outputs: made by the forward,
+    # so activations in the ledger even while a recompute or a backward reads them
 
     @property
     def total(self) -> int:
@@ -197,7 +201,8 @@ def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, 
     if mode in ("saved", "all"):  # a saved tensor stays from its making (its node may be recorded a little later)
         held = {id(_root(t)) for ev in events if ev[0] == "node" for t in ev[1].saved}
     cur = sum(live.values())
-    worst = Worst("block input", cur, saved=live[x0] if x0 in held else 0)
+    worst = Worst("block input", cur, saved=live[x0] if x0 in held else 0,
+                  kept=sum(b for k, b in live.items() if k in pre))
     cache = 0
     for ev in events:
         kind = ev[0]
@@ -215,7 +220,9 @@ def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, 
             if cur > worst.live:
                 worst = Worst(t.name, cur, 0, tuple(f"{names[k]}={b}" for k, b in live.items()), cache,
                               saved=sum(b for k, b in live.items() if k in held),
-                              copies=sum(b for k, b in live.items() if k in held and k in weights))
+                              copies=sum(b for k, b in live.items() if k in held and k in weights),
+                              params=sum(b for k, b in live.items() if k in weights),
+                              kept=sum(b for k, b in live.items() if k in pre))
         elif kind == "drop":
             r = _root(ev[1])
             if id(r) in live and id(r) not in held:
@@ -234,13 +241,18 @@ class _Grad:
 
 
 def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
-             exclude: frozenset = frozenset()) -> tuple[Worst, int]:
+             exclude: frozenset = frozenset(), kept: frozenset = frozenset(),
+             unpacked: bool = False) -> tuple[Worst, int]:
     """Replay a block's backward from its output's gradient (`stream` bytes) to its input's.
 
     mode "offload": each node copies back the storages it saved and frees them when it returns. mode
     "saved": the tensors the block saved (made inside it, autocast weight copies included; the roots in
     `exclude` are counted elsewhere) are alive at the start and go after their last reader.
     keep_wgrads: parameter gradients stay (first micro-batch) or are summed into .grad and freed.
+    kept: roots that selective checkpointing cached in the forward (`Worst.kept` counts them among the saved).
+    unpacked: the saved tensors come from a checkpoint's unpack hook (a recomputed block): they are the node's
+    locals, gone when it returns, before the engine sums a bias's gradient; autograd's own saved tensors go
+    after that (engine.cpp: evaluate_function releases the variables after call_function's validate_outputs).
     Returns the worst moment and the bytes of the input's gradient at the end."""
     nodes = [ev[1] for ev in events if ev[0] == "node"]
     made = {id(_root(ev[1])) for ev in events if ev[0] == "new"}
@@ -267,9 +279,10 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
         t = total()
         if state["worst"] is None or t > state["worst"].total:
             saved = [(k, b) for k, (_, b) in live.items() if isinstance(k, int)]  # the saved roots (mode "saved")
+            copies = sum(b for k, b in saved if getattr(roots[k], "weight", False))
             state["worst"] = Worst(what, t - state["wg"], state["wg"], tuple(f"{n}={b}" for n, b in live.values()),
-                                   saved=sum(b for _, b in saved),
-                                   copies=sum(b for k, b in saved if getattr(roots[k], "weight", False)))
+                                   saved=sum(b for _, b in saved), copies=copies, params=copies,
+                                   kept=sum(b for k, b in saved if k in kept))
 
     def release(g: _Grad):
         g.refs -= 1
@@ -288,6 +301,16 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
         release(old)
         release(g)
         grads[id(t)] = s
+
+    def wgrad(n: Node, nb: int, tmps: list, ready: list):
+        ready.append(nb)
+        state["wg"] += nb
+        peak(f"{n.op}: a parameter's gradient")
+        if not keep_wgrads:  # summed into the existing .grad once the node has returned
+            state["wg"] -= nb
+            key = ("wgrad", n, len(tmps))
+            live[key] = (f"{n.op}: a parameter's gradient (summed into .grad after)", nb)
+            tmps.append(key)
 
     peak("block output gradient")
     state["trigger"] = None
@@ -308,6 +331,7 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
                     copies.append(key)
                     peak(f"{n.op}: {r.name} copied back")
         tmps = []
+        reduced = []  # bias gradients the engine makes once the node has returned (unpacked saved tensors gone)
         ready = []  # parameter gradients this node makes (ready once it returns)
         made_here = []  # (input, gradient): added to the inputs' buffers once the node has returned
         for step in n.steps:
@@ -328,17 +352,20 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
                 peak(f"{n.op}: {step[1]}")
             elif kind == "free":
                 live.pop(("tmp", n, step[1]), None)
-            elif kind == "wgrad":
-                ready.append(step[1])
-                state["wg"] += step[1]
-                peak(f"{n.op}: a parameter's gradient")
-                if not keep_wgrads:  # summed into the existing .grad once the node has returned
-                    state["wg"] -= step[1]
-                    key = ("wgrad", n, len(tmps))
-                    live[key] = (f"{n.op}: a parameter's gradient (summed into .grad after)", step[1])
-                    tmps.append(key)
+            elif kind == "bgrad" and unpacked:
+                reduced.append(step[1])
+            elif kind in ("wgrad", "bgrad"):
+                wgrad(n, step[1], tmps, ready)
         for key in tmps + copies:
             live.pop(key, None)
+        if reduced:  # the saved tensors (the node's locals) are gone; the engine sums the bias's gradient
+            for k in [k for k, r in roots.items() if last_use.get(k) == i]:
+                live.pop(k, None)
+            tmps = []
+            for nb in reduced:
+                wgrad(n, nb, tmps, ready)
+            for key in tmps:
+                live.pop(key, None)
         for k in [k for k, r in roots.items() if last_use.get(k) == i]:  # the node's saved tensors are released
             live.pop(k, None)
         for g in incoming:
@@ -387,8 +414,11 @@ class BlockReplay:
     wgrad_bytes: int  # all of the block's parameter gradients
     cached_bytes: int  # all of the block's autocast weight copies (cached while the forward runs)
     full: Worst | None = None
+    plain: Worst | None = None  # the backward with the forward's own saved tensors (nothing recomputed or
+    plain_later: Worst | None = None  # offloaded): autograd releases them after a bias's gradient is summed
     copies_saved: int = 0
     copies_frozen: int = 0  # the part of copies_saved that is not cached (frozen weights' copies)
+    kept_saved: int = 0  # selective's cached outputs that autograd saves (the forward's, also in its recompute)
 
 
 def _signature(events) -> tuple:
@@ -439,12 +469,16 @@ def _replay(events, x, out) -> BlockReplay:
         input_saved=_root(x).nbytes if id(_root(x)) in saved_roots else 0,
         offload=backward(events, x, out, stream, "offload")[0],
         offload_later=backward(events, x, out, stream, "offload", keep_wgrads=False)[0],
-        recomputed=backward(events, x, out, stream, "saved")[0],
-        recomputed_later=backward(events, x, out, stream, "saved", keep_wgrads=False)[0],
-        wgrad_bytes=sum(st[1] for ev in events if ev[0] == "node" for st in ev[1].steps if st[0] == "wgrad"),
+        recomputed=backward(events, x, out, stream, "saved", kept=kept_roots, unpacked=True)[0],
+        recomputed_later=backward(events, x, out, stream, "saved", keep_wgrads=False, kept=kept_roots,
+                                  unpacked=True)[0],
+        plain=backward(events, x, out, stream, "saved")[0],
+        plain_later=backward(events, x, out, stream, "saved", keep_wgrads=False)[0],
+        wgrad_bytes=sum(st[1] for ev in events if ev[0] == "node" for st in ev[1].steps if st[0] in ("wgrad", "bgrad")),
         cached_bytes=sum(_root(ev[1]).nbytes for ev in events if ev[0] == "new" and ev[2]),
         full=forward(events, x, "all")[0],
         copies_saved=sum(t.nbytes for k, t in made.items() if k in saved_roots and getattr(t, "weight", False)),
+        kept_saved=sum(t.nbytes for k, t in made.items() if k in saved_roots and k in kept_roots),
         copies_frozen=sum(t.nbytes for k, t in made.items() if k in saved_roots and getattr(t, "weight", False)
                           and k not in cached))
 

@@ -188,6 +188,8 @@ class Walk:
             if x.rg:
                 self.node("autocast input cast", [xc], (), [("grad", x)])
         _, bsteps = self._weight_copy(bias, trains, f"{module} bias (16-bit copy)") if bias and trains else (None, [])
+        if bsteps and not self.autocast:  # the engine sums the bias's gradient once the node has returned
+            bsteps = [("bgrad", bias * self.x_bytes)]
         y = self.made(self.new(rows * d_out, out_itemsize or self.mm_bytes, name, x.rg or trains))
         self.tape.keep(y, "linear")
         if x.rg or trains:

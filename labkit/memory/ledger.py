@@ -5,6 +5,17 @@ It is a `TorchDispatchMode`, so it sees every aten op on any device and counts l
 guesses: a storage created in the forward pass and still alive when backward starts was saved for
 backward (ACT); one that autograd accumulates into `.grad` is a gradient (GRAD) from its birth; one
 the optimizer keeps in its state is optimizer state (OPT). Everything else is a temporary (TEMP).
+
+Recompute (lesson 00's one definition, which labkit.estimate follows too): activations are what the forward
+pass made and backward still holds, so a checkpointed segment's input (its boundary, kept by the checkpoint
+from the forward) and selective checkpointing's cached outputs are ACT until they are freed, also while the
+recompute and the segment's backward read them; every tensor a recompute makes during backward is TEMP,
+the ones autograd saves for the segment's backward included (they live only while that segment is
+recomputed and differentiated, as the backward's other working memory does). This holds for every style
+(labkit.recompute's, torch.utils.checkpoint's, transformers' gradient checkpointing) with no knowledge of
+the checkpoint: the rule is when a storage was made. (PyTorch's MemTracker counts a recompute's
+allocations as activations instead; the total is the same.) A cast of a parameter (autocast's 16-bit
+weight copy) is parameter memory wherever it is made, in a recompute too.
 """
 
 from __future__ import annotations
@@ -410,7 +421,8 @@ class Ledger(TorchDispatchMode):
 
 
 def _made_by_forward(rec: _Rec) -> bool:
-    """A temporary made in a forward (or before it, by the next batch): saved for backward if alive when it starts."""
+    """A temporary made in a forward (or before it, by the next batch): saved for backward if alive when it starts.
+    Storages made in backward (a checkpoint's recompute among them) are never retagged: they stay TEMP."""
     return rec.tag is Category.TEMP and rec.phase in ("forward", "between")
 
 

@@ -61,6 +61,7 @@ class TermKey(enum.Enum):
     HEAD_BACKWARD = "head backward"  # the head's backward temporaries
     RESIDUAL_GRADIENT = "residual gradient"  # the gradient carried from block to block
     LAYER_TEMPS = "layer temporaries"  # what lives inside a layer's forward, recompute or backward
+    RECOMPUTED = "recomputed"  # a checkpointed unit's saved tensors made again by its recompute (temporaries)
     DEQUANT_SCRATCH = "dequantization scratch"
     COMM_BUFFERS = "communication buffers"  # all-gather outputs, reduce-scatter inputs
     IN_FLIGHT = "in flight"  # pipeline: other micro-batches' activations, a stage's output

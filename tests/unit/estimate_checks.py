@@ -12,3 +12,14 @@ def assert_phases_within(e, m, tol: float = TOL) -> None:
         assert abs(e.phases[phase].total - m.phases[phase].total) <= tol * m.peak.total, (
             phase, e.phases[phase].total, m.phases[phase].total, e.explain(phase))
     assert abs(e.peak.total - m.peak.total) <= tol * m.peak.total, (e.label, e.peak.total, m.peak.total)
+
+
+def assert_categories_within(e, m, tol: float = TOL) -> None:
+    """Each category at the peak (parameters, buffers, gradients, optimizer state, activations, temporaries)
+    within `tol` of the measured peak: the estimate and the ledger follow lesson 00's one definition of each
+    (a checkpoint's recompute makes temporaries; the forward's tensors still held in backward are activations)."""
+    from labkit.memory import CATEGORIES
+
+    for c in CATEGORIES:
+        assert abs(e.peak[c] - m.peak[c]) <= tol * m.peak.total, (
+            e.label, c.name, e.peak[c], m.peak[c], e.peak_phase, m.peak_phase, e.explain())

@@ -7,6 +7,8 @@ from labkit.run import measure_step
 from labkit.estimate.moments import segments_of
 from labkit.models.gpt import GPTConfig
 
+from estimate_checks import assert_categories_within
+
 G = GPTConfig(n_layer=6, n_head=4, n_embd=96, block_size=64)
 G_MANUAL = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, attention="manual", dropout=0.1)
 
@@ -38,6 +40,7 @@ def test_option_within_3_percent_of_the_ledger(case):
     e = estimate(model, B, S, dtype, opt, **kw)
     m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer=opt, **kw), steps=2)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.label, e.peak.total, m.peak.total)
+    assert_categories_within(e, m)
 
 
 def test_options_save_what_they_should():
@@ -79,7 +82,8 @@ def test_bad_options(kw, match):
 
 # ---- transformers GPT-2 and Llama, and adapters: every block's ops replayed (labkit.estimate.tape) ------------
 LAYERS = {"gpt2-tiny": "n_layer", "llama-tiny": "num_hidden_layers"}
-POLICY_CASES = [dict(checkpoint="full"), dict(checkpoint="sqrt"), dict(checkpoint="selective"),
+POLICY_CASES = [dict(), dict(checkpoint="full"), dict(checkpoint="sqrt"), dict(checkpoint="selective"),
+                dict(checkpoint="selective", selective_policy="attention-core"),
                 dict(checkpoint="full", segments=2), dict(offload_activations=True)]
 HF_CASES = [(name, dtype, kw) for name in LAYERS for dtype in ("fp32", "mixed-bf16") for kw in POLICY_CASES]
 HF_CASES += [(name, dtype, dict(checkpoint="full", **peft)) for name in LAYERS
@@ -99,6 +103,7 @@ def test_transformers_and_adapters_within_3_percent(case):
     e = estimate(name, 2, 128, dtype, "adamw", **kw)
     m = measure_step(Recipe.of(name, 2, 128, dtype=dtype, optimizer="adamw", **kw), steps=2)
     assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total, (e.label, e.peak.total, m.peak.total)
+    assert_categories_within(e, m)  # each category, not only the total: one definition of each (lesson 00)
     for moment in e.moments:  # every byte has a formula and the op (or the code) that allocates it
         for t in moment.terms:
             assert not t.bytes or (t.formula and t.source), (moment.where, t.name)

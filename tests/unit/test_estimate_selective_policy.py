@@ -11,7 +11,7 @@ from labkit.estimate.tape import KEEP_KINDS, Tape, keep_kinds
 from labkit.models.gpt import GPTConfig
 from labkit.run import measure_step
 
-from estimate_checks import TOL, assert_phases_within
+from estimate_checks import TOL, assert_categories_within, assert_phases_within
 
 
 def _gpt(attention, dropout=0.0):
@@ -23,7 +23,8 @@ CASES = [(_gpt(a), 2, 128, dtype, opt) for a in ("sdpa", "manual", "tiled")
          for dtype, opt in (("fp32", "sgd"), ("mixed-bf16", "adamw"))]
 # dropout: random ops are recomputed, never kept (and SDPA with dropout on CPU is its math fallback: bmm's)
 CASES += [(_gpt("sdpa", 0.1), 2, 128, "fp32", "sgd")]
-CASES += [("gpt2-tiny", 2, 64, "mixed-bf16", "adamw"), ("llama-tiny", 2, 64, "fp32", "sgd")]
+CASES += [("gpt2-tiny", 2, 64, "mixed-bf16", "adamw"), ("llama-tiny", 2, 64, "fp32", "sgd"),
+          ("gpt2-tiny", 2, 64, "fp32", "sgd"), ("llama-tiny", 2, 64, "mixed-bf16", "adamw")]
 
 
 def _id(c):
@@ -37,6 +38,7 @@ def test_attention_core_within_3_percent_of_the_ledger(case):
     e = estimate(model, B, S, dtype, opt, **kw)
     m = measure_step(Recipe.of(model, B, S, dtype=dtype, optimizer=opt, **kw), steps=2)
     assert_phases_within(e, m)
+    assert_categories_within(e, m)  # the cached outputs are activations, the recomputed core temporaries
     assert "selective_policy=attention-core" in e.label
 
 
