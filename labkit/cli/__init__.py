@@ -15,7 +15,7 @@ from labkit.estimate.peft_terms import QUANTS
 from labkit.estimate.moments import POLICIES
 from labkit.memory.units import HEADROOM
 
-from .configs import cmd_compare
+from .configs import cmd_compare, cmd_estimate_all
 from .common import (ADDRESS_SPACE, INT_LIMIT, MAX_LAYERS, MAX_SIZE, MAX_WALL_LAYERS, UNITS_NOTE, UsageError, _Parser,
                      check_model, integer, parse_gpt_spec, read_model, resolve_model)
 from .estimate import check_estimate_options, cmd_estimate, estimate_dict, format_estimate
@@ -107,7 +107,7 @@ def build_parser() -> _Parser:
     e.add_argument("--zero-offload", action="store_true", help="ZeRO-Offload: the optimizer state shards in host memory")
     fit_options(e, "--budget", "a device's memory, with its unit (24GB = 24 x 10**9 bytes, 24GiB = 24 x 2**30): "
                 "say whether the step fits, is tight or does not fit, by plan's rule")
-    e.set_defaults(run=cmd_estimate, parser=e, seq=None, device=None)
+    e.set_defaults(run=cmd_estimate_all, parser=e, seq=None, device=None)
     w = sub.add_parser("wall", help="which presets fit which GPU budgets for full fine-tuning, LoRA and QLoRA",
                        description=f"Which models fit which budgets, by default under the QLoRA paper's recipe "
                                    f"({WALL_SOURCE}). {UNITS_NOTE}.")

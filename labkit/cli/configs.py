@@ -53,6 +53,31 @@ def check_from(args, parser) -> None:
             parser.error(f"--{name} draws or checks a waterfall: give --waterfall (and --from PATH or --model)")
 
 
+def cmd_estimate_all(args, parser) -> int:
+    """`python -m labkit estimate`: --from PATH and --waterfall here, every other case labkit.cli.estimate's."""
+    from .common import check_model
+    from .estimate import _recipe, check_estimate_options, cmd_estimate
+
+    args.device_given = args.device is not None
+    args.device = args.device or "cpu"
+    if args.from_path:
+        return cmd_estimate_from(args, parser)
+    if args.model is None:
+        parser.error("give --model NAME, or --from PATH (a training config)")
+    if args.target:
+        parser.error("--target chooses the files of an export folder: give --from FOLDER too")
+    args.seq = 1024 if args.seq is None else args.seq
+    if (args.plot or args.verify) and not args.waterfall:
+        parser.error(f"--{'plot' if args.plot else 'verify'} is for the waterfall: give --waterfall too")
+    if not args.waterfall:
+        return cmd_estimate(args, parser)
+    micro = check_estimate_options(args, parser)
+    if args.tp > 1 or args.pp > 1:
+        parser.error("--waterfall takes one device's or a data-parallel recipe, not --tp/--pp")
+    # the model as given (a name or a GPTConfig), so that --verify can build it
+    return cmd_estimate_from(args, parser, _recipe(args, check_model(args.model)[0], micro, args.device))
+
+
 def cmd_estimate_from(args, parser, recipe_of_args=None) -> int:
     """estimate --from PATH [--waterfall [--plot PNG] [--verify]], or --waterfall on the options' recipe."""
     from labkit.estimate import estimate

@@ -140,21 +140,10 @@ def _recipe(args, spec, micro, device: str, **layout):
 
 
 def cmd_estimate(args, parser) -> int:
+    """One step's estimate from the options (labkit.cli.configs.cmd_estimate_all sends --from and
+    --waterfall elsewhere and fills the defaults first)."""
     from labkit.estimate import estimate
 
-    from .configs import cmd_estimate_from
-
-    args.device_given = args.device is not None
-    args.device = args.device or "cpu"
-    if args.from_path:
-        return cmd_estimate_from(args, parser)
-    if args.model is None:
-        parser.error("give --model NAME, or --from PATH (a training config)")
-    if args.target:
-        parser.error("--target chooses the files of an export folder: give --from FOLDER too")
-    args.seq = 1024 if args.seq is None else args.seq
-    if (args.plot or args.verify) and not args.waterfall:
-        parser.error(f"--{'plot' if args.plot else 'verify'} is for the waterfall: give --waterfall too")
     micro = check_estimate_options(args, parser)
     budget, headroom = budget_of(args, parser)
     spec = read_model(check_model(args.model)[0], args.model)
@@ -166,11 +155,6 @@ def cmd_estimate(args, parser) -> int:
         except ValueError as err:
             raise ValueError(_cli_words(str(err))) from err
 
-    if args.waterfall:
-        if args.tp > 1 or args.pp > 1:
-            parser.error("--waterfall takes one device's or a data-parallel recipe, not --tp/--pp")
-        # the model as given (a name or GPTConfig), so that --verify can build it
-        return cmd_estimate_from(args, parser, _recipe(args, check_model(args.model)[0], micro, args.device))
     e = run(args.device)
     _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
     gpu = run("cuda") if args.device == "cpu" and e.peak.total >= GPU_SIZED else None
