@@ -281,9 +281,12 @@ def data_parallel_estimate(r) -> Estimate:
 
 def stages(recipe) -> dict:
     """{stage: the per-rank Estimate} of a data-parallel recipe at ZeRO stages 0 to 3 (its dp, zero_offload for
-    stages 1-3)."""
-    return {z: data_parallel_estimate(recipe.replace(zero=z, zero_offload=recipe.zero_offload and z > 0))
-            for z in (0, 1, 2, 3)}
+    stages 1-3). One rank has nothing to shard: without offload every stage is then stage 0's step."""
+    def at(z: int):
+        off = recipe.zero_offload and z > 0
+        return recipe.replace(zero=z if recipe.dp > 1 or off else 0, zero_offload=off)
+
+    return {z: data_parallel_estimate(at(z)) for z in (0, 1, 2, 3)}
 
 
 # ---- FSDP2 (torch.distributed.fsdp.fully_shard on every block, then the root) ----------------------------------
@@ -366,9 +369,9 @@ def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
     """Rank 0's Estimate under FSDP2 (fully_shard on every block, then the root; torch AdamW on the DTensor
     shards) for a data-parallel recipe (its dp is the world size; its zero is ignored): labkit's per-rank
     ZeRO-3 moments on FSDP2's per-parameter layout, with FSDP2's buffers (fsdp2_moments)."""
+    if recipe.dp < 2:
+        raise ValueError(f"fsdp2_estimate needs dp >= 2 ranks, got dp={recipe.dp}")
     r = recipe.replace(zero=3, zero_offload=False)
-    if r.dp < 2:
-        raise ValueError(f"fsdp2_estimate needs dp >= 2 ranks, got dp={r.dp}")
     d = Precision.of(r.dtype).weight
     spec = spec_from(r.model, **r.config)
     single = single_estimate(r.replace(dp=1, batch=r.rank_batch, zero=0))

@@ -87,14 +87,18 @@ class ZeroPanel(_Panel):
                                     self.verdict, self.button, self.message, self.output])
         self._watch(controls)
 
-    def recipe(self) -> Recipe:
-        n = int(self.ranks.value)
+    def recipe(self, ranks: int | None = None) -> Recipe:
+        """The chosen stage on `ranks` (default: the ranks chosen); one rank has nothing to shard, so there
+        ZeRO is on only with its offload (labkit.estimate.zero_terms.stages)."""
+        n = int(self.ranks.value) if ranks is None else ranks
+        stage = int(self.stage.value)
+        off = bool(self.offload.value) and stage > 0
         return Recipe(MODELS[self.model.value], batch=int(self.rows.value) * n, seq=int(self.seq.value), dp=n,
-                      zero=int(self.stage.value), zero_offload=bool(self.offload.value) and self.stage.value > 0)
+                      zero=stage if n > 1 or off else 0, zero_offload=off)
 
     def run_recipe(self) -> Recipe:
         """What the button runs: the chosen stage on 2 ranks, with the rows per rank and sequence chosen."""
-        return self.recipe().replace(dp=2, batch=int(self.rows.value) * 2)
+        return self.recipe(ranks=2)
 
     def budget_bytes(self) -> int:
         return int(self.budget.value * GiB)
