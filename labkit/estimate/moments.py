@@ -314,8 +314,13 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                    ] if loss_held else []
     # the chunked loss's logsumexp: under offload it is on the device only while the loss runs
     held_final += [b.term("loss_lse")] if offload and b.loss_lse else []
+    # the loss's log-softmax output: saved for its backward (an activation); under offload the saved copy is on the
+    # host, and the device tensor lives only while the loss runs (a temporary, as the ledger counts it)
+    lsm = b.term("lsm") if not offload else custom(
+        K.LOG_SOFTMAX, "log-softmax of the logits (its saved copy offloaded: on the device while the loss runs)",
+        T_, b.lsm, _META["lsm"]["formula"], "labkit.recompute.offload_activations packs saved tensors to the host")
     fwd = [_m(MK.LOSS, None, "forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
-                                                 *held_all, *held_final, b.term("lsm"), b.term("logits")])]
+                                                 *held_all, *held_final, lsm, b.term("logits")])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
         head = 0 if replayed and offload and b.c_frozen_head else b.head_copy  # (an offloaded frozen one: gone)
         before_head = [custom(t.key, t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,
