@@ -10,7 +10,7 @@ import ipywidgets as widgets
 
 from labkit.memory import GiB, fmt_bytes
 
-from .style import DOES_NOT_FIT, FITS, _Panel, to_png
+from .style import DOES_NOT_FIT, FITS, _Panel, beside, to_png
 from .waterfall import waterfall_chart
 
 
@@ -39,8 +39,8 @@ class WaterfallPanel(_Panel):
         self.notes = widgets.HTML()
         self.last = self.last_reading = self.last_error = None
         boxes = widgets.VBox(list(self.knobs.values()))
-        self.widget = widgets.VBox([widgets.HBox([self.config, self.budget]),
-                                    widgets.HBox([boxes, self.chart]), self.verdict, self.notes])
+        self.widget = widgets.VBox([beside(self.config, self.budget), beside(boxes, self.chart), self.verdict,
+                                    self.notes])
         self._watch([self.config, self.budget, *self.knobs.values()])
 
     @property
