@@ -628,7 +628,10 @@ def read_config(path, seq: int | None = None, devices: int | None = None, model=
     TrainingArguments, accelerate and DeepSpeed config); devices: the world size, which a launcher sets;
     model: the model for configs that name none (TrainingArguments, accelerate, DeepSpeed); batch: rows per
     device for an accelerate config; target: which exported target's files to read in an export folder.
+    `path` may also be a transformers.TrainingArguments object (its `to_dict()` is read as its JSON).
     """
+    if hasattr(path, "to_dict") and hasattr(path, "per_device_train_batch_size"):
+        return read_training_args(path.to_dict(), "TrainingArguments", model, seq, devices)
     p = pathlib.Path(path)
     if p.is_dir():
         if (p / "plan.json").is_file():

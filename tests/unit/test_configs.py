@@ -237,6 +237,8 @@ def test_training_arguments_json_as_transformers_takes_it(tmp_path):
     assert set(doc) <= reading.fields_named()
     with pytest.raises(ConfigRefused, match="names no model"):
         read_config(tmp_path / "args.json", seq=64)
+    same = read_config(TrainingArguments(**doc), model="llama-tiny", seq=64).recipe  # the object itself
+    assert same == r
 
 
 def test_deepspeed_json_as_deepspeed_takes_it(tmp_path):
