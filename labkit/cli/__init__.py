@@ -65,8 +65,10 @@ def build_parser() -> _Parser:
                         "labkit.recompute)")
     e.add_argument("--segments", type=integer, default=None, help="segments for --checkpoint full (default: every block)")
     e.add_argument("--selective-policy", choices=SELECTIVE_POLICIES, default=None,
-                   help="what --checkpoint selective keeps: matmuls (default) or attention-core (Korthikanti et al. "
-                        "2022: linear outputs, norms and the MLP activation; labkit.recompute.selective)")
+                   help="which ops --checkpoint selective saves: matmuls (default: every matmul's output kept, the "
+                        "rest recomputed) or attention-core (Korthikanti et al. 2022: the attention core, QK^T, "
+                        "softmax and dropout, is recomputed; the linear outputs, norms and MLP activation are "
+                        "kept; labkit.recompute.selective)")
     e.add_argument("--offload-activations", action="store_true", help="keep saved activations in host memory")
     e.add_argument("--micro-batch", type=integer, default=None, help="rows per micro-batch (gradient accumulation)")
     e.add_argument("--accumulate", type=integer, default=None, help="micro-batches per step (batch / micro-batch)")

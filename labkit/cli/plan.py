@@ -54,8 +54,12 @@ def _plan_inputs(args, parser) -> dict:
 def format_plans(plans, args, device) -> str:
     p0 = plans[0]
     r = p0.recipe
-    lines = [f"{args.model}: {args.devices} device(s), {fmt_bytes(p0.memory)} each, speeds of {device.title}; "
-             f"batch {r.batch} x seq {r.seq} per step ({UNITS_NOTE})",
+    given = f" (--memory {args.memory})" if args.memory else ""
+    speeds = (f"speeds of {device.title}" + ("" if device.memory == p0.memory else
+                                             f", the preset closest to that memory (its {fmt_bytes(device.memory)}: "
+                                             "a vendor's GB read as GiB)"))
+    lines = [wrap_line(f"{args.model}: {args.devices} device(s), {fmt_bytes(p0.memory)} each{given}, {speeds}; "
+                       f"batch {r.batch} x seq {r.seq} per step ({UNITS_NOTE})"),
              "ranked by fidelity, then predicted step time (labkit.plan.cost)", ""]
     for i, p in enumerate(plans, 1):
         t = p.time

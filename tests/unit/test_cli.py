@@ -298,3 +298,11 @@ def test_plan_export_prints_the_targets_it_refuses(capsys, tmp_path, monkeypatch
     code, out, err = run(capsys, *argv, "--json")
     assert json.loads(out)["export_refused"]["training_args"] == ["step_in_backward"]
     assert err.count("labkit plan: warning:") == 3
+
+
+def test_plan_header_says_the_memory_as_given_and_whose_speeds(capsys):
+    """--memory 80GB is 74.51 GiB: the header says so, and that the speeds are the closest preset's (issue 43)."""
+    code, out, _ = run(capsys, "plan", "--model", "gpt2-tiny", "--memory", "1GB", "--batch", "2", "--seq", "32",
+                       "--top", "1")
+    head = " ".join(out.split("ranked by fidelity")[0].split())
+    assert code == 0 and "953.67 MiB each (--memory 1GB)" in head and "the preset closest to that memory" in head
