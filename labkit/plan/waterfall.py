@@ -3,7 +3,7 @@
 The naive step is the recipe's model, batch and sequence in fp32 with AdamW, no recompute, the whole
 batch at once, on one device. The knobs are applied in ORDER (precision, optimizer, 8-bit states, PEFT
 and quantized base, checkpointing, micro-batches, step-in-backward, offload, ZeRO/FSDP, tensor/pipeline
-parallelism); after each, the estimator's peak, the bytes it saved and the category that fell most.
+parallelism); after each, the estimator's peak, the bytes it saved and the term (TermKey) that fell most.
 
 Savings depend on the order (checkpointing saves less once micro-batches are small, a ZeRO shard less
 once the optimizer state is 8-bit), so `Waterfall.alone` also gives each knob's saving when it alone is
@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 from labkit.estimate import estimate
 from labkit.estimate.recipe import Recipe
-from labkit.memory import CATEGORIES, Breakdown
+from labkit.memory import Breakdown, TermKey
 from labkit.memory.units import fmt_bytes
 
 
@@ -97,8 +97,14 @@ class Step:
     peak: int  # bytes, the estimator's peak (per device)
     phases: Breakdown  # the peak's bytes by category
     saved: int = 0  # bytes against the previous bar (negative: the knob costs memory)
-    cut: str = ""  # the category that fell most, e.g. "optimizer state"
+    cut_key: TermKey | None = None  # the peak's term that fell most against the bar before
     measured: int | None = None  # the ledger's peak, with verify=True
+    by_key: tuple = ()  # (TermKey, bytes) of the peak moment's terms, summed by key
+
+    @property
+    def cut(self) -> str:
+        """The term that fell most, as people read it (e.g. "saved activations")."""
+        return "" if self.cut_key is None else self.cut_key.value
 
     @property
     def saved_share(self) -> float:
@@ -122,7 +128,7 @@ class Waterfall:
 
     def table(self) -> str:
         """The waterfall as text lines within 100 columns."""
-        rows = [f"{'step':<44} {'peak':>11} {'saved':>11} {'saved %':>8}  cut most"]
+        rows = [f"{'step':<44} {'peak':>11} {'saved':>11} {'saved %':>8}  the term it cut most"]
         for s in self.steps:
             saved = "" if s.knob is None else ("-" if s.saved < 0 else "") + fmt_bytes(abs(s.saved))
             share = "" if s.knob is None else f"{100 * s.saved_share:.1f} %"
@@ -140,15 +146,23 @@ class Waterfall:
         return "\n".join(rows)
 
 
-def _cut(before: Breakdown, after: Breakdown) -> str:
-    drops = {c: before[c] - after[c] for c in CATEGORIES}
-    c = max(drops, key=drops.get)
-    return str(c) if drops[c] > 0 else ""
+def _cut(before: tuple, after: tuple) -> TermKey | None:
+    """The key whose bytes at the peak fell most from one bar to the next (None if none fell)."""
+    b, a = dict(before), dict(after)
+    drops = {k: b.get(k, 0) - a.get(k, 0) for k in set(b) | set(a)}
+    if not drops:
+        return None
+    k = max(drops, key=lambda key: (drops[key], key.value))
+    return k if drops[k] > 0 else None
 
 
-def _peak(recipe: Recipe) -> tuple[int, Breakdown]:
+def _peak(recipe: Recipe) -> tuple[int, Breakdown, tuple]:
+    """The estimate's peak, its categories, and its peak moment's bytes by TermKey."""
     e = estimate(recipe)
-    return e.peak.total, e.peak
+    keys: dict = {}
+    for t in e.peak_moment.terms if e.moments else ():
+        keys[t.key] = keys.get(t.key, 0) + t.bytes
+    return e.peak.total, e.peak, tuple(keys.items())
 
 
 def knobs_used(recipe: Recipe) -> list[Knob]:
@@ -171,19 +185,19 @@ def waterfall(recipe: Recipe, verify: bool = False, alone: bool = True) -> Water
     alone: also estimate the recipe without each knob in turn (one more estimate per knob).
     """
     current = naive(recipe)
-    peak, phases = _peak(current)
-    steps = [Step(None, current, peak, phases)]
+    peak, phases, keys = _peak(current)
+    steps = [Step(None, current, peak, phases, by_key=keys)]
     refused: list[tuple[Knob, str]] = []
     for knob in ORDER:
         nxt = _with(current, recipe, knob)
         if nxt == current:
             continue
         try:
-            p, ph = _peak(nxt)
+            p, ph, keys = _peak(nxt)
         except ValueError as e:  # the estimator refuses a combination: named, the next knob goes on
             refused.append((knob, str(e)))
             continue
-        steps.append(Step(knob, nxt, p, ph, steps[-1].peak - p, _cut(steps[-1].phases, ph)))
+        steps.append(Step(knob, nxt, p, ph, steps[-1].peak - p, _cut(steps[-1].by_key, keys), by_key=keys))
         current = nxt
     final_peak = steps[-1].peak
     left_out = []

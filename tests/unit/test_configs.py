@@ -268,6 +268,19 @@ def test_accelerate_config_with_fsdp(tmp_path):
     assert (r.dp, r.zero, r.checkpoint, r.dtype, r.batch) == (2, 3, "full", "mixed-bf16", 4)
 
 
+@pytest.mark.parametrize("target", ["training_args", "accelerate", "torchrun", "deepspeed"])
+def test_every_export_target_reads_back_through_read_config(target, tmp_path):
+    """A recipe every target carries (mixed bf16, checkpointing, micro-batches, AdamW on 2 ranks with ZeRO-3):
+    each target's files, read by read_config(folder, target=...), give back its memory fields."""
+    from labkit.estimate import Recipe
+    from labkit.plan.export import export_gaps, export_plan, memory_fields
+
+    r = Recipe.of("gpt2-tiny", 8, 64, dtype="mixed-bf16", checkpoint="full", micro_batch=2, dp=2, zero=3)
+    assert not export_gaps(r, 2)[target]
+    export_plan(r, tmp_path, 2)
+    assert memory_fields(read_config(tmp_path, target=target).recipe) == memory_fields(r)
+
+
 @pytest.mark.parametrize("recipe, devices", [
     (dict(dtype="mixed-bf16", checkpoint="full", micro_batch=2, optimizer="adamw8bit"), 1),
     (dict(dtype="bf16", step_in_backward=True, optimizer="adafactor"), 1),
