@@ -1,27 +1,21 @@
 """The leak audit (issue 41): play the student who reads the code instead of doing the exercise.
 
-For every exercise of every lesson (each `lessonNN.check_*(...)` call after "## Exercises"), with
-the lesson's
-own inputs rebuilt from its cells (only the statements that define them: `lesson_inputs`), it tries
+For every exercise of every lesson (each `lessonNN.check_*(...)` call after "## Exercises"), with the
+lesson's own inputs rebuilt from its cells (only the statements that define them: `lesson_inputs`),
+it tries
 
 - every public function of the exercise modules (`labkit.exercises.lessonNN`, all of them) called
-with the
-  check's inputs: in the student build each one is a stub that raises NotImplementedError;
+  with the check's inputs: in the student build each one is a stub that raises NotImplementedError;
 - every labkit function the lesson itself calls or imports (`named_calls`), called with the check's
-inputs, every
-  number its result holds (a dataclass's fields, a list's items, a property such as `.peak.total`)
-  offered as
-  the answer; for a code exercise the function itself is offered;
-- for a multiple-choice check, a letter read from the check's source (`right="b"`, or the one
-letter its hints
-  leave out).
+  inputs, every number its result holds (a dataclass's fields, a list's items, a property such as
+  `.peak.total`) offered as the answer; for a code exercise the function itself is offered;
+- for a multiple-choice check, a letter read from the check's source (`right="b"`, or the one letter
+  its hints leave out).
 
 An answer counts as obtained when the check prints a ✅ it did not print for an empty answer.
-`audit()` returns
-what it obtained, each with how (`Leak.call`); run it against the student build (release/student on
-PYTHONPATH, `python -m labkit.course.audit`) and compare with release/LEAKS.md. Sizes: the smoke
-profile
-(LABKIT_SMOKE=1), so the lessons' objects are small.
+`audit()` returns what it obtained, each with how (`Leak.call`); run it against the student build
+(release/student on PYTHONPATH, `python -m labkit.course.audit`) and compare with release/LEAKS.md.
+Sizes: the smoke profile (LABKIT_SMOKE=1), so the lessons' objects are small.
 """
 
 from __future__ import annotations
@@ -59,10 +53,9 @@ class Leak:
 
 
 # What the student build still gives away: (lesson, exercise) -> the call that gives it and why it
-# stays. The
-# release writes them to release/LEAKS.md for the instructor; tests/unit/test_course_audit.py fails
-# on any leak
-# the audit finds that is not here, and on an entry here that the audit no longer finds.
+# stays. The release writes them to release/LEAKS.md for the instructor;
+# tests/unit/test_course_audit.py fails on any leak the audit finds that is not here, and on an
+# entry here that the audit no longer finds.
 _OPTIM = ("the estimator's optimizer terms call it (labkit.estimate), so the student build cannot stub it; "
           "open: ask for the derivation as a function checked on fresh shapes (issue 41, item 3)")
 LEAKS: dict[tuple[str, str], tuple[str, str]] = {
