@@ -219,6 +219,13 @@ class Estimate(_Phases):
         """The largest moment (the first of equals, in step order); None for an estimate built from phases."""
         return max(self.moments, key=lambda m: m.total) if self.moments else None
 
+    def term_bytes(self, key: TermKey) -> int:
+        """The summary table's bytes of one kind of term (`Term.key`), 0 when the step has none: e.g.
+        `e.term_bytes(TermKey.LOG_SOFTMAX)`. Code picks a term by its key; its name is for people."""
+        if not isinstance(key, TermKey):
+            raise TypeError(f"give a TermKey (labkit.memory.TermKey), got {key!r}")
+        return sum(t.bytes for t in self.terms if t.key is key)
+
     def without(self, variant: Variant | str) -> "Estimate":
         """The same estimate without the moments of one step variant: e.g. GaLore's steady step,
         `e.without(Variant.REFRESH)` (labkit.estimate.moments.REFRESH). The terms table is kept."""

@@ -167,3 +167,19 @@ def test_every_term_has_a_key_and_every_moment_a_kind_agreeing_with_its_words(re
         assert m.block == (int(hit.group(1)) if hit else None), (m.where, m.block)
         assert all(isinstance(t.key, TermKey) for t in m.terms), m.where
     assert all(isinstance(t.key, TermKey) for t in [*e.terms, *e.textbook])
+
+
+def test_a_lesson_picks_a_term_by_its_key():
+    """Estimate.term_bytes(key): what lessons 03 and 10 read instead of matching a term's name."""
+    from labkit.models.gpt import GPTConfig
+
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64)
+    manual = estimate(Recipe(GPTConfig(**{**vars(cfg), "attention": "manual"}), 2, 32))
+    e = estimate(Recipe(cfg, 2, 32))
+    scores = [t.bytes for t in manual.terms if t.key is TermKey.ATTENTION_SCORES]
+    assert len(scores) == 1 and scores[0] > 0
+    assert manual.term_bytes(TermKey.ATTENTION_SCORES) == scores[0]
+    assert e.term_bytes(TermKey.ATTENTION_SCORES) < scores[0]  # sdpa on CPU saves no (S, S) scores
+    assert e.term_bytes(TermKey.DEQUANT_SCRATCH) == 0  # no quantized base: no such term
+    with pytest.raises(TypeError, match="TermKey"):
+        e.term_bytes("attention scores (s^2)")
