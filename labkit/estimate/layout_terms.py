@@ -262,8 +262,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
                      zero_terms.SOURCE, key=K.OPTIMIZER_STATE)]
             terms[0] = Term("parameters", Category.PARAM, lay.params(), f"the part's flat buffers, padded to dp",
                             zero_terms.SOURCE, key=K.PARAMETERS)
-        est = [keyed.attach(Estimate(label + (f" tp rank {k}" if t > 1 else ""), rs.n_params, terms=terms,
-                                     moments=moments), r, stage=s) for k in range(t)]
+        names = [label + (f" tp rank {k}" if t > 1 else "") for k in range(t)]
+        est = [keyed.attach(Estimate(n, rs.n_params, terms=terms, moments=moments), r, stage=s)
+               for n in names]
         out += est
     return out
 

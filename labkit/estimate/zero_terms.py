@@ -277,7 +277,8 @@ def data_parallel_estimate(r) -> Estimate:
         _t(K.PARAMETERS, "parameters" if r.zero < 3 else "parameter shards", P_, lay.params(), "per rank"),
         _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "per rank, after the reduce-scatter"),
         _t(K.OPTIMIZER_STATE, "optimizer state shards", O_, lay.opt(), "per rank")]
-    return keyed.attach(Estimate(single.label + tag, single.n_params, terms=terms, moments=moments), r)
+    est = Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    return keyed.attach(est, r)
 
 
 def stages(recipe) -> dict:
@@ -384,4 +385,5 @@ def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
         _t(K.OPTIMIZER_STATE,
            "optimizer state shards", O_, lay.opt(), f"{lay.state_per_elem} x s x {d} B + 4 B step per tensor")]
     tag = f" dp={r.dp} FSDP2 reshard_after_forward={reshard_after_forward} (rank 0)"
-    return keyed.attach(Estimate(single.label + tag, single.n_params, terms=terms, moments=moments), r)
+    est = Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    return keyed.attach(est, r)

@@ -204,8 +204,9 @@ class Estimate(_Phases):
     terms: list[Term] = field(default_factory=list)  # the step's main terms, each once (a summary table)
     moments: list[Moment] = field(default_factory=list)
     textbook: list[Term] = field(default_factory=list)  # the published formulas' figure (labkit.estimate.textbook)
-    # moment -> its KeyRows (labkit.estimate.keyed makes it): the corrections from the textbook, key by key
-    keyed: Callable[[Moment], list["KeyRow"]] | None = field(default=None, repr=False, compare=False)
+    # moment -> its KeyRows, key by key (labkit.estimate.keyed makes it)
+    keyed: Callable[[Moment], list["KeyRow"]] | None = field(default=None, repr=False,
+                                                              compare=False)
 
     def __post_init__(self) -> None:
         if self.phases is None:
@@ -235,20 +236,22 @@ class Estimate(_Phases):
         kept = [m for m in self.moments if m.variant is not v]
         if not kept:
             raise ValueError(f"every moment is of the variant {variant!r}: nothing would be left")
-        return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept, textbook=list(self.textbook),
-                        keyed=self.keyed)
+        return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept,
+                        textbook=list(self.textbook), keyed=self.keyed)
 
     def explain(self, phase: str | None = None) -> "Report":
-        """Where every byte of the peak (or of `phase`'s largest moment) comes from: key by key, the textbook's
-        bytes, the exact bytes and the named corrections between them (when the estimate has a textbook layer),
-        then the moment's terms with formula and source. Text within 120 columns; HTML tables in Jupyter."""
+        """Where every byte of the peak (or of `phase`'s largest moment) comes from: key by key,
+        the textbook's bytes, the exact bytes and the named corrections between them (when the
+        estimate has a textbook layer), then the moment's terms with formula and source. Text
+        within 120 columns; HTML tables in Jupyter."""
         if not self.moments:
             raise ValueError("this estimate was built from phases, not moments: nothing to explain")
         pool = [m for m in self.moments if phase is None or m.phase == phase]
         if not pool:
             raise ValueError(f"no moment in phase {phase!r}; phases: {', '.join(self.phases)}")
         top = max(pool, key=lambda m: m.total)
-        head = wrap_line(f"{self.label}: {'peak' if phase is None else phase + ' peak'} at {top.phase}, {top.where}")
+        at = "peak" if phase is None else phase + " peak"
+        head = wrap_line(f"{self.label}: {at} at {top.phase}, {top.where}")
         if not self.textbook:
             return Report([head, top.table()])
         from .units import fmt_bytes
@@ -256,21 +259,24 @@ class Estimate(_Phases):
         rows = self.keyed(top) if self.keyed is not None else key_rows(self.textbook, top)
         book = sum(t.bytes for t in self.textbook)
         fixes = sum(len(r.corrections) for r in rows)
-        left = [r for r in rows if r.unexplained]
+        left = sum(r.unexplained for r in rows)
+        off = 100 * (book - top.total) / top.total
         exact = wrap_line(f"exact: {fmt_bytes(top.total)} = {fmt_bytes(book)} (textbook) + "
                           f"{fmt_bytes(top.total - book)} ({fixes} corrections"
-                          + (f", {fmt_bytes(sum(r.unexplained for r in left))} not yet explained" if left else "")
-                          + f"); the textbook is {100 * (book - top.total) / top.total:+.1f} % off")
-        return Report([head, _term_table("textbook: the published formulas (labkit.estimate.textbook)",
-                                         self.textbook), _key_table(rows), exact, top.table()])
+                          + (f", {fmt_bytes(left)} not yet explained" if left else "")
+                          + f"); the textbook is {off:+.1f} % off")
+        title = "textbook: the published formulas (labkit.estimate.textbook)"
+        return Report([head, _term_table(title, self.textbook), _key_table(rows), exact,
+                       top.table()])
 
 
 @dataclass
 class KeyRow:
-    """One key of explain(): its textbook bytes, its exact bytes at a moment, and the corrections between them,
-    each computed by its own function from the model, the recipe and the walk (never from the exact bytes).
-    `lives`: a textbook key with no bytes at this moment says when it lives instead of a negative correction.
-    `unexplained`: what the corrections leave, shown as "not yet explained" (0 when they are complete)."""
+    """One key of explain(): its textbook bytes, its exact bytes at a moment, and the corrections
+    between them, each computed by its own function from the model, the recipe and the walk (never
+    from the exact bytes; labkit.estimate.keyed). `lives`: a textbook key with no bytes at this
+    moment says when it lives, not a negative correction. `unexplained`: what the corrections
+    leave, shown as "not yet explained" (0 when they are complete)."""
 
     key: TermKey
     category: Category
@@ -287,11 +293,11 @@ class KeyRow:
 
 
 def key_rows(textbook: list[Term], moment: Moment) -> list[KeyRow]:
-    """Rows with no corrections computed (an estimate without a corrector): the textbook's and the exact bytes per
-    key, the whole difference not yet explained."""
-    book, exact, cats = _by_key(textbook), _by_key(moment.terms), {t.key: t.category for t in
-                                                                     [*textbook, *moment.terms]}
-    return [KeyRow(k, cats[k], book.get(k, 0), exact.get(k, 0)) for k in _keys(textbook, moment.terms)]
+    """Rows with no corrections computed (an estimate without a corrector): the textbook's and the
+    exact bytes per key, the whole difference not yet explained."""
+    book, exact = _by_key(textbook), _by_key(moment.terms)
+    cats = {t.key: t.category for t in [*textbook, *moment.terms]}
+    return [KeyRow(k, cats[k], book.get(k, 0), exact.get(k, 0)) for k in {**book, **exact}]
 
 
 def _by_key(terms: list[Term]) -> dict[TermKey, int]:
@@ -301,28 +307,24 @@ def _by_key(terms: list[Term]) -> dict[TermKey, int]:
     return out
 
 
-def _keys(*lists: list[Term]) -> list[TermKey]:
-    """Keys in their order of first appearance over the lists."""
-    return list(dict.fromkeys(t.key for terms in lists for t in terms))
-
-
 def _key_table(rows: list[KeyRow]) -> "Table":
-    """Key by key: textbook, exact, then each correction (bytes, what, formula, source) on its own line."""
+    """Key by key: textbook, exact, then each correction (bytes, what, formula, source)."""
     from .units import fmt_bytes
 
     out = []
     for r in rows:
         if not (r.textbook or r.exact or r.corrections):
             continue
-        out.append([r.key.value, fmt_bytes(r.textbook) if r.textbook else "-", fmt_bytes(r.exact), "",
-                    r.lives or "", ""])
+        book = fmt_bytes(r.textbook) if r.textbook else "-"
+        out.append([r.key.value, book, fmt_bytes(r.exact), "", r.lives, ""])
         for t in r.corrections:
-            out.append(["", "", "", f"{t.bytes:+,} B", t.name + (f": {t.formula}" if t.formula else ""), t.source])
+            what = t.name + (f": {t.formula}" if t.formula else "")
+            out.append(["", "", "", f"{t.bytes:+,} B", what, t.source])
         if r.unexplained:
             out.append(["", "", "", f"{r.unexplained:+,} B", "not yet explained", ""])
     return Table(["key", "textbook", "exact", "correction", "what", "source"], out, right={1, 2, 3},
-                 caption="by key: the textbook's bytes, the exact bytes at this moment, and the corrections "
-                         "between them", indent=2)
+                 caption="by key: the textbook's bytes, the exact bytes at this moment, and the "
+                         "corrections between them", indent=2)
 
 
 def _phase_order(p: str) -> int:

@@ -55,9 +55,9 @@ def test_zero_galore_pipeline_nf4_logits():
     Recipe("gpt2-tiny", 4, 32, "fp32", "adamw", dp=2, zero=2),
 ], ids=["full", "checkpoint", "qlora", "zero2"])
 def test_explain_shows_the_textbook_then_each_key_with_its_corrections(recipe):
-    """Each textbook key is shown beside the exact bytes of the same key at the peak; a single device's
-    corrections leave at most 0.5 % of the peak unexplained (a ZeRO rank's are not computed yet: its textbook
-    layer is shown with the difference not yet explained)."""
+    """Each textbook key is shown beside the exact bytes of the same key at the peak; a single
+    device's corrections leave at most 0.5 % of the peak unexplained (a ZeRO rank's are not computed
+    yet: its textbook layer is shown with the difference not yet explained)."""
     e = estimate(recipe)
     top = e.peak_moment
     rows = {r.key: r for r in e.keyed(top)}
@@ -75,22 +75,24 @@ def test_explain_shows_the_textbook_then_each_key_with_its_corrections(recipe):
 
 
 def test_one_device_counts_one_micro_batch_whatever_the_schedule():
-    """The pipeline schedule decides what is in flight on a stage of several; with pp=1, gradient accumulation
-    runs one micro-batch at a time: gpipe and 1f1b give the same textbook (688,128 B of activations here, where
-    the figure once multiplied gpipe's by the 4 micro-batches: 2,752,512 B). Recipe refuses a schedule with pp=1,
-    so the schedule is set past its check, as a caller of textbook.figure may."""
+    """The pipeline schedule decides what is in flight on a stage of several; with pp=1, gradient
+    accumulation runs one micro-batch at a time: gpipe and 1f1b give the same textbook (688,128 B of
+    activations here, where the figure once multiplied gpipe's by the 4 micro-batches: 2,752,512 B).
+    Recipe refuses a schedule with pp=1, so it is set past its check, as a caller of figure may."""
     from labkit.estimate.spec import spec_from
 
     spec, acts = spec_from("gpt2-tiny"), []
     for s in ("gpipe", "1f1b"):
         r = Recipe("gpt2-tiny", 4, 64, "fp32", micro_batch=1)
         object.__setattr__(r, "schedule", s)
-        acts += [t.bytes for t in textbook.figure(spec, r, spec.n_params) if t.key is TermKey.SAVED_ACTIVATIONS]
+        acts += [t.bytes for t in textbook.figure(spec, r, spec.n_params)
+                 if t.key is TermKey.SAVED_ACTIVATIONS]
     assert acts == [688_128, 688_128]
 
 
 def test_every_layout_has_a_textbook_layer():
-    """stages(), estimate_ranks() and fsdp2_estimate() carry the textbook layer, and explain() shows it."""
+    """stages(), estimate_ranks() and fsdp2_estimate() carry the textbook layer; explain() shows
+    it."""
     from labkit.estimate import estimate_ranks
     from labkit.estimate.zero_terms import fsdp2_estimate, stages
 

@@ -1,7 +1,8 @@
-"""explain()'s corrections, key by key, on every fixed configuration of bench/estimator_accuracy.py: each key's
-corrections add up to its exact minus its textbook bytes (up to a "not yet explained" line under 0.5 % of the
-peak), no key is shown as the textbook's bytes taken away whole and the exact ones added whole, and no
-correction reads the moment's bytes (changing them leaves every correction as it was)."""
+"""explain()'s corrections, key by key, on every fixed configuration of bench/estimator_accuracy.py:
+each key's corrections add up to its exact minus its textbook bytes (up to a "not yet explained"
+line under 0.5 % of the peak), no key is shown as the textbook's bytes taken away whole and the
+exact ones added whole, and no correction reads the moment's bytes (changing them leaves every
+correction as it was)."""
 
 import dataclasses
 import importlib.util
@@ -30,7 +31,8 @@ CONFIGS = _bench().configs()
 
 
 def _estimate(c):
-    r = Recipe.of(c.model, c.batch, c.seq, dtype=c.dtype, optimizer=c.optimizer, device="cpu", **c.overrides)
+    r = Recipe.of(c.model, c.batch, c.seq, dtype=c.dtype, optimizer=c.optimizer, device="cpu",
+                  **c.overrides)
     e = estimate(r)
     return e.without(REFRESH) if c.refresh is False else e
 
@@ -45,9 +47,10 @@ def explained():
     for c in CONFIGS:
         e = _estimate(c)
         out.append((c, e, e.peak_moment, e.keyed(e.peak_moment)))
-    worst = max(((abs(r.unexplained) / m.total, c.label, r.key.value) for c, _, m, rows in out for r in rows),
-                default=(0, "", ""))
-    print(f"\nlargest 'not yet explained': {100 * worst[0]:.3f} % of the peak ({worst[2]} in {worst[1]})")
+    worst = max(((abs(r.unexplained) / m.total, c.label, r.key.value)
+                 for c, _, m, rows in out for r in rows), default=(0, "", ""))
+    print(f"\nlargest 'not yet explained': {100 * worst[0]:.3f} % of the peak "
+          f"({worst[2]} in {worst[1]})")
     return out
 
 
@@ -64,13 +67,14 @@ def test_every_key_of_the_peak_and_the_textbook_has_a_row_with_its_bytes(explain
 def test_each_keys_corrections_sum_to_its_exact_minus_textbook_bytes(explained):
     for c, e, m, rows in explained:
         for r in rows:
-            if r.lives and not r.exact:  # a textbook key not held at this moment: it says when it lives
+            if r.lives and not r.exact:  # a textbook key not held at this moment: when it lives
                 assert r.textbook and not r.corrections, (c.label, r.key)
                 continue
             fixes = sum(t.bytes for t in r.corrections)
             assert abs(r.unexplained) < LIMIT * m.total, (
                 f"{c.label}: {r.key.value} leaves {r.unexplained:+,} B not yet explained "
-                f"({100 * r.unexplained / m.total:+.2f} % of the peak): textbook {r.textbook:,}, exact {r.exact:,}, "
+                f"({100 * r.unexplained / m.total:+.2f} % of the peak): textbook {r.textbook:,}, "
+                f"exact {r.exact:,}, "
                 f"corrections {[(t.name, t.bytes) for t in r.corrections]}")
             assert r.textbook + fixes + r.unexplained == r.exact
 
@@ -88,16 +92,18 @@ def test_no_key_is_a_whole_removal_plus_a_whole_addition(explained):
 
 
 def test_corrections_do_not_read_the_moments_bytes(explained):
-    """Double every term of the moment: a correction computed from the model, the recipe and the walk stays
-    as it was; only the exact bytes (and what is left unexplained) move."""
+    """Double every term of the moment: a correction computed from the model, the recipe and the
+    walk stays as it was; only the exact bytes (and what is left unexplained) move."""
     changed = 0
     for c, e, m, rows in explained:
-        doubled = dataclasses.replace(m, terms=[dataclasses.replace(t, bytes=2 * t.bytes) for t in m.terms])
+        twice = [dataclasses.replace(t, bytes=2 * t.bytes) for t in m.terms]
+        doubled = dataclasses.replace(m, terms=twice)
         again = e.keyed(doubled)
         for r, r2 in zip(rows, again):
             assert r.key is r2.key
             if r.textbook and r.exact:
-                assert [(t.name, t.bytes) for t in r.corrections] == [(t.name, t.bytes) for t in r2.corrections]
+                before = [(t.name, t.bytes) for t in r.corrections]
+                assert before == [(t.name, t.bytes) for t in r2.corrections]
                 assert r2.exact == 2 * r.exact
                 changed += bool(r.corrections)
     assert changed > len(explained)  # most peaks have a key with computed corrections
