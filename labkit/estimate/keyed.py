@@ -41,27 +41,40 @@ def textbook_figure(r, stage: int = 0) -> list[Term]:
                            adapters=not peft.lisa_layers)
 
 
+# what a data-parallel rank's corrections cover: its activations are one device's of its rows; its
+# model states (ZeRO's shards, gathers and buckets) are not computed yet
+_ACTIVATION_KEYS = frozenset({K.SAVED_ACTIVATIONS, K.CHECKPOINT_INPUTS, K.LOG_SOFTMAX})
+
+
 def attach(est: Estimate, r, stage: int = 0) -> Estimate:
-    """Give an estimate of recipe `r` its textbook layer and its corrector (one device: every
-    correction below; a rank of a layout: when each key lives, the rest not yet explained)."""
+    """Give an estimate of recipe `r` its textbook layer and its corrector: one device, every
+    correction below; a data-parallel rank, those of its activations (one device's of its rows);
+    a tensor or pipeline rank, when each key lives (the rest: not yet explained)."""
     est.textbook = textbook_figure(r, stage)
-    single = r.tp == 1 and r.pp == 1 and r.dp == 1 and not r.zero
-    est.keyed = Corrector(r, est.textbook, single)
+    est.keyed = Corrector(r, est.textbook)
     return est
 
 
 class Corrector:
     """moment -> its KeyRows. The walk and its records are made once, at the first explain()."""
 
-    def __init__(self, recipe, book: list[Term], single: bool = True):
-        self.r, self.book, self.single = recipe, book, single
+    def __init__(self, recipe, book: list[Term]):
+        self.r, self.book = recipe, book
+        r = recipe
+        self.single = r.tp == 1 and r.pp == 1 and r.dp == 1 and not r.zero
+        self.data = r.tp == 1 and r.pp == 1 and not self.single
 
     @cached_property
-    def ctx(self) -> "Ctx":
-        return Ctx(self.r, self.book)
+    def ctx(self) -> "Ctx | None":
+        if self.single:
+            return Ctx(self.r, self.book)
+        if self.data:  # a rank's rows on one device (zero_terms.data_parallel_estimate's step)
+            one = self.r.replace(dp=1, batch=self.r.rank_batch, zero=0, zero_offload=False)
+            return Ctx(one, self.book)
+        return None
 
     def __call__(self, m: Moment) -> list[KeyRow]:
-        return rows(self.ctx if self.single else None, self.r, self.book, m)
+        return rows(self.ctx, self.r, self.book, m, None if self.single else _ACTIVATION_KEYS)
 
 
 # ---- what the corrections read ----------------------------------------------------------------
@@ -556,9 +569,10 @@ def lives(r, key: K, m: Moment) -> str:
 
 
 # ---- the rows ---------------------------------------------------------------------------------
-def rows(c: Ctx | None, r, book: list[Term], m: Moment) -> list[KeyRow]:
+def rows(c: Ctx | None, r, book: list[Term], m: Moment, only=None) -> list[KeyRow]:
     """The KeyRows of moment m: each textbook key with its corrections (or when it lives), then the
-    exact layer's keys the textbook has no formula for, as their own terms."""
+    exact layer's keys the textbook has no formula for, as their own terms. only: the keys whose
+    corrections are computed (None: all)."""
     have: dict[K, list[Term]] = {}
     for t in m.terms:
         have.setdefault(t.key, []).append(t)
@@ -568,7 +582,9 @@ def rows(c: Ctx | None, r, book: list[Term], m: Moment) -> list[KeyRow]:
         if not exact:
             out.append(KeyRow(t.key, t.category, t.bytes, 0, lives=lives(r, t.key, m)))
             continue
-        fixes = [f for fn in CORRECTIONS.get(t.key, ()) for f in fn(c, m)] if c is not None else []
+        computed = c is not None and (only is None or t.key in only)
+        fns = CORRECTIONS.get(t.key, ()) if computed else ()
+        fixes = [f for fn in fns for f in fn(c, m)]
         fixes = [f for f in fixes if f.bytes and f.key is t.key]
         out.append(KeyRow(t.key, t.category, t.bytes, exact, fixes))
     keys = {t.key for t in book}
