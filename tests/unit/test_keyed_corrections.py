@@ -49,8 +49,9 @@ def explained():
         out.append((c, e, e.peak_moment, e.keyed(e.peak_moment)))
     worst = max(((abs(r.unexplained), c.label, r.key.value, m.total)
                  for c, _, m, rows in out for r in rows), default=(0, "", "", 1))
-    print(f"\nlargest 'not yet explained': {worst[0]:,} B = {100 * worst[0] / worst[3]:.3f} % of the "
-          f"peak" + (f" ({worst[2]} in {worst[1]})" if worst[0] else ""))
+    share = 100 * worst[0] / worst[3]
+    print(f"\nlargest 'not yet explained': {worst[0]:,} B = {share:.3f} % of the peak"
+          + (f" ({worst[2]} in {worst[1]})" if worst[0] else ""))
     return out
 
 
