@@ -227,6 +227,8 @@ def units_freed(c: Ctx, m: Moment) -> list[Term]:
     outputs) are freed; the unit's own input goes after its recompute unless its first block saves
     it; selective's cached outputs are handed to the recompute, those autograd saves wait for their
     reader; the regions' arguments go after the first unit's recompute."""
+    if c.replayed and m.kind is MK.BLOCK_FORWARD and m.block is not None:
+        return _last_forward(c, m)
     if not c.replayed or m.block is None or m.kind not in (*_BACKWARD_BLOCK, MK.RECOMPUTE):
         return []
     b, j = c.b, c.unit(m.block)
@@ -268,6 +270,24 @@ def units_freed(c: Ctx, m: Moment) -> list[Term]:
         out.append(_t(K.CHECKPOINT_INPUTS, _A, "the regions' arguments: freed after the first "
                       "unit's recompute", -kw, "S x 8 (+ rotary, mask)",
                       "labkit.recompute.checkpoint"))
+    return [t for t in out if t.bytes]
+
+
+def _last_forward(c: Ctx, m: Moment) -> list[Term]:
+    """Inside the last block's forward: the blocks' other arguments are still the forward's locals
+    (not yet a region's), and selective checkpointing has cached only the outputs made so far."""
+    out = []
+    kw = c.b.block_kwargs[0] - c.b.block_kwargs[1]
+    if kw and c.r.checkpoint != "none":
+        out.append(_t(K.CHECKPOINT_INPUTS, _A, "the blocks' other arguments: still the forward's "
+                      "locals (forward locals)", -kw, "S x 8 (+ rotary, mask)",
+                      "the model's forward holds them until it returns"))
+    if c.r.checkpoint == "selective":
+        last = c.b.replays[m.block]
+        out.append(_t(K.CHECKPOINT_INPUTS, _A, f"block {m.block}'s outputs cached so far, at "
+                      f"{last.kept.op}", last.kept.saved - last.kept_bytes,
+                      "replay: the policy's outputs made by then - all of them",
+                      "labkit.recompute.selective"))
     return [t for t in out if t.bytes]
 
 
