@@ -3,10 +3,9 @@ parallelism and ZeRO (zero_terms) and tensor and pipeline parallelism (layout_te
 
 from __future__ import annotations
 
-from labkit.memory.report import Estimate, Term
+from labkit.memory.report import Estimate
 
-from . import layout_terms, peft_terms, textbook, zero_terms
-from .spec import spec_from
+from . import keyed, layout_terms, zero_terms
 from .predict import single_estimate
 from .recipe import Recipe, as_recipe
 
@@ -54,18 +53,9 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
         est = zero_terms.data_parallel_estimate(recipe)
     else:
         est = single_estimate(recipe)
-    est.textbook = textbook_figure(recipe)
+    if not est.textbook:  # estimate_ranks gives each rank its stage's textbook layer
+        keyed.attach(est, recipe)
     return est
-
-
-def textbook_figure(r: Recipe) -> list[Term]:
-    """The textbook layer's terms for a recipe (labkit.estimate.textbook.figure), with the counts it needs."""
-    spec = spec_from(r.model, **r.config)
-    peft = peft_terms.peft_of(spec, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers, r.quant_group)
-    if peft is None:
-        return textbook.figure(spec, r, spec.n_params)
-    n_train = peft_terms.trainable_spec(spec, peft).n_params
-    return textbook.figure(spec, r, n_train, peft_terms.quantized_weights(spec, peft))
 
 
 def estimate_ranks(model, batch: int | None = None, seq: int | None = None, **options) -> list[Estimate]:

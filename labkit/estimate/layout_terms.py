@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey as K
 
-from . import predict, zero_terms
+from . import keyed, predict, zero_terms
 from .moments import custom, step_moments
 from .spec import spec_from
 from .textbook import in_flight, korthikanti_layer_bytes  # noqa: F401 (lesson 10 quotes them from here)
@@ -262,8 +262,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
                      zero_terms.SOURCE, key=K.OPTIMIZER_STATE)]
             terms[0] = Term("parameters", Category.PARAM, lay.params(), f"the part's flat buffers, padded to dp",
                             zero_terms.SOURCE, key=K.PARAMETERS)
-        est = [Estimate(label + (f" tp rank {k}" if t > 1 else ""), rs.n_params, terms=terms, moments=moments)
-               for k in range(t)]
+        names = [label + (f" tp rank {k}" if t > 1 else "") for k in range(t)]
+        est = [keyed.attach(Estimate(n, rs.n_params, terms=terms, moments=moments), r, stage=s)
+               for n in names]
         out += est
     return out
 

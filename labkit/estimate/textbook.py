@@ -121,11 +121,16 @@ def nf4_bytes(n: int) -> float:
     return n * 4.127 / 8
 
 
-def figure(spec, r, n_train: int, n_quant: int = 0) -> list[Term]:
-    """The textbook peak of a recipe on its busiest rank: model states (shared as ZeRO, TP and PP divide them),
-    all of them live, plus one layer formula x layers x micro-batches in flight, plus the logits.
-    n_train: trained parameters (LoRA's adapters, LISA's active layers); n_quant: weights stored in int8/NF4.
-    A 16-bit frozen base (r.base_dtype) keeps 2 B per weight and needs no autocast copy: only what trains is cast."""
+def figure(spec, r, n_train: int, n_quant: int = 0, stage: int = 0,
+           adapters: bool = False) -> list[Term]:
+    """The textbook peak of a recipe on its busiest rank: model states (shared as ZeRO, TP and PP
+    divide them), all of them live, plus one layer formula x layers x micro-batches in flight, plus
+    the log-softmax. n_train: trained parameters (LoRA's adapters, LISA's active layers); n_quant:
+    weights stored in int8/NF4. A 16-bit frozen base (r.base_dtype) keeps 2 B per weight and needs
+    no autocast copy: only what trains is cast. stage: the pipeline stage whose micro-batches in
+    flight are counted (one device: one micro-batch at a time, as gradient accumulation runs them).
+    adapters: LoRA/QLoRA, whose n_train adapters are parameters beside the frozen base. Each term's
+    key is the exact layer's for the same bytes (explain() sets them side by side)."""
     d, n = Precision.of(r.dtype).weight, spec.n_params / (r.tp * r.pp)
     fd = 2 if getattr(r, "base_dtype", None) in ("bf16", "fp16") else d  # the frozen base's bytes per weight
     qbytes = (nf4_bytes(n_quant) if r.quant == "nf4" else n_quant * (1 if r.quant == "int8" else 0.5))
@@ -135,24 +140,31 @@ def figure(spec, r, n_train: int, n_quant: int = 0) -> list[Term]:
     p, g, o = zero_shares(param_bytes(n - n_quant, fd), grad_bytes(n_train, d), state, r.dp, r.zero)
     e = 2 if r.dtype != "fp32" else 4
     b, s, layers = r.micro, r.seq, -(-spec.n_layer // r.pp)
+    policy = r.checkpoint.replace("sqrt", "full")
     if r.tp > 1:
         layer = korthikanti_layer_bytes(s, b, spec.hidden, spec.n_head, r.tp, r.sequence_parallel)
     else:
-        layer = layer_activation_bytes(s, b, spec.hidden, spec.n_head, e, r.checkpoint.replace("sqrt", "full"))
-    acts = layers * layer * in_flight(r.schedule, r.rank_batch // b, r.pp, 0) * (not r.offload_activations)
+        layer = layer_activation_bytes(s, b, spec.hidden, spec.n_head, e, policy)
+    flying = in_flight(r.schedule, r.rank_batch // b, r.pp, stage) if r.pp > 1 else 1
+    acts = layers * layer * flying * (not r.offload_activations)
     copied = n_train if fd == 2 else n  # a 16-bit frozen base is not cast
-    terms = [Term("parameters", Category.PARAM, int(p), f"N x {fd} B" + (", sharded" if r.zero >= 3 else ""), ZERO,
-                  key=TermKey.PARAMETERS),
-             Term("autocast 16-bit weight copies", Category.PARAM, copy16_bytes(int(copied)) if r.dtype.startswith(
-                 "mixed") else 0, "2 x N" if fd == d else "2 x N_train", HF_ANATOMY,
-                  key=TermKey.COPIES_16BIT),
+    kept = (f"{layers} layers x the layer formula ({r.checkpoint})"
+            + (f" x {flying} micro-batches in flight ({r.schedule})" if r.pp > 1 else ""))
+    base = TermKey.FROZEN_BASE if adapters else TermKey.PARAMETERS
+    acts_key = TermKey.SAVED_ACTIVATIONS if r.checkpoint == "none" else TermKey.CHECKPOINT_INPUTS
+    copies = copy16_bytes(int(copied)) if r.dtype.startswith("mixed") else 0
+    terms = [Term("frozen base weights" if adapters else "parameters", Category.PARAM, int(p),
+                  f"N x {fd} B" + (", sharded" if r.zero >= 3 else ""), ZERO, key=base),
+             Term("adapters", Category.PARAM, param_bytes(n_train, d) if adapters else 0,
+                  f"N_train x {d} B", "Hu et al. 2021 (arXiv 2106.09685)", key=TermKey.ADAPTERS),
+             Term("autocast 16-bit weight copies", Category.PARAM, copies,
+                  "2 x N" if fd == d else "2 x N_train", HF_ANATOMY, key=TermKey.COPIES_16BIT),
              Term("frozen base, quantized", Category.BUFFER, int(qbytes), "4.127 bits (NF4) or 1 B (int8) per weight",
                   "Dettmers et al. 2023", key=TermKey.QUANTIZED_BASE),
              Term("gradients", Category.GRAD, int(g), f"N_train x {d} B", "Playbook #104", key=TermKey.GRADIENTS),
              Term("optimizer state", Category.OPT, int(o), f"{r.optimizer} on N_train = {n_train:,}", ZERO,
                   key=TermKey.OPTIMIZER_STATE),
-             Term("activations", Category.ACT, int(acts), f"{layers} layers x the layer formula ({r.checkpoint})",
-                  KORTHIKANTI, key=TermKey.SAVED_ACTIVATIONS),
-             Term("logits", Category.ACT, logits_bytes(b, s, spec.vocab), "B S V x 4", LOGITS,
-                  key=TermKey.LOGITS)]
+             Term("activations", Category.ACT, int(acts), kept, KORTHIKANTI, key=acts_key),
+             Term("log-softmax of the logits", Category.ACT, logits_bytes(b, s, spec.vocab),
+                  "B S V x 4", LOGITS, key=TermKey.LOG_SOFTMAX)]
     return [t for t in terms if t.bytes]

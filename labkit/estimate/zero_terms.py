@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 from labkit.memory.report import Category, Estimate, Moment, MomentKind, Term, TermKey as K
 
-from . import optim_terms
+from . import keyed, optim_terms
 from .predict import Precision, single_estimate
 from .spec import spec_from
 from .textbook import paper_bytes, zero_shares  # noqa: F401 (lessons 9 and 13 quote paper_bytes from here)
@@ -268,7 +268,8 @@ def data_parallel_estimate(r) -> Estimate:
     single = single_estimate(r.replace(dp=1, batch=r.rank_batch, zero=0, zero_offload=False))
     tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + " (per rank)"
     if r.zero == 0:  # labkit's data parallel: all-reduce in place on the .grad tensors, nothing more
-        return Estimate(single.label + tag, single.n_params, terms=list(single.terms), moments=list(single.moments))
+        return keyed.attach(Estimate(single.label + tag, single.n_params, terms=list(single.terms),
+                                     moments=list(single.moments)), r)
     spec = spec_from(r.model, **r.config)
     lay = rank_layout(spec, Precision.of(r.dtype).weight, r.zero, r.dp, r.optimizer, r.zero_offload)
     moments = rank_moments(single.moments, lay, r.optimizer, spec.n_layer)
@@ -276,7 +277,8 @@ def data_parallel_estimate(r) -> Estimate:
         _t(K.PARAMETERS, "parameters" if r.zero < 3 else "parameter shards", P_, lay.params(), "per rank"),
         _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "per rank, after the reduce-scatter"),
         _t(K.OPTIMIZER_STATE, "optimizer state shards", O_, lay.opt(), "per rank")]
-    return Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    est = Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    return keyed.attach(est, r)
 
 
 def stages(recipe) -> dict:
@@ -383,4 +385,5 @@ def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
         _t(K.OPTIMIZER_STATE,
            "optimizer state shards", O_, lay.opt(), f"{lay.state_per_elem} x s x {d} B + 4 B step per tensor")]
     tag = f" dp={r.dp} FSDP2 reshard_after_forward={reshard_after_forward} (rank 0)"
-    return Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    est = Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    return keyed.attach(est, r)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .table import Report, Table, wrap_line
 
@@ -203,6 +204,9 @@ class Estimate(_Phases):
     terms: list[Term] = field(default_factory=list)  # the step's main terms, each once (a summary table)
     moments: list[Moment] = field(default_factory=list)
     textbook: list[Term] = field(default_factory=list)  # the published formulas' figure (labkit.estimate.textbook)
+    # moment -> its KeyRows, key by key (labkit.estimate.keyed makes it)
+    keyed: Callable[[Moment], list["KeyRow"]] | None = field(default=None, repr=False,
+                                                              compare=False)
 
     def __post_init__(self) -> None:
         if self.phases is None:
@@ -239,53 +243,95 @@ class Estimate(_Phases):
         kept = [m for m in self.moments if m.variant is not v]
         if not kept:
             raise ValueError(f"every moment is of the variant {variant!r}: nothing would be left")
-        return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept, textbook=list(self.textbook))
+        return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept,
+                        textbook=list(self.textbook), keyed=self.keyed)
 
     def explain(self, phase: str | None = None) -> "Report":
-        """Where every byte of the peak (or of `phase`'s largest moment) comes from: term, formula, source.
-        Text within 120 columns (print it, or read it in the CLI); HTML tables in Jupyter."""
+        """Where every byte of the peak (or of `phase`'s largest moment) comes from: key by key,
+        the textbook's bytes, the exact bytes and the named corrections between them (when the
+        estimate has a textbook layer), then the moment's terms with formula and source. Text
+        within 120 columns; HTML tables in Jupyter."""
         if not self.moments:
             raise ValueError("this estimate was built from phases, not moments: nothing to explain")
         pool = [m for m in self.moments if phase is None or m.phase == phase]
         if not pool:
             raise ValueError(f"no moment in phase {phase!r}; phases: {', '.join(self.phases)}")
         top = max(pool, key=lambda m: m.total)
-        head = wrap_line(f"{self.label}: {'peak' if phase is None else phase + ' peak'} at {top.phase}, {top.where}")
+        at = "peak" if phase is None else phase + " peak"
+        head = wrap_line(f"{self.label}: {at} at {top.phase}, {top.where}")
         if not self.textbook:
             return Report([head, top.table()])
         from .units import fmt_bytes
 
-        fixes = corrections(self.textbook, top.terms)
+        rows = self.keyed(top) if self.keyed is not None else key_rows(self.textbook, top)
         book = sum(t.bytes for t in self.textbook)
+        fixes = sum(len(r.corrections) for r in rows)
+        left = sum(r.unexplained for r in rows)
+        off = 100 * (book - top.total) / top.total
         exact = wrap_line(f"exact: {fmt_bytes(top.total)} = {fmt_bytes(book)} (textbook) + "
-                          f"{fmt_bytes(top.total - book)} ({len(fixes)} corrections); the textbook is "
-                          f"{100 * (book - top.total) / top.total:+.1f} % off")
-        return Report([head, _term_table("textbook: the published formulas (labkit.estimate.textbook)",
-                                         self.textbook),
-                       _term_table("corrections: what the exact layer's ops add or take away at this moment",
-                                   fixes), exact, top.table()])
+                          f"{fmt_bytes(top.total - book)} ({fixes} corrections"
+                          + (f", {fmt_bytes(left)} not yet explained" if left else "")
+                          + f"); the textbook is {off:+.1f} % off")
+        title = "textbook: the published formulas (labkit.estimate.textbook)"
+        return Report([head, _term_table(title, self.textbook), _key_table(rows), exact,
+                       top.table()])
 
 
-def corrections(textbook: list[Term], exact: list[Term]) -> list[Term]:
-    """What turns the textbook terms into a moment's exact terms, key by key: for a key both have, the exact
-    terms' sum minus the textbook's; an exact term whose key the textbook lacks (an op's transient, a tensor the
-    formula omits), the term itself; a textbook key the moment lacks, minus it. They sum to exact - textbook."""
-    book = {t.key: t for t in textbook}
-    out, done = [], set()
-    for t in exact:
-        b = book.get(t.key)
-        if b is None:
-            out.append(t)
-        elif t.key not in done:
-            done.add(t.key)
-            same = [x for x in exact if x.key is t.key]
-            diff = sum(x.bytes for x in same) - b.bytes
-            out.append(Term(f"{b.name}: exact - textbook", b.category, diff,
-                            f"{' + '.join(x.formula for x in same)} - ({b.formula})", t.source, key=t.key))
-    keys = {t.key for t in exact}
-    out += [Term(f"{t.name}: textbook's formula, not in this moment's terms", t.category, -t.bytes, t.formula,
-                 t.source, key=t.key) for t in textbook if t.key not in keys]
-    return [t for t in out if t.bytes]
+@dataclass
+class KeyRow:
+    """One key of explain(): its textbook bytes, its exact bytes at a moment, and the corrections
+    between them, each computed by its own function from the model, the recipe and the walk (never
+    from the exact bytes; labkit.estimate.keyed). `lives`: a textbook key with no bytes at this
+    moment says when it lives, not a negative correction. `unexplained`: what the corrections
+    leave, shown as "not yet explained" (0 when they are complete)."""
+
+    key: TermKey
+    category: Category
+    textbook: int
+    exact: int
+    corrections: list[Term] = field(default_factory=list)
+    lives: str = ""
+
+    @property
+    def unexplained(self) -> int:
+        if self.lives and not self.exact:
+            return 0
+        return self.exact - self.textbook - sum(t.bytes for t in self.corrections)
+
+
+def key_rows(textbook: list[Term], moment: Moment) -> list[KeyRow]:
+    """Rows with no corrections computed (an estimate without a corrector): the textbook's and the
+    exact bytes per key, the whole difference not yet explained."""
+    book, exact = _by_key(textbook), _by_key(moment.terms)
+    cats = {t.key: t.category for t in [*textbook, *moment.terms]}
+    return [KeyRow(k, cats[k], book.get(k, 0), exact.get(k, 0)) for k in {**book, **exact}]
+
+
+def _by_key(terms: list[Term]) -> dict[TermKey, int]:
+    out: dict[TermKey, int] = {}
+    for t in terms:
+        out[t.key] = out.get(t.key, 0) + t.bytes
+    return out
+
+
+def _key_table(rows: list[KeyRow]) -> "Table":
+    """Key by key: textbook, exact, then each correction (bytes, what, formula, source)."""
+    from .units import fmt_bytes
+
+    out = []
+    for r in rows:
+        if not (r.textbook or r.exact or r.corrections):
+            continue
+        book = fmt_bytes(r.textbook) if r.textbook else "-"
+        out.append([r.key.value, book, fmt_bytes(r.exact), "", r.lives, ""])
+        for t in r.corrections:
+            what = t.name + (f": {t.formula}" if t.formula else "")
+            out.append(["", "", "", f"{t.bytes:+,} B", what, t.source])
+        if r.unexplained:
+            out.append(["", "", "", f"{r.unexplained:+,} B", "not yet explained", ""])
+    return Table(["key", "textbook", "exact", "correction", "what", "source"], out, right={1, 2, 3},
+                 caption="by key: the textbook's bytes, the exact bytes at this moment, and the "
+                         "corrections between them", indent=2)
 
 
 def _phase_order(p: str) -> int:

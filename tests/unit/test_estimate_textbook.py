@@ -4,7 +4,7 @@ the textbook figure plus the named corrections is the exact peak."""
 import pytest
 
 from labkit.estimate import Recipe, estimate, textbook
-from labkit.memory.report import corrections
+from labkit.memory.report import Category, TermKey
 from labkit.memory.table import Table
 
 
@@ -54,15 +54,54 @@ def test_zero_galore_pipeline_nf4_logits():
     Recipe("llama-tiny", 2, 32, "fp32", "adamw", lora_rank=8, quant="nf4"),
     Recipe("gpt2-tiny", 4, 32, "fp32", "adamw", dp=2, zero=2),
 ], ids=["full", "checkpoint", "qlora", "zero2"])
-def test_explain_shows_textbook_then_corrections_that_sum_to_the_exact_peak(recipe):
+def test_explain_shows_the_textbook_then_each_key_with_its_corrections(recipe):
+    """Each textbook key is shown beside the exact bytes of the same key at the peak; the
+    corrections leave at most 0.5 % of the peak unexplained (a ZeRO rank's model states are not
+    computed yet: they are shown with the difference not yet explained; its activations are)."""
     e = estimate(recipe)
     top = e.peak_moment
-    fixes = corrections(e.textbook, top.terms)
-    book = sum(t.bytes for t in e.textbook)
-    assert book > 0 and fixes
-    assert book + sum(t.bytes for t in fixes) == top.total == e.peak.total
+    rows = {r.key: r for r in e.keyed(top)}
+    assert e.textbook and {t.key for t in e.textbook} <= set(rows)
+    for t in e.textbook:
+        r = rows[t.key]
+        assert r.textbook == sum(x.bytes for x in e.textbook if x.key is t.key)
+        assert r.exact == sum(x.bytes for x in top.terms if x.key is t.key)
+        assert r.exact or r.lives  # a key not held at the peak says when it lives
+        if recipe.dp == 1 or t.category is Category.ACT:
+            assert abs(r.unexplained) < 0.005 * top.total, (t.key, r)
     text = e.explain()
-    assert text.index("textbook:") < text.index("corrections:") < text.index("exact:")
-    cells = {c for b in text.blocks if isinstance(b, Table) for row in b.rows for c in row}
-    for t in fixes:
-        assert t.name in cells and all(w in text for w in t.name.split())
+    assert text.index("textbook:") < text.index("by key:") < text.index("exact:")
+    assert isinstance(text.blocks[2], Table) and text.blocks[2].rows
+
+
+def test_one_device_counts_one_micro_batch_whatever_the_schedule():
+    """The pipeline schedule decides what is in flight on a stage of several; with pp=1, gradient
+    accumulation runs one micro-batch at a time: gpipe and 1f1b give the same textbook (688,128 B of
+    activations here, where the figure once multiplied gpipe's by the 4 micro-batches: 2,752,512 B).
+    Recipe refuses a schedule with pp=1, so it is set past its check, as a caller of figure may."""
+    from labkit.estimate.spec import spec_from
+
+    spec, acts = spec_from("gpt2-tiny"), []
+    for s in ("gpipe", "1f1b"):
+        r = Recipe("gpt2-tiny", 4, 64, "fp32", micro_batch=1)
+        object.__setattr__(r, "schedule", s)
+        acts += [t.bytes for t in textbook.figure(spec, r, spec.n_params)
+                 if t.key is TermKey.SAVED_ACTIVATIONS]
+    assert acts == [688_128, 688_128]
+
+
+def test_every_layout_has_a_textbook_layer():
+    """stages(), estimate_ranks() and fsdp2_estimate() carry the textbook layer; explain() shows
+    it."""
+    from labkit.estimate import estimate_ranks
+    from labkit.estimate.zero_terms import fsdp2_estimate, stages
+
+    r = Recipe("gpt2-tiny", 4, 32, "fp32", "adamw", dp=2)
+    ests = [*stages(r).values(), fsdp2_estimate(r),
+            *estimate_ranks(Recipe("gpt2-tiny", 4, 32, "fp32", "adamw", pp=2, micro_batch=1))]
+    for e in ests:
+        assert e.textbook and e.keyed is not None, e.label
+        assert "by key:" in e.explain()
+    zero3 = stages(r)[3].textbook
+    assert [t.bytes for t in zero3 if t.key is TermKey.PARAMETERS] == [
+        sum(t.bytes for t in stages(r)[0].textbook if t.key is TermKey.PARAMETERS) // 2]

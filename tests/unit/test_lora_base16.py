@@ -89,7 +89,7 @@ def test_the_states_follow_the_formulas_and_the_base_halves():
     assert terms["frozen base weights"] == 2 * spec.n_params and terms["LoRA adapters"] == 4 * n
     assert terms["autocast 16-bit weight copies"] == 2 * n  # the adapters' casts only
     book = {t.name: t.bytes for t in half.textbook}  # the textbook layer: 2 B per frozen weight
-    assert book["parameters"] == 2 * spec.n_params
+    assert book["frozen base weights"] == 2 * spec.n_params
     assert book["autocast 16-bit weight copies"] == 2 * n
     # on a 7B model the frozen weights decide: an fp32 base holds 4 B per weight and a 2-B autocast
     # copy of each matmul weight (saved for dx), a bf16 one 2 B: 44.15 GB against 17.56 GB
