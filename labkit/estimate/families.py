@@ -61,7 +61,8 @@ class AttnCall:
 def _shape(w: Walk, c: AttnCall, mm: int, sm: int, to: int = 0) -> AttnShape:
     """to: the dtype softmax's output is cast to (0: mm); dropout gets that (its CPU mask is of it)."""
     drop = 1 if w.device == "cuda" else (to or mm)
-    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop, c.kv_repeat, to)
+    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop, c.kv_repeat, to,
+                     one_statement=c.fp32_softmax)
 
 
 def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bool:

@@ -116,3 +116,17 @@ def test_gpt2_eager_frees_the_masked_scores_as_softmax_returns():
     assert e.peak_phase == m.peak_phase == "forward"
     assert_categories_within(e, m)
     assert abs(e.peak.total - m.peak.total) <= TOL * m.peak.total
+
+
+def test_llama_eager_16bit_forward_points_hold_softmax_fp32_input():
+    """With the step in backward the forward's attention moment comes from labkit.estimate.attention's
+    replay (not the block's tape): a 16-bit Llama's softmax(dtype=float32) first copies the scores to fp32,
+    and `softmax(...).to(query.dtype)` is one statement, so the masked scores live through the cast. Without
+    the fp32 copy the forward was -10.56 % of the peak here."""
+    from estimate_checks import assert_phases_within
+
+    r = Recipe.of("llama-tiny", 1, 512, dtype="bf16", optimizer="sgd", step_in_backward=True,
+                  num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1, hidden_size=32,
+                  intermediate_size=64, vocab_size=64, max_position_embeddings=512,
+                  attn_implementation="eager")
+    assert_phases_within(estimate(r), measure_step(r))
