@@ -68,8 +68,9 @@ class AttnShape:
     drop_mask: int
     kv_repeat: int = 1  # grouped-query attention: heads / kv heads (repeat_kv copies k and v when > 1)
     to: int = 0  # bytes per element after softmax's cast (0: mm); wider than mm: the bmm with v copies it
-    # softmax and its cast in one statement (Llama's `softmax(x, dtype=float32).to(query.dtype)`): the masked
-    # scores stay bound until the cast returns; GPT-2 rebinds them to softmax's output in its own statement
+    # softmax and its cast in one statement (Llama's `softmax(x, dtype=float32).to(query.dtype)`):
+    # the masked scores stay bound until the cast returns; GPT-2 rebinds them to softmax's output
+    # in its own statement
     one_statement: bool = False
 
     def sq(self, nbytes: int) -> int:  # one (B, a, S, S) matrix
