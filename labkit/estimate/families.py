@@ -381,9 +381,10 @@ def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, widths: tuple[int, in
         w.node("softmax", [probs], [probs], [("grad", soft_in)])
     if soft_in is not masked:
         w.drop(soft_in)
-    # GPT-2 rebinds attn_weights to softmax's output in its own statement: the masked scores go as
-    # softmax returns. Llama's `attn_weights = softmax(attn_weights, dtype=float32).to(query.dtype)` is
-    # one statement: they stay bound to attn_weights until the cast returns.
+    # GPT-2 rebinds attn_weights to softmax's output in its own statement: the masked scores go
+    # as softmax returns. Llama's
+    # `attn_weights = softmax(attn_weights, dtype=float32).to(query.dtype)` is one statement:
+    # they stay bound to attn_weights until the cast returns.
     if not c.fp32_softmax:
         w.drop(masked)
     att = probs

@@ -122,8 +122,8 @@ def test_gpt2_eager_frees_the_masked_scores_as_softmax_returns():
 def test_llama_eager_16bit_forward_points_hold_softmax_fp32_input():
     """With the step in backward the forward's attention moment comes from
     labkit.estimate.attention's replay (not the block's tape): a 16-bit Llama's
-    softmax(dtype=float32) first copies the scores to fp32, and `softmax(...).to(query.dtype)` is one
-    statement, so the masked scores live through the cast. Without the fp32 copy the forward was
+    softmax(dtype=float32) first copies the scores to fp32, and `softmax(...).to(query.dtype)` is
+    one statement, so the masked scores live through the cast. Without the fp32 copy the forward was
     -10.56 % of the peak here."""
     from estimate_checks import assert_phases_within
 
