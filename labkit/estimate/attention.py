@@ -68,6 +68,10 @@ class AttnShape:
     drop_mask: int
     kv_repeat: int = 1  # grouped-query attention: heads / kv heads (repeat_kv copies k and v when > 1)
     to: int = 0  # bytes per element after softmax's cast (0: mm); wider than mm: the bmm with v copies it
+    # softmax and its cast in one statement (Llama's `softmax(x, dtype=float32).to(query.dtype)`):
+    # the masked scores stay bound until the cast returns; GPT-2 rebinds them to softmax's output
+    # in its own statement
+    one_statement: bool = False
 
     def sq(self, nbytes: int) -> int:  # one (B, a, S, S) matrix
         return self.B * self.heads * self.S * self.S * nbytes
@@ -119,13 +123,19 @@ def materialised(kind: str, a: AttnShape, p: float) -> AttnPoints:
             f.alloc("masked", a.sq(max(a.mm, a.x)))  # makes 16-bit scores + an fp32 mask fp32
         f.free(last)
         last = "masked"
+    wide = kind == "eager" and a.sm > max(a.mm, a.x)  # softmax(dtype=float32) of 16-bit scores
+    if wide:  # aten's softmax casts its input first (_to_copy, then _softmax)
+        f.alloc("scores (fp32 for softmax)", a.sq(a.sm))
     f.alloc("probs", a.sq(a.sm), saved=True)  # softmax
-    if kind != "manual":
+    f.free("scores (fp32 for softmax)")
+    if kind != "manual" and not a.one_statement:
         f.free(last)
     attn, to = "probs", a.to or a.mm
     if a.sm != to:  # Llama: softmax in fp32, then .to(q.dtype): the copy is what the matmul reads
         f.alloc("probs cast", a.sq(to), saved=p == 0 and to == a.mm)
         attn = "probs cast"
+    if a.one_statement:
+        f.free(last)
     if p > 0:
         f.alloc("dropout mask", a.sq(a.drop_mask), saved=True)
         f.alloc("dropped", a.sq(to), saved=to == a.mm)

@@ -24,7 +24,9 @@ class AttnCall:
     numel: int  # elements of q and of the output: B x S x heads x head_dim
     p: float = 0.0  # attention dropout probability
     kv_heads: int | None = None  # key/value heads (grouped-query attention; None: heads)
-    fp32_softmax: bool = False  # transformers' eager attention takes softmax in fp32 (Llama)
+    # transformers' eager attention takes softmax in fp32 (Llama's form: softmax and its cast in one
+    # statement, so the scores live until the cast returns; GPT-2 rebinds them as softmax returns)
+    fp32_softmax: bool = False
     block: int | None = None  # tiled attention's tile size (labkit.recompute.tiled_attention)
 
     def __post_init__(self) -> None:
@@ -59,7 +61,8 @@ class AttnCall:
 def _shape(w: Walk, c: AttnCall, mm: int, sm: int, to: int = 0) -> AttnShape:
     """to: the dtype softmax's output is cast to (0: mm); dropout gets that (its CPU mask is of it)."""
     drop = 1 if w.device == "cuda" else (to or mm)
-    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop, c.kv_repeat, to)
+    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop, c.kv_repeat, to,
+                     one_statement=c.fp32_softmax)
 
 
 def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bool:
@@ -378,11 +381,18 @@ def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, widths: tuple[int, in
         w.node("softmax", [probs], [probs], [("grad", soft_in)])
     if soft_in is not masked:
         w.drop(soft_in)
+    # GPT-2 rebinds attn_weights to softmax's output in its own statement: the masked scores go
+    # as softmax returns. Llama's
+    # `attn_weights = softmax(attn_weights, dtype=float32).to(query.dtype)` is one statement:
+    # they stay bound to attn_weights until the cast returns.
+    if not c.fp32_softmax:
+        w.drop(masked)
     att = probs
-    if sm != to:  # `softmax(...).to(q.dtype)`: the scores stay bound to attn_weights until the cast returns
+    if sm != to:  # GPT-2: `.type(value.dtype)`; Llama: `.to(query.dtype)`
         att = w.cast(probs, to, "attention probs (cast)")
         w.drop(probs)
-    w.drop(masked)
+    if c.fp32_softmax:
+        w.drop(masked)
     dropped = _dropout_tape(w, att, p, "attention dropout")
     if dropped is not att:
         w.drop(att)
