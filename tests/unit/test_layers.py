@@ -25,7 +25,7 @@ ORDER = ["memory", "paths", "quant", "precision", "recompute", "data", "models",
 MODULE_ORDER = {
     "memory": ["units", "table", "allocator", "state", "report", "memviz", "replay", "budget", "ledger"],
     "estimate": ["recipe", "textbook", "attention", "tape", "spec", "optim_terms", "peft_terms", "walk", "families",
-                 "moments", "predict", "zero_terms", "layout_terms", "estimator", "wall"],
+                 "moments", "predict", "zero_terms", "layout_terms", "estimator", "wall", "host"],
 }
 
 
