@@ -229,7 +229,10 @@ def cmd_estimate(args, parser) -> int:
     spec = read_model(check_model(args.model)[0], args.model)
     if args.tp > 1 or args.pp > 1:
         return _estimate_layout(args, spec, micro, budget, headroom)
-    recipe = _recipe(args, spec, micro, args.device)
+    try:  # the Recipe's and the estimator's refusals, in the command line's words
+        recipe = _recipe(args, spec, micro, args.device)
+    except ValueError as err:
+        raise ValueError(_cli_words(str(err))) from err
 
     def run(r):
         try:
