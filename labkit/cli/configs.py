@@ -84,7 +84,8 @@ def cmd_estimate_from(args, parser, recipe_of_args=None) -> int:
 
     from labkit.estimate.host import host_needs
 
-    from .estimate import MEASURES, _verdict_dict, _verdict_text, budget_of, format_estimate, layout_json, peak_json
+    from .estimate import (MEASURES, _verdict_dict, _verdict_text, budget_of, format_estimate,
+                           layout_json, peak_json)
 
     budget, headroom = budget_of(args, parser)
     if args.from_path:

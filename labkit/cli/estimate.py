@@ -13,11 +13,12 @@ from .common import (GPU_SIZED, UNITS_NOTE, _check_peak, _cli_words, _positive, 
                      read_model, size_option, verdict_line)
 
 
-def estimate_dict(model_text: str, e, args, recipe=None, n_params: int | None = None, host=()) -> dict:
-    """The --json object: every byte value an int; categories are the breakdown at the peak, peak_terms the terms
-    alive then (they sum to the peak). n_params: the model's parameters (default e.n_params; a tp/pp rank's own
-    count is rank_params); layout: the recipe's ranks and how the global batch is split over them; host: the
-    offload options' HostNeeds."""
+def estimate_dict(model_text: str, e, args, recipe=None, n_params: int | None = None,
+                  host=()) -> dict:
+    """The --json object: every byte value an int; categories are the breakdown at the peak,
+    peak_terms the terms alive then (they sum to the peak). n_params: the model's parameters
+    (default e.n_params; a tp/pp rank's own count is rank_params); layout: the recipe's ranks and
+    how the global batch is split over them; host: the offload options' HostNeeds."""
     peak = e.peak.as_dict()
     return {
         "model": model_text, "n_params": int(e.n_params if n_params is None else n_params),
@@ -42,21 +43,24 @@ def estimate_dict(model_text: str, e, args, recipe=None, n_params: int | None = 
 
 
 def layout_json(r) -> dict:
-    """The ranks of a Recipe and each one's rows: dp, zero, tp, pp, rank_batch (global batch / dp), micro_batch."""
-    return {"dp": r.dp, "zero": r.zero, "tp": r.tp, "pp": r.pp, "rank_batch": r.rank_batch, "micro_batch": r.micro}
+    """A Recipe's ranks and each one's rows: dp, zero, tp, pp, rank_batch (global batch / dp),
+    micro_batch."""
+    return {"dp": r.dp, "zero": r.zero, "tp": r.tp, "pp": r.pp, "rank_batch": r.rank_batch,
+            "micro_batch": r.micro}
 
 
 MEASURES = "allocated"  # the CUDA figure the estimate predicts: torch.cuda.max_memory_allocated's
 
 
 def peak_json(e) -> dict:
-    """{"peak_moment": its phase, where, kind and block; "peak_terms": its terms (key, name, category, bytes,
-    block)}; empty for an estimate built from phases (no moments)."""
+    """{"peak_moment": its phase, where, kind and block; "peak_terms": its terms (key, name,
+    category, bytes, block)}; empty for an estimate built from phases (no moments)."""
     m = e.peak_moment
     if m is None:
         return {}
     cat = {c: c.name.lower() for c in CATEGORIES}  # the keys of "categories"
-    return {"peak_moment": {"phase": m.phase, "where": m.where, "kind": m.kind.name.lower(), "block": m.block},
+    return {"peak_moment": {"phase": m.phase, "where": m.where, "kind": m.kind.name.lower(),
+                            "block": m.block},
             "peak_terms": [{"key": t.key.name.lower(), "name": t.name, "category": cat[t.category],
                             "bytes": int(t.bytes), "block": t.block} for t in m.terms if t.bytes]}
 
@@ -64,33 +68,38 @@ def peak_json(e) -> dict:
 TERM_HEADER = ["term", "category", "bytes", "formula", "source"]
 
 
+def _term_rows(terms) -> list[list[str]]:
+    return [[t.name, str(t.category), fmt_bytes(t.bytes), t.formula, t.source] for t in terms]
+
+
 def peak_terms_table(e) -> Table:
-    """The terms alive at the peak moment, one row each (the zero ones left out); their sum, the peak, below."""
+    """The terms alive at the peak moment, one row each (zero ones left out); their sum below."""
     m = e.peak_moment
-    rows = [[t.name, str(t.category), fmt_bytes(t.bytes), t.formula, t.source] for t in m.terms if t.bytes]
+    rows = _term_rows(t for t in m.terms if t.bytes)
     return Table(TERM_HEADER, rows, right={2}, rule=False,
-                 caption=wrap_line(f"the terms alive at the peak ({m.phase}: {m.where}); --all-terms lists the "
-                                   f"whole step's"),
+                 caption=wrap_line(f"the terms alive at the peak ({m.phase}: {m.where}); "
+                                   f"--all-terms lists the whole step's"),
                  footer=[f"sum: {fmt_bytes(m.total)} = the peak, from the {len(rows)} terms above"])
 
 
 def all_terms_table(e) -> Table:
-    """Estimate.terms: every term of the step once, at its largest, whenever it is alive (a summary of the
-    step, not one moment)."""
-    rows = [[t.name, str(t.category), fmt_bytes(t.bytes), t.formula, t.source] for t in e.terms]
+    """Estimate.terms: every term of the step once, at its largest, whenever it is alive (a
+    summary of the step, not one moment)."""
     total = sum(t.bytes for t in e.terms)
-    return Table(TERM_HEADER, rows, right={2}, rule=False,
-                 caption=wrap_line("all terms of the step (--all-terms): each at its largest, whenever in the step it "
-                                   "lives, as if nothing were checkpointed, offloaded or freed early; they are never "
-                                   "alive all at once"),
+    return Table(TERM_HEADER, _term_rows(e.terms), right={2}, rule=False,
+                 caption=wrap_line("all terms of the step (--all-terms): each at its largest, "
+                                   "whenever in the step it lives, as if nothing were "
+                                   "checkpointed, offloaded or freed early; they are never alive "
+                                   "all at once"),
                  footer=[f"their sum, {fmt_bytes(total)}, is not the peak"])
 
 
 def format_estimate(e, device: str, all_terms: bool = False, host=()) -> str:
-    """The readable report: the terms alive at the peak (with --all-terms also the whole step's), each phase's
-    peak by category, the peak, what offload keeps off the device (`host`: HostNeeds) and what the figures
-    measure on CUDA."""
-    lines = [wrap_line(f"{kernels(device)}: {e.label}, {e.n_params:,} parameters"), f"units: {UNITS_NOTE}", ""]
+    """The readable report: the terms alive at the peak (with --all-terms also the whole step's),
+    each phase's peak by category, the peak, what offload keeps off the device (`host`:
+    HostNeeds) and what the figures are on CUDA."""
+    lines = [wrap_line(f"{kernels(device)}: {e.label}, {e.n_params:,} parameters"),
+             f"units: {UNITS_NOTE}", ""]
     if e.peak_moment is None or all_terms:
         lines += [all_terms_table(e).text(), ""]
     if e.peak_moment is not None:
@@ -108,23 +117,24 @@ def format_estimate(e, device: str, all_terms: bool = False, host=()) -> str:
 
 
 ALLOCATED_NOTE = ("what these bytes are: on CUDA (--device cuda), allocated bytes, what "
-                  "torch.cuda.max_memory_allocated reports; "
-                  "torch.cuda.max_memory_reserved adds the caching allocator's rounding (512-byte blocks) and "
-                  "fragmentation (freed blocks it keeps cached), and nvidia-smi adds the CUDA context too "
+                  "torch.cuda.max_memory_allocated reports; torch.cuda.max_memory_reserved adds "
+                  "the caching allocator's rounding (512-byte blocks) and fragmentation (freed "
+                  "blocks it keeps cached), and nvidia-smi adds the CUDA context too "
                   "(labkit.memory.allocator measures both)")
 
 
 def host_lines(host) -> list[str]:
-    """One line per HostNeed, then the total per medium: what the offload options keep off the device."""
+    """One line per HostNeed, then the total per medium: what offload keeps off the device."""
     if not host:
         return []
     out = ["off the device (the offload options):"]
-    out += [wrap_line(f"  {h.medium}: {'up to ' if h.at_most else ''}{fmt_bytes(h.bytes)}, {h.name} = "
-                      f"{h.formula} ({h.source})", indent="      ") for h in host]
+    for h in host:
+        out.append(wrap_line(f"  {h.medium}: {'up to ' if h.at_most else ''}{fmt_bytes(h.bytes)}, "
+                             f"{h.name} = {h.formula} ({h.source})", indent="      "))
     for medium in sorted({h.medium for h in host}, key=lambda m: m.value):
         total = sum(h.bytes for h in host if h.medium is medium)
-        bound = any(h.at_most for h in host if h.medium is medium)
-        out.append(f"  {medium} needed: {'up to ' if bound else ''}{fmt_bytes(total)} ({total:,} bytes)")
+        bound = "up to " if any(h.at_most for h in host if h.medium is medium) else ""
+        out.append(f"  {medium} needed: {bound}{fmt_bytes(total)} ({total:,} bytes)")
     return out
 
 
@@ -242,7 +252,8 @@ def cmd_estimate(args, parser) -> int:
 
     e, host = run(recipe)
     _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
-    gpu = run(recipe.replace(device="cuda"))[0] if args.device == "cpu" and e.peak.total >= GPU_SIZED else None
+    gpu_sized = args.device == "cpu" and e.peak.total >= GPU_SIZED
+    gpu = run(recipe.replace(device="cuda"))[0] if gpu_sized else None
     if args.json:
         out = estimate_dict(args.model, e, args, recipe, spec.n_params, host)
         if gpu is not None:
@@ -250,7 +261,8 @@ def cmd_estimate(args, parser) -> int:
         print(json.dumps(out | _verdict_dict(e.peak.total, budget, headroom)))
     else:
         print(format_estimate(e, args.device, getattr(args, "all_terms", False), host)
-              + ("" if gpu is None else "\n" + cpu_note(e, gpu)) + _verdict_text(e.peak.total, budget, headroom))
+              + ("" if gpu is None else "\n" + cpu_note(e, gpu))
+              + _verdict_text(e.peak.total, budget, headroom))
     return 0
 
 

@@ -57,16 +57,16 @@ def _recipe_words(args) -> str:
 
 
 def _peft_dtype(parser, args) -> str | None:
-    """fit_table's peft_dtype for the LoRA/QLoRA rows: without --dtype, bf16 (the QLoRA paper's base and
-    adapters); with it, --dtype itself (None: every row in it), or under --adapters fp32 its 16-bit half (fp32
-    adapters under autocast over a bf16/fp16 base, which needs a mixed --dtype)."""
+    """fit_table's peft_dtype for the LoRA/QLoRA rows: without --dtype, bf16 (the QLoRA paper's
+    base and adapters); with it, --dtype itself (None: every row in it), or under --adapters fp32
+    its 16-bit half (fp32 adapters under autocast over a bf16/fp16 base: a mixed --dtype)."""
     if not args.dtype_given:
         return "bf16"
     if getattr(args, "adapters", "base") == "base":
         return None
     if not args.dtype.startswith("mixed-"):
-        parser.error(f"--adapters fp32 keeps fp32 adapters under autocast over a 16-bit base: give --dtype "
-                     f"mixed-bf16 or mixed-fp16, not {args.dtype}")
+        parser.error(f"--adapters fp32 keeps fp32 adapters under autocast over a 16-bit base: "
+                     f"give --dtype mixed-bf16 or mixed-fp16, not {args.dtype}")
     return args.dtype.removeprefix("mixed-")
 
 
@@ -82,21 +82,23 @@ def format_wall(rows: list[dict], args) -> str:
     for r in rows:
         rank = r.get("lora_rank", args.lora_rank)
         method = r["method"] + (f" r={rank}" if rank != args.lora_rank else "")
-        table.append([r["model"], method, r["dtype"], _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
+        table.append([r["model"], method, r["dtype"], _count(r["n_params"]), fmt_bytes(r["peak"]),
+                      r["peak_phase"]]
                      + [{"does not fit": "no"}.get(r["verdicts"][b], r["verdicts"][b]) for b in budgets])
     return "\n".join(wrap_line(h) for h in head) + _table(table, right={3, 4})
 
 
 def _peft_words(rows: list[dict], args) -> str:
-    """The LoRA/QLoRA rows' setup, from the rows themselves: rank, step dtype, the frozen base's storage."""
+    """The LoRA/QLoRA rows' setup, from the rows: rank, step dtype, the frozen base's storage."""
     peft = next((r for r in rows if r["method"] != "full"), None)
     dtype, base = (peft["dtype"], peft["base_dtype"]) if peft else ("bf16", "bf16")
     if getattr(args, "adapters", "base") == "fp32":
         how = "under fp32 adapters and autocast, as peft runs it"
     else:
-        how = f"and {dtype} adapters" + ("" if args.dtype_given else ", as the QLoRA paper's scripts run it")
-    return (f"LoRA/QLoRA in {dtype}: rank {args.lora_rank} on all linear layers but the head, frozen base in "
-            f"{base} {how} (QLoRA: NF4 with double quantization)")
+        paper = "" if args.dtype_given else ", as the QLoRA paper's scripts run it"
+        how = f"and {dtype} adapters{paper}"
+    return (f"LoRA/QLoRA in {dtype}: rank {args.lora_rank} on all linear layers but the head, "
+            f"frozen base in {base} {how} (QLoRA: NF4 with double quantization)")
 
 
 def _rank_for(spec, rank: int) -> int:
@@ -176,8 +178,8 @@ def cmd_wall(args, parser) -> int:
         try:
             recipe = Recipe(None, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
                             checkpoint=args.checkpoint, micro_batch=args.micro_batch, lora_rank=rank)
-            new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods, peft_dtype=peft_dtype,
-                            adapters=getattr(args, "adapters", "base"))
+            new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods,
+                            peft_dtype=peft_dtype, adapters=getattr(args, "adapters", "base"))
         except ValueError as err:  # fit_table names the model by its spec: name it as typed
             raise ValueError(f"{text}: {_cli_words(str(err.__cause__ or err))}") from err
         for r in new:

@@ -47,8 +47,9 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEF
               peft_dtype: str | None = "bf16", adapters: str = "base") -> list[dict]:
     """One row per model and method: its predicted peak for one training step and whether it fits each budget.
 
-    A row is {"model", "method", "dtype" (its step's, Recipe.dtype), "base_dtype" (its frozen base's storage,
-    Recipe.frozen_dtype; None for full), "n_params", "peak" (bytes), "peak_phase", "fits": {budget in GiB: bool}};
+    A row is {"model", "method", "dtype" (its step's, Recipe.dtype), "base_dtype" (its frozen
+    base's storage, Recipe.frozen_dtype; None for full), "n_params", "peak" (bytes), "peak_phase",
+    "fits": {budget in GiB: bool}};
     a model fits a budget when its predicted peak is at most budget x 2**30 bytes. recipe: the step of every
     row (batch, seq, dtype, optimizer, device, checkpoint, micro_batch, ...), its model left None: each row's
     is one of `models`. methods: some of METHODS ("full" fine-tuning in recipe.dtype, "lora", "qlora"). LoRA and

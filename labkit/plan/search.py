@@ -545,8 +545,8 @@ def _tight(s: _Search, peak: int) -> bool:
 
 
 def _searched(s: _Search, fams, pred) -> list[_Family]:
-    """The families that match `pred`, each searched first if the search stopped before it (so that what a plan
-    says of the others does not depend on how many plans were asked for)."""
+    """The families that match `pred`, each searched first if the search stopped before it (so
+    that what a plan says of the others does not depend on how many plans were asked for)."""
     out = [f for f in fams if pred(f)]
     for f in out:
         if not f.ran:
@@ -574,7 +574,8 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
     better = [m for m, v in cost.METHODS.items() if v > cost.METHODS[method]]
     if better:
         for m in better:
-            same = _searched(s, fams, lambda f: cost.method_of(f.base) == m and f.key[:4] == fam.key[:4])
+            same = _searched(s, fams, lambda f: cost.method_of(f.base) == m
+                             and f.key[:4] == fam.key[:4])
             sm = _smallest(s, same, lambda f: True)
             fit = [f for f in same if f.best is not None]
             if fit:

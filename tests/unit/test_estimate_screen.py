@@ -1,7 +1,7 @@
-"""`labkit estimate`'s screen is the peak (issue 43, item 7): the terms printed are those alive at the peak
-moment, they sum to the printed peak, each option visibly changes them, the whole step's terms are a flag away;
---json carries them with the layout and the model's parameters; the offload options print what they keep off
-the device."""
+"""`labkit estimate`'s screen is the peak (issue 43, item 7): the terms printed are those alive at
+the peak moment, they sum to the printed peak, each option visibly changes them, the whole step's
+terms are a flag away; --json carries them with the layout and the model's parameters; the offload
+options print what they keep off the device."""
 
 import json
 import os
@@ -10,12 +10,14 @@ import pytest
 
 from labkit.cli import main
 from labkit.estimate import Recipe, estimate
-from labkit.estimate.host import Medium, activation_offload_needs, host_needs, optimizer_offload_needs
+from labkit.estimate.host import (Medium, activation_offload_needs, host_needs,
+                                  optimizer_offload_needs)
 from labkit.estimate.spec import spec_from
-from labkit.memory.report import Category, TermKey
+from labkit.memory.report import Category, MomentKind, TermKey
 from labkit.memory.units import fmt_bytes
 
-BASE = ["estimate", "--model", "gpt2-tiny", "--batch", "4", "--seq", "64", "--dtype", "mixed-bf16", "--json"]
+TINY = ["estimate", "--model", "gpt2-tiny"]
+BASE = TINY + ["--batch", "4", "--seq", "64", "--dtype", "mixed-bf16", "--json"]
 RECIPES = {
     "checkpoint none": [],
     "checkpoint full": ["--checkpoint", "full"],
@@ -31,8 +33,9 @@ def _json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def _peak_bytes(d: dict, category: str) -> int:
-    return sum(t["bytes"] for t in d["peak_terms"] if t["category"] == category)
+def _peak_bytes(d: dict, category: str, key: str | None = None) -> int:
+    return sum(t["bytes"] for t in d["peak_terms"]
+               if t["category"] == category and key in (None, t["key"]))
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -43,7 +46,7 @@ def test_the_peak_terms_sum_to_the_peak(capsys, name):
     assert all(set(t) == {"key", "name", "category", "bytes", "block"} for t in terms)
     assert {t["key"] for t in terms} <= {k.name.lower() for k in TermKey}
     assert {t["category"] for t in terms} <= set(d["categories"])
-    for cat, b in d["categories"].items():  # the breakdown at the peak is the same terms, by category
+    for cat, b in d["categories"].items():  # the breakdown at the peak: the same terms
         assert _peak_bytes(d, cat) == b
 
 
@@ -52,7 +55,7 @@ def test_each_option_changes_the_peak_terms(capsys):
     full = _json(capsys, *BASE, "--checkpoint", "full")
     sib = _json(capsys, *BASE, "--checkpoint", "full", "--step-in-backward")
     off = _json(capsys, *BASE, "--offload-activations")
-    # checkpointing: the peak holds fewer activations (the whole-step table listed the same bytes for both)
+    # checkpointing: the peak holds fewer activations (the whole-step table showed the same)
     assert _peak_bytes(full, "act") < _peak_bytes(none, "act")
     # step in backward: the gradients made so far are stepped and freed
     assert _peak_bytes(sib, "grad") < _peak_bytes(full, "grad")
@@ -60,11 +63,11 @@ def test_each_option_changes_the_peak_terms(capsys):
     assert _peak_bytes(off, "act") < _peak_bytes(none, "act") / 100
     cpu = _json(capsys, *BASE, "--batch", "1", "--seq", "8")
     cuda = _json(capsys, *BASE, "--batch", "1", "--seq", "8", "--device", "cuda")
-    # AdamW's foreach path on CUDA: its temporaries, a whole parameter set, are a term of the optimizer-step peak
-    temps = {d["device"]: sum(t["bytes"] for t in d["peak_terms"] if t["key"] == "optimizer_temps")
-             for d in (cpu, cuda)}
-    params = sum(t["bytes"] for t in cuda["peak_terms"] if t["key"] == "parameters")
-    assert cuda["peak_moment"]["kind"] == "optimizer_step" and temps["cuda"] == params > temps["cpu"] > 0
+    # AdamW's foreach path on CUDA: its temporaries, a whole parameter set, a term of the peak
+    temps = {d["device"]: _peak_bytes(d, "temp", "optimizer_temps") for d in (cpu, cuda)}
+    params = _peak_bytes(cuda, "param", "parameters")
+    assert cuda["peak_moment"]["kind"] == "optimizer_step"
+    assert temps["cuda"] == params > temps["cpu"] > 0
 
 
 def test_the_text_lists_the_peak_terms_and_the_whole_step_a_flag_away(capsys):
@@ -73,30 +76,32 @@ def test_the_text_lists_the_peak_terms_and_the_whole_step_a_flag_away(capsys):
     out = capsys.readouterr().out
     e = estimate("gpt2-tiny", 4, 64, "mixed-bf16", checkpoint="full")
     blocks = next(t for t in e.terms if t.key is TermKey.SAVED_ACTIVATIONS)
-    size = fmt_bytes(blocks.bytes)  # the whole step's "activations saved by the blocks": not alive at the peak
-    assert "the terms alive at the peak" in out and size not in out and "all terms of the step" not in out
+    size = fmt_bytes(blocks.bytes)  # the whole step's blocks' activations: not alive at the peak
+    assert "the terms alive at the peak" in out and size not in out
+    assert "all terms of the step" not in out
     assert f"sum: {fmt_bytes(e.peak.total)} = the peak" in " ".join(out.split())
     assert main(argv + ["--all-terms"]) == 0
     every = " ".join(capsys.readouterr().out.split())  # a long cell wraps at its words
-    assert size in every and "all terms of the step (--all-terms)" in every and "is not the peak" in every
+    assert size in every and "all terms of the step (--all-terms)" in every
+    assert "is not the peak" in every
 
 
 def test_json_carries_the_layout_and_the_models_parameters(capsys):
-    d = _json(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "8", "--seq", "32", "--dp", "2", "--zero", "1",
-              "--json")
+    rows = ["--batch", "8", "--seq", "32", "--dp", "2"]
+    d = _json(capsys, *TINY, *rows, "--zero", "1", "--json")
     assert "batch" not in d and d["global_batch"] == 8
     assert d["layout"] == {"dp": 2, "zero": 1, "tp": 1, "pp": 1, "rank_batch": 4, "micro_batch": 4}
-    acc = _json(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "8", "--seq", "32", "--dp", "2",
-                "--accumulate", "2", "--json")
-    assert acc["layout"] == {"dp": 2, "zero": 0, "tp": 1, "pp": 1, "rank_batch": 4, "micro_batch": 2}
+    acc = _json(capsys, *TINY, *rows, "--accumulate", "2", "--json")
+    assert acc["layout"] == {"dp": 2, "zero": 0, "tp": 1, "pp": 1, "rank_batch": 4,
+                             "micro_batch": 2}
     assert d["n_params"] == spec_from("gpt2-tiny").n_params
-    assert sum(t["bytes"] for t in d["peak_terms"]) == d["peak"] and d["measures"] == "allocated"
-    assert d["host"] == []
+    assert sum(t["bytes"] for t in d["peak_terms"]) == d["peak"]
+    assert d["measures"] == "allocated" and d["host"] == []
 
 
 # ----------------------------------------------------------------------------- host RAM and disk
 def _host_arrays(opt) -> tuple[int, int]:
-    """(bytes in RAM, bytes on disk) of an OffloadAdamW's host arrays, read from the arrays and files."""
+    """(bytes in RAM, bytes on disk) of an OffloadAdamW's host arrays, from its arrays and files."""
     seen, ram = set(), 0
     for h in opt.host.values():
         for x in (h.master, h.exp_avg, h.exp_avg_sq):
@@ -105,8 +110,10 @@ def _host_arrays(opt) -> tuple[int, int]:
                 seen.add(st.data_ptr())
                 ram += st.nbytes()
     scratch = opt._grad32.untyped_storage().nbytes() + opt._denom.untyped_storage().nbytes()
-    disk = sum(os.path.getsize(os.path.join(opt.folder, f)) for f in os.listdir(opt.folder)) if opt.folder else 0
-    return (scratch if opt.folder else ram + scratch), disk
+    if opt.folder is None:
+        return ram + scratch, 0
+    files = [os.path.join(opt.folder, f) for f in os.listdir(opt.folder)]
+    return scratch, sum(os.path.getsize(f) for f in files)
 
 
 @pytest.mark.parametrize("where", ["cpu", "disk"])
@@ -117,7 +124,8 @@ def test_optimizer_offload_host_bytes_are_offloadadamws_arrays(tmp_path, where):
     r = Recipe("gpt2-tiny", 2, 16, "fp32", optimizer_offload=where)
     needs = optimizer_offload_needs(r)
     m = build_model("gpt2-tiny", "fp32")
-    with OffloadAdamW(m.parameters(), offload=where, folder=str(tmp_path) if where == "disk" else None) as opt:
+    folder = str(tmp_path) if where == "disk" else None
+    with OffloadAdamW(m.parameters(), offload=where, folder=folder) as opt:
         ram, disk = _host_arrays(opt)
     want = {med: sum(h.bytes for h in needs if h.medium is med) for med in Medium}
     assert (want[Medium.RAM], want[Medium.DISK]) == (ram, disk)
@@ -131,12 +139,12 @@ def test_optimizer_offload_host_bytes_are_offloadadamws_arrays(tmp_path, where):
 
 
 def test_activation_offload_host_bytes(monkeypatch):
-    """At most what the step without offload holds at the loss (its activation terms); measured: the bytes
-    labkit.recompute.offload_activations copies to the host in one micro-batch, within 0.2 % with nothing
-    checkpointed. The difference, named: a token-id storage it does not copy (2 KiB here) and, under autocast,
-    the biases' 16-bit copies (2 x 1,152 B: addmm's backward does not save its bias)."""
+    """At most what the step without offload holds at the loss (its activation terms); measured:
+    the bytes labkit.recompute.offload_activations copies to the host in one micro-batch, within
+    0.2 % with nothing checkpointed. The difference, named: a token-id storage it does not copy
+    (2 KiB here) and, under autocast, the biases' 16-bit copies (2 x 1,152 B: addmm's backward does
+    not save its bias)."""
     import labkit.recompute as recompute
-    from labkit.memory.report import MomentKind
     from labkit.run.step import measure_step
 
     seen = []
@@ -150,9 +158,12 @@ def test_activation_offload_host_bytes(monkeypatch):
     for dtype in ("fp32", "mixed-bf16"):
         r = Recipe("gpt2-tiny", 4, 64, dtype, offload_activations=True)
         (need,) = activation_offload_needs(r)
-        loss = next(m for m in estimate(r.replace(offload_activations=False)).moments if m.kind is MomentKind.LOSS)
-        made_of = [t for t in loss.terms if t.category is Category.ACT or t.key is TermKey.COPIES_16BIT]
-        assert need.medium is Medium.RAM and need.at_most and need.bytes == sum(t.bytes for t in made_of)
+        plain = estimate(r.replace(offload_activations=False))
+        loss = next(m for m in plain.moments if m.kind is MomentKind.LOSS)
+        made_of = [t for t in loss.terms
+                   if t.category is Category.ACT or t.key is TermKey.COPIES_16BIT]
+        assert need.medium is Medium.RAM and need.at_most
+        assert need.bytes == sum(t.bytes for t in made_of)
         seen.clear()
         measure_step(r, steps=1)
         print(f"{dtype}: host RAM up to {need.bytes:,} B; offloaded {max(seen):,} B")
@@ -161,12 +172,12 @@ def test_activation_offload_host_bytes(monkeypatch):
 
 
 def test_offload_prints_host_ram_and_disk(capsys):
-    assert main(["estimate", "--model", "gpt2-tiny", "--batch", "2", "--seq", "16", "--optimizer-offload", "disk",
-                 "--offload-activations"]) == 0
+    rows = ["--batch", "2", "--seq", "16", "--optimizer-offload", "disk"]
+    assert main(TINY + rows + ["--offload-activations"]) == 0
     flat = " ".join(capsys.readouterr().out.split())
     assert "off the device (the offload options):" in flat
     assert "disk needed:" in flat and "host RAM needed: up to" in flat
-    d = _json(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "2", "--seq", "16", "--optimizer-offload",
-              "disk", "--json")
+    d = _json(capsys, *TINY, *rows, "--json")
     r = Recipe("gpt2-tiny", 2, 16, "mixed-bf16", optimizer_offload="disk")
-    assert d["host"] == [h.as_dict() for h in host_needs(r)] and {h["medium"] for h in d["host"]} == {"ram", "disk"}
+    assert d["host"] == [h.as_dict() for h in host_needs(r)]
+    assert {h["medium"] for h in d["host"]} == {"ram", "disk"}

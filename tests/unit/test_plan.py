@@ -320,9 +320,10 @@ def test_verify_tiny_plan_fits_and_matches_the_ledger():
 
 
 def test_why_lines_do_not_depend_on_top():
-    """Issue 43, item 8: the search stops once it has `top` plans, and a plan's "LISA: does not fit" line used to
-    quote only the LISA families searched by then (gpt2 at 500 MiB: 973.87 MiB with top=1, 588.91 MiB with every
-    plan). The families a why-line speaks of are searched first."""
+    """Issue 43, item 8: the search stops once it has `top` plans, and a plan's "LISA: does not
+    fit" line used to quote only the LISA families searched by then (gpt2 at 500 MiB: 973.87 MiB
+    with top=1, 588.91 MiB with every plan). The families a why-line speaks of are searched
+    first."""
     kw = dict(memory="500MiB", batch=1, seq=128)
     one = plan("gpt2", 1, **kw, options=SearchOptions(peft=True, top=1))
     every = plan("gpt2", 1, **kw, options=SearchOptions(peft=True, top=None))
@@ -331,10 +332,11 @@ def test_why_lines_do_not_depend_on_top():
 
 
 def test_adafactor_time_reads_and_writes_its_factored_state_as_stored():
-    """Issue 43, item 8: plan's optimizer time charged Adafactor 2 d per element, a full state's read and
-    write. labkit.optim.Adafactor stores a matrix's row and column averages (a vector's full second moment),
-    measured here after one step; its traffic is that state read and written, the weight and gradient (3 d),
-    the gradient read again and the fp32 update written and read back (d + 8 per element)."""
+    """Issue 43, item 8: plan's optimizer time charged Adafactor 2 d per element, a full state's
+    read and write. labkit.optim.Adafactor stores a matrix's row and column averages (a vector's
+    full second moment), measured here after one step; its traffic is that state read and
+    written, the weight and gradient (3 d), the gradient read again and the fp32 update written
+    and read back (d + 8 per element)."""
     import torch
 
     from labkit.estimate import optim_terms

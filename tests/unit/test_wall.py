@@ -39,13 +39,15 @@ def test_bad_input(kwargs, match):
 
 
 def test_wall_rows_say_their_dtype_and_dtype_reaches_lora(capsys):
-    """Issue 43, item 8: wall's LoRA/QLoRA rows are bf16 (the QLoRA paper's) while its full rows are mixed-bf16:
-    each row says its own dtype (text and JSON), and a given --dtype reaches the LoRA/QLoRA rows too."""
+    """Issue 43, item 8: wall's LoRA/QLoRA rows are bf16 (the QLoRA paper's) while its full rows
+    are mixed-bf16: each row says its own dtype (text and JSON), and a given --dtype reaches the
+    LoRA/QLoRA rows too."""
     import json
 
     from labkit.cli import main
 
-    argv = ["wall", "--models", "gpt2-tiny", "--budgets", "1GiB", "--batch", "2", "--seq", "32", "--lora-rank", "4"]
+    argv = ["wall", "--models", "gpt2-tiny", "--budgets", "1GiB", "--batch", "2", "--seq", "32",
+            "--lora-rank", "4"]
     assert main(argv + ["--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert {(r["method"], r["dtype"], r["base_dtype"]) for r in d["rows"]} == {
@@ -59,4 +61,5 @@ def test_wall_rows_say_their_dtype_and_dtype_reaches_lora(capsys):
     assert main(argv + ["--methods", "lora", "--dtype", "mixed-fp16", "--adapters", "fp32"]) == 0
     out = capsys.readouterr().out
     row = out.splitlines()[-1].split()
-    assert row[:3] == ["gpt2-tiny", "lora", "mixed-fp16"] and "frozen base in fp16" in " ".join(out.split())
+    assert row[:3] == ["gpt2-tiny", "lora", "mixed-fp16"]
+    assert "frozen base in fp16" in " ".join(out.split())
