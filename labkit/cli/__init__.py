@@ -55,6 +55,10 @@ def build_parser() -> _Parser:
                    help="what each knob buys: from the naive step (fp32, AdamW, no recompute, the whole batch, "
                         "one device) to the recipe, one knob at a time (savings depend on the order)")
     e.add_argument("--plot", default=None, metavar="PNG", help="with --waterfall: draw it into this PNG file")
+    e.add_argument("--all-terms", action="store_true",
+                   help="also list every term of the whole step, each at its largest (a summary "
+                        "across phases whose sum is not the peak); the default lists the terms "
+                        "alive at the peak")
     e.add_argument("--verify", action="store_true",
                    help="with --waterfall: also measure each bar under the ledger (small models, one device)")
     common(e, "cpu", "mixed-bf16", "whose kernels to model (default cpu on every machine, with or without a GPU: "

@@ -82,7 +82,10 @@ def cmd_estimate_from(args, parser, recipe_of_args=None) -> int:
     """estimate --from PATH [--waterfall [--plot PNG] [--verify]], or --waterfall on the options' recipe."""
     from labkit.estimate import estimate
 
-    from .estimate import _verdict_dict, _verdict_text, budget_of, estimate_dict, format_estimate
+    from labkit.estimate.host import host_needs
+
+    from .estimate import (MEASURES, _verdict_dict, _verdict_text, budget_of, format_estimate,
+                           layout_json, peak_json)
 
     budget, headroom = budget_of(args, parser)
     if args.from_path:
@@ -101,17 +104,20 @@ def cmd_estimate_from(args, parser, recipe_of_args=None) -> int:
     if args.waterfall:
         return _waterfall(args, parser, recipe, head, budget)
     try:
-        e = estimate(recipe)
+        e, host = estimate(recipe), host_needs(recipe)
     except ValueError as err:
         raise ValueError(_cli_words(str(err))) from err
     if args.json:
         out = {"config": str(args.from_path), "format": reading.format.name, "recipe": _recipe_json(recipe),
                "ignored": dict(reading.ignored), "approximated": dict(reading.approximated),
                "assumed": dict(reading.assumed), "peak": int(e.peak.total), "peak_phase": e.peak_phase,
-               "categories": {k: v for k, v in e.peak.as_dict().items() if k != "total"}}
+               "categories": {k: v for k, v in e.peak.as_dict().items() if k != "total"},
+               **peak_json(e), "layout": layout_json(recipe), "host": [h.as_dict() for h in host],
+               "measures": MEASURES}
         print(json.dumps(out | _verdict_dict(e.peak.total, budget, headroom)))
         return 0
-    print(head + "\n\n" + format_estimate(e, recipe.device) + _verdict_text(e.peak.total, budget, headroom))
+    print(head + "\n\n" + format_estimate(e, recipe.device, args.all_terms, host)
+          + _verdict_text(e.peak.total, budget, headroom))
     return 0
 
 

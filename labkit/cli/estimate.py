@@ -6,19 +6,25 @@ from __future__ import annotations
 import json
 
 from labkit.memory.report import CATEGORIES, PHASES
-from labkit.memory.table import wrap_line
+from labkit.memory.table import Table, wrap_line
 from labkit.memory.units import fmt_bytes
 
 from .common import (GPU_SIZED, UNITS_NOTE, _check_peak, _cli_words, _positive, _table, check_model, headroom_fraction,
                      read_model, size_option, verdict_line)
 
 
-def estimate_dict(model_text: str, e, args) -> dict:
-    """The --json object: every byte value an int; categories are the breakdown at the peak."""
+def estimate_dict(model_text: str, e, args, recipe=None, n_params: int | None = None,
+                  host=()) -> dict:
+    """The --json object: every byte value an int; categories are the breakdown at the peak,
+    peak_terms the terms alive then (they sum to the peak). n_params: the model's parameters
+    (default e.n_params; a tp/pp rank's own count is rank_params); layout: the recipe's ranks and
+    how the global batch is split over them; host: the offload options' HostNeeds."""
     peak = e.peak.as_dict()
     return {
-        "model": model_text, "n_params": int(e.n_params), "batch": args.batch, "seq": args.seq,
+        "model": model_text, "n_params": int(e.n_params if n_params is None else n_params),
+        "rank_params": int(e.n_params), "global_batch": args.batch, "seq": args.seq,
         "dtype": args.dtype, "optimizer": args.optimizer, "device": args.device,
+        **({} if recipe is None else {"layout": layout_json(recipe)}),
         "options": {k: getattr(args, k) for k in ("checkpoint", "segments", "offload_activations", "micro_batch",
                                                    "accumulate", "rank", "proj_dtype", "optimizer_offload",
                                                    "step_in_backward",
@@ -29,24 +35,107 @@ def estimate_dict(model_text: str, e, args) -> dict:
                    | ({"selective_policy": args.selective_policy} if getattr(args, "selective_policy", None) else {}),
         "peak_phase": e.peak_phase, "peak": int(e.peak.total),
         "categories": {k: v for k, v in peak.items() if k != "total"},
+        **peak_json(e),
         "phases": {p: e.phases[p].as_dict() for p in PHASES if p in e.phases},
+        "host": [h.as_dict() for h in host],
+        "measures": MEASURES,
     }
 
 
-def format_estimate(e, device: str) -> str:
-    """The readable report: every term with its formula and source, then each phase's peak by category."""
-    lines = [wrap_line(f"{kernels(device)}: {e.label}, {e.n_params:,} parameters"), f"units: {UNITS_NOTE}", "",
-             "terms"]
-    rows = [["term", "category", "bytes", "formula", "source"]]
-    rows += [[t.name, str(t.category), fmt_bytes(t.bytes), t.formula, t.source] for t in e.terms]
-    lines += [_table(rows, right={2}), "", "peak of each phase, by category"]
+def layout_json(r) -> dict:
+    """A Recipe's ranks and each one's rows: dp, zero, tp, pp, rank_batch (global batch / dp),
+    micro_batch."""
+    return {"dp": r.dp, "zero": r.zero, "tp": r.tp, "pp": r.pp, "rank_batch": r.rank_batch,
+            "micro_batch": r.micro}
+
+
+MEASURES = "allocated"  # the CUDA figure the estimate predicts: torch.cuda.max_memory_allocated's
+
+
+def peak_json(e) -> dict:
+    """{"peak_moment": its phase, where, kind and block; "peak_terms": its terms (key, name,
+    category, bytes, block)}; empty for an estimate built from phases (no moments)."""
+    m = e.peak_moment
+    if m is None:
+        return {}
+    cat = {c: c.name.lower() for c in CATEGORIES}  # the keys of "categories"
+    return {"peak_moment": {"phase": m.phase, "where": m.where, "kind": m.kind.name.lower(),
+                            "block": m.block},
+            "peak_terms": [{"key": t.key.name.lower(), "name": t.name, "category": cat[t.category],
+                            "bytes": int(t.bytes), "block": t.block} for t in m.terms if t.bytes]}
+
+
+TERM_HEADER = ["term", "category", "bytes", "formula", "source"]
+
+
+def _term_rows(terms) -> list[list[str]]:
+    return [[t.name, str(t.category), fmt_bytes(t.bytes), t.formula, t.source] for t in terms]
+
+
+def peak_terms_table(e) -> Table:
+    """The terms alive at the peak moment, one row each (zero ones left out); their sum below."""
+    m = e.peak_moment
+    rows = _term_rows(t for t in m.terms if t.bytes)
+    return Table(TERM_HEADER, rows, right={2}, rule=False,
+                 caption=wrap_line(f"the terms alive at the peak ({m.phase}: {m.where}); "
+                                   f"--all-terms lists the whole step's"),
+                 footer=[f"sum: {fmt_bytes(m.total)} = the peak, from the {len(rows)} terms above"])
+
+
+def all_terms_table(e) -> Table:
+    """Estimate.terms: every term of the step once, at its largest, whenever it is alive (a
+    summary of the step, not one moment)."""
+    total = sum(t.bytes for t in e.terms)
+    return Table(TERM_HEADER, _term_rows(e.terms), right={2}, rule=False,
+                 caption=wrap_line("all terms of the step (--all-terms): each at its largest, "
+                                   "whenever in the step it lives, as if nothing were "
+                                   "checkpointed, offloaded or freed early; they are never alive "
+                                   "all at once"),
+                 footer=[f"their sum, {fmt_bytes(total)}, is not the peak"])
+
+
+def format_estimate(e, device: str, all_terms: bool = False, host=()) -> str:
+    """The readable report: the terms alive at the peak (with --all-terms also the whole step's),
+    each phase's peak by category, the peak, what offload keeps off the device (`host`:
+    HostNeeds) and what the figures are on CUDA."""
+    lines = [wrap_line(f"{kernels(device)}: {e.label}, {e.n_params:,} parameters"),
+             f"units: {UNITS_NOTE}", ""]
+    if e.peak_moment is None or all_terms:
+        lines += [all_terms_table(e).text(), ""]
+    if e.peak_moment is not None:
+        lines += [peak_terms_table(e).text(), ""]
+    lines.append("peak of each phase, by category")
     rows = [["phase"] + [str(c) for c in CATEGORIES] + ["total"]]
     for p in PHASES:
         b = e.phases[p]
         rows.append([p] + [fmt_bytes(b[c]) for c in CATEGORIES] + [fmt_bytes(b.total)])
     lines += [_table(rows, right=set(range(1, len(rows[0])))), ""]
     lines.append(f"peak: {fmt_bytes(e.peak.total)} ({e.peak.total:,} bytes) in the {e.peak_phase} phase")
+    lines += host_lines(host)
+    lines.append(wrap_line(ALLOCATED_NOTE))
     return "\n".join(lines)
+
+
+ALLOCATED_NOTE = ("what these bytes are: on CUDA (--device cuda), allocated bytes, what "
+                  "torch.cuda.max_memory_allocated reports; torch.cuda.max_memory_reserved adds "
+                  "the caching allocator's rounding (512-byte blocks) and fragmentation (freed "
+                  "blocks it keeps cached), and nvidia-smi adds the CUDA context too "
+                  "(labkit.memory.allocator measures both)")
+
+
+def host_lines(host) -> list[str]:
+    """One line per HostNeed, then the total per medium: what offload keeps off the device."""
+    if not host:
+        return []
+    out = ["off the device (the offload options):"]
+    for h in host:
+        out.append(wrap_line(f"  {h.medium}: {'up to ' if h.at_most else ''}{fmt_bytes(h.bytes)}, "
+                             f"{h.name} = {h.formula} ({h.source})", indent="      "))
+    for medium in sorted({h.medium for h in host}, key=lambda m: m.value):
+        total = sum(h.bytes for h in host if h.medium is medium)
+        bound = "up to " if any(h.at_most for h in host if h.medium is medium) else ""
+        out.append(f"  {medium} needed: {bound}{fmt_bytes(total)} ({total:,} bytes)")
+    return out
 
 
 def kernels(device: str) -> str:
@@ -143,28 +232,36 @@ def cmd_estimate(args, parser) -> int:
     """One step's estimate from the options (labkit.cli.configs.cmd_estimate_all sends --from and
     --waterfall elsewhere and fills the defaults first)."""
     from labkit.estimate import estimate
+    from labkit.estimate.host import host_needs
 
     micro = check_estimate_options(args, parser)
     budget, headroom = budget_of(args, parser)
     spec = read_model(check_model(args.model)[0], args.model)
     if args.tp > 1 or args.pp > 1:
         return _estimate_layout(args, spec, micro, budget, headroom)
-    def run(device):
+    try:  # the Recipe's and the estimator's refusals, in the command line's words
+        recipe = _recipe(args, spec, micro, args.device)
+    except ValueError as err:
+        raise ValueError(_cli_words(str(err))) from err
+
+    def run(r):
         try:
-            return estimate(_recipe(args, spec, micro, device))
+            return estimate(r), host_needs(r)
         except ValueError as err:
             raise ValueError(_cli_words(str(err))) from err
 
-    e = run(args.device)
+    e, host = run(recipe)
     _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
-    gpu = run("cuda") if args.device == "cpu" and e.peak.total >= GPU_SIZED else None
+    gpu_sized = args.device == "cpu" and e.peak.total >= GPU_SIZED
+    gpu = run(recipe.replace(device="cuda"))[0] if gpu_sized else None
     if args.json:
-        out = estimate_dict(args.model, e, args)
+        out = estimate_dict(args.model, e, args, recipe, spec.n_params, host)
         if gpu is not None:
             out["cuda_peak"] = int(gpu.peak.total)
         print(json.dumps(out | _verdict_dict(e.peak.total, budget, headroom)))
     else:
-        print(format_estimate(e, args.device) + ("" if gpu is None else "\n" + cpu_note(e, gpu))
+        print(format_estimate(e, args.device, getattr(args, "all_terms", False), host)
+              + ("" if gpu is None else "\n" + cpu_note(e, gpu))
               + _verdict_text(e.peak.total, budget, headroom))
     return 0
 
@@ -206,9 +303,9 @@ def _estimate_layout(args, spec, micro, budget=None, headroom=0.1) -> int:
     top = max(ranks, key=lambda e: e.peak.total)
     _check_peak(top.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
     if args.json:
-        out = estimate_dict(args.model, top, args)
-        out["layout"] = {"tp": args.tp, "pp": args.pp, "schedule": args.schedule,
-                         "sequence_parallel": args.sequence_parallel, "micro_batches": r.rank_batch // r.micro}
+        out = estimate_dict(args.model, top, args, r, spec.n_params)
+        out["layout"] |= {"schedule": args.schedule, "sequence_parallel": args.sequence_parallel,
+                          "micro_batches": r.rank_batch // r.micro}
         out["ranks"] = [{"rank": i, "stage": i // args.tp, "tp_rank": i % args.tp, "label": e.label,
                          "peak": int(e.peak.total), "peak_phase": e.peak_phase,
                          "categories": {k: v for k, v in e.peak.as_dict().items() if k != "total"}}
@@ -227,7 +324,8 @@ def _estimate_layout(args, spec, micro, budget=None, headroom=0.1) -> int:
              _table(rows, right={3}), ""]
     lines.append("bytes sent per step (by the collectives' definitions)")
     lines += [f"  {k}: {fmt_bytes(int(v))}" for k, v in wire.items()]
-    lines += ["", f"the largest rank: {top.label}", format_estimate(top, args.device)]
+    lines += ["", f"the largest rank: {top.label}",
+              format_estimate(top, args.device, getattr(args, "all_terms", False))]
     if budget is not None:
         lines.append(f"budget (the largest rank): {verdict_line(top.peak.total, budget, headroom)}")
     print("\n".join(lines))

@@ -56,24 +56,49 @@ def _recipe_words(args) -> str:
     return (f"{kernels}; recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, {args.optimizer}")
 
 
+def _peft_dtype(parser, args) -> str | None:
+    """fit_table's peft_dtype for the LoRA/QLoRA rows: without --dtype, bf16 (the QLoRA paper's
+    base and adapters); with it, --dtype itself (None: every row in it), or under --adapters fp32
+    its 16-bit half (fp32 adapters under autocast over a bf16/fp16 base: a mixed --dtype)."""
+    if not args.dtype_given:
+        return "bf16"
+    if getattr(args, "adapters", "base") == "base":
+        return None
+    if not args.dtype.startswith("mixed-"):
+        parser.error(f"--adapters fp32 keeps fp32 adapters under autocast over a 16-bit base: "
+                     f"give --dtype mixed-bf16 or mixed-fp16, not {args.dtype}")
+    return args.dtype.removeprefix("mixed-")
+
+
 def format_wall(rows: list[dict], args) -> str:
     budgets = list(rows[0]["fits"]) if rows else []
     methods = getattr(args, "methods", "full")
     head = [_recipe_words(args),
             "; ".join(([f"full fine-tuning in {args.dtype}"] if "full" in methods else [])
-                      + ([f"LoRA/QLoRA: rank {args.lora_rank} on all linear layers but the head, frozen base in bf16 "
-               + ("under fp32 adapters and autocast, as peft runs it" if getattr(args, "adapters", "base") == "fp32"
-                  else "and bf16 adapters, as the QLoRA paper's scripts run it")
-               + " (QLoRA: NF4 with double quantization)"] if methods != ["full"] else []))
+                      + ([_peft_words(rows, args)] if methods != ["full"] else []))
             + f": predicted peak vs budget ({UNITS_NOTE}); tight: fits within {args.headroom_fraction:.0%} of "
               "the budget, as plan flags it (verify on the device)", ""]
-    table = [["model", "method", "params", "peak", "peak phase"] + budgets]
+    table = [["model", "method", "dtype", "params", "peak", "peak phase"] + budgets]
     for r in rows:
         rank = r.get("lora_rank", args.lora_rank)
         method = r["method"] + (f" r={rank}" if rank != args.lora_rank else "")
-        table.append([r["model"], method, _count(r["n_params"]), fmt_bytes(r["peak"]), r["peak_phase"]]
+        table.append([r["model"], method, r["dtype"], _count(r["n_params"]), fmt_bytes(r["peak"]),
+                      r["peak_phase"]]
                      + [{"does not fit": "no"}.get(r["verdicts"][b], r["verdicts"][b]) for b in budgets])
-    return "\n".join(wrap_line(h) for h in head) + _table(table, right={2, 3})
+    return "\n".join(wrap_line(h) for h in head) + _table(table, right={3, 4})
+
+
+def _peft_words(rows: list[dict], args) -> str:
+    """The LoRA/QLoRA rows' setup, from the rows: rank, step dtype, the frozen base's storage."""
+    peft = next((r for r in rows if r["method"] != "full"), None)
+    dtype, base = (peft["dtype"], peft["base_dtype"]) if peft else ("bf16", "bf16")
+    if getattr(args, "adapters", "base") == "fp32":
+        how = "under fp32 adapters and autocast, as peft runs it"
+    else:
+        paper = "" if args.dtype_given else ", as the QLoRA paper's scripts run it"
+        how = f"and {dtype} adapters{paper}"
+    return (f"LoRA/QLoRA in {dtype}: rank {args.lora_rank} on all linear layers but the head, "
+            f"frozen base in {base} {how} (QLoRA: NF4 with double quantization)")
 
 
 def _rank_for(spec, rank: int) -> int:
@@ -128,9 +153,6 @@ def cmd_wall(args, parser) -> int:
         parser.error(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     if args.lora_rank is not None and methods == ["full"]:
         parser.error(f"--lora-rank {args.lora_rank} is for the lora and qlora methods, not --methods full alone")
-    if args.dtype is not None and "full" not in methods:
-        parser.error(f"--dtype {args.dtype} is full fine-tuning's precision (LoRA and QLoRA keep a bf16 base): "
-                     "add full to --methods")
     if args.optimizer.startswith("galore"):
         parser.error(f"--optimizer {args.optimizer} needs a rank, which wall does not take: use "
                      "`labkit estimate --optimizer galore --rank R`")
@@ -141,7 +163,9 @@ def cmd_wall(args, parser) -> int:
         args.micro_batch = WALL_RECIPE["micro_batch"] if args.batch % WALL_RECIPE["micro_batch"] == 0 else args.batch
     elif args.batch % args.micro_batch:
         parser.error(f"--micro-batch {args.micro_batch} must divide --batch {args.batch}")
+    args.dtype_given = args.dtype is not None
     args.dtype = "mixed-bf16" if args.dtype is None else args.dtype
+    peft_dtype = _peft_dtype(parser, args)
     models = models or default_models()
     checked = [check_model(text) for text in models]
     if sum(n for _, n in checked) > MAX_WALL_LAYERS:
@@ -155,7 +179,7 @@ def cmd_wall(args, parser) -> int:
             recipe = Recipe(None, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
                             checkpoint=args.checkpoint, micro_batch=args.micro_batch, lora_rank=rank)
             new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods,
-                            adapters=getattr(args, "adapters", "base"))
+                            peft_dtype=peft_dtype, adapters=getattr(args, "adapters", "base"))
         except ValueError as err:  # fit_table names the model by its spec: name it as typed
             raise ValueError(f"{text}: {_cli_words(str(err.__cause__ or err))}") from err
         for r in new:

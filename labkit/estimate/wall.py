@@ -47,7 +47,9 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEF
               peft_dtype: str | None = "bf16", adapters: str = "base") -> list[dict]:
     """One row per model and method: its predicted peak for one training step and whether it fits each budget.
 
-    A row is {"model", "method", "n_params", "peak" (bytes), "peak_phase", "fits": {budget in GiB: bool}};
+    A row is {"model", "method", "dtype" (its step's, Recipe.dtype), "base_dtype" (its frozen
+    base's storage, Recipe.frozen_dtype; None for full), "n_params", "peak" (bytes), "peak_phase",
+    "fits": {budget in GiB: bool}};
     a model fits a budget when its predicted peak is at most budget x 2**30 bytes. recipe: the step of every
     row (batch, seq, dtype, optimizer, device, checkpoint, micro_batch, ...), its model left None: each row's
     is one of `models`. methods: some of METHODS ("full" fine-tuning in recipe.dtype, "lora", "qlora"). LoRA and
@@ -76,14 +78,17 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEF
     rows = []
     for model in models:
         for method in methods:
+            row = _row_recipe(recipe, model, method, peft_dtype, adapters)
             try:
-                e = estimate(_row_recipe(recipe, model, method, peft_dtype, adapters))
+                e = estimate(row)
             except ValueError as err:  # name the model that failed
                 raise ValueError(f"{model}: {err}") from err
             peak = e.peak.total  # bytes
             rows.append({
                 "model": model if isinstance(model, str) else e.label.split(" ")[0],
                 "method": method,
+                "dtype": row.dtype,
+                "base_dtype": None if method == "full" else row.frozen_dtype,
                 "n_params": e.n_params,
                 "peak": peak,
                 "peak_phase": e.peak_phase,

@@ -31,8 +31,11 @@ model is conservative for plans that communicate or offload):
    the weight read and written and the gradient read (3 d), plus each state read and written (2 d per state
    for AdamW's m and v and Lion's momentum). An 8-bit state (labkit.optim, unfused) is dequantized (read 1 B,
    write 4 B), updated in fp32 (read 4, write 4) and requantized (read 4, write 1): 18 B per state element.
-   Adafactor keeps factored rows and columns: its extra traffic is one more pass over the gradient and one
-   over the update (2 d). GaLore projects each matrix's gradient to rank r and back (2 x 2 m n r FLOPs) and
+   Adafactor (labkit.optim.Adafactor) reads and writes its state as stored (a matrix's row and
+   column averages, a vector's full second moment: labkit.optim.adafactor.state_bytes_for),
+   reads the gradient once more (the averages come before the update) and writes and reads
+   back its fp32 update (update clipping needs its RMS first): 2 x its state bytes + (d + 8)
+   per element. GaLore projects each matrix's gradient to rank r and back (2 x 2 m n r FLOPs) and
    every update_proj_gap = 200 steps (GaLore's default) takes an SVD of it, about 4 k^2 l + 22 k^3 FLOPs for a
    k x l matrix, k <= l (Golub & Van Loan, Matrix Computations, 4th ed., section 8.6, R-SVD), at the fp32 peak
    x MFU (an SVD is in fact less efficient than a GEMM: this part is a lower bound), amortised over the gap.
@@ -187,7 +190,9 @@ def optimizer_bytes_and_flops(recipe, spec) -> tuple[float, float]:
     opt = recipe.optimizer
     base = 3 * d
     state = {"adamw": 4 * d, "adam": 4 * d, "adamw8bit": 2 * STATE_BYTES_8BIT, "adam8bit": 2 * STATE_BYTES_8BIT,
-             "lion": 2 * d, "adafactor": 2 * d, "sgd": 0, "sgd-momentum": 2 * d}
+             "lion": 2 * d, "sgd": 0, "sgd-momentum": 2 * d}
+    if opt == "adafactor":
+        return float(n * base + adafactor_extra_bytes(recipe, spec)), 0.0
     if not opt.startswith("galore"):
         return float(n * (base + state[opt])), 0.0
     eight = opt == "galore8bit"
@@ -203,6 +208,18 @@ def optimizer_bytes_and_flops(recipe, spec) -> tuple[float, float]:
     rest = max(n - covered, 0)  # embeddings, norms, head: plain AdamW (8-bit for galore8bit)
     nbytes += rest * (base + (2 * STATE_BYTES_8BIT if eight else 4 * d))
     return nbytes, fl
+
+
+def adafactor_extra_bytes(recipe, spec) -> int:
+    """labkit.optim.Adafactor's step traffic beyond the weight and gradient (part 4): its factored
+    state read and written, as stored (not a full state's 2 d per element), the gradient's second
+    read and the fp32 update written and read back, d + 8 per trained element."""
+    from labkit.estimate import optim_terms, peft_terms
+
+    d = weight_bytes(recipe)
+    trained = (spec if method_of(recipe) == "full"
+               else peft_terms.trainable_spec(spec, _peft(recipe, spec)))
+    return 2 * optim_terms.state_bytes(trained, d, "adafactor") + trained.n_params * (d + 8)
 
 
 def host_link_bytes(recipe, spec, act_bytes: float = 0.0) -> float:

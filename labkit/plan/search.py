@@ -187,6 +187,7 @@ class _Family:
     smallest: tuple[int, Recipe] | None = None  # the smallest predicted peak seen and its recipe
     bound: int | None = None  # its weights' bytes, when that alone rules it out (no estimate made)
     note: str = ""  # why no plan (when best is None)
+    ran: bool = False  # run_family has searched it (the search stops once it has `top` plans)
 
 
 @dataclass
@@ -268,6 +269,7 @@ class _Search:
         return out
 
     def run_family(self, fam: _Family) -> None:
+        fam.ran = True
         low = weights_lower_bound(fam.base, self.spec)
         if low > self.memory:
             fam.bound = low
@@ -542,9 +544,20 @@ def _tight(s: _Search, peak: int) -> bool:
     return is_tight(peak, s.memory, s.headroom)
 
 
-def _smallest(fams, pred) -> tuple[int, str] | None:
+def _searched(s: _Search, fams, pred) -> list[_Family]:
+    """The families that match `pred`, each searched first if the search stopped before it (so
+    that what a plan says of the others does not depend on how many plans were asked for)."""
+    out = [f for f in fams if pred(f)]
+    for f in out:
+        if not f.ran:
+            s.run_family(f)
+    return out
+
+
+def _smallest(s: _Search, fams, pred) -> tuple[int, str] | None:
     """The least memory the matching families need, as (bytes, "its smallest peak found is X" or "its weights
-    alone take X")."""
+    alone take X"); each searched first (`_searched`)."""
+    fams = _searched(s, fams, pred)
     seen = [(f.smallest[0], "its smallest peak found is") for f in fams if pred(f) and f.smallest is not None]
     seen += [(f.bound, "its weights alone take") for f in fams if pred(f) and f.bound is not None]
     if not seen:
@@ -561,8 +574,10 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
     better = [m for m, v in cost.METHODS.items() if v > cost.METHODS[method]]
     if better:
         for m in better:
-            sm = _smallest(fams, lambda f: cost.method_of(f.base) == m and f.key[:4] == fam.key[:4])
-            fit = [f for f in fams if f.best is not None and cost.method_of(f.base) == m and f.key[:4] == fam.key[:4]]
+            same = _searched(s, fams, lambda f: cost.method_of(f.base) == m
+                             and f.key[:4] == fam.key[:4])
+            sm = _smallest(s, same, lambda f: True)
+            fit = [f for f in same if f.best is not None]
             if fit:
                 lines.append(f"{cost.METHOD_TITLES[m]}: fits only with lower fidelity here: "
                              f"{max(f.fidelity for f in fit).describe()}")
@@ -572,7 +587,7 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
                 lines.append(f"{cost.METHOD_TITLES[m]}: fits in another layout or ranks elsewhere (see the other plans)")
     lines.append(f"method: {cost.METHOD_TITLES[method]} ({fam.fidelity.describe()})")
     if r.dtype in ("bf16", "fp16"):
-        sm = _smallest(fams, lambda f: f.key[:5] == fam.key[:5] and f.key[6] == fam.key[6]
+        sm = _smallest(s, fams, lambda f: f.key[:5] == fam.key[:5] and f.key[6] == fam.key[6]
                        and f.key[5] != r.dtype)
         lost = cost.LOST_UPDATE[r.dtype]
         lines.append(f"precision: pure {r.dtype}, no fp32 master weights"
@@ -588,7 +603,7 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
                      + (f"; the frozen base in {r.base_dtype} (a frozen weight takes no update: nothing to lose)"
                         if r.base_dtype not in (None, "fp32") else ""))
     if r.optimizer != "adamw":
-        sm = _smallest(fams, lambda f: f.key[:6] == fam.key[:6] and f.key[6] == "adamw")
+        sm = _smallest(s, fams, lambda f: f.key[:6] == fam.key[:6] and f.key[6] == "adamw")
         tail = (f": with AdamW {sm[1]} > {budget}" if sm and sm[0] > s.memory
                 else ": AdamW is not estimated or not allowed here" if sm is None else
                 ": AdamW fits too (see the other plans)")

@@ -364,7 +364,7 @@ def test_cli_quant_int4_awq(capsys):
     d = json.loads(capsys.readouterr()[0])
     e = estimate("gpt2-tiny", 2, 32, "fp32", "adamw", lora_rank=8, quant="int4-awq", quant_group=32)
     assert code == 0 and d["peak"] == e.peak.total and d["options"]["quant_group"] == 32
-    code = main([a for a in base if a != "--json"] + ["--quant", "int4-awq", "--quant-group", "64"])
+    code = main([a for a in base if a != "--json"] + ["--quant", "int4-awq", "--quant-group", "64", "--all-terms"])
     assert code == 0 and "INT4-AWQ frozen base (buffers)" in capsys.readouterr()[0]
 
 

@@ -22,13 +22,19 @@ def run(capsys, *argv):
 
 
 def test_table_lists_terms_phases_and_peak(capsys):
-    code, out, err = run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "4", "--seq", "64",
-                         "--dtype", "mixed-bf16", "--optimizer", "adamw")
+    argv = ["estimate", "--model", "gpt2-tiny", "--batch", "4", "--seq", "64", "--dtype", "mixed-bf16",
+            "--optimizer", "adamw"]
+    code, out, err = run(capsys, *argv)
     assert code == 0 and err == ""
     e = estimate("gpt2-tiny", 4, 64, "mixed-bf16", "adamw")
     assert "GiB = 2**30 bytes" in out
+    for t in e.peak_moment.terms:  # the terms alive at the peak
+        assert not t.bytes or all(w in out for w in (t.name + " " + t.formula).split())  # a cell wraps at words
+    assert "all terms of the step" not in out
+    code, every, _ = run(capsys, *argv, "--all-terms")  # the whole step's terms too, a flag away
+    assert code == 0 and "all terms of the step (--all-terms)" in every and "is not the peak" in every
     for t in e.terms:
-        assert all(w in out for w in (t.name + " " + t.formula).split())  # a long cell wraps at its words
+        assert all(w in every for w in (t.name + " " + t.formula).split())
     for phase in ("forward", "backward", "optimizer"):
         assert any(line.startswith(phase) for line in out.splitlines())
     assert f"({e.peak.total:,} bytes) in the {e.peak_phase} phase" in out
@@ -42,7 +48,8 @@ def test_json_matches_estimate(capsys):
     e = estimate("llama-tiny", 2, 32, "bf16", "sgd")
     assert d["peak"] == e.peak.total and d["peak_phase"] == e.peak_phase and d["n_params"] == e.n_params
     assert sum(d["categories"].values()) == d["peak"]
-    assert (d["model"], d["batch"], d["seq"], d["dtype"], d["optimizer"]) == ("llama-tiny", 2, 32, "bf16", "sgd")
+    assert (d["model"], d["global_batch"], d["seq"], d["dtype"], d["optimizer"]) == ("llama-tiny", 2, 32, "bf16",
+                                                                                     "sgd")
     assert set(d["phases"]) == {"forward", "backward", "optimizer"}
     for phase, cats in d["phases"].items():
         assert all(isinstance(v, int) for v in cats.values())
@@ -214,6 +221,9 @@ def test_estimate_help_and_the_cpu_note(capsys):
     assert f"{gpu / 2**30:.2f} GiB" in note or "the same peak" in note
     code, out, _ = run(capsys, "estimate", "--model", "gpt2", "--batch", "1", "--seq", "128", "--device", "cuda")
     assert "note:" not in out
+    flat = " ".join(out.split())  # said once: what a GPU reports of these bytes (issue 43, item 7)
+    assert flat.count("what these bytes are:") == 1 and "torch.cuda.max_memory_allocated reports" in flat
+    assert "max_memory_reserved adds the caching allocator's rounding" in flat and "CUDA context" in flat
     code, out, _ = run(capsys, "estimate", "--model", "gpt2-tiny", "--batch", "1", "--seq", "8")
     assert "note:" not in out  # a tiny step is not GPU-sized
 

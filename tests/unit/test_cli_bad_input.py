@@ -231,7 +231,7 @@ BAD = [
     (W + ["--lora-rank", "0"], ["--lora-rank", "0"]),
     (W + ["--lora-rank", "65"], ["gpt2-tiny", "--lora-rank 65"]),
     (W + ["--lora-rank", "4", "--methods", "full"], ["--lora-rank 4", "full"]),
-    (W + ["--dtype", "fp32", "--methods", "lora,qlora"], ["--dtype fp32", "full"]),
+    (W + ["--dtype", "fp32", "--methods", "lora", "--adapters", "fp32"], ["--adapters fp32", "mixed-bf16"]),
     (W + ["--optimizer", "galore"], ["--optimizer galore", "rank"]),
     (W + ["--optimizer", "galore8bit"], ["--optimizer galore8bit", "rank"]),
     (W + ["--optimizer", "foo"], ["--optimizer", "foo"]),

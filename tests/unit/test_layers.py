@@ -26,7 +26,7 @@ MODULE_ORDER = {
     "memory": ["units", "table", "allocator", "state", "report", "memviz", "replay", "budget", "ledger"],
     "estimate": ["recipe", "textbook", "attention", "tape", "spec", "optim_terms", "peft_terms", "walk", "families",
                  "walk_groups", "moments", "predict", "keyed", "zero_terms", "layout_terms", "estimator",
-                 "wall"],
+                 "wall", "host"],
 }
 
 

@@ -76,9 +76,13 @@ def test_cli_layout(capsys):
     assert main(["estimate", "--model", GPT_TEXT, "--batch", "8", "--seq", "32", "--dtype", "fp32", "--tp", "2",
                  "--pp", "2", "--micro-batches", "4", "--schedule", "gpipe", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["layout"] == {"tp": 2, "pp": 2, "schedule": "gpipe", "sequence_parallel": False, "micro_batches": 4}
+    assert out["layout"] == {"dp": 1, "zero": 0, "tp": 2, "pp": 2, "rank_batch": 8, "micro_batch": 2,
+                             "schedule": "gpipe", "sequence_parallel": False, "micro_batches": 4}
     assert len(out["ranks"]) == 4 and out["peak"] == max(r["peak"] for r in out["ranks"])
     ranks = estimate_ranks(CFG, 8, 32, tp=2, pp=2, micro_batch=2, schedule="gpipe")
+    top = max(ranks, key=lambda e: e.peak.total)  # n_params: the model's, not the largest rank's share
+    assert out["n_params"] == spec_from(CFG).n_params > out["rank_params"] == top.n_params
+    assert sum(t["bytes"] for t in out["peak_terms"]) == out["peak"]
     assert [r["peak"] for r in out["ranks"]] == [e.peak.total for e in ranks]
     assert main(["estimate", "--model", GPT_TEXT, "--batch", "8", "--seq", "32", "--tp", "2", "--sequence-parallel"]) == 0
     assert "per-rank peaks (tp=2 pp=1 sequence-parallel" in capsys.readouterr().out

@@ -317,3 +317,44 @@ def test_verify_tiny_plan_fits_and_matches_the_ledger():
     v = verify(p, device="cpu")
     assert v.fits and v.measured <= 2 * MiB
     assert abs(v.error) < 0.03, str(v)
+
+
+def test_why_lines_do_not_depend_on_top():
+    """Issue 43, item 8: the search stops once it has `top` plans, and a plan's "LISA: does not
+    fit" line used to quote only the LISA families searched by then (gpt2 at 500 MiB: 973.87 MiB
+    with top=1, 588.91 MiB with every plan). The families a why-line speaks of are searched
+    first."""
+    kw = dict(memory="500MiB", batch=1, seq=128)
+    one = plan("gpt2", 1, **kw, options=SearchOptions(peft=True, top=1))
+    every = plan("gpt2", 1, **kw, options=SearchOptions(peft=True, top=None))
+    assert one[0].recipe == every[0].recipe and one[0].why == every[0].why
+    assert any(line.startswith("LISA: does not fit") for line in one[0].why)
+
+
+def test_adafactor_time_reads_and_writes_its_factored_state_as_stored():
+    """Issue 43, item 8: plan's optimizer time charged Adafactor 2 d per element, a full state's
+    read and write. labkit.optim.Adafactor stores a matrix's row and column averages (a vector's
+    full second moment), measured here after one step; its traffic is that state read and
+    written, the weight and gradient (3 d), the gradient read again and the fp32 update written
+    and read back (d + 8 per element)."""
+    import torch
+
+    from labkit.estimate import optim_terms
+    from labkit.optim import Adafactor
+    from labkit.run.step import build_model
+
+    m = build_model("gpt2-tiny")
+    opt = Adafactor(m.parameters())
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    stored = sum(t.nbytes for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+    spec = spec_from("gpt2-tiny")
+    assert stored == optim_terms.state_bytes(spec, 4, "adafactor")
+    for dtype, d in (("mixed-bf16", 4), ("bf16", 2)):
+        r = Recipe("gpt2-tiny", 1, 64, dtype, "adafactor")
+        nbytes, _ = cost.optimizer_bytes_and_flops(r, spec)
+        n = spec.n_params
+        state = optim_terms.state_bytes(spec, d, "adafactor")
+        assert nbytes == n * 3 * d + 2 * state + n * (d + 8)
+        assert 2 * state < n * 2 * d / 10  # factored: far below a full state's 2 d per element

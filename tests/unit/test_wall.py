@@ -36,3 +36,30 @@ def test_default_models_are_the_non_tiny_presets():
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fit_table(**kwargs)
+
+
+def test_wall_rows_say_their_dtype_and_dtype_reaches_lora(capsys):
+    """Issue 43, item 8: wall's LoRA/QLoRA rows are bf16 (the QLoRA paper's) while its full rows
+    are mixed-bf16: each row says its own dtype (text and JSON), and a given --dtype reaches the
+    LoRA/QLoRA rows too."""
+    import json
+
+    from labkit.cli import main
+
+    argv = ["wall", "--models", "gpt2-tiny", "--budgets", "1GiB", "--batch", "2", "--seq", "32",
+            "--lora-rank", "4"]
+    assert main(argv + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert {(r["method"], r["dtype"], r["base_dtype"]) for r in d["rows"]} == {
+        ("full", "mixed-bf16", None), ("lora", "bf16", "bf16"), ("qlora", "bf16", "bf16")}
+    assert main(argv + ["--methods", "lora,qlora", "--dtype", "fp32", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    for r in rows:
+        e = estimate("gpt2-tiny", 2, 32, "fp32", device="cuda", checkpoint="full", lora_rank=4,
+                     quant="nf4" if r["method"] == "qlora" else "none")
+        assert (r["dtype"], r["base_dtype"], r["peak"]) == ("fp32", "fp32", e.peak.total)
+    assert main(argv + ["--methods", "lora", "--dtype", "mixed-fp16", "--adapters", "fp32"]) == 0
+    out = capsys.readouterr().out
+    row = out.splitlines()[-1].split()
+    assert row[:3] == ["gpt2-tiny", "lora", "mixed-fp16"]
+    assert "frozen base in fp16" in " ".join(out.split())
