@@ -127,6 +127,7 @@ def single_estimate(r: Recipe) -> Estimate:
     extras += ["step_in_backward"] * step_in_backward
     extras += [f"attention=tiled({spec.attn_block})"] * (spec.attention == "tiled")
     extras += [f"loss_chunk={spec.loss_chunk}"] * (spec.loss_chunk is not None)
+    extras += [f"loss_chunks={r.loss_chunks}"] * (r.loss_chunks is not None)
     if peft is not None:
         extras += [f"base_dtype={r.base_dtype}"] * (r.base_dtype is not None)
         extras.append(f"LISA layers={peft.lisa_layers}" if peft.lisa_layers else

@@ -1,0 +1,105 @@
+"""The chunked output loss (labkit.recompute.chunked_output): parity with torchtune's CEWithChunkedOutputLoss
+and F.cross_entropy, and the Recipe field that runs it (Recipe.loss_chunks)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.estimate import Recipe
+from labkit.models.gpt import GPT, GPTConfig
+from labkit.recompute.chunked_output import chunked_output_loss, output_chunks
+
+
+def _torchtune_loss():
+    """torchtune's CEWithChunkedOutputLoss: imported, or (torchtune installed without its torchao dependency,
+    whose absence its package __init__ refuses) loaded from its own file, plain torch."""
+    try:
+        from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+        return CEWithChunkedOutputLoss
+    except ImportError:
+        spec = importlib.util.find_spec("torchtune")
+        if spec is None or not spec.submodule_search_locations:
+            pytest.skip("torchtune is not installed (pip install --no-deps torchtune==0.6.1)")
+        path = pathlib.Path(spec.submodule_search_locations[0]) / "modules" / "loss" / "ce_chunked_output_loss.py"
+        if not path.exists():
+            pytest.skip(f"torchtune is installed without {path.name}")
+        mod_spec = importlib.util.spec_from_file_location("torchtune_ce_chunked_output_loss", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+        return mod.CEWithChunkedOutputLoss
+
+
+def _case(B=3, S=20, h=16, V=50, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, S, h, generator=g, dtype=dtype)
+    head = torch.nn.Linear(h, V, bias=False).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, h, generator=g) * 0.3)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[0, :5] = -100  # ignored targets
+    labels[2, -3:] = -100
+    return hidden.requires_grad_(True), head, labels
+
+
+def _loss_and_grads(loss_fn, hidden, head, labels, chunks):
+    hidden.grad = None
+    head.zero_grad(set_to_none=True)
+    loss = loss_fn(output_chunks(hidden, head, chunks), labels)
+    loss.backward()
+    return loss.detach(), hidden.grad.clone(), head.weight.grad.clone()
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_loss_and_gradients_match_torchtune(chunks):
+    """The same loss and gradients (hidden states and head weight) as torchtune's loss on the same chunks, and
+    as F.cross_entropy on whole logits: fp32 sums in another order, so to fp32 rounding."""
+    tt = _torchtune_loss()(num_output_chunks=chunks)
+    hidden, head, labels = _case()
+    ours = _loss_and_grads(chunked_output_loss, hidden, head, labels, chunks)
+    theirs = _loss_and_grads(tt, hidden, head, labels, chunks)
+    plain = _loss_and_grads(lambda z, y: F.cross_entropy(torch.cat(z, 1).flatten(0, 1), y.flatten()),
+                            hidden, head, labels, 1)
+    for a, b, c in zip(ours, theirs, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parity
+def test_bf16_logits_upcast_per_chunk_match_torchtune():
+    """bf16 hidden states and head: each chunk is upcast to fp32 before its loss, as torchtune's is."""
+    tt = _torchtune_loss()(num_output_chunks=4)
+    hidden, head, labels = _case(dtype=torch.bfloat16, S=16)
+    ours = _loss_and_grads(chunked_output_loss, hidden, head, labels, 4)
+    theirs = _loss_and_grads(tt, hidden, head, labels, 4)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-5)  # bf16's 8-bit mantissa
+
+
+def test_gpt_output_chunks_give_its_own_loss():
+    """labkit GPT's forward with output_chunks: the chunks' loss equals its own F.cross_entropy."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=40))
+    x, y = torch.randint(0, 40, (2, 16)), torch.randint(0, 40, (2, 16))
+    torch.testing.assert_close(chunked_output_loss(m(x, output_chunks=3), y), m(x, y), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="targets"):
+        m(x, y, output_chunks=3)
+
+
+def test_recipe_checks_loss_chunks():
+    assert Recipe("gpt2-tiny", 2, 16).loss_chunks is None
+    assert Recipe("gpt2-tiny", 2, 16, loss_chunks=8).loss_chunks == 8
+    for bad in (0, -1, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="loss_chunks must be a positive integer"):
+            Recipe("gpt2-tiny", 2, 16, loss_chunks=bad)
+    with pytest.raises(ValueError, match="cannot exceed seq"):
+        Recipe("gpt2-tiny", 2, 16, loss_chunks=17)
+    with pytest.raises(ValueError, match="two chunked losses"):
+        Recipe(GPTConfig(loss_chunk=64), 2, 16, loss_chunks=8)
+    with pytest.raises(ValueError, match="two chunked losses"):
+        Recipe.of(GPTConfig(), 2, 16, loss_chunks=8, loss_chunk=32)
+    Recipe.of(GPTConfig(loss_chunk=64), 2, 16, loss_chunks=8, loss_chunk=0)  # the override turns it off
