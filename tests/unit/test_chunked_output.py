@@ -103,3 +103,68 @@ def test_recipe_checks_loss_chunks():
     with pytest.raises(ValueError, match="two chunked losses"):
         Recipe.of(GPTConfig(), 2, 16, loss_chunks=8, loss_chunk=32)
     Recipe.of(GPTConfig(loss_chunk=64), 2, 16, loss_chunks=8, loss_chunk=0)  # the override turns it off
+
+
+# ---- the estimate against the ledger (labkit.estimate.families.output_chunks_loss, predict._output_chunk_fields)
+import sys  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from estimate_checks import assert_categories_within, assert_phases_within  # noqa: E402
+
+from labkit.estimate import estimate  # noqa: E402
+from labkit.run import measure_step  # noqa: E402
+
+# vocabulary 2048 on the tiny presets (their own is 256), so that the loss is the largest thing in the step,
+# as a 128k vocabulary makes it on a 3B model
+TINY = {"labkit-gpt": GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=2048),
+        "gpt2-tiny": "gpt2-tiny", "llama-tiny": "llama-tiny"}
+FAMILY_CASES = [(f, dtype, ck) for f in TINY for dtype in ("fp32", "mixed-bf16") for ck in ("none", "full")]
+
+
+def _recipe(family, B=4, S=64, **kw):
+    if family != "labkit-gpt":
+        kw.setdefault("vocab_size", 2048)
+    return Recipe.of(TINY[family], B, S, **kw)
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: "-".join(c))
+def test_chunked_loss_predicted_per_category_within_3_percent(case):
+    family, dtype, checkpoint = case
+    r = _recipe(family, dtype=dtype, checkpoint=checkpoint, loss_chunks=4)
+    e, m = estimate(r), measure_step(r, steps=2)
+    assert "loss_chunks=4" in e.label and "loss_chunks=4" in m.label
+    assert_categories_within(e, m)
+    assert_phases_within(e, m)
+
+
+@pytest.mark.parametrize("family,B,S,kw", [
+    ("llama-tiny", 4, 64, dict(dtype="mixed-bf16", loss_chunks=5)),  # uneven chunks: 13 tokens, the last 12
+    ("llama-tiny", 4, 10, dict(dtype="mixed-bf16", loss_chunks=4)),  # 3, 3, 3, 1 tokens
+    ("llama-tiny", 1, 64, dict(dtype="fp32", loss_chunks=4)),  # one row: the chunks are views, not copies
+    ("llama-tiny", 4, 64, dict(dtype="fp32", loss_chunks=8, vocab_size=8192, optimizer="sgd")),
+    ("gpt2-tiny", 4, 64, dict(dtype="bf16", loss_chunks=8, optimizer="sgd", micro_batch=2)),
+    ("llama-tiny", 4, 64, dict(dtype="mixed-bf16", loss_chunks=4, lora_rank=8)),
+])
+def test_chunked_loss_other_shapes_within_3_percent(family, B, S, kw):
+    r = _recipe(family, B, S, **kw)
+    e, m = estimate(r), measure_step(r, steps=2)
+    assert_categories_within(e, m)
+    assert_phases_within(e, m)
+
+
+def test_chunks_take_the_fp32_copy_and_the_loss_gradients_apart():
+    """Under mixed-bf16 the plain loss holds all logits' fp32 copy (r V 4) at the loss and, in backward, the
+    loss's gradients over all logits (2 r V 4); the chunked one holds one chunk's copy and one chunk's
+    gradients (plus the 16-bit dlogits of the chunks before): the peak drops, the saved log-softmax stays."""
+    from labkit.memory import TermKey
+
+    plain, chunked = (estimate(_recipe("llama-tiny", dtype="mixed-bf16", loss_chunks=n)) for n in (None, 8))
+    r, V = 4 * 64, 2048
+
+    def term(e, key):
+        return next(t.bytes for t in e.terms if t.key is key)
+
+    assert term(plain, TermKey.LOG_SOFTMAX) == term(chunked, TermKey.LOG_SOFTMAX) == r * V * 4
+    assert term(plain, TermKey.LOGITS) == r * V * (2 + 4)
+    assert term(chunked, TermKey.LOGITS) == r * V * 2 + (r // 8) * V * 4
+    assert chunked.peak.total < plain.peak.total
