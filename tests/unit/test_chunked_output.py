@@ -168,3 +168,39 @@ def test_chunks_take_the_fp32_copy_and_the_loss_gradients_apart():
     assert term(plain, TermKey.LOGITS) == r * V * (2 + 4)
     assert term(chunked, TermKey.LOGITS) == r * V * 2 + (r // 8) * V * 4
     assert chunked.peak.total < plain.peak.total
+
+
+def test_llama32_3b_checkpointed_lora_peak_drops_by_the_loss_temporaries_less_what_the_chunks_keep(capsys):
+    """Issue 43's case: Llama-3.2-3B (28 layers, 3072 wide, 24 heads, 8 kv heads, FFN 8192, vocabulary 128,256,
+    tied), batch 2 x 4096, bf16 (torchtune's LoRA recipes' dtype), CUDA, full checkpointing, LoRA r=64 on q, v,
+    o and the MLP. The plain loss peaks at its backward's start: the saved log-softmax (r V 4) and the loss's
+    gradients over all logits (2 r V 4). With 8 chunks the peak moves to the loss's forward and holds what
+    the chunks keep: every chunk's bf16 logits (torchtune's model returns them all: r V 2) and one chunk's fp32
+    copy (r V 4 / 8); the log-softmax stays saved (each chunk's, r V 4 in all)."""
+    from labkit.memory import TermKey
+
+    kw = dict(dtype="bf16", device="cuda", checkpoint="full", lora_rank=64,
+              lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    plain = estimate(Recipe.of("llama3.2-3b", 2, 4096, **kw))
+    chunked = estimate(Recipe.of("llama3.2-3b", 2, 4096, loss_chunks=8, **kw))
+    r, V, GiB = 2 * 4096, 128256, 2**30
+    loss_keys = (TermKey.LOGITS, TermKey.LOSS_TEMPS)
+
+    def loss_temps(e):
+        return sum(t.bytes for t in e.peak_moment.terms if t.key in loss_keys)
+
+    temps, kept = loss_temps(plain), loss_temps(chunked)
+    lsm = sum(t.bytes for t in plain.peak_moment.terms if t.key is TermKey.LOG_SOFTMAX)
+    drop = plain.peak.total - chunked.peak.total
+    with capsys.disabled():
+        print(f"\nLlama-3.2-3B LoRA r=64, B=2 S=4096 bf16, checkpoint full: peak {plain.peak.total / GiB:.2f} GiB "
+              f"plain ({plain.peak_moment.where}), {chunked.peak.total / GiB:.2f} GiB with loss_chunks=8 "
+              f"({chunked.peak_moment.where}); the loss's temporaries {temps / GiB:.2f} GiB (+ its saved "
+              f"log-softmax {lsm / GiB:.2f} GiB), what the chunks keep {kept / GiB:.2f} GiB; drop "
+              f"{drop / GiB:.2f} GiB = {100 * drop / temps:.1f} % of the temporaries")
+    assert lsm == r * V * 4 and temps == 2 * r * V * 4  # the issue's 3.91 + 7.83 GiB
+    assert kept == r * V * 2 + r // 8 * V * 4
+    # the rest of the two peaks differs by a few token-sized tensors only: the plain loss's shifted labels and
+    # the chunks' label copies (r x 8 each), the checkpointed regions' other arguments (held into backward)
+    assert abs(drop - (temps - kept)) <= r * 8
+    assert drop >= 0.65 * temps  # 68.7 %: the chunks' bf16 logits (r V 2) stay through the loss's forward
