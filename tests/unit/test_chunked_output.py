@@ -204,3 +204,46 @@ def test_llama32_3b_checkpointed_lora_peak_drops_by_the_loss_temporaries_less_wh
     # the chunks' label copies (r x 8 each), the checkpointed regions' other arguments (held into backward)
     assert abs(drop - (temps - kept)) <= r * 8
     assert drop >= 0.65 * temps  # 68.7 %: the chunks' bf16 logits (r V 2) stay through the loss's forward
+
+
+# ---- the command line and the planner -------------------------------------------------------------------------
+import json  # noqa: E402
+
+from labkit.cli import main  # noqa: E402
+
+
+def _json(capsys, *argv):
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_and_wall_take_loss_chunks(capsys):
+    plain = _json(capsys, "estimate", "--model", "llama-tiny", "--batch", "4", "--seq", "64", "--json")
+    chunked = _json(capsys, "estimate", "--model", "llama-tiny", "--batch", "4", "--seq", "64", "--json",
+                    "--loss-chunks", "8")
+    assert chunked["options"]["loss_chunks"] == 8 and plain["options"]["loss_chunks"] is None
+    assert chunked["peak"] < plain["peak"]
+    walls = [_json(capsys, "wall", "--models", "llama-tiny", "--seq", "64", "--batch", "4", "--json", *extra)
+             for extra in ((), ("--loss-chunks", "8"))]
+    assert walls[1]["loss_chunks"] == 8 and "loss in 8 chunks" in walls[1]["recipe"]
+    assert all(a["peak"] > b["peak"] for a, b in zip(walls[0]["rows"], walls[1]["rows"]))
+    for argv, words in (
+            (["estimate", "--model", "llama-tiny", "--batch", "4", "--seq", "64", "--loss-chunks", "0"],
+             "--loss-chunks must be a positive integer"),
+            (["estimate", "--model", "llama-tiny", "--batch", "4", "--seq", "6", "--loss-chunks", "8"],
+             "cannot exceed seq"),
+            (["estimate", "--model", "gpt:loss_chunk=16", "--batch", "4", "--seq", "64", "--loss-chunks", "8"],
+             "two chunked losses"),
+            (["wall", "--models", "llama-tiny", "--seq", "64", "--batch", "4", "--loss-chunks", "-1"],
+             "--loss-chunks")):
+        assert main(argv) == 2
+        assert words in capsys.readouterr().err
+
+
+def test_plan_searches_the_chunked_loss(capsys):
+    """One row of 64 tokens, a vocabulary of 8192: only 8 chunks (with the optimizer on the host) fit 7 MB."""
+    out = _json(capsys, "plan", "--model", "gpt:n_layer=2,n_head=2,n_embd=32,block_size=64,vocab_size=8192",
+                "--memory", "7MB", "--batch", "1", "--seq", "64", "--top", "1", "--device-preset", "cpu", "--json")
+    best = out["plans"][0]
+    assert best["recipe"]["loss_chunks"] == 8 and "loss in 8 chunks" in best["summary"]
+    assert any(w.startswith("chunked loss: 8 chunks along the sequence: needed") for w in best["why"])
