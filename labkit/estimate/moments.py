@@ -176,6 +176,16 @@ class StepBytes:
     head_sum: int = _f(K.HEAD_GRADIENTS, G_, "output matrix gradient: the chunks' dW summed (the .grad)",
                        "V x h x d", "autograd's buffer adds a node's inputs out of place; AccumulateGrad keeps "
                        "the sum as .grad")
+    # the same under activation offload: each chunk's log-softmax leaves the device when its loss returns, and
+    # comes back for its own backward only
+    lsm_chunk: int = _f(K.LOG_SOFTMAX, T_, "one chunk's log-softmax (its saved copy offloaded: on the device "
+                        "while its loss runs)", "c x V x 4", "labkit.recompute.offload_activations packs saved "
+                        "tensors to the host")
+    logits_off: int = _f(K.LOGITS, T_, "every chunk's logits and the largest chunk's fp32 copy",
+                         "r V m + c V 4", "labkit.recompute.chunked_output")
+    loss_grad_off: int = _f(K.LOSS_TEMPS, T_, "the loss's gradients: a chunk's (dlogits, d log-softmax), its "
+                            "log-softmax copied back, the dlogits of the chunks through before it",
+                            "3 c V 4 + rows before x V x m", "labkit.recompute.offload_activations: unpacked on use")
     split_cat: int = _f(K.HEAD_BACKWARD, T_, "the chunks' input gradients and their concatenation",
                         "2 x r x h x d", "split's backward (torch.chunk): cat of the chunks' gradients")
     block0_local: int = 0  # the part of forward_locals that is block 0's input (held as a checkpointed input)
@@ -333,8 +343,11 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     lsm = b.term("lsm") if not offload else custom(
         K.LOG_SOFTMAX, "log-softmax of the logits (its saved copy offloaded: on the device while the loss runs)",
         T_, b.lsm, _META["lsm"]["formula"], "labkit.recompute.offload_activations packs saved tensors to the host")
+    logits = b.term("logits")
+    if offload and b.loss_grad:  # the chunked output loss: one chunk's log-softmax on the device at a time
+        lsm, logits = b.term("lsm_chunk"), b.term("logits_off")
     fwd = [_m(MK.LOSS, None, "forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
-                                                 *held_all, *held_final, lsm, b.term("logits")])]
+                                                 *held_all, *held_final, lsm, logits])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
         head = 0 if replayed and offload and b.c_frozen_head else b.head_copy  # (an offloaded frozen one: gone)
         before_head = [custom(t.key, t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,
@@ -357,13 +370,13 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     else:
         copies = [*b.state("C")]
     chunked = bool(b.loss_grad)  # the chunked output loss: one chunk's gradients at a time
-    loss_grads = [b.term("loss_grad")] if chunked else [custom(
+    loss_grads = [b.term("loss_grad_off" if offload else "loss_grad")] if chunked else [custom(
         K.LOSS_TEMPS, "the loss's gradients (dlogits, d log-softmax)", T_, 2 * b.lsm, "2 x r x V x (4 | m)",
         "nll_loss_backward, log_softmax_backward_data")]
-    if chunked and b.lsm_gone:
+    if chunked and b.lsm_gone and not offload:
         loss_grads.append(custom(K.LOG_SOFTMAX, _META["lsm_gone"]["name"], A_, -b.lsm_gone,
                                  _META["lsm_gone"]["formula"], _META["lsm_gone"]["source"]))
-    if offload:
+    if offload and not chunked:
         loss_grads.append(custom(K.LOSS_TEMPS,
                                  "log-softmax copied back for the loss's backward", T_, b.lsm, "r x V x (4 | m)",
                                  "labkit.recompute.offload_activations: unpacked on use"))

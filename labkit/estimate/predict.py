@@ -265,7 +265,10 @@ def _output_chunk_fields(rows: tuple, r: int, h: int, V: int, mm: int, x: int, h
     c0 = rows[0]
     # the forward's worst chunk k: its fp32 copy beside the log-softmax made so far (lsm counts all r V 4)
     copy = max(c * V * 4 - sum(rows[k + 1:]) * V * 4 for k, c in enumerate(rows)) if mm != 4 else 0
-    return dict(logits=r * V * mm + copy, loss_grad=start[0],
+    # under activation offload, at chunk j's loss backward its log-softmax is copied back (c V 4)
+    off = max(3 * c * V * 4 + sum(order[:j]) * V * mm for j, c in enumerate(order))
+    return dict(logits=r * V * mm + copy, loss_grad=start[0], loss_grad_off=off, lsm_chunk=max(rows) * V * 4,
+                logits_off=r * V * mm + (max(rows) * V * 4 if mm != 4 else 0),
                 lsm_gone=start[1], head_temp=head[0], head_sum=head[1],
                 head_cast=dw + c0 * h * mm + (r - c0) * h * x if dw and x != mm else 0,
                 split_cat=2 * r * h * x if len(rows) > 1 else 0)

@@ -144,6 +144,10 @@ def test_chunked_loss_predicted_per_category_within_3_percent(case):
     ("llama-tiny", 4, 64, dict(dtype="fp32", loss_chunks=8, vocab_size=8192, optimizer="sgd")),
     ("gpt2-tiny", 4, 64, dict(dtype="bf16", loss_chunks=8, optimizer="sgd", micro_batch=2)),
     ("llama-tiny", 4, 64, dict(dtype="mixed-bf16", loss_chunks=4, lora_rank=8)),
+    # activation offload: each chunk's log-softmax leaves the device when its loss returns
+    ("gpt2-tiny", 4, 64, dict(dtype="mixed-bf16", loss_chunks=4, offload_activations=True)),
+    ("llama-tiny", 4, 64, dict(dtype="fp32", loss_chunks=4, offload_activations=True)),
+    ("labkit-gpt", 4, 64, dict(dtype="mixed-bf16", loss_chunks=4, offload_activations=True, checkpoint="full")),
 ])
 def test_chunked_loss_other_shapes_within_3_percent(family, B, S, kw):
     r = _recipe(family, B, S, **kw)
