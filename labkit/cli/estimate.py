@@ -136,7 +136,8 @@ def _recipe(args, spec, micro, device: str, **layout):
                   proj_dtype=args.proj_dtype, optimizer_offload=args.optimizer_offload,
                   step_in_backward=args.step_in_backward, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                   quant=args.quant, quant_group=args.quant_group, lisa_layers=args.lisa_layers, dp=args.dp,
-                  base_dtype=getattr(args, "base_dtype", None), loss_chunks=getattr(args, "loss_chunks", None),
+                  base_dtype=getattr(args, "base_dtype", None),
+                  loss_chunks=getattr(args, "loss_chunks", None),
                   zero=args.zero, zero_offload=args.zero_offload, **layout)
 
 

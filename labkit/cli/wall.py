@@ -54,8 +54,8 @@ def _recipe_words(args) -> str:
     kernels = (f"{args.device} kernels" + (" (wall's default; estimate's is cpu: --device cpu for CPU kernels)"
                                            if args.device == "cuda" else ""))
     chunks = f", loss in {args.loss_chunks} chunks" if getattr(args, "loss_chunks", None) else ""
-    return (f"{kernels}; recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, {args.optimizer}"
-            + chunks)
+    return (f"{kernels}; recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, "
+            f"{args.optimizer}" + chunks)
 
 
 def format_wall(rows: list[dict], args) -> str:
@@ -158,8 +158,8 @@ def cmd_wall(args, parser) -> int:
         rank = _rank_for(spec, args.lora_rank) if default_rank else args.lora_rank
         try:
             recipe = Recipe(None, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
-                            checkpoint=args.checkpoint, micro_batch=args.micro_batch, lora_rank=rank,
-                            loss_chunks=args.loss_chunks)
+                            checkpoint=args.checkpoint, micro_batch=args.micro_batch,
+                            lora_rank=rank, loss_chunks=args.loss_chunks)
             new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods,
                             adapters=getattr(args, "adapters", "base"))
         except ValueError as err:  # fit_table names the model by its spec: name it as typed

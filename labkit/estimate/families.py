@@ -454,26 +454,28 @@ def chunked_loss(w: Walk, final: T, spec, r: int) -> tuple[int, int]:
 
 
 def chunk_rows(B: int, S: int, chunks: int) -> tuple[int, ...]:
-    """Rows of each chunk of torch.chunk(chunks) along a sequence of S tokens, B rows each: ceil(S / chunks)
-    tokens per chunk, the last one what is left (so fewer chunks than asked when chunks does not divide S)."""
+    """Rows of each chunk of torch.chunk(chunks) along a sequence of S tokens, B rows each: ceil(S /
+    chunks) tokens per chunk, the last one what is left (so fewer chunks than asked when chunks does
+    not divide S)."""
     size = -(-S // chunks)
     return tuple(B * min(size, S - k) for k in range(0, S, size))
 
 
 def output_chunks_loss(w: Walk, final: T, spec, B: int, S: int, head: str) -> None:
-    """labkit.recompute.chunked_output (torchtune's CEWithChunkedOutputLoss) on the final norm's output.
-    Forward: the head runs on each chunk (a view along the sequence) and saves that chunk's input: under
-    autocast its 16-bit copy, else, for B > 1 and several chunks, the contiguous copy matmul's reshape makes
-    of the strided view (else the view itself): r h bytes in all, as the whole head saves. A frozen weight's
-    autocast copy is not cached: each chunk's matmul makes and saves its own (one per chunk). Then each chunk's
-    fp32 log-softmax is saved by its cross-entropy (r V 4 in all), and, for B > 1 and several chunks, its
-    labels' contiguous copy (reshape(-1) of a strided view) by nll_loss (r x 8 in all); the division by the
-    count of counted targets saves that count (int64). The logits, their fp32 copies and the gradients are
-    the moments' (predict.step_bytes reads w.output_chunks)."""
+    """labkit.recompute.chunked_output (torchtune's CEWithChunkedOutputLoss) on the final norm's
+    output. Forward: the head runs on each chunk (a view along the sequence) and saves that chunk's
+    input: under autocast its 16-bit copy, else, for B > 1 and several chunks, the contiguous copy
+    matmul's reshape makes of the strided view (else the view itself): r h bytes in all, as the
+    whole head saves. A frozen weight's autocast copy is not cached: each chunk's matmul makes and
+    saves its own (one per chunk). Then each chunk's fp32 log-softmax is saved by its cross-entropy
+    (r V 4 in all), and, for B > 1 and several chunks, its labels' contiguous copy (reshape(-1) of a
+    strided view) by nll_loss (r x 8 in all); the division by the count of counted targets saves
+    that count (int64). The logits, their fp32 copies and the gradients are the moments'
+    (predict.step_bytes reads w.output_chunks)."""
     r, V = B * S, spec.vocab
     rows = chunk_rows(B, S, w.loss_chunks)
     logits = w.linear(final, r, V, "logits (every chunk's)", head)
-    if head in w.copy_frozen:  # a frozen weight's copy per chunk, each saved by its chunk's matmul for dx
+    if head in w.copy_frozen:  # a frozen weight's copy per chunk, saved by its chunk's matmul (dx)
         more = (len(rows) - 1) * w.copy_frozen[head]
         w.copy_frozen[head] += more
         w.copy_bytes += more
@@ -556,7 +558,7 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
     w.tape.end(x)
     final = w.layer_norm(x, r, "ln_f", "ln_f")
     w.tape.head(final)
-    if w.loss_chunks:  # GPT.forward(idx, output_chunks=N) returns the head's chunks: its locals are gone
+    if w.loss_chunks:  # GPT.forward(idx, output_chunks=N) returns the chunks: its locals are gone
         output_chunks_loss(w, final, spec, B, S, "lm_head")
         return
     if spec.loss_chunk is not None:  # the head and the loss in one chunked Function: no (r, V) logits

@@ -58,20 +58,21 @@ def _check_base_dtype(r) -> None:
 
 
 def _check_loss_chunks(r) -> None:
-    """loss_chunks: a positive integer no larger than seq, and not with labkit GPT's own chunked loss."""
+    """loss_chunks: a positive integer up to seq, not with labkit GPT's own chunked loss."""
     n = r.loss_chunks
     if n is None:
         return
     _positive_int("loss_chunks", n)
     if n > r.seq:
-        raise ValueError(f"loss_chunks={n} splits the sequence into chunks of tokens: it cannot exceed "
+        raise ValueError(f"loss_chunks={n} splits the sequence into chunks of tokens: it cannot "
+                         "exceed "
                          f"seq ({r.seq})")
     own = dict(r.overrides).get("loss_chunk", getattr(r.model, "loss_chunk", None))
     own = getattr(getattr(r.model, "config", None), "loss_chunk", own)
     if own:
-        raise ValueError(f"loss_chunks (torchtune's chunks along the sequence) and the model's loss_chunk={own} "
-                         "(labkit GPT's fused head + loss, rows per chunk) are two chunked losses: choose one "
-                         "(set loss_chunk=0, or drop loss_chunks)")
+        raise ValueError(f"loss_chunks (torchtune's chunks along the sequence) and the model's "
+                         f"loss_chunk={own} (labkit GPT's fused head + loss, rows per chunk) are "
+                         "two chunked losses: choose one (set loss_chunk=0, or drop loss_chunks)")
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,10 @@ class Recipe:
     pp: int = 1  # pipeline stages (consecutive blocks); micro_batch sets the pipeline's micro-batches
     schedule: str = "1f1b"  # pipeline schedule when pp > 1: "gpipe" or "1f1b"
     sequence_parallel: bool = False  # with tp > 1: norms and dropouts sharded along the sequence
-    # The loss of the output head (torchtune's CEWithChunkedOutputLoss): None, the head's logits whole and one
-    # cross-entropy (transformers' way); N, the head and the cross-entropy in N chunks along the sequence, each
-    # chunk's logits upcast to fp32 alone (labkit.recompute.chunked_output; torchtune's recipes use 8)
+    # The loss of the output head: None, the head's logits whole and one cross-entropy
+    # (transformers' way); N, the head and the cross-entropy in N chunks along the sequence, each
+    # chunk's logits upcast to fp32 alone (torchtune's CEWithChunkedOutputLoss, 8 in its recipes;
+    # labkit.recompute.chunked_output)
     loss_chunks: int | None = None
     overrides: tuple = field(default=())  # (key, value) pairs set on a preset's config, e.g. (("n_layer", 2),)
 

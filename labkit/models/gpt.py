@@ -135,8 +135,9 @@ class GPT(nn.Module):
         """Return logits (B, T, V) when targets is None, otherwise the mean cross-entropy loss.
 
         With targets the logits are not returned, so nothing outside holds them during backward.
-        output_chunks=N (no targets): the head's output in N chunks along the sequence, a list of (B, T_i, V)
-        (labkit.recompute.chunked_output, torchtune's convention; its loss is chunked_output_loss).
+        output_chunks=N (no targets): the head's output in N chunks along the sequence, a list of
+        (B, T_i, V) (labkit.recompute.chunked_output, torchtune's convention; its loss is
+        chunked_output_loss).
         """
         B, T = idx.shape
         if T > self.config.block_size:
@@ -153,8 +154,9 @@ class GPT(nn.Module):
                                          self.config.loss_chunk)
         if output_chunks:
             if targets is not None:
-                raise ValueError("output_chunks returns the head's output in chunks: give no targets "
-                                 "(the loss is labkit.recompute.chunked_output.chunked_output_loss)")
+                raise ValueError("output_chunks returns the head's output in chunks: give no "
+                                 "targets (the loss is labkit.recompute.chunked_output."
+                                 "chunked_output_loss)")
             from labkit.recompute.chunked_output import output_chunks as chunked
 
             return chunked(self.ln_f(x), self.lm_head, output_chunks)

@@ -41,7 +41,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion", "galore", "galore8bit")
 PRECISIONS = ("fp32", "mixed", "16-bit")  # min_precision levels; "bf16"/"fp16" mean 16-bit, "mixed-*" mixed
 PRECISION_LEVELS = {"fp32": 0, "mixed": 1, "mixed-bf16": 1, "mixed-fp16": 1, "16-bit": 2, "bf16": 2, "fp16": 2}
 CHECKPOINTS = ("none", "selective", "sqrt", "full")
-LOSS_CHUNKS = 8  # the chunked output loss's chunks plan tries (torchtune's CEWithChunkedOutputLoss default)
+LOSS_CHUNKS = 8  # the chunked output loss's chunks plan tries (torchtune's default)
 LORA_RANK = 16  # as labkit.estimate.wall's LoRA and QLoRA rows
 LISA_LAYERS = 2  # LISA's gamma (Pan et al. 2024)
 MAX_MICRO_CHOICES = 6  # micro-batch sizes tried per family (a geometric subset of the divisors)
@@ -257,7 +257,7 @@ class _Search:
         b = fam.base
         full = cost.method_of(b) == "full"
         out = []
-        # the chunked output loss on one device (its layouts over several are not checked against a ledger yet)
+        # the chunked output loss on one device (over several, not yet checked against a ledger)
         chunks = (None, LOSS_CHUNKS) if b.world_size == 1 and self.seq >= LOSS_CHUNKS else (None,)
         for ck in CHECKPOINTS:
             for micro in _divisors(b.rank_batch):
@@ -266,10 +266,11 @@ class _Search:
                         for zoff in ((False, True) if b.zero else (False,)):
                             for lc in chunks:
                                 try:
-                                    out.append(b.replace(checkpoint=ck, micro_batch=micro, step_in_backward=sib,
-                                                         optimizer_offload=off, zero_offload=zoff, loss_chunks=lc))
-                                except ValueError:
-                                    pass  # a combination the Recipe refuses (e.g. step in backward with micro-batches)
+                                    out.append(b.replace(checkpoint=ck, micro_batch=micro,
+                                                         step_in_backward=sib, optimizer_offload=off,
+                                                         zero_offload=zoff, loss_chunks=lc))
+                                except ValueError:  # one the Recipe refuses (e.g. step in backward
+                                    pass  # with micro-batches)
         return out
 
     def run_family(self, fam: _Family) -> None:
@@ -630,8 +631,8 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
         (r.optimizer_offload, "optimizer offload", dict(optimizer_offload=None), "to host memory", faster, None),
         (r.offload_activations, "activation offload", dict(offload_activations=False), "to host memory", faster, None),
         (r.zero_offload, "ZeRO-Offload", dict(zero_offload=False), "optimizer shards in host memory", faster, None),
-        (r.loss_chunks, "chunked loss", dict(loss_chunks=None), f"{r.loss_chunks} chunks along the sequence",
-         "it costs no compute here", None),
+        (r.loss_chunks, "chunked loss", dict(loss_chunks=None),
+         f"{r.loss_chunks} chunks along the sequence", "it costs no compute here", None),
         (r.dp > 1 and r.zero, f"ZeRO-{r.zero}", dict(zero=r.zero - 1, zero_offload=r.zero_offload and r.zero > 1),
          f"stage {r.zero}", faster, "ZeRO: not needed (plain data parallel)" if r.dp > 1 else None),
     ]

@@ -155,9 +155,10 @@ def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = 
     micro_batch: rows per micro-batch (gradient accumulation: each loss weighted by its share).
     offload_activations: saved activations go to host memory (labkit.recompute.offload_activations).
     The logits are not kept past the loss, so nothing outside autograd holds them in backward.
-    loss_chunks: the head and the loss in that many chunks along the sequence, each upcast to fp32 alone
-    (labkit.recompute.chunked_output, torchtune's CEWithChunkedOutputLoss): the model returns its output
-    chunks, the loss walks them, and the chunks are let go before backward (as torchtune's recipes do).
+    loss_chunks: the head and the loss in that many chunks along the sequence, each upcast to fp32
+    alone (labkit.recompute.chunked_output, torchtune's CEWithChunkedOutputLoss): the model returns
+    its output chunks, the loss walks them, and the chunks are let go before backward (as
+    torchtune's recipes do).
     """
     from labkit.accumulate import split_sizes
     from labkit.recompute import offload_activations as offload
@@ -168,7 +169,8 @@ def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = 
         with offload() if offload_activations else contextlib.nullcontext():
             with torch.autocast(x.device.type, dtype=_LOW.get(dtype, torch.float32), enabled=dtype.startswith("mixed")):
                 if loss_chunks:
-                    from labkit.recompute.chunked_output import chunked_output_loss, model_output_chunks
+                    from labkit.recompute.chunked_output import (chunked_output_loss,
+                                                                 model_output_chunks)
 
                     logits = model_output_chunks(model, xb, loss_chunks)
                     loss = chunked_output_loss(logits, yb)
@@ -209,7 +211,8 @@ def measure_step(recipe: Recipe, *, steps: int = 2, budget: int | None = None, d
     offload_activations, micro_batch: as in `train_step`; the optimizer's: as in `make_optimizer` (disk offload:
     a temporary folder in data_dir()); base_dtype: the model is cast to it before `apply_peft` and the adapters
     kept in the trained dtype (fp32 under mixed-*, `adapters_to`); lora_rank, lora_targets, quant, quant_group,
-    lisa_layers: see `apply_peft`; loss_chunks: the head and its loss in chunks along the sequence (`train_step`)
+    lisa_layers: see `apply_peft`; loss_chunks: the head and its loss in chunks along the sequence
+    (`train_step`)
     (int4-awq calibrates on one batch of the same shape as the step's, drawn with seed + 1; LISA switches layers
     every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires).
     """

@@ -1,5 +1,6 @@
-"""The chunked output loss (labkit.recompute.chunked_output): parity with torchtune's CEWithChunkedOutputLoss
-and F.cross_entropy, and the Recipe field that runs it (Recipe.loss_chunks)."""
+"""The chunked output loss (labkit.recompute.chunked_output): parity with torchtune's
+CEWithChunkedOutputLoss and F.cross_entropy, and the Recipe field that runs it (Recipe.loss_chunks).
+"""
 
 import importlib.util
 import pathlib
@@ -14,8 +15,9 @@ from labkit.recompute.chunked_output import chunked_output_loss, output_chunks
 
 
 def _torchtune_loss():
-    """torchtune's CEWithChunkedOutputLoss: imported, or (torchtune installed without its torchao dependency,
-    whose absence its package __init__ refuses) loaded from its own file, plain torch."""
+    """torchtune's CEWithChunkedOutputLoss: imported, or (torchtune installed without its torchao
+    dependency, whose absence its package __init__ refuses) loaded from its own file, plain torch.
+    """
     try:
         from torchtune.modules.loss import CEWithChunkedOutputLoss
 
@@ -56,8 +58,9 @@ def _loss_and_grads(loss_fn, hidden, head, labels, chunks):
 @pytest.mark.parity
 @pytest.mark.parametrize("chunks", [1, 3, 8])
 def test_loss_and_gradients_match_torchtune(chunks):
-    """The same loss and gradients (hidden states and head weight) as torchtune's loss on the same chunks, and
-    as F.cross_entropy on whole logits: fp32 sums in another order, so to fp32 rounding."""
+    """The same loss and gradients (hidden states and head weight) as torchtune's loss on the same
+    chunks, and as F.cross_entropy on whole logits: fp32 sums in another order, so to fp32 rounding.
+    """
     tt = _torchtune_loss()(num_output_chunks=chunks)
     hidden, head, labels = _case()
     ours = _loss_and_grads(chunked_output_loss, hidden, head, labels, chunks)
@@ -157,9 +160,10 @@ def test_chunked_loss_other_shapes_within_3_percent(family, B, S, kw):
 
 
 def test_chunks_take_the_fp32_copy_and_the_loss_gradients_apart():
-    """Under mixed-bf16 the plain loss holds all logits' fp32 copy (r V 4) at the loss and, in backward, the
-    loss's gradients over all logits (2 r V 4); the chunked one holds one chunk's copy and one chunk's
-    gradients (plus the 16-bit dlogits of the chunks before): the peak drops, the saved log-softmax stays."""
+    """Under mixed-bf16 the plain loss holds all logits' fp32 copy (r V 4) at the loss and, in
+    backward, the loss's gradients over all logits (2 r V 4); the chunked one holds one chunk's copy
+    and one chunk's gradients (plus the 16-bit dlogits of the chunks before): the peak drops, the
+    saved log-softmax stays."""
     from labkit.memory import TermKey
 
     plain, chunked = (estimate(_recipe("llama-tiny", dtype="mixed-bf16", loss_chunks=n)) for n in (None, 8))
@@ -175,12 +179,13 @@ def test_chunks_take_the_fp32_copy_and_the_loss_gradients_apart():
 
 
 def test_llama32_3b_checkpointed_lora_peak_drops_by_the_loss_temporaries_less_what_the_chunks_keep(capsys):
-    """Issue 43's case: Llama-3.2-3B (28 layers, 3072 wide, 24 heads, 8 kv heads, FFN 8192, vocabulary 128,256,
-    tied), batch 2 x 4096, bf16 (torchtune's LoRA recipes' dtype), CUDA, full checkpointing, LoRA r=64 on q, v,
-    o and the MLP. The plain loss peaks at its backward's start: the saved log-softmax (r V 4) and the loss's
-    gradients over all logits (2 r V 4). With 8 chunks the peak moves to the loss's forward and holds what
-    the chunks keep: every chunk's bf16 logits (torchtune's model returns them all: r V 2) and one chunk's fp32
-    copy (r V 4 / 8); the log-softmax stays saved (each chunk's, r V 4 in all)."""
+    """Issue 43's case: Llama-3.2-3B (28 layers, 3072 wide, 24 heads, 8 kv heads, FFN 8192,
+    vocabulary 128,256, tied), batch 2 x 4096, bf16 (torchtune's LoRA recipes' dtype), CUDA, full
+    checkpointing, LoRA r=64 on q, v, o and the MLP. The plain loss peaks at its backward's start:
+    the saved log-softmax (r V 4) and the loss's gradients over all logits (2 r V 4). With 8 chunks
+    the peak moves to the loss's forward and holds what the chunks keep: every chunk's bf16 logits
+    (torchtune's model returns them all: r V 2) and one chunk's fp32 copy (r V 4 / 8); the
+    log-softmax stays saved (each chunk's, r V 4 in all)."""
     from labkit.memory import TermKey
 
     kw = dict(dtype="bf16", device="cuda", checkpoint="full", lora_rank=64,
