@@ -3,15 +3,20 @@ CEWithChunkedOutputLoss and F.cross_entropy, and the Recipe field that runs it (
 """
 
 import importlib.util
+import json
 import pathlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.estimate import Recipe
+from estimate_checks import assert_categories_within, assert_phases_within
+from labkit.cli import main
+from labkit.estimate import Recipe, estimate
+from labkit.memory import TermKey
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.recompute.chunked_output import chunked_output_loss, output_chunks
+from labkit.run import measure_step
 
 
 def _torchtune_loss():
@@ -26,7 +31,8 @@ def _torchtune_loss():
         spec = importlib.util.find_spec("torchtune")
         if spec is None or not spec.submodule_search_locations:
             pytest.skip("torchtune is not installed (pip install --no-deps torchtune==0.6.1)")
-        path = pathlib.Path(spec.submodule_search_locations[0]) / "modules" / "loss" / "ce_chunked_output_loss.py"
+        root = pathlib.Path(spec.submodule_search_locations[0])
+        path = root / "modules" / "loss" / "ce_chunked_output_loss.py"
         if not path.exists():
             pytest.skip(f"torchtune is installed without {path.name}")
         mod_spec = importlib.util.spec_from_file_location("torchtune_ce_chunked_output_loss", path)
@@ -65,8 +71,10 @@ def test_loss_and_gradients_match_torchtune(chunks):
     hidden, head, labels = _case()
     ours = _loss_and_grads(chunked_output_loss, hidden, head, labels, chunks)
     theirs = _loss_and_grads(tt, hidden, head, labels, chunks)
-    plain = _loss_and_grads(lambda z, y: F.cross_entropy(torch.cat(z, 1).flatten(0, 1), y.flatten()),
-                            hidden, head, labels, 1)
+    def whole(z, y):
+        return F.cross_entropy(torch.cat(z, 1).flatten(0, 1), y.flatten())
+
+    plain = _loss_and_grads(whole, hidden, head, labels, 1)
     for a, b, c in zip(ours, theirs, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
@@ -74,7 +82,7 @@ def test_loss_and_gradients_match_torchtune(chunks):
 
 @pytest.mark.parity
 def test_bf16_logits_upcast_per_chunk_match_torchtune():
-    """bf16 hidden states and head: each chunk is upcast to fp32 before its loss, as torchtune's is."""
+    """bf16 hidden states and head: each chunk is upcast to fp32 before its loss, as torchtune's."""
     tt = _torchtune_loss()(num_output_chunks=4)
     hidden, head, labels = _case(dtype=torch.bfloat16, S=16)
     ours = _loss_and_grads(chunked_output_loss, hidden, head, labels, 4)
@@ -88,7 +96,8 @@ def test_gpt_output_chunks_give_its_own_loss():
     torch.manual_seed(0)
     m = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=40))
     x, y = torch.randint(0, 40, (2, 16)), torch.randint(0, 40, (2, 16))
-    torch.testing.assert_close(chunked_output_loss(m(x, output_chunks=3), y), m(x, y), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked_output_loss(m(x, output_chunks=3), y), m(x, y),
+                               rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="targets"):
         m(x, y, output_chunks=3)
 
@@ -105,23 +114,16 @@ def test_recipe_checks_loss_chunks():
         Recipe(GPTConfig(loss_chunk=64), 2, 16, loss_chunks=8)
     with pytest.raises(ValueError, match="two chunked losses"):
         Recipe.of(GPTConfig(), 2, 16, loss_chunks=8, loss_chunk=32)
-    Recipe.of(GPTConfig(loss_chunk=64), 2, 16, loss_chunks=8, loss_chunk=0)  # the override turns it off
+    Recipe.of(GPTConfig(loss_chunk=64), 2, 16, loss_chunks=8, loss_chunk=0)  # the override: off
 
 
-# ---- the estimate against the ledger (labkit.estimate.families.output_chunks_loss, predict._output_chunk_fields)
-import sys  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from estimate_checks import assert_categories_within, assert_phases_within  # noqa: E402
-
-from labkit.estimate import estimate  # noqa: E402
-from labkit.run import measure_step  # noqa: E402
-
-# vocabulary 2048 on the tiny presets (their own is 256), so that the loss is the largest thing in the step,
-# as a 128k vocabulary makes it on a 3B model
+# ---- the estimate against the ledger (output_chunks_loss, predict._output_chunk_fields) ----
+# vocabulary 2048 on the tiny presets (their own is 256), so that the loss is the largest thing in
+# the step, as a 128k vocabulary makes it on a 3B model
 TINY = {"labkit-gpt": GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=2048),
         "gpt2-tiny": "gpt2-tiny", "llama-tiny": "llama-tiny"}
-FAMILY_CASES = [(f, dtype, ck) for f in TINY for dtype in ("fp32", "mixed-bf16") for ck in ("none", "full")]
+FAMILY_CASES = [(f, dtype, ck) for f in TINY for dtype in ("fp32", "mixed-bf16")
+                for ck in ("none", "full")]
 
 
 def _recipe(family, B=4, S=64, **kw):
@@ -141,16 +143,17 @@ def test_chunked_loss_predicted_per_category_within_3_percent(case):
 
 
 @pytest.mark.parametrize("family,B,S,kw", [
-    ("llama-tiny", 4, 64, dict(dtype="mixed-bf16", loss_chunks=5)),  # uneven chunks: 13 tokens, the last 12
+    ("llama-tiny", 4, 64, dict(dtype="mixed-bf16", loss_chunks=5)),  # 13 tokens, the last 12
     ("llama-tiny", 4, 10, dict(dtype="mixed-bf16", loss_chunks=4)),  # 3, 3, 3, 1 tokens
-    ("llama-tiny", 1, 64, dict(dtype="fp32", loss_chunks=4)),  # one row: the chunks are views, not copies
+    ("llama-tiny", 1, 64, dict(dtype="fp32", loss_chunks=4)),  # one row: views, not copies
     ("llama-tiny", 4, 64, dict(dtype="fp32", loss_chunks=8, vocab_size=8192, optimizer="sgd")),
     ("gpt2-tiny", 4, 64, dict(dtype="bf16", loss_chunks=8, optimizer="sgd", micro_batch=2)),
     ("llama-tiny", 4, 64, dict(dtype="mixed-bf16", loss_chunks=4, lora_rank=8)),
     # activation offload: each chunk's log-softmax leaves the device when its loss returns
     ("gpt2-tiny", 4, 64, dict(dtype="mixed-bf16", loss_chunks=4, offload_activations=True)),
     ("llama-tiny", 4, 64, dict(dtype="fp32", loss_chunks=4, offload_activations=True)),
-    ("labkit-gpt", 4, 64, dict(dtype="mixed-bf16", loss_chunks=4, offload_activations=True, checkpoint="full")),
+    ("labkit-gpt", 4, 64, dict(dtype="mixed-bf16", loss_chunks=4, offload_activations=True,
+                               checkpoint="full")),
 ])
 def test_chunked_loss_other_shapes_within_3_percent(family, B, S, kw):
     r = _recipe(family, B, S, **kw)
@@ -164,9 +167,8 @@ def test_chunks_take_the_fp32_copy_and_the_loss_gradients_apart():
     backward, the loss's gradients over all logits (2 r V 4); the chunked one holds one chunk's copy
     and one chunk's gradients (plus the 16-bit dlogits of the chunks before): the peak drops, the
     saved log-softmax stays."""
-    from labkit.memory import TermKey
-
-    plain, chunked = (estimate(_recipe("llama-tiny", dtype="mixed-bf16", loss_chunks=n)) for n in (None, 8))
+    plain, chunked = (estimate(_recipe("llama-tiny", dtype="mixed-bf16", loss_chunks=n))
+                      for n in (None, 8))
     r, V = 4 * 64, 2048
 
     def term(e, key):
@@ -178,7 +180,7 @@ def test_chunks_take_the_fp32_copy_and_the_loss_gradients_apart():
     assert chunked.peak.total < plain.peak.total
 
 
-def test_llama32_3b_checkpointed_lora_peak_drops_by_the_loss_temporaries_less_what_the_chunks_keep(capsys):
+def test_llama32_3b_lora_peak_drops_by_the_loss_temporaries_less_what_the_chunks_keep(capsys):
     """Issue 43's case: Llama-3.2-3B (28 layers, 3072 wide, 24 heads, 8 kv heads, FFN 8192,
     vocabulary 128,256, tied), batch 2 x 4096, bf16 (torchtune's LoRA recipes' dtype), CUDA, full
     checkpointing, LoRA r=64 on q, v, o and the MLP. The plain loss peaks at its backward's start:
@@ -186,8 +188,6 @@ def test_llama32_3b_checkpointed_lora_peak_drops_by_the_loss_temporaries_less_wh
     the peak moves to the loss's forward and holds what the chunks keep: every chunk's bf16 logits
     (torchtune's model returns them all: r V 2) and one chunk's fp32 copy (r V 4 / 8); the
     log-softmax stays saved (each chunk's, r V 4 in all)."""
-    from labkit.memory import TermKey
-
     kw = dict(dtype="bf16", device="cuda", checkpoint="full", lora_rank=64,
               lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     plain = estimate(Recipe.of("llama3.2-3b", 2, 4096, **kw))
@@ -202,23 +202,22 @@ def test_llama32_3b_checkpointed_lora_peak_drops_by_the_loss_temporaries_less_wh
     lsm = sum(t.bytes for t in plain.peak_moment.terms if t.key is TermKey.LOG_SOFTMAX)
     drop = plain.peak.total - chunked.peak.total
     with capsys.disabled():
-        print(f"\nLlama-3.2-3B LoRA r=64, B=2 S=4096 bf16, checkpoint full: peak {plain.peak.total / GiB:.2f} GiB "
-              f"plain ({plain.peak_moment.where}), {chunked.peak.total / GiB:.2f} GiB with loss_chunks=8 "
-              f"({chunked.peak_moment.where}); the loss's temporaries {temps / GiB:.2f} GiB (+ its saved "
+        print(f"\nLlama-3.2-3B LoRA r=64, B=2 S=4096 bf16, checkpoint full: peak "
+              f"{plain.peak.total / GiB:.2f} GiB plain ({plain.peak_moment.where}), "
+              f"{chunked.peak.total / GiB:.2f} GiB with loss_chunks=8 "
+              f"({chunked.peak_moment.where}); "
+              f"the loss's temporaries {temps / GiB:.2f} GiB (+ its saved "
               f"log-softmax {lsm / GiB:.2f} GiB), what the chunks keep {kept / GiB:.2f} GiB; drop "
               f"{drop / GiB:.2f} GiB = {100 * drop / temps:.1f} % of the temporaries")
     assert lsm == r * V * 4 and temps == 2 * r * V * 4  # the issue's 3.91 + 7.83 GiB
     assert kept == r * V * 2 + r // 8 * V * 4
-    # the rest of the two peaks differs by a few token-sized tensors only: the plain loss's shifted labels and
-    # the chunks' label copies (r x 8 each), the checkpointed regions' other arguments (held into backward)
+    # the rest of the two peaks differs by a few token-sized tensors only: the plain loss's shifted
+    # labels and the chunks' label copies (r x 8 each), the checkpointed regions' other arguments
     assert abs(drop - (temps - kept)) <= r * 8
-    assert drop >= 0.65 * temps  # 68.7 %: the chunks' bf16 logits (r V 2) stay through the loss's forward
+    assert drop >= 0.65 * temps  # 68.8 %: the chunks' bf16 logits (r V 2) live through the loss
 
 
-# ---- the command line and the planner -------------------------------------------------------------------------
-import json  # noqa: E402
-
-from labkit.cli import main  # noqa: E402
+# ---- the command line and the planner ----------------------------------------------------------
 
 
 def _json(capsys, *argv):
@@ -227,32 +226,32 @@ def _json(capsys, *argv):
 
 
 def test_estimate_and_wall_take_loss_chunks(capsys):
-    plain = _json(capsys, "estimate", "--model", "llama-tiny", "--batch", "4", "--seq", "64", "--json")
-    chunked = _json(capsys, "estimate", "--model", "llama-tiny", "--batch", "4", "--seq", "64", "--json",
-                    "--loss-chunks", "8")
+    tiny = ["--model", "llama-tiny", "--batch", "4", "--seq", "64"]
+    plain = _json(capsys, "estimate", *tiny, "--json")
+    chunked = _json(capsys, "estimate", *tiny, "--json", "--loss-chunks", "8")
     assert chunked["options"]["loss_chunks"] == 8 and plain["options"]["loss_chunks"] is None
     assert chunked["peak"] < plain["peak"]
-    walls = [_json(capsys, "wall", "--models", "llama-tiny", "--seq", "64", "--batch", "4", "--json", *extra)
-             for extra in ((), ("--loss-chunks", "8"))]
+    wall = ["wall", "--models", "llama-tiny", "--seq", "64", "--batch", "4"]
+    walls = [_json(capsys, *wall, "--json", *extra) for extra in ((), ("--loss-chunks", "8"))]
     assert walls[1]["loss_chunks"] == 8 and "loss in 8 chunks" in walls[1]["recipe"]
     assert all(a["peak"] > b["peak"] for a, b in zip(walls[0]["rows"], walls[1]["rows"]))
     for argv, words in (
-            (["estimate", "--model", "llama-tiny", "--batch", "4", "--seq", "64", "--loss-chunks", "0"],
-             "--loss-chunks must be a positive integer"),
-            (["estimate", "--model", "llama-tiny", "--batch", "4", "--seq", "6", "--loss-chunks", "8"],
-             "cannot exceed seq"),
-            (["estimate", "--model", "gpt:loss_chunk=16", "--batch", "4", "--seq", "64", "--loss-chunks", "8"],
+            (["estimate", *tiny, "--loss-chunks", "0"], "--loss-chunks must be a positive integer"),
+            (["estimate", *tiny[:4], "--seq", "6", "--loss-chunks", "8"], "cannot exceed seq"),
+            (["estimate", "--model", "gpt:loss_chunk=16", *tiny[2:], "--loss-chunks", "8"],
              "two chunked losses"),
-            (["wall", "--models", "llama-tiny", "--seq", "64", "--batch", "4", "--loss-chunks", "-1"],
-             "--loss-chunks")):
+            ([*wall, "--loss-chunks", "-1"], "--loss-chunks")):
         assert main(argv) == 2
         assert words in capsys.readouterr().err
 
 
 def test_plan_searches_the_chunked_loss(capsys):
-    """One row of 64 tokens, a vocabulary of 8192: only 8 chunks (with the optimizer on the host) fit 7 MB."""
-    out = _json(capsys, "plan", "--model", "gpt:n_layer=2,n_head=2,n_embd=32,block_size=64,vocab_size=8192",
-                "--memory", "7MB", "--batch", "1", "--seq", "64", "--top", "1", "--device-preset", "cpu", "--json")
+    """One row of 64 tokens, a vocabulary of 8192: only 8 chunks (with the optimizer on the host)
+    fit 7 MB."""
+    gpt = "gpt:n_layer=2,n_head=2,n_embd=32,block_size=64,vocab_size=8192"
+    out = _json(capsys, "plan", "--model", gpt, "--memory", "7MB", "--batch", "1", "--seq", "64",
+                "--top", "1", "--device-preset", "cpu", "--json")
     best = out["plans"][0]
     assert best["recipe"]["loss_chunks"] == 8 and "loss in 8 chunks" in best["summary"]
-    assert any(w.startswith("chunked loss: 8 chunks along the sequence: needed") for w in best["why"])
+    needed = "chunked loss: 8 chunks along the sequence: needed"
+    assert any(w.startswith(needed) for w in best["why"])
