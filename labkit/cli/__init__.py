@@ -104,6 +104,11 @@ def build_parser() -> _Parser:
                    help="the frozen base's precision under LoRA/QLoRA: bf16 or fp16 with --dtype mixed-bf16 / "
                         "mixed-fp16 is peft's usual setup (16-bit base, fp32 adapters under autocast); "
                         "default: --dtype's weights; needs --lora-rank")
+    e.add_argument("--loss-chunks", type=integer, default=None, metavar="N",
+                   help="the output head and its cross-entropy in N chunks along the sequence, "
+                        "each chunk's logits upcast to fp32 alone (torchtune's "
+                        "CEWithChunkedOutputLoss, 8 in its recipes; default: the whole logits, "
+                        "transformers' loss)")
     e.add_argument("--lisa-layers", type=integer, default=None,
                    help="LISA: train embeddings, head and this many sampled layers at a time")
     e.add_argument("--dp", type=integer, default=1,
@@ -134,6 +139,10 @@ def build_parser() -> _Parser:
                    help="activation checkpointing of the blocks (default full: QLoRA's gradient checkpointing)")
     w.add_argument("--micro-batch", type=integer, default=None,
                    help="rows per micro-batch (default 4, QLoRA's, when it divides --batch; else the whole batch)")
+    w.add_argument("--loss-chunks", type=integer, default=None, metavar="N",
+                   help="every row's output head and loss in N chunks along the sequence, each "
+                        "upcast to fp32 alone (torchtune's CEWithChunkedOutputLoss; default: the "
+                        "whole logits)")
     w.add_argument("--headroom", type=float, default=HEADROOM * 100, metavar="PERCENT",
                    help=f"mark a fit tight when its peak is within this share of the budget (default "
                         f"{HEADROOM * 100:.0f} %%, as plan)")

@@ -29,7 +29,7 @@ def estimate_dict(model_text: str, e, args, recipe=None, n_params: int | None = 
                                                    "accumulate", "rank", "proj_dtype", "optimizer_offload",
                                                    "step_in_backward",
                                                    "lora_rank", "lora_targets", "quant", "quant_group", "lisa_layers",
-                                                   "base_dtype")
+                                                   "base_dtype", "loss_chunks")
                     if hasattr(args, k)}
                    # given only: a default run's JSON is unchanged
                    | ({"selective_policy": args.selective_policy} if getattr(args, "selective_policy", None) else {}),
@@ -157,6 +157,7 @@ def check_estimate_options(args, parser) -> int | None:
     for name in ("batch", "seq", "segments", "micro_batch", "accumulate", "rank", "lora_rank", "lisa_layers",
                  "quant_group"):
         _positive(parser, "--" + name.replace("_", "-"), getattr(args, name))
+    _positive(parser, "--loss-chunks", getattr(args, "loss_chunks", None))
     for name in ("micro_batches", "tp", "pp", "dp"):
         _positive(parser, "--" + name.replace("_", "-"), getattr(args, name, None))
     if getattr(args, "sequence_parallel", False) and args.tp == 1:
@@ -225,6 +226,7 @@ def _recipe(args, spec, micro, device: str, **layout):
                   step_in_backward=args.step_in_backward, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                   quant=args.quant, quant_group=args.quant_group, lisa_layers=args.lisa_layers, dp=args.dp,
                   base_dtype=getattr(args, "base_dtype", None),
+                  loss_chunks=getattr(args, "loss_chunks", None),
                   zero=args.zero, zero_offload=args.zero_offload, **layout)
 
 

@@ -53,7 +53,9 @@ def _recipe_words(args) -> str:
              "given; the QLoRA paper's is --batch 16 --micro-batch 4 --seq 512 --lora-rank 64 --checkpoint full")
     kernels = (f"{args.device} kernels" + (" (wall's default; estimate's is cpu: --device cpu for CPU kernels)"
                                            if args.device == "cuda" else ""))
-    return (f"{kernels}; recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, {args.optimizer}")
+    chunks = f", loss in {args.loss_chunks} chunks" if getattr(args, "loss_chunks", None) else ""
+    return (f"{kernels}; recipe, {whose}: {rows}, seq {args.seq}, checkpoint {args.checkpoint}, "
+            f"{args.optimizer}" + chunks)
 
 
 def _peft_dtype(parser, args) -> str | None:
@@ -131,6 +133,8 @@ def _from_config(args, parser) -> None:
         args.optimizer = r.optimizer
     if r.lora_rank:
         args.lora_rank = r.lora_rank
+    if r.loss_chunks and args.loss_chunks is None:
+        args.loss_chunks = r.loss_chunks
     print(reading.summary() + "\n")
 
 
@@ -144,6 +148,7 @@ def cmd_wall(args, parser) -> int:
     _positive(parser, "--batch", args.batch)
     _positive(parser, "--seq", args.seq)
     _positive(parser, "--lora-rank", args.lora_rank)
+    _positive(parser, "--loss-chunks", args.loss_chunks)
     models = _items(parser, "--models", args.models) if args.models is not None else None
     budgets = _budgets(parser, args.budgets)
     args.headroom_fraction = headroom_fraction(parser, args.headroom)
@@ -177,7 +182,8 @@ def cmd_wall(args, parser) -> int:
         rank = _rank_for(spec, args.lora_rank) if default_rank else args.lora_rank
         try:
             recipe = Recipe(None, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
-                            checkpoint=args.checkpoint, micro_batch=args.micro_batch, lora_rank=rank)
+                            checkpoint=args.checkpoint, micro_batch=args.micro_batch,
+                            lora_rank=rank, loss_chunks=args.loss_chunks)
             new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods,
                             peft_dtype=peft_dtype, adapters=getattr(args, "adapters", "base"))
         except ValueError as err:  # fit_table names the model by its spec: name it as typed
@@ -196,7 +202,8 @@ def cmd_wall(args, parser) -> int:
                           "device": args.device, "budgets": [label for label, _ in budgets],
                           "budgets_gib": [b / GiB for _, b in budgets],
                           "budgets_bytes": [int(b) for _, b in budgets], "methods": methods,
-                          "lora_rank": args.lora_rank, "headroom": args.headroom_fraction,
+                          "lora_rank": args.lora_rank, "loss_chunks": args.loss_chunks,
+                          "headroom": args.headroom_fraction,
                           "recipe": _recipe_words(args), "rows": rows}))
     else:
         print(format_wall(rows, args))

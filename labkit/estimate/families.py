@@ -463,6 +463,39 @@ def chunked_loss(w: Walk, final: T, spec, r: int) -> tuple[int, int]:
     return scratch_bytes(r, spec.hidden, spec.vocab, spec.loss_chunk, final.itemsize, w.x_bytes, m)
 
 
+def chunk_rows(B: int, S: int, chunks: int) -> tuple[int, ...]:
+    """Rows of each chunk of torch.chunk(chunks) along a sequence of S tokens, B rows each: ceil(S /
+    chunks) tokens per chunk, the last one what is left (so fewer chunks than asked when chunks does
+    not divide S)."""
+    size = -(-S // chunks)
+    return tuple(B * min(size, S - k) for k in range(0, S, size))
+
+
+def output_chunks_loss(w: Walk, final: T, spec, B: int, S: int, head: str) -> None:
+    """labkit.recompute.chunked_output (torchtune's CEWithChunkedOutputLoss) on the final norm's
+    output. Forward: the head runs on each chunk (a view along the sequence) and saves that chunk's
+    input: under autocast its 16-bit copy, else, for B > 1 and several chunks, the contiguous copy
+    matmul's reshape makes of the strided view (else the view itself): r h bytes in all, as the
+    whole head saves. A frozen weight's autocast copy is not cached: each chunk's matmul makes and
+    saves its own (one per chunk). Then each chunk's fp32 log-softmax is saved by its cross-entropy
+    (r V 4 in all), and, for B > 1 and several chunks, its labels' contiguous copy (reshape(-1) of a
+    strided view) by nll_loss (r x 8 in all); the division by the count of counted targets saves
+    that count (int64). The logits, their fp32 copies and the gradients are the moments'
+    (predict.step_bytes reads w.output_chunks)."""
+    r, V = B * S, spec.vocab
+    rows = chunk_rows(B, S, w.loss_chunks)
+    logits = w.linear(final, r, V, "logits (every chunk's)", head)
+    if head in w.copy_frozen:  # a frozen weight's copy per chunk, saved by its chunk's matmul (dx)
+        more = (len(rows) - 1) * w.copy_frozen[head]
+        w.copy_frozen[head] += more
+        w.copy_bytes += more
+    w.cross_entropy(logits, r, V, upcast=True)  # each chunk's .float(): fp32 log-softmax
+    if B > 1 and len(rows) > 1:
+        w.save(w.new(r, 8, "the chunks' labels, reshaped copies"))
+    w.save(w.new(1, 8, "count of counted targets"))
+    w.output_chunks = rows
+
+
 def _embeddings(w: Walk, spec, S: int, n: int, tokens: str, positions: str) -> T:
     """Token + learned position embeddings, then dropout; the position ids are saved for the
     position table's gradient only when it trains."""
@@ -535,6 +568,9 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
     w.tape.end(x)
     final = w.layer_norm(x, r, "ln_f", "ln_f")
     w.tape.head(final)
+    if w.loss_chunks:  # GPT.forward(idx, output_chunks=N) returns the chunks: its locals are gone
+        output_chunks_loss(w, final, spec, B, S, "lm_head")
+        return
     if spec.loss_chunk is not None:  # the head and the loss in one chunked Function: no (r, V) logits
         w.loss_scratch = chunked_loss(w, final, spec, r)
     # GPT.forward's locals while its loss runs: pos (S int64), x (the last block's output, ln_f's input) and,
@@ -555,7 +591,8 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     ln_2's after the MLP."""
     r, h = B * S, spec.hidden
     n = r * h
-    w.save(w.new(r, 8, "shifted labels"))
+    if not w.loss_chunks:  # transformers' loss: the labels shifted, a copy its nll_loss saves
+        w.save(w.new(r, 8, "shifted labels"))
     x = _embeddings(w, spec, S, n, "transformer.wte", "transformer.wpe")
     call = AttnCall(B, spec.n_head, S, n, spec.attn_dropout)
     # GPT2Model.forward keeps inputs_embeds, position_embeds and the position ids until it returns
@@ -596,6 +633,9 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     w.block_kwargs = (S * 8 + w.forward_extra, S * 8 if w.trains("transformer.wpe") else 0)
     final = w.layer_norm(x, r, "ln_f", "transformer.ln_f")
     w.tape.head(final)
+    if w.loss_chunks:
+        output_chunks_loss(w, final, spec, B, S, "lm_head")
+        return
     logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.hold_final(final)
     w.cross_entropy(logits, r, spec.vocab, upcast=True)
@@ -638,7 +678,8 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
     r, h = B * S, spec.hidden
     hd = spec.head_dim or h // spec.n_head
     qd, kv = spec.n_head * hd, spec.n_kv_head * hd  # q and attention output widths (hidden unless head_dim says)
-    w.save(w.new(r, 8, "shifted labels"))
+    if not w.loss_chunks:  # transformers' loss: the labels shifted, a copy its nll_loss saves
+        w.save(w.new(r, 8, "shifted labels"))
     w.save(w.new(2 * S * hd, w.x_bytes, "rotary cos and sin"))
     x = w.made(w.new(r * h, w.x_bytes, "token embeddings", w.trains("model.embed_tokens")))
     # LlamaModel.forward keeps inputs_embeds (block 0's input), the position ids and cos, sin (saved by the
@@ -689,6 +730,9 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
     w.block_kwargs = (S * 8 + 2 * S * hd * w.x_bytes + w.forward_extra, 2 * S * hd * w.x_bytes)
     final = w.rms_norm_python(x, r, "norm", "model.norm")
     w.tape.head(final)
+    if w.loss_chunks:
+        output_chunks_loss(w, final, spec, B, S, "lm_head")
+        return
     logits = w.linear(final, r, spec.vocab, "logits", "lm_head")
     w.hold_final(final)
     w.cross_entropy(logits, r, spec.vocab, upcast=True)

@@ -164,6 +164,36 @@ class StepBytes:
                          "r x h x d + r x 4 + 8", "labkit.recompute.offload_activations unpacks them for its backward")
     loss_lse: int = _f(K.LOSS_TEMPS, T_, "the chunked loss's logsumexp, filled chunk by chunk", "r x 4",
                        "labkit.recompute.chunked_ce: saved (so offloaded) only when its forward returns")
+    # the chunked output loss (Recipe.loss_chunks, labkit.recompute.chunked_output): at the loss's
+    # backward, one chunk's gradients, the dlogits of the chunks before and their log-softmax
+    # (freed); in the head's backward, the output matrix's gradient summed over the chunks; after the
+    # last chunk, the chunks' input gradients and their concatenation (the split's backward)
+    loss_grad: int = _f(K.LOSS_TEMPS, T_, "the loss's gradients: a chunk's (dlogits, "
+                        "d log-softmax) and the dlogits of the chunks through before it",
+                        "2 c V 4 + rows before x V x m",
+                        "nll_loss_backward, log_softmax_backward_data")
+    lsm_gone: int = _f(K.LOG_SOFTMAX, A_, "freed: the log-softmax of the chunks already through "
+                       "backward", "rows of those chunks x V x 4",
+                       "autograd releases a node's saved tensors once it ran")
+    head_sum: int = _f(K.HEAD_GRADIENTS, G_,
+                       "output matrix gradient: the chunks' dW summed (the .grad)",
+                       "V x h x d", "autograd's buffer adds a node's inputs out of place; "
+                       "AccumulateGrad keeps the sum as .grad")
+    # the same under activation offload: each chunk's log-softmax leaves the device when its loss
+    # returns, and comes back for its own backward only
+    lsm_chunk: int = _f(K.LOG_SOFTMAX, T_, "one chunk's log-softmax (its saved copy offloaded: on "
+                        "the device while its loss runs)", "c x V x 4",
+                        "labkit.recompute.offload_activations packs saved tensors to the host")
+    logits_off: int = _f(K.LOGITS, T_, "every chunk's logits and the largest chunk's fp32 copy",
+                         "r V m + c V 4", "labkit.recompute.chunked_output")
+    loss_grad_off: int = _f(K.LOSS_TEMPS, T_, "the loss's gradients: a chunk's (dlogits, "
+                            "d log-softmax), its log-softmax copied back, the dlogits of the chunks "
+                            "through before it",
+                            "3 c V 4 + rows before x V x m",
+                            "labkit.recompute.offload_activations: unpacked on use")
+    split_cat: int = _f(K.HEAD_BACKWARD, T_, "the chunks' input gradients and their concatenation",
+                        "2 x r x h x d",
+                        "split's backward (torch.chunk): cat of the chunks' gradients")
     block0_local: int = 0  # the part of forward_locals that is block 0's input (held as a checkpointed input)
     block_kwargs: tuple = (0, 0)  # (bytes of the tensors every block gets besides its input, the part in `before`)
     # worst moments inside a block's ops (materialised attention, labkit.estimate.attention), block 0's:
@@ -319,8 +349,11 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     lsm = b.term("lsm") if not offload else custom(
         K.LOG_SOFTMAX, "log-softmax of the logits (its saved copy offloaded: on the device while the loss runs)",
         T_, b.lsm, _META["lsm"]["formula"], "labkit.recompute.offload_activations packs saved tensors to the host")
+    logits = b.term("logits")
+    if offload and b.loss_grad:  # chunked output loss: one chunk's log-softmax on the device
+        lsm, logits = b.term("lsm_chunk"), b.term("logits_off")
     fwd = [_m(MK.LOSS, None, "forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
-                                                 *held_all, *held_final, lsm, b.term("logits")])]
+                                                 *held_all, *held_final, lsm, logits])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
         head = 0 if replayed and offload and b.c_frozen_head else b.head_copy  # (an offloaded frozen one: gone)
         before_head = [custom(t.key, t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,
@@ -342,10 +375,14 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
         copies = [b.term("head_copy")] if b.C else []
     else:
         copies = [*b.state("C")]
-    loss_grads = [custom(K.LOSS_TEMPS,
-                         "the loss's gradients (dlogits, d log-softmax)", T_, 2 * b.lsm, "2 x r x V x (4 | m)",
-                         "nll_loss_backward, log_softmax_backward_data")]
-    if offload:
+    chunked = bool(b.loss_grad)  # the chunked output loss: one chunk's gradients at a time
+    loss_grads = [b.term("loss_grad_off" if offload else "loss_grad")] if chunked else [custom(
+        K.LOSS_TEMPS, "the loss's gradients (dlogits, d log-softmax)", T_, 2 * b.lsm,
+        "2 x r x V x (4 | m)", "nll_loss_backward, log_softmax_backward_data")]
+    if chunked and b.lsm_gone and not offload:
+        loss_grads.append(custom(K.LOG_SOFTMAX, _META["lsm_gone"]["name"], A_, -b.lsm_gone,
+                                 _META["lsm_gone"]["formula"], _META["lsm_gone"]["source"]))
+    if offload and not chunked:
         loss_grads.append(custom(K.LOSS_TEMPS,
                                  "log-softmax copied back for the loss's backward", T_, b.lsm, "r x V x (4 | m)",
                                  "labkit.recompute.offload_activations: unpacked on use"))
@@ -367,15 +404,20 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     # under autocast the head's matmul makes a 16-bit dW: its fp32 gradient (in_head) comes after, from the
     # weight copy's own node, once the matmul's node has returned and freed the copy it saved
     cast = bool(b.head_cast and not offload and in_head)
-    head = _m(MK.HEAD_BACKWARD, None, "backward", "the head's backward" + sfx,
-                  [*around, *([] if cast else in_head), *loss_back, b.term("head_temp")])
+    # chunked: the output matrix's gradient is a sum over the chunks in autograd's buffer (in
+    # head_temp, or head_sum: the sum that becomes .grad) until the last chunk
+    worst = ", its worst chunk" if chunked else ""
+    head = _m(MK.HEAD_BACKWARD, None, "backward", "the head's backward" + worst + sfx,
+              [*around, *([] if cast or chunked else in_head), *loss_back,
+               *_head_sum(b, grads_exist), b.term("head_temp")])
     moments = [*fwd, start, head]
+    if b.split_cat:  # chunked: after the last chunk, split's backward cats the input gradients
+        moments.append(_m(MK.HEAD_BACKWARD, None, "backward",
+                          "the chunks' input gradients concatenated" + sfx,
+                          [*around, *_copy_freed(b, offload), *in_head, b.term("split_cat")]))
     if cast:
         moments.append(_m(MK.HEAD_BACKWARD, None, "backward", "the head's weight gradient cast to fp32" + sfx, [
-            *around, custom(K.COPIES_16BIT,
-                            "freed: the head's 16-bit weight copy, with its matmul's backward", P_, -b.head_copy,
-                            "2 x V x h", "autograd releases a node's saved tensors once it has run"),
-            *in_head, b.term("head_cast")]))
+            *around, *_copy_freed(b, offload), *in_head, b.term("head_cast")]))
     if b.tail is not None and not step_in_backward and len(b.replays) == n_layer:
         # after the head: a later micro-batch's new head gradient was summed into .grad (a tied one waits)
         after_head = ([b.term("head_held")] if b.head_held else []) if grads_exist else head_grad
@@ -433,6 +475,25 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                               [*base_states, *buffers, *b.state("G"), b.term("inputs"), b.term("opt_temp"),
                                b.term("opt_cast")]))
     return moments
+
+
+def _head_sum(b: StepBytes, grads_exist: bool) -> list[Term]:
+    """The chunks' summed dW of an untied head, the .grad once made; on a later micro-batch a
+    temporary that AccumulateGrad adds into the existing .grad."""
+    if not b.head_sum:
+        return []
+    if grads_exist:
+        return [b.term("head_new", nbytes=b.head_sum)]
+    return [b.term("head_sum")]
+
+
+def _copy_freed(b: StepBytes, offload: bool) -> list[Term]:
+    """The head's 16-bit weight copy, gone once its (last chunk's) matmul backward has run."""
+    if not b.head_copy or offload:
+        return []
+    return [custom(K.COPIES_16BIT,
+                   "freed: the head's 16-bit weight copy, with its matmul's backward", P_, -b.head_copy, "2 x V x h",
+                   "autograd releases a node's saved tensors once it has run")]
 
 
 def _tail_moment(st: _Step, kwargs: list[Term], held_all: list[Term], head_grad: list[Term]) -> Moment:

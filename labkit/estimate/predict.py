@@ -70,17 +70,20 @@ def input_bytes(batch: int, seq: int) -> int:
 
 
 def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, device: str, peft=None,
-                     selective: str = "matmuls", base_bytes: int | None = None):
+                     selective: str = "matmuls", base_bytes: int | None = None,
+                     loss_chunks: int | None = None):
     """Bytes saved for backward by the forward walk of the model's family (labkit.estimate.families):
     per layer this reproduces Korthikanti et al.'s sbh(34 + 5as/h) for their layer and precision,
     and adds the logits' log-softmax, B x S x V (4 bytes when the loss runs in fp32).
     peft (labkit.estimate.peft_terms.Peft): frozen weights save less, adapters save a little more.
     selective: the selective checkpointing policy whose kept outputs the tape marks
     (labkit.estimate.tape.keep_kinds). base_bytes: a frozen base's bytes per weight, when they differ from
-    the trained parameters' (a 16-bit base under fp32 adapters): the stream then runs in the base's dtype."""
+    the trained parameters' (a 16-bit base under fp32 adapters): the stream then runs in the base's dtype.
+    loss_chunks: the head and the loss in chunks along the sequence
+    (families.output_chunks_loss)."""
     w = Walk(x_bytes=base_bytes or prec.weight, train_bytes=prec.weight, autocast=prec.autocast, device=device,
              linears={name: (d_in, d_out, bias) for name, d_in, d_out, bias in spec.linears},
-             tape=Tape(kinds=keep_kinds(selective)))
+             tape=Tape(kinds=keep_kinds(selective)), loss_chunks=loss_chunks)
     peft_terms.setup_walk(w, peft)
     marks: list[int] = []
     WALKS[spec.family](w, spec, batch, seq, marks)
@@ -127,6 +130,7 @@ def single_estimate(r: Recipe) -> Estimate:
     extras += ["step_in_backward"] * step_in_backward
     extras += [f"attention=tiled({spec.attn_block})"] * (spec.attention == "tiled")
     extras += [f"loss_chunk={spec.loss_chunk}"] * (spec.loss_chunk is not None)
+    extras += [f"loss_chunks={r.loss_chunks}"] * (r.loss_chunks is not None)
     if peft is not None:
         extras += [f"base_dtype={r.base_dtype}"] * (r.base_dtype is not None)
         extras.append(f"LISA layers={peft.lisa_layers}" if peft.lisa_layers else
@@ -153,7 +157,8 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
                                                       recipe.seq, recipe.optimizer, recipe.rank, recipe.proj_dtype)
     foreach = (recipe.device == "cuda") if recipe.foreach is None else recipe.foreach
     fb = _frozen_bytes(recipe)  # a frozen base's bytes per weight (2 for a 16-bit base under LoRA)
-    w, marks = walk_activations(spec, prec, micro, S, recipe.device, peft, recipe.selective_policy, fb)
+    w, marks = walk_activations(spec, prec, micro, S, recipe.device, peft, recipe.selective_policy, fb,
+                                recipe.loss_chunks)
     r, h, V, gb, mm = micro * S, spec.hidden, spec.vocab, prec.weight, w.mm_bytes
     chunked = w.loss_scratch is not None  # labkit GPT's chunked loss: no (r, V) tensor outlives a chunk
     lsm = 0 if chunked else w.log_softmax.nbytes
@@ -168,6 +173,9 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
     # the chunked loss casts the head itself; a frozen 16-bit head needs no copy
     head_copy = 2 * V * h if prec.autocast and not chunked and (w.frozen_copy or head_trains) else 0
     fields = {}
+    if w.output_chunks:  # the chunked output loss (Recipe.loss_chunks)
+        fields = _output_chunk_fields(w.output_chunks, r, h, V, mm, w.x_bytes, head_trains,
+                                      not prec.autocast and not spec.tied)
     if chunked:  # chunked_ce.scratch_bytes: the loss's forward temporaries, and the head's backward ones (less
         # the weight's gradient, head_grad: the fp32 accumulator itself, or its cast for a 16-bit weight)
         fields = dict(logits=w.loss_scratch[0], head_temp=w.loss_scratch[1] - V * h * gb)
@@ -189,7 +197,8 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         **(fields or dict(logits=r * V * mm + upcast,
                           head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0))),
         head_grad=head_grad, head_new=V * h * gb if head_trains else 0, stream=r * h * w.x_bytes,
-        head_cast=r * h * mm + V * h * mm if head_copy and head_trains else 0,
+        **({} if w.output_chunks else
+           dict(head_cast=r * h * mm + V * h * mm if head_copy and head_trains else 0)),
         # MLP backward: the gradients into and out of the activation are alive while its output is
         # already freed: +1 (exact GELU) or +2 (GELU/SwiGLU in Python ops) B*S*ffn tensors. Under LoRA
         # one more: a frozen down projection holds no input for that moment to free, and an adapted
@@ -218,6 +227,58 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         points=_block_points(w, marks, gb), forward_extra=w.forward_extra, forward_locals=w.forward_locals,
         dequant=0 if peft is None else peft_terms.dequant_scratch_bytes(peft, 2 if prec.autocast else gb),
     ), w
+
+
+def _output_chunk_fields(rows: tuple, r: int, h: int, V: int, mm: int, x: int, head_trains: bool,
+                         grad_sum: bool) -> dict:
+    """The chunked output loss's bytes (labkit.recompute.chunked_output;
+    families.output_chunks_loss), rows the rows of each chunk, m = mm the matmul output's bytes, x
+    the hidden states' (the stream's) bytes. Forward, at a chunk's loss: every chunk's logits (the
+    model returned them: r V m), that chunk's fp32 copy (c V 4, none when m = 4) and the log-softmax
+    of the chunks so far (all of them, lsm = r V 4, at the last chunk; `logits` takes off those not
+    made yet when an earlier, larger chunk is the worst). Backward runs autograd's nodes latest
+    first, and every loss node was made after every head matmul: so the loss's backward of every
+    chunk (the last chunk first) runs before any head matmul's. At chunk j's log_softmax backward:
+    nll_loss's and log_softmax's gradients (2 c V 4), the log-softmax of the chunks through it
+    before freed, their dlogits (c V m each, after the .float() node's cast back) waiting for the
+    head. Then each head matmul's backward (the last chunk first): the dlogits not consumed yet, its
+    dX (c h m) and, for a trained head, its dW (V h m) beside the sum of the chunks' dW so far in
+    autograd's buffer (V h m, from the second chunk on); once the node has returned (its dlogits
+    freed) the buffer adds the new dW out of place (a third V h m; the last such sum is the .grad
+    itself, `grad_sum`, for an untied head whose dW reaches AccumulateGrad without a cast); the
+    chunks' input gradients so far (x bytes each, after autocast's cast node). After the last chunk,
+    under autocast, the 16-bit dW sum is cast to fp32 (head_cast: that sum, the first chunk's dX not
+    yet cast, the others'); then split's backward concatenates the chunks' input gradients
+    (split_cat: 2 r h x)."""
+    order = rows[::-1]
+    start = (0, 0)
+    for j, c in enumerate(order):  # (TEMP, log-softmax freed) at chunk j's log_softmax backward
+        done = sum(order[:j])
+        t = (2 * c * V * 4 + done * V * mm, done * V * 4)
+        if j == 0 or t[0] - t[1] > start[0] - start[1]:
+            start = t
+    dw = V * h * mm if head_trains else 0
+    head = (0, 0)  # (TEMP, GRAD) at the head's worst moment
+    for j, c in enumerate(order):
+        dx = c * h * mm + sum(order[:j]) * h * x
+        # inside chunk j's matmul backward
+        cands = [(sum(order[j:]) * V * mm + dx + dw * (2 if j else 1), 0)]
+        if j and dw:  # its dW summed with the buffer's, out of place
+            last = grad_sum and j == len(order) - 1
+            left = sum(order[j + 1:]) * V * mm
+            cands.append((left + dx + (2 if last else 3) * dw, dw if last else 0))
+        head = max([head, *cands], key=sum)
+    c0 = rows[0]
+    # the forward's worst chunk k: its fp32 copy beside the log-softmax so far (lsm: all r V 4)
+    copy = max(c * V * 4 - sum(rows[k + 1:]) * V * 4 for k, c in enumerate(rows)) if mm != 4 else 0
+    # under activation offload, at chunk j's loss backward its log-softmax is copied back (c V 4)
+    off = max(3 * c * V * 4 + sum(order[:j]) * V * mm for j, c in enumerate(order))
+    return dict(logits=r * V * mm + copy, loss_grad=start[0], loss_grad_off=off,
+                lsm_chunk=max(rows) * V * 4,
+                logits_off=r * V * mm + (max(rows) * V * 4 if mm != 4 else 0),
+                lsm_gone=start[1], head_temp=head[0], head_sum=head[1],
+                head_cast=dw + c0 * h * mm + (r - c0) * h * x if dw and x != mm else 0,
+                split_cat=2 * r * h * x if len(rows) > 1 else 0)
 
 
 def _refresh_fields(spec, d: int, optimizer: str, rank, proj_dtype) -> dict:
@@ -345,6 +406,11 @@ def _terms(spec, prec, optimizer, B, S, w, b: StepBytes, peft=None, fb: int | No
              + (" = 0: the chunked loss saves a logsumexp per row" if spec.loss_chunk is not None else ""),
              "log_softmax saves its output for nll_loss's backward (derivatives.yaml)", key=K.LOG_SOFTMAX),
         Term("token ids and targets", Category.ACT, b.inputs, "2 x B x S x 8", "int64 inputs", key=K.INPUTS),
+        Term("chunked output loss: every chunk's logits and one chunk's fp32 copy", Category.TEMP,
+             b.logits,
+             "B x S x V x m + (B x S / chunks) x V x 4 (no copy when m = 4)",
+             "labkit.recompute.chunked_output (torchtune's CEWithChunkedOutputLoss)", key=K.LOGITS)
+        if w.output_chunks else
         Term("logits (+ fp32 copy) during the loss", Category.TEMP, b.logits, "B x S x V x bytes",
              "lm_head's output; transformers upcasts it with .float() before the loss", key=K.LOGITS)
         if spec.loss_chunk is None else

@@ -57,6 +57,24 @@ def _check_base_dtype(r) -> None:
                          f"dtype='mixed-{b}' (fp32 adapters, {b} matmuls), or drop base_dtype")
 
 
+def _check_loss_chunks(r) -> None:
+    """loss_chunks: a positive integer up to seq, not with labkit GPT's own chunked loss."""
+    n = r.loss_chunks
+    if n is None:
+        return
+    _positive_int("loss_chunks", n)
+    if n > r.seq:
+        raise ValueError(f"loss_chunks={n} splits the sequence into chunks of tokens: it cannot "
+                         "exceed "
+                         f"seq ({r.seq})")
+    own = dict(r.overrides).get("loss_chunk", getattr(r.model, "loss_chunk", None))
+    own = getattr(getattr(r.model, "config", None), "loss_chunk", own)
+    if own:
+        raise ValueError(f"loss_chunks (torchtune's chunks along the sequence) and the model's "
+                         f"loss_chunk={own} (labkit GPT's fused head + loss, rows per chunk) are "
+                         "two chunked losses: choose one (set loss_chunk=0, or drop loss_chunks)")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """What one training step does. Sizes are per step; `micro_batch` splits `batch` (gradient accumulation)."""
@@ -94,6 +112,11 @@ class Recipe:
     pp: int = 1  # pipeline stages (consecutive blocks); micro_batch sets the pipeline's micro-batches
     schedule: str = "1f1b"  # pipeline schedule when pp > 1: "gpipe" or "1f1b"
     sequence_parallel: bool = False  # with tp > 1: norms and dropouts sharded along the sequence
+    # The loss of the output head: None, the head's logits whole and one cross-entropy
+    # (transformers' way); N, the head and the cross-entropy in N chunks along the sequence, each
+    # chunk's logits upcast to fp32 alone (torchtune's CEWithChunkedOutputLoss, 8 in its recipes;
+    # labkit.recompute.chunked_output)
+    loss_chunks: int | None = None
     overrides: tuple = field(default=())  # (key, value) pairs set on a preset's config, e.g. (("n_layer", 2),)
 
     def __post_init__(self) -> None:
@@ -166,6 +189,7 @@ class Recipe:
                 raise ValueError(f"quant_group is int4's group size: give quant='int4' or 'int4-awq', not {self.quant!r}")
             _positive_int("quant_group", self.quant_group)
         _check_base_dtype(self)
+        _check_loss_chunks(self)
         for name in ("offload_activations", "step_in_backward", "zero_offload", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

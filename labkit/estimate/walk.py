@@ -85,6 +85,8 @@ class Walk:
     block_end: list = field(default_factory=list)  # tensors a block's locals hold until it returns
     log_softmax: T | None = None  # the loss's saved log-softmax (cross_entropy), None before the loss
     loss_scratch: tuple | None = None  # a chunked loss (labkit.recompute.chunked_ce): its (forward, backward) scratch
+    loss_chunks: int | None = None  # Recipe.loss_chunks: the head and loss in chunks along S
+    output_chunks: tuple | None = None  # with loss_chunks: rows of each chunk (chunked_output)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:

@@ -123,6 +123,11 @@ class Ledger(TorchDispatchMode):
                     p.requires_grad_(False)
         if self.model is not None:  # a step's forward starts when the model's forward does
             self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._set_phase("forward")))
+            # a transformers model's body, which a chunked output loss calls alone
+            base = getattr(self.model, "base_model", None)
+            if isinstance(base, torch.nn.Module) and base is not self.model:
+                hook = base.register_forward_pre_hook(lambda *_: self._set_phase("forward"))
+                self._handles.append(hook)
         if torch.cuda.is_available() and self.device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self._patch_resize()

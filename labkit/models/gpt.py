@@ -130,10 +130,14 @@ class GPT(nn.Module):
         """Parameters counted once (the tied embedding is shared)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                output_chunks: int = 0) -> torch.Tensor | list[torch.Tensor]:
         """Return logits (B, T, V) when targets is None, otherwise the mean cross-entropy loss.
 
         With targets the logits are not returned, so nothing outside holds them during backward.
+        output_chunks=N (no targets): the head's output in N chunks along the sequence, a list of
+        (B, T_i, V) (labkit.recompute.chunked_output, torchtune's convention; its loss is
+        chunked_output_loss).
         """
         B, T = idx.shape
         if T > self.config.block_size:
@@ -148,6 +152,14 @@ class GPT(nn.Module):
             h = self.ln_f(x)
             return chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
                                          self.config.loss_chunk)
+        if output_chunks:
+            if targets is not None:
+                raise ValueError("output_chunks returns the head's output in chunks: give no "
+                                 "targets (the loss is labkit.recompute.chunked_output."
+                                 "chunked_output_loss)")
+            from labkit.recompute.chunked_output import output_chunks as chunked
+
+            return chunked(self.ln_f(x), self.lm_head, output_chunks)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits

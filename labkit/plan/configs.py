@@ -327,7 +327,10 @@ def read_torchtune(cfg: dict, path: str, header: str = "", seq: int | None = Non
         if key in cfg:
             notes.approximated.append((key, "FSDP and checkpointing details: predicted as ZeRO-3 per block "
                                             "and full checkpointing"))
-    if "Chunked" in loss:
+    if loss.endswith("CEWithChunkedOutputLoss"):  # its num_output_chunks (torchtune's default 8)
+        kw["loss_chunks"] = min(int(cfg["loss"].get("num_output_chunks", 8)), seq_len)
+        notes.mapped.append("loss")
+    elif "Chunked" in loss:
         notes.approximated.append(("loss", f"{loss}: the head and loss in chunks; predicted with the whole "
                                            "logits in fp32 (an overestimate of the loss's bytes)"))
     elif loss:

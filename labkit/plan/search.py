@@ -41,6 +41,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion", "galore", "galore8bit")
 PRECISIONS = ("fp32", "mixed", "16-bit")  # min_precision levels; "bf16"/"fp16" mean 16-bit, "mixed-*" mixed
 PRECISION_LEVELS = {"fp32": 0, "mixed": 1, "mixed-bf16": 1, "mixed-fp16": 1, "16-bit": 2, "bf16": 2, "fp16": 2}
 CHECKPOINTS = ("none", "selective", "sqrt", "full")
+LOSS_CHUNKS = 8  # the chunked output loss's chunks plan tries (torchtune's default)
 LORA_RANK = 16  # as labkit.estimate.wall's LoRA and QLoRA rows
 LISA_LAYERS = 2  # LISA's gamma (Pan et al. 2024)
 MAX_MICRO_CHOICES = 6  # micro-batch sizes tried per family (a geometric subset of the divisors)
@@ -116,7 +117,7 @@ class Plan:
         keys = ("batch", "seq", "dtype", "optimizer", "rank", "checkpoint", "micro_batch", "step_in_backward",
                 "optimizer_offload", "offload_activations", "lora_rank", "quant", "base_dtype", "lisa_layers", "dp",
                 "zero",
-                "zero_offload", "tp", "pp")
+                "zero_offload", "tp", "pp", "loss_chunks")
         return {
             "recipe": {k: getattr(r, k) for k in keys} | {"micro_batch": r.micro},
             "summary": self.summary(), "method": self.method, "peak": int(self.peak), "peak_phase": self.peak_phase,
@@ -142,7 +143,8 @@ def describe_recipe(r: Recipe) -> str:
     parts.append(f"micro-batch {r.micro}" + (f" (x{r.rank_batch // r.micro} accumulated)" if r.micro < r.rank_batch
                                               else ""))
     parts += [x for x, on in (("step in backward", r.step_in_backward), ("optimizer offload", r.optimizer_offload),
-                              ("activation offload", r.offload_activations)) if on]
+                              ("activation offload", r.offload_activations),
+                              (f"loss in {r.loss_chunks} chunks", r.loss_chunks)) if on]
     return ", ".join(parts)
 
 
@@ -256,16 +258,20 @@ class _Search:
         b = fam.base
         full = cost.method_of(b) == "full"
         out = []
+        # the chunked output loss on one device (over several, not yet checked against a ledger)
+        chunks = (None, LOSS_CHUNKS) if b.world_size == 1 and self.seq >= LOSS_CHUNKS else (None,)
         for ck in CHECKPOINTS:
             for micro in _divisors(b.rank_batch):
                 for sib in ((False, True) if full else (False,)):
                     for off in ((None, "cpu") if full and b.optimizer == "adamw" else (None,)):
                         for zoff in ((False, True) if b.zero else (False,)):
-                            try:
-                                out.append(b.replace(checkpoint=ck, micro_batch=micro, step_in_backward=sib,
-                                                     optimizer_offload=off, zero_offload=zoff))
-                            except ValueError:
-                                pass  # a combination the Recipe refuses (e.g. step in backward with micro-batches)
+                            for lc in chunks:
+                                try:
+                                    out.append(b.replace(checkpoint=ck, micro_batch=micro,
+                                                         step_in_backward=sib, optimizer_offload=off,
+                                                         zero_offload=zoff, loss_chunks=lc))
+                                except ValueError:  # one the Recipe refuses (e.g. step in backward
+                                    pass  # with micro-batches)
         return out
 
     def run_family(self, fam: _Family) -> None:
@@ -354,7 +360,7 @@ _CK = {"none": 0, "selective": 1, "sqrt": 2, "full": 2}
 def _savings_rank(r: Recipe) -> tuple:
     """Smaller saves more memory (for picking a family's most memory-saving setting)."""
     return (-_CK[r.checkpoint], r.checkpoint != "full", r.micro, -r.step_in_backward, -bool(r.optimizer_offload),
-            -r.zero_offload)
+            -r.zero_offload, -bool(r.loss_chunks))
 
 
 PREDICT_MARGIN = 1.15  # a setting predicted to need more than this x the budget is not estimated
@@ -362,7 +368,8 @@ PREDICT_MARGIN = 1.15  # a setting predicted to need more than this x the budget
 
 def _axes(r: Recipe) -> tuple:
     """Everything a setting chooses but the micro-batch, and whether it accumulates."""
-    return (r.checkpoint, r.step_in_backward, r.optimizer_offload, r.zero_offload, r.micro < r.rank_batch)
+    return (r.checkpoint, r.step_in_backward, r.optimizer_offload, r.zero_offload, r.micro < r.rank_batch,
+            r.loss_chunks)
 
 
 def _predicted(points: list[tuple[int, int]], r: Recipe) -> float:
@@ -380,7 +387,8 @@ def _predicted(points: list[tuple[int, int]], r: Recipe) -> float:
 
 def _plain_rank(r: Recipe) -> tuple:
     """Smaller uses fewer techniques (the family's plainest setting first)."""
-    return (_CK[r.checkpoint], -r.micro, r.step_in_backward, bool(r.optimizer_offload), r.zero_offload)
+    return (_CK[r.checkpoint], -r.micro, r.step_in_backward, bool(r.optimizer_offload), r.zero_offload,
+            bool(r.loss_chunks))
 
 
 def _dominated(r: Recipe, failed: Recipe) -> bool:
@@ -388,7 +396,8 @@ def _dominated(r: Recipe, failed: Recipe) -> bool:
     ck = r.checkpoint == failed.checkpoint or _CK[r.checkpoint] < _CK[failed.checkpoint]
     return (ck and r.micro >= failed.micro and r.step_in_backward <= failed.step_in_backward
             and bool(r.optimizer_offload) <= bool(failed.optimizer_offload)
-            and r.offload_activations <= failed.offload_activations and r.zero_offload <= failed.zero_offload)
+            and r.offload_activations <= failed.offload_activations and r.zero_offload <= failed.zero_offload
+            and bool(r.loss_chunks) <= bool(failed.loss_chunks))
 
 
 # ----------------------------------------------------------------------------- the planner
@@ -637,6 +646,8 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
         (r.optimizer_offload, "optimizer offload", dict(optimizer_offload=None), "to host memory", faster, None),
         (r.offload_activations, "activation offload", dict(offload_activations=False), "to host memory", faster, None),
         (r.zero_offload, "ZeRO-Offload", dict(zero_offload=False), "optimizer shards in host memory", faster, None),
+        (r.loss_chunks, "chunked loss", dict(loss_chunks=None),
+         f"{r.loss_chunks} chunks along the sequence", "it costs no compute here", None),
         (r.dp > 1 and r.zero, f"ZeRO-{r.zero}", dict(zero=r.zero - 1, zero_offload=r.zero_offload and r.zero > 1),
          f"stage {r.zero}", faster, "ZeRO: not needed (plain data parallel)" if r.dp > 1 else None),
     ]

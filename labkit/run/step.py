@@ -149,12 +149,16 @@ def make_optimizer(model: torch.nn.Module, optimizer: str | Recipe = "adamw", lr
 
 
 def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = None,
-               offload_activations: bool = False) -> torch.Tensor:
+               offload_activations: bool = False, loss_chunks: int | None = None) -> torch.Tensor:
     """One step: forward (autocast for mixed-*), backward, optimizer step, gradients set to None.
 
     micro_batch: rows per micro-batch (gradient accumulation: each loss weighted by its share).
     offload_activations: saved activations go to host memory (labkit.recompute.offload_activations).
     The logits are not kept past the loss, so nothing outside autograd holds them in backward.
+    loss_chunks: the head and the loss in that many chunks along the sequence, each upcast to fp32
+    alone (labkit.recompute.chunked_output, torchtune's CEWithChunkedOutputLoss): the model returns
+    its output chunks, the loss walks them, and the chunks are let go before backward (as
+    torchtune's recipes do).
     """
     from labkit.accumulate import split_sizes
     from labkit.recompute import offload_activations as offload
@@ -164,7 +168,14 @@ def train_step(model, opt, x, y, dtype: str = "fp32", micro_batch: int | None = 
     for xb, yb in zip(torch.split(x, sizes), torch.split(y, sizes)):
         with offload() if offload_activations else contextlib.nullcontext():
             with torch.autocast(x.device.type, dtype=_LOW.get(dtype, torch.float32), enabled=dtype.startswith("mixed")):
-                if hasattr(model, "config") and hasattr(model.config, "model_type"):  # transformers
+                if loss_chunks:
+                    from labkit.recompute.chunked_output import (chunked_output_loss,
+                                                                 model_output_chunks)
+
+                    logits = model_output_chunks(model, xb, loss_chunks)
+                    loss = chunked_output_loss(logits, yb)
+                    del logits
+                elif hasattr(model, "config") and hasattr(model.config, "model_type"):  # transformers
                     out = model(input_ids=xb, labels=yb, use_cache=False)
                     loss = out.loss
                     del out
@@ -200,7 +211,8 @@ def measure_step(recipe: Recipe, *, steps: int = 2, budget: int | None = None, d
     offload_activations, micro_batch: as in `train_step`; the optimizer's: as in `make_optimizer` (disk offload:
     a temporary folder in data_dir()); base_dtype: the model is cast to it before `apply_peft` and the adapters
     kept in the trained dtype (fp32 under mixed-*, `adapters_to`); lora_rank, lora_targets, quant, quant_group,
-    lisa_layers: see `apply_peft`
+    lisa_layers: see `apply_peft`; loss_chunks: the head and its loss in chunks along the sequence
+    (`train_step`)
     (int4-awq calibrates on one batch of the same shape as the step's, drawn with seed + 1; LISA switches layers
     every LISA_INTERVAL steps, its optimizer holds every parameter, as labkit.peft.LISA requires).
     """
@@ -260,7 +272,8 @@ def _measure(m, opt, r: Recipe, sample, steps: int, budget, progress, before_ste
     device = torch.device(r.device)
     model = r.model
     label = (f"{getattr(model, 'name', model if isinstance(model, str) else type(m).__name__)} "
-             f"B={r.batch} S={r.seq} {r.dtype} {r.optimizer}")
+             f"B={r.batch} S={r.seq} {r.dtype} {r.optimizer}"
+             + (f" loss_chunks={r.loss_chunks}" if r.loss_chunks is not None else ""))
     real = device.type == "cuda" and budget is not None  # on CUDA the allocator enforces the budget
     wrap = contextlib.nullcontext()
     if r.checkpoint != "none":
@@ -275,6 +288,6 @@ def _measure(m, opt, r: Recipe, sample, steps: int, budget, progress, before_ste
             del t
             if before_step is not None:
                 before_step()
-            train_step(m, opt, x, y, r.dtype, r.micro_batch, r.offload_activations)
+            train_step(m, opt, x, y, r.dtype, r.micro_batch, r.offload_activations, r.loss_chunks)
             del x, y
     return led.measurement()

@@ -82,8 +82,9 @@ def test_torchtune_3b_lora_single_device_reads_as_its_yaml_says():
         ("bf16", "cuda", "adamw", "full", False)
     assert r.lora_rank == 64 and r.quant == "none"
     assert set(r.lora_targets) == {"q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    notes = dict(READ["llama3_2/3B_lora_single_device.yaml"].approximated)
-    assert "loss" in notes and "Chunked" in notes["loss"]  # chunked loss: named, not silently whole logits
+    # torchtune.modules.loss.CEWithChunkedOutputLoss: its 8 output chunks (num_output_chunks' default)
+    assert r.loss_chunks == 8
+    assert "loss" in READ["llama3_2/3B_lora_single_device.yaml"].mapped
 
 
 def test_torchtune_qlora_paged_and_distributed_fields():
