@@ -12,6 +12,7 @@ import sys
 from labkit.estimate.predict import DTYPES, OPTIMIZERS
 from labkit.estimate.recipe import PROJ_DTYPES, SELECTIVE_POLICIES
 from labkit.estimate.peft_terms import QUANTS
+from labkit.estimate.recipe import QUANT_SETS
 from labkit.estimate.moments import POLICIES
 from labkit.memory.units import HEADROOM
 
@@ -96,6 +97,11 @@ def build_parser() -> _Parser:
     e.add_argument("--quant-group", type=integer, default=None,
                    help="int4's group size along the input features (default 128; must divide every target's "
                         "input features); needs --quant int4 or int4-awq")
+    e.add_argument("--quant-set", choices=QUANT_SETS, default=None,
+                   help="which Linears --quant stores: all-linear (every Linear but the head, "
+                        "whatever --lora-targets: transformers + bitsandbytes' load_in_4bit, the "
+                        "default) or targets (the adapted ones only: torchtune's qlora builders); "
+                        "needs --quant")
     e.add_argument("--base-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="the frozen base's precision under LoRA/QLoRA: bf16 or fp16 with --dtype mixed-bf16 / "
                         "mixed-fp16 is peft's usual setup (16-bit base, fp32 adapters under autocast); "

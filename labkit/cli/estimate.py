@@ -26,7 +26,9 @@ def estimate_dict(model_text: str, e, args) -> dict:
                                                    "base_dtype")
                     if hasattr(args, k)}
                    # given only: a default run's JSON is unchanged
-                   | ({"selective_policy": args.selective_policy} if getattr(args, "selective_policy", None) else {}),
+                   | ({"selective_policy": args.selective_policy}
+                      if getattr(args, "selective_policy", None) else {})
+                   | ({"quant_set": args.quant_set} if getattr(args, "quant_set", None) else {}),
         "peak_phase": e.peak_phase, "peak": int(e.peak.total),
         "categories": {k: v for k, v in peak.items() if k != "total"},
         "phases": {p: e.phases[p].as_dict() for p in PHASES if p in e.phases},
@@ -118,6 +120,9 @@ def check_estimate_options(args, parser) -> int | None:
     if args.quant_group is not None and not args.quant.startswith("int4"):
         parser.error(f"--quant-group {args.quant_group} is int4's group size: give it with --quant int4 or int4-awq, "
                      f"not --quant {args.quant}")
+    if getattr(args, "quant_set", None) is not None and args.quant == "none":
+        parser.error(f"--quant-set {args.quant_set} chooses which Linears --quant stores: give "
+                     "--quant too (e.g. --quant nf4)")
     if args.lisa_layers is not None and (args.lora_rank is not None or args.quant != "none"):
         parser.error("--lisa-layers trains whole layers: give it without --lora-rank and --quant")
     if args.lora_targets is None:
@@ -135,6 +140,7 @@ def _recipe(args, spec, micro, device: str, **layout):
                   proj_dtype=args.proj_dtype, optimizer_offload=args.optimizer_offload,
                   step_in_backward=args.step_in_backward, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                   quant=args.quant, quant_group=args.quant_group, lisa_layers=args.lisa_layers, dp=args.dp,
+                  quant_set=getattr(args, "quant_set", None) or "all-linear",
                   base_dtype=getattr(args, "base_dtype", None),
                   zero=args.zero, zero_offload=args.zero_offload, **layout)
 

@@ -37,7 +37,11 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
     quant: the frozen base of the adapted Linears: "none", "int8" (per-row absmax codes), "nf4"
     (QLoRA: NF4 with double quantization, labkit.peft.apply_qlora), "int4" (group-wise round-to-nearest) or
     "int4-awq" (AWQ, its per-input-channel scale kept in each layer); needs lora_rank.
-    quant_group: int4's group size along the input features (default 128); it must divide every target's d_in.
+    quant_group: int4's group size along the input features (default 128); it must divide every
+    quantized d_in.
+    quant_set: which Linears `quant` stores: "all-linear" (every Linear but the head, whatever
+    lora_targets: transformers + bitsandbytes' load_in_4bit, the default) or "targets" (the adapted
+    ones: torchtune's qlora builders).
     lisa_layers: LISA with gamma = lisa_layers active layers (labkit.peft.LISA); not with lora_rank.
     base_dtype: the frozen base's precision under LoRA/QLoRA: "bf16"/"fp16" with dtype "mixed-bf16"/"mixed-fp16"
     is peft's setup (16-bit base, fp32 adapters under autocast); None: the trained weights' dtype.
@@ -61,7 +65,7 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
 def textbook_figure(r: Recipe) -> list[Term]:
     """The textbook layer's terms for a recipe (labkit.estimate.textbook.figure), with the counts it needs."""
     spec = spec_from(r.model, **r.config)
-    peft = peft_terms.peft_of(spec, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers, r.quant_group)
+    peft = peft_terms.of_recipe(spec, r)
     if peft is None:
         return textbook.figure(spec, r, spec.n_params)
     n_train = peft_terms.trainable_spec(spec, peft).n_params

@@ -95,11 +95,10 @@ def single_estimate(r: Recipe) -> Estimate:
     model, batch, seq, dtype, optimizer, device = r.model, r.batch, r.seq, r.dtype, r.optimizer, r.device
     checkpoint, segments, offload_activations, micro = r.checkpoint, r.segments, r.offload_activations, r.micro
     rank, optimizer_offload, step_in_backward = r.rank, r.optimizer_offload, r.step_in_backward
-    lora_rank, lora_targets, quant, lisa_layers = r.lora_rank, r.lora_targets, r.quant, r.lisa_layers
     overrides = r.config
     prec = Precision.of(dtype)
     spec = spec_from(model, **overrides)
-    peft = peft_terms.peft_of(spec, lora_rank, lora_targets, quant, lisa_layers, r.quant_group)
+    peft = peft_terms.of_recipe(spec, r)
     if peft is not None:
         _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward)
     if optimizer.startswith("galore") and spec.galore_shapes and rank > min(min(s) for s in spec.galore_shapes):
@@ -131,6 +130,8 @@ def single_estimate(r: Recipe) -> Estimate:
         extras += [f"base_dtype={r.base_dtype}"] * (r.base_dtype is not None)
         extras.append(f"LISA layers={peft.lisa_layers}" if peft.lisa_layers else
                       f"{peft.method} r={peft.rank} targets={len(peft.targets)}")
+        if peft.quant != "none":  # which convention's quantized set (Recipe.quant_set)
+            extras.append(f"[{peft_terms.QUANT_SET_NAMES[peft.quant_set]}]")
     label = " ".join([f"{spec.name} B={batch} S={seq} {dtype} {optimizer}", *extras])
     return Estimate(label, spec.n_params, terms=terms, moments=moments)
 

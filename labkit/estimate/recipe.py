@@ -20,6 +20,14 @@ POLICIES = ("none", "full", "sqrt", "selective")
 SELECTIVE_POLICIES = ("matmuls", "attention-core")  # labkit.recompute.selective.POLICIES
 QUANTS = ("none", "int8", "nf4", "int4", "int4-awq")
 INT4_QUANTS = ("int4", "int4-awq")  # group-wise int4: round-to-nearest, or AWQ (labkit.quant.awq)
+# Which Linears a quantized base (quant != "none") stores quantized:
+QUANT_SETS = (
+    # every Linear but the head, whatever the LoRA targets: transformers + bitsandbytes
+    # (load_in_4bit / BitsAndBytesConfig, the QLoRA paper's scripts); the others frozen, no adapters
+    "all-linear",
+    # only the LoRA-wrapped Linears, the rest of the base in its dtype: torchtune's qlora_* builders
+    "targets",
+)
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (pp > 1)
 ZERO_STAGES = (0, 1, 2, 3)
 BASE_DTYPES = (None, "fp32", "bf16", "fp16")  # a frozen base's precision (None: the trained weights')
@@ -81,6 +89,7 @@ class Recipe:
     lora_targets: str | tuple = "all-linear"  # "all-linear" or module names ("q_proj,v_proj" or a tuple)
     quant: str = "none"  # the frozen base under LoRA: "none", "int8", "nf4" (QLoRA), "int4" or "int4-awq"
     quant_group: int | None = None  # int4's group size along the input features (None: 128); int4 quants only
+    quant_set: str = "all-linear"  # which Linears `quant` stores: one of QUANT_SETS (see whose)
     lisa_layers: int | None = None  # LISA: this many layers train at a time
     # The frozen base's precision under LoRA / QLoRA (one of BASE_DTYPES). None: the trained weights' (dtype's);
     # "bf16"/"fp16" with dtype "mixed-bf16"/"mixed-fp16": peft's usual setup, a 16-bit base (its matmuls need
@@ -165,6 +174,12 @@ class Recipe:
             if self.quant not in INT4_QUANTS:
                 raise ValueError(f"quant_group is int4's group size: give quant='int4' or 'int4-awq', not {self.quant!r}")
             _positive_int("quant_group", self.quant_group)
+        if self.quant_set not in QUANT_SETS:
+            raise ValueError(f"quant_set must be one of {', '.join(QUANT_SETS)}, "
+                             f"got {self.quant_set!r}")
+        if self.quant_set != "all-linear" and self.quant == "none":
+            raise ValueError(f"quant_set={self.quant_set!r} chooses which Linears a quantized base "
+                             "stores: give quant too (e.g. 'nf4'), or drop quant_set")
         _check_base_dtype(self)
         for name in ("offload_activations", "step_in_backward", "zero_offload", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):

@@ -229,12 +229,12 @@ def _torchtune_model(model: dict, notes: _Notes) -> dict:
     if model.get("apply_lora_to_output"):
         targets.append("lm_head")
     out.update(lora_rank=int(model.get("lora_rank", 8)), lora_targets=tuple(targets))
-    if kind == "qlora":
-        out["quant"] = "nf4"  # torchtune's qlora_* builders store each LoRA-wrapped linear in NF4
+    if kind == "qlora":  # torchtune's qlora_* builders: each LoRA-wrapped linear in NF4, only those
+        out.update(quant="nf4", quant_set="targets")
     if model.get("use_dora"):
         notes.approximated.append(("model.use_dora", "DoRA's magnitude vectors predicted as LoRA"))
     if model.get("quantize_base") and kind == "lora":
-        out["quant"] = "nf4"
+        out.update(quant="nf4", quant_set="targets")
     return out
 
 
@@ -384,10 +384,10 @@ def read_axolotl(cfg: dict, path: str, devices: int | None = None) -> Reading:
     notes.mapped.append("base_model")
     kw: dict = {"device": "cuda"}
     adapter = cfg.get("adapter")
-    if cfg.get("load_in_4bit"):
-        kw["quant"] = "nf4"
+    if cfg.get("load_in_4bit"):  # transformers + bitsandbytes: every Linear but the head
+        kw.update(quant="nf4", quant_set="all-linear")
     elif cfg.get("load_in_8bit"):
-        kw["quant"] = "int8"
+        kw.update(quant="int8", quant_set="all-linear")
     if adapter in ("lora", "qlora"):
         kw["lora_rank"] = int(cfg.get("lora_r", 8))
         if cfg.get("lora_target_linear"):

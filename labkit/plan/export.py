@@ -48,7 +48,8 @@ TARGET_FILES = {"training_args": ("training_args",), "accelerate": ("accelerate_
 MEMORY_FIELDS = ("batch", "seq", "dtype", "optimizer", "device", "foreach", "checkpoint", "segments",
                  "selective_policy", "offload_activations", "micro_batch", "rank", "proj_dtype",
                  "optimizer_offload", "step_in_backward", "lora_rank", "lora_targets", "quant", "quant_group",
-                 "lisa_layers", "dp", "zero", "zero_offload", "tp", "pp", "schedule", "sequence_parallel")
+                 "quant_set", "lisa_layers", "dp", "zero", "zero_offload", "tp", "pp", "schedule",
+                 "sequence_parallel")
 
 # labkit optimizer -> transformers OptimizerNames value (transformers.training_args.OptimizerNames)
 HF_OPTIM = {"adamw": "adamw_torch", "adam": "adamw_torch", "sgd": "sgd", "sgd-momentum": "sgd",
@@ -199,7 +200,7 @@ def export_gaps(recipe: Recipe, devices: int = 1) -> dict[str, tuple[Gap, ...]]:
         ds.append(Gap("zero_offload", "zero_offload at stage 1 on one device is DeepSpeed's form of labkit's "
                                       "optimizer_offload='cpu' (the same bytes; it reads back as that)"))
     script = list(_layout_gaps(r))
-    for name in ("lora_rank", "lora_targets", "quant", "quant_group", "lisa_layers"):
+    for name in ("lora_rank", "lora_targets", "quant", "quant_group", "quant_set", "lisa_layers"):
         if getattr(r, name) != Recipe.__dataclass_fields__[name].default:
             g = "train_fsdp2.py trains every parameter: adapters and LISA are training_args.json's (peft)"
             script.append(Gap(name, f"{name}={getattr(r, name)!r}: {g}"))
@@ -355,6 +356,10 @@ def training_arguments(recipe: Recipe, devices: int = 1) -> dict:
                                     "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": compute}
         elif recipe.quant == "int8":
             peft["quantization"] = {"load_in_8bit": True}
+        if "quantization" in peft and recipe.quant_set == "targets":
+            # bitsandbytes quantizes every Linear but the head by default (quant_set "all-linear");
+            # torchtune's set, the targets only, is the default less the other Linears, skipped
+            peft["quantization"]["llm_int8_skip_modules"] = ["lm_head", *_unadapted_linears(recipe)]
             notes.append("quant int8: bitsandbytes' LLM.int8() keeps outlier columns in 16 bits; labkit's int8 "
                          "base is plain per-row absmax, so memory and results differ slightly")
         elif recipe.quant in ("int4", "int4-awq"):
@@ -368,6 +373,18 @@ def training_arguments(recipe: Recipe, devices: int = 1) -> dict:
     # load in the frozen base's dtype: a 16-bit base under fp32 adapters (Recipe.base_dtype) is loaded in 16 bits
     model_section = {"name": model["name"], "dtype": _torch_dtype(recipe.frozen_dtype), "seq": recipe.seq}
     return {"kwargs": kw, "peft": peft, "model": model_section, "notes": notes}
+
+
+def _unadapted_linears(recipe: Recipe) -> list[str]:
+    """The Linears but the head that get no LoRA adapter, by full module name (transformers
+    matches a BitsAndBytesConfig skip entry against a module's full name)."""
+    from labkit.estimate import peft_terms
+    from labkit.estimate.spec import spec_from
+
+    spec = spec_from(recipe.model, **recipe.config)
+    adapted = {lin[0] for lin in peft_terms.resolve_targets(spec, recipe.lora_targets)}
+    every = peft_terms.resolve_targets(spec, "all-linear")
+    return [name for name, *_ in every if name not in adapted]
 
 
 def accelerate_config(recipe: Recipe, devices: int = 1) -> dict:
@@ -808,6 +825,9 @@ def from_training_args(doc: dict) -> dict:
                         "int8" if q.get("load_in_8bit") else "none")
         if q.get("load_in_4bit") and q.get("bnb_4bit_quant_type") != "nf4":
             raise ValueError(f"4-bit {q.get('bnb_4bit_quant_type')!r} base: labkit reads nf4")
+        if out["quant"] != "none":  # bitsandbytes: every Linear but the skipped ones and the head
+            skip = [m for m in q.get("llm_int8_skip_modules") or () if m != "lm_head"]
+            out["quant_set"] = "targets" if skip else "all-linear"
     return out
 
 

@@ -88,7 +88,9 @@ def test_torchtune_3b_lora_single_device_reads_as_its_yaml_says():
 
 def test_torchtune_qlora_paged_and_distributed_fields():
     READ, _ = _read_all()
-    assert READ["llama3_2/3B_qlora_single_device.yaml"].recipe.quant == "nf4"
+    qlora = READ["llama3_2/3B_qlora_single_device.yaml"].recipe
+    # torchtune quantizes the LoRA-wrapped linears only
+    assert (qlora.quant, qlora.quant_set) == ("nf4", "targets")
     full8 = READ["llama3_1/8B_full_single_device.yaml"]
     assert full8.recipe.optimizer == "adamw8bit"  # bitsandbytes.optim.PagedAdamW8bit
     assert "paged" in dict(full8.approximated)["optimizer"]
@@ -167,6 +169,7 @@ def test_axolotl_qlora_example(tmp_path):
     assert reading.format is Format.AXOLOTL
     assert (r.model, r.batch, r.micro_batch, r.seq) == ("llama2-7b", 8, 2, 4096)
     assert (r.quant, r.lora_rank, r.lora_targets, r.checkpoint) == ("nf4", 32, "all-linear", "full")
+    assert r.quant_set == "all-linear"  # load_in_4bit: all Linears but the head
     assert r.dtype == "mixed-bf16" and r.optimizer == "adamw"
     assert "paged" in dict(reading.approximated)["optimizer"]
     assert set(yaml.safe_load(AXOLOTL_QLORA)) <= reading.fields_named()

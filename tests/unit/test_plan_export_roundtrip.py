@@ -39,6 +39,8 @@ CASES = {
     "quant nf4": dict(lora_rank=8, quant="nf4", dtype="mixed-bf16"),
     "quant int8": dict(lora_rank=8, quant="int8"), "quant int4": dict(lora_rank=8, quant="int4"),
     "quant_group": dict(lora_rank=8, quant="int4", quant_group=32),
+    "quant_set": dict(lora_rank=8, quant="nf4", lora_targets="c_attn", quant_set="targets",
+                      dtype="mixed-bf16"),
     "lisa_layers": dict(lisa_layers=1),
     "dp": dict(dp=2), "zero 1": dict(dp=2, zero=1), "zero 2": dict(dp=2, zero=2),
     "zero 3": dict(dp=2, zero=3), "zero_offload": dict(dp=2, zero=3, zero_offload=True),
