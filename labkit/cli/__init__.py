@@ -87,6 +87,11 @@ def build_parser() -> _Parser:
     e.add_argument("--optimizer-offload", choices=("cpu", "disk"), default=None,
                    help="AdamW state and step in host memory or on disk (labkit.optim.OffloadAdamW)")
     e.add_argument("--step-in-backward", action="store_true", help="step each parameter as its gradient is ready")
+    e.add_argument("--paged", action="store_true",
+                   help="the optimizer's states in CUDA unified memory, as bitsandbytes' "
+                        "PagedAdamW / PagedAdamW8bit keep them (--optimizer adamw, adamw8bit, "
+                        "adam, adam8bit or lion): outside the peak (max_memory_allocated), "
+                        "printed apart; with --budget, what the driver pages out")
     e.add_argument("--lora-rank", type=integer, default=None, help="LoRA adapters of this rank; every base weight frozen")
     e.add_argument("--lora-targets", default=None,
                    help="comma-separated Linear module names or endings (e.g. q_proj,v_proj), "

@@ -211,7 +211,7 @@ _OPTION_NAMES = [(rf"(?<![\w-]){k}(?!\w)", v) for k, v in {
     "step_in_backward": "--step-in-backward", "offload_activations": "--offload-activations",
     "lora_rank": "--lora-rank", "lora_targets": "--lora-targets", "lisa_layers": "--lisa-layers",
     "quant_group": "--quant-group", "selective_policy": "--selective-policy",
-    "base_dtype": "--base-dtype", "quant_set": "--quant-set"}.items()]
+    "base_dtype": "--base-dtype", "quant_set": "--quant-set", "paged_states": "--paged"}.items()]
 _OPTION_NAMES += [(r"^(batch|seq|rank|segments) ", r"--\1 ")]
 
 

@@ -30,6 +30,10 @@ def estimate(model, batch: int | None = None, seq: int | None = None, dtype: str
     in its `where` ("projector refresh" / "no projector refresh"); the peak is the larger.
     proj_dtype: 8-bit GaLore's projector precision ("param", the default, "fp32" or "int8").
     optimizer_offload: "cpu" or "disk": AdamW's state lives off the device (labkit.optim.OffloadAdamW).
+    paged_states: the optimizer's states in CUDA unified memory (bitsandbytes' PagedAdamW and
+    PagedAdamW8bit; adamw, adamw8bit, adam, adam8bit or lion): left out of every moment and the
+    peak (what max_memory_allocated reports), their bytes in `Estimate.unified`; `paging(e, budget)`
+    says what the driver pages out under a budget.
     step_in_backward: each parameter steps as soon as its gradient is ready (labkit.optim.StepInBackward,
     any optimizer; not with optimizer_offload or micro_batch).
     lora_rank: LoRA adapters of rank r on `lora_targets` ("all-linear": every Linear but lm_head, or
@@ -70,6 +74,25 @@ def textbook_figure(r: Recipe) -> list[Term]:
         return textbook.figure(spec, r, spec.n_params)
     n_train = peft_terms.trainable_spec(spec, peft).n_params
     return textbook.figure(spec, r, n_train, peft_terms.quantized_weights(spec, peft))
+
+
+def paging(e: Estimate, budget: int):
+    """What a budget of `budget` device bytes makes the driver do to paged states
+    (Recipe.paged_states): labkit.optim.paged.predict_paging of the step whose peak with the states
+    resident is e.peak.total + e.unified. Its `evicted` bytes go to host RAM at the peak (0: they
+    stay on the device); `fits` is False when the device peak alone is over the budget (paging every
+    state out would not make room). The driver moves whole pages (labkit.optim.paged.PAGE_SIZE, its
+    large page), so the states leave in whole pages."""
+    import dataclasses
+    import math
+
+    from labkit.optim.paged import PAGE_SIZE, predict_paging
+
+    if not e.unified:
+        raise ValueError("this estimate keeps no states in unified memory: give paged_states=True")
+    pages = math.ceil(e.unified / PAGE_SIZE) * PAGE_SIZE
+    p = predict_paging(e.peak.total + e.unified, budget, state_bytes=pages)
+    return dataclasses.replace(p, fits=p.fits and e.peak.total <= budget)  # the rest must fit
 
 
 def estimate_ranks(model, batch: int | None = None, seq: int | None = None, **options) -> list[Estimate]:

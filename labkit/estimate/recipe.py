@@ -28,6 +28,9 @@ QUANT_SETS = (
     # only the LoRA-wrapped Linears, the rest of the base in its dtype: torchtune's qlora_* builders
     "targets",
 )
+# bitsandbytes.optim's PagedAdamW, PagedAdamW8bit, PagedAdam, PagedAdam8bit and PagedLion: states
+# in CUDA unified memory (Recipe.paged_states)
+PAGED_OPTIMIZERS = ("adamw", "adamw8bit", "adam", "adam8bit", "lion")
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (pp > 1)
 ZERO_STAGES = (0, 1, 2, 3)
 BASE_DTYPES = (None, "fp32", "bf16", "fp16")  # a frozen base's precision (None: the trained weights')
@@ -85,6 +88,9 @@ class Recipe:
     proj_dtype: str | None = None  # 8-bit GaLore's projector: "param" (None: the parameters' dtype), "fp32", "int8"
     optimizer_offload: str | None = None  # None, "cpu" or "disk" (labkit.optim.OffloadAdamW)
     step_in_backward: bool = False  # each parameter steps when its gradient is ready
+    # the optimizer's states in CUDA unified memory (bitsandbytes' PagedAdamW / PagedAdamW8bit),
+    # outside the allocator's peak (max_memory_allocated): Estimate.unified; one of PAGED_OPTIMIZERS
+    paged_states: bool = False
     lora_rank: int | None = None  # LoRA adapters of this rank on lora_targets, the base frozen
     lora_targets: str | tuple = "all-linear"  # "all-linear" or module names ("q_proj,v_proj" or a tuple)
     quant: str = "none"  # the frozen base under LoRA: "none", "int8", "nf4" (QLoRA), "int4" or "int4-awq"
@@ -168,6 +174,18 @@ class Recipe:
             raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
         if self.step_in_backward and self.optimizer_offload:
             raise ValueError(STEP_AND_OFFLOAD)
+        if self.paged_states is not False and self.paged_states is not True:
+            raise ValueError(f"paged_states must be True or False, got {self.paged_states!r}")
+        if self.paged_states and self.optimizer not in PAGED_OPTIMIZERS:
+            raise ValueError(f"paged_states pages the states of bitsandbytes' paged optimizers: "
+                             f"give optimizer {', '.join(map(repr, PAGED_OPTIMIZERS))}, "
+                             f"not {self.optimizer!r}")
+        if self.paged_states and self.optimizer_offload:
+            raise ValueError("paged_states and optimizer_offload both keep the optimizer state "
+                             "off the device's allocator: choose one")
+        if self.paged_states and (self.distributed or self.zero):
+            raise ValueError("paged_states is modelled on one device: drop dp, zero, tp and pp, or "
+                             "paged_states")
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         if self.quant_group is not None:

@@ -268,8 +268,13 @@ def measure_step(recipe: Recipe, *, steps: int = 2, budget: int | None = None, d
             before = LISA(m, opt, gamma=r.lisa_layers, interval=LISA_INTERVAL, seed=seed).step
         gen = torch.Generator().manual_seed(seed)
         try:
-            return _measure(m, opt, r, lambda: _sample(data, vocab, r.batch, r.seq + 1, gen), steps, budget,
-                            progress, before)
+            meas = _measure(m, opt, r, lambda: _sample(data, vocab, r.batch, r.seq + 1, gen), steps,
+                            budget, progress, before)
+            # paged states: bitsandbytes keeps them in CUDA unified memory, which
+            # max_memory_allocated does not count. The same optimizer runs here (a CPU has no
+            # unified memory to page); the ledger's optimizer-state bytes leave the device
+            # timeline as that memory (Measurement.unified)
+            return meas.as_unified() if r.paged_states else meas
         finally:
             if hasattr(opt, "close"):
                 opt.close()
