@@ -132,6 +132,14 @@ def build_parser() -> _Parser:
                    help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")
     w.add_argument("--lora-rank", type=integer, default=None,
                    help="LoRA rank for the lora and qlora methods (default 64, QLoRA's)")
+    w.add_argument("--lora-targets", default=None,
+                   help="the lora and qlora methods' targets: comma-separated Linear names or "
+                        "endings (e.g. q_proj,v_proj), or all-linear (every Linear but the head; "
+                        "the default)")
+    w.add_argument("--quant-set", choices=QUANT_SETS, default=None,
+                   help="which Linears the qlora method stores in NF4: all-linear (every Linear "
+                        "but the head: transformers + bitsandbytes, the default) or targets "
+                        "(torchtune's)")
     w.add_argument("--adapters", choices=("base", "fp32"), default="base",
                    help="LoRA/QLoRA adapters in the bf16 base's dtype (base: the QLoRA paper's scripts, the "
                         "default) or in fp32 under autocast (fp32: peft's default, Recipe.base_dtype)")

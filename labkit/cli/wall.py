@@ -61,10 +61,12 @@ def format_wall(rows: list[dict], args) -> str:
     methods = getattr(args, "methods", "full")
     head = [_recipe_words(args),
             "; ".join(([f"full fine-tuning in {args.dtype}"] if "full" in methods else [])
-                      + ([f"LoRA/QLoRA: rank {args.lora_rank} on all linear layers but the head, frozen base in bf16 "
+                      + ([f"LoRA/QLoRA: rank {args.lora_rank} on {_targets_words(args)}, "
+                f"frozen base in bf16 "
                + ("under fp32 adapters and autocast, as peft runs it" if getattr(args, "adapters", "base") == "fp32"
                   else "and bf16 adapters, as the QLoRA paper's scripts run it")
-               + " (QLoRA: NF4 with double quantization)"] if methods != ["full"] else []))
+               + f" (QLoRA: NF4 with double quantization, {_qset_words(args)})"]
+               if methods != ["full"] else []))
             + f": predicted peak vs budget ({UNITS_NOTE}); tight: fits within {args.headroom_fraction:.0%} of "
               "the budget, as plan flags it (verify on the device)", ""]
     table = [["model", "method", "params", "peak", "peak phase"] + budgets]
@@ -76,11 +78,22 @@ def format_wall(rows: list[dict], args) -> str:
     return "\n".join(wrap_line(h) for h in head) + _table(table, right={2, 3})
 
 
-def _rank_for(spec, rank: int) -> int:
+def _targets_words(args) -> str:
+    t = getattr(args, "lora_targets", None) or "all-linear"
+    return "all linear layers but the head" if t == "all-linear" else t
+
+
+def _qset_words(args) -> str:
+    from labkit.estimate.peft_terms import QUANT_SET_NAMES
+
+    return QUANT_SET_NAMES[getattr(args, "quant_set", None) or "all-linear"]
+
+
+def _rank_for(spec, rank: int, targets="all-linear") -> int:
     """The default rank, or a model's smallest LoRA target side where that is smaller (a tiny model)."""
     from labkit.estimate.peft_terms import peft_of
 
-    sides = [min(d_in, d_out) for _, d_in, d_out, _ in peft_of(spec, 1).targets]
+    sides = [min(d_in, d_out) for _, d_in, d_out, _ in peft_of(spec, 1, targets).targets]
     return min([rank] + sides)
 
 
@@ -126,6 +139,11 @@ def cmd_wall(args, parser) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if getattr(args, "quant_set", None) is not None and "qlora" not in methods:
+        parser.error(f"--quant-set {args.quant_set} chooses what the qlora method quantizes: "
+                     "add qlora to --methods")
+    if getattr(args, "lora_targets", None) is not None and methods == ["full"]:
+        parser.error("--lora-targets is for the lora and qlora methods, not --methods full alone")
     if args.lora_rank is not None and methods == ["full"]:
         parser.error(f"--lora-rank {args.lora_rank} is for the lora and qlora methods, not --methods full alone")
     if args.dtype is not None and "full" not in methods:
@@ -150,12 +168,15 @@ def cmd_wall(args, parser) -> int:
     rows = []
     for text, (model, _) in zip(models, checked):  # each model read once for all its methods
         spec = read_model(model, text)
-        rank = _rank_for(spec, args.lora_rank) if default_rank else args.lora_rank
+        targets = getattr(args, "lora_targets", None) or "all-linear"
+        rank = _rank_for(spec, args.lora_rank, targets) if default_rank else args.lora_rank
         try:
             recipe = Recipe(None, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
-                            checkpoint=args.checkpoint, micro_batch=args.micro_batch, lora_rank=rank)
+                            checkpoint=args.checkpoint, micro_batch=args.micro_batch,
+                            lora_rank=rank, lora_targets=targets)
             new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods,
-                            adapters=getattr(args, "adapters", "base"))
+                            adapters=getattr(args, "adapters", "base"),
+                            quant_set=getattr(args, "quant_set", None) or "all-linear")
         except ValueError as err:  # fit_table names the model by its spec: name it as typed
             raise ValueError(f"{text}: {_cli_words(str(err.__cause__ or err))}") from err
         for r in new:

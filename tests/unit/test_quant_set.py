@@ -143,3 +143,20 @@ def test_the_cli_takes_quant_set(capsys):
     assert "transformers + bitsandbytes" in capsys.readouterr().out
     assert main(base[:-2] + ["--quant-set", "targets"]) == 2
     assert "--quant-set targets chooses which Linears --quant stores" in capsys.readouterr().err
+
+
+def test_wall_takes_targets_and_quant_set(capsys):
+    """wall's qlora rows over llama2-7b with r=16 on q_proj,v_proj: the issue's two figures."""
+    base = ["wall", "--models", "llama2-7b", "--methods", "qlora", "--batch", "4", "--seq", "512",
+            "--lora-rank", "16", "--checkpoint", "none", "--micro-batch", "4", "--lora-targets",
+            "q_proj,v_proj", "--json"]
+    peaks = {}
+    for qset in ("all-linear", "targets"):
+        assert main(base + ["--quant-set", qset]) == 0
+        peaks[qset] = json.loads(capsys.readouterr().out)["rows"][0]["peak"]
+        r = Recipe.of("llama2-7b", 4, 512, dtype="bf16", device="cuda", lora_rank=16,
+                      lora_targets="q_proj,v_proj", quant="nf4", quant_set=qset)
+        assert peaks[qset] == estimate(r).peak.total
+    assert peaks["all-linear"] < peaks["targets"]
+    assert main(base[:4] + ["lora", "--quant-set", "targets"]) == 2
+    assert "add qlora to --methods" in capsys.readouterr().err
