@@ -39,6 +39,8 @@ CASES = {
     "quant nf4": dict(lora_rank=8, quant="nf4", dtype="mixed-bf16"),
     "quant int8": dict(lora_rank=8, quant="int8"), "quant int4": dict(lora_rank=8, quant="int4"),
     "quant_group": dict(lora_rank=8, quant="int4", quant_group=32),
+    "paged_states": dict(paged_states=True),
+    "paged_states 8-bit": dict(paged_states=True, optimizer="adamw8bit"),
     "quant_set": dict(lora_rank=8, quant="nf4", lora_targets="c_attn", quant_set="targets",
                       dtype="mixed-bf16"),
     "lisa_layers": dict(lisa_layers=1),
