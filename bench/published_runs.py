@@ -39,7 +39,8 @@ class Named(enum.Enum):
     """A difference whose bytes labkit derives from the published setup (never fitted)."""
 
     BNB_EVERY_LINEAR = ("Lightning's BitsandbytesPrecision holds every nn.Linear in NF4 (head "
-                        "included); labkit only the LoRA targets: the others' bf16 - NF4 bytes")
+                        "included); labkit's default quant_set (transformers + bitsandbytes') all "
+                        "but the head: the head's bf16 - NF4 bytes")
 
 
 @dataclass(frozen=True)
@@ -213,18 +214,18 @@ def recipe_of(row: Published):
 
 
 def bnb_every_linear_bytes(recipe) -> int:
-    """Bytes labkit keeps in bf16 that Lightning's bnb.nf4 holds in NF4: every Linear outside the
-    LoRA targets (the head included), 2 bytes per weight in labkit and
+    """Bytes labkit keeps in bf16 that Lightning's bnb.nf4 holds in NF4: every Linear outside
+    labkit's quantized set (Recipe.quant_set; the default, transformers + bitsandbytes', leaves
+    the head out, which Lightning replaces too), 2 bytes per weight in labkit and
     `nf4_bytes_for(n, double_quant=False)` (4-bit codes, an fp32 absmax per 64 weights) there."""
-    from labkit.estimate import spec_from
+    from labkit.estimate import peft_terms, spec_from
     from labkit.quant.nf4 import nf4_bytes_for
 
     spec = spec_from(recipe.model, **recipe.config)
-    targets = recipe.lora_targets
-    targets = set(targets.split(",")) if isinstance(targets, str) else set(targets)
+    quantized = {name for name, *_ in peft_terms.of_recipe(spec, recipe).quantized}
     out = 0
     for name, d_in, d_out, _ in spec.linears:
-        if name.rsplit(".", 1)[-1] not in targets:
+        if name not in quantized:
             n = d_in * d_out
             out += 2 * n - nf4_bytes_for(n, double_quant=False)
     return out

@@ -12,6 +12,7 @@ import sys
 from labkit.estimate.predict import DTYPES, OPTIMIZERS
 from labkit.estimate.recipe import PROJ_DTYPES, SELECTIVE_POLICIES
 from labkit.estimate.peft_terms import QUANTS
+from labkit.estimate.recipe import QUANT_SETS
 from labkit.estimate.moments import POLICIES
 from labkit.memory.units import HEADROOM
 
@@ -90,6 +91,11 @@ def build_parser() -> _Parser:
     e.add_argument("--optimizer-offload", choices=("cpu", "disk"), default=None,
                    help="AdamW state and step in host memory or on disk (labkit.optim.OffloadAdamW)")
     e.add_argument("--step-in-backward", action="store_true", help="step each parameter as its gradient is ready")
+    e.add_argument("--paged", action="store_true",
+                   help="the optimizer's states in CUDA unified memory, as bitsandbytes' "
+                        "PagedAdamW / PagedAdamW8bit keep them (--optimizer adamw, adamw8bit, "
+                        "adam, adam8bit or lion): outside the peak (max_memory_allocated), "
+                        "printed apart; with --budget, what the driver pages out")
     e.add_argument("--lora-rank", type=integer, default=None, help="LoRA adapters of this rank; every base weight frozen")
     e.add_argument("--lora-targets", default=None,
                    help="comma-separated Linear module names or endings (e.g. q_proj,v_proj), "
@@ -100,6 +106,11 @@ def build_parser() -> _Parser:
     e.add_argument("--quant-group", type=integer, default=None,
                    help="int4's group size along the input features (default 128; must divide every target's "
                         "input features); needs --quant int4 or int4-awq")
+    e.add_argument("--quant-set", choices=QUANT_SETS, default=None,
+                   help="which Linears --quant stores: all-linear (every Linear but the head, "
+                        "whatever --lora-targets: transformers + bitsandbytes' load_in_4bit, the "
+                        "default) or targets (the adapted ones only: torchtune's qlora builders); "
+                        "needs --quant")
     e.add_argument("--base-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="the frozen base's precision under LoRA/QLoRA: bf16 or fp16 with --dtype mixed-bf16 / "
                         "mixed-fp16 is peft's usual setup (16-bit base, fp32 adapters under autocast); "
@@ -130,6 +141,14 @@ def build_parser() -> _Parser:
                    help="comma-separated: full (fine-tuning), lora, qlora (LoRA on an NF4 base)")
     w.add_argument("--lora-rank", type=integer, default=None,
                    help="LoRA rank for the lora and qlora methods (default 64, QLoRA's)")
+    w.add_argument("--lora-targets", default=None,
+                   help="the lora and qlora methods' targets: comma-separated Linear names or "
+                        "endings (e.g. q_proj,v_proj), or all-linear (every Linear but the head; "
+                        "the default)")
+    w.add_argument("--quant-set", choices=QUANT_SETS, default=None,
+                   help="which Linears the qlora method stores in NF4: all-linear (every Linear "
+                        "but the head: transformers + bitsandbytes, the default) or targets "
+                        "(torchtune's)")
     w.add_argument("--adapters", choices=("base", "fp32"), default="base",
                    help="LoRA/QLoRA adapters in the bf16 base's dtype (base: the QLoRA paper's scripts, the "
                         "default) or in fp32 under autocast (fp32: peft's default, Recipe.base_dtype)")

@@ -210,8 +210,9 @@ _OPTION_NAMES = [(rf"(?<![\w-]){k}(?!\w)", v) for k, v in {
     "micro_batch": "--micro-batch", "optimizer_offload": "--optimizer-offload", "checkpoint": "--checkpoint",
     "step_in_backward": "--step-in-backward", "offload_activations": "--offload-activations",
     "lora_rank": "--lora-rank", "lora_targets": "--lora-targets", "lisa_layers": "--lisa-layers",
-    "quant_group": "--quant-group", "selective_policy": "--selective-policy", "base_dtype": "--base-dtype",
-    "loss_chunks": "--loss-chunks"}.items()]
+    "quant_group": "--quant-group", "selective_policy": "--selective-policy",
+    "base_dtype": "--base-dtype", "loss_chunks": "--loss-chunks", "quant_set": "--quant-set",
+    "paged_states": "--paged"}.items()]
 _OPTION_NAMES += [(r"^(batch|seq|rank|segments) ", r"--\1 ")]
 
 

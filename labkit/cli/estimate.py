@@ -32,7 +32,10 @@ def estimate_dict(model_text: str, e, args, recipe=None, n_params: int | None = 
                                                    "base_dtype", "loss_chunks")
                     if hasattr(args, k)}
                    # given only: a default run's JSON is unchanged
-                   | ({"selective_policy": args.selective_policy} if getattr(args, "selective_policy", None) else {}),
+                   | ({"selective_policy": args.selective_policy}
+                      if getattr(args, "selective_policy", None) else {})
+                   | ({"quant_set": args.quant_set} if getattr(args, "quant_set", None) else {})
+                   | ({"paged_states": True} if getattr(args, "paged", False) else {}),
         "peak_phase": e.peak_phase, "peak": int(e.peak.total),
         "categories": {k: v for k, v in peak.items() if k != "total"},
         **peak_json(e),
@@ -208,6 +211,9 @@ def check_estimate_options(args, parser) -> int | None:
     if args.quant_group is not None and not args.quant.startswith("int4"):
         parser.error(f"--quant-group {args.quant_group} is int4's group size: give it with --quant int4 or int4-awq, "
                      f"not --quant {args.quant}")
+    if getattr(args, "quant_set", None) is not None and args.quant == "none":
+        parser.error(f"--quant-set {args.quant_set} chooses which Linears --quant stores: give "
+                     "--quant too (e.g. --quant nf4)")
     if args.lisa_layers is not None and (args.lora_rank is not None or args.quant != "none"):
         parser.error("--lisa-layers trains whole layers: give it without --lora-rank and --quant")
     if args.lora_targets is None:
@@ -225,6 +231,8 @@ def _recipe(args, spec, micro, device: str, **layout):
                   proj_dtype=args.proj_dtype, optimizer_offload=args.optimizer_offload,
                   step_in_backward=args.step_in_backward, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                   quant=args.quant, quant_group=args.quant_group, lisa_layers=args.lisa_layers, dp=args.dp,
+                  quant_set=getattr(args, "quant_set", None) or "all-linear",
+                  paged_states=getattr(args, "paged", False),
                   base_dtype=getattr(args, "base_dtype", None),
                   loss_chunks=getattr(args, "loss_chunks", None),
                   zero=args.zero, zero_offload=args.zero_offload, **layout)
@@ -260,12 +268,51 @@ def cmd_estimate(args, parser) -> int:
         out = estimate_dict(args.model, e, args, recipe, spec.n_params, host)
         if gpu is not None:
             out["cuda_peak"] = int(gpu.peak.total)
+        if e.unified:
+            out["unified"] = int(e.unified)
+            if budget is not None:
+                out["paging"] = _paging_dict(e, budget)
         print(json.dumps(out | _verdict_dict(e.peak.total, budget, headroom)))
     else:
         print(format_estimate(e, args.device, getattr(args, "all_terms", False), host)
               + ("" if gpu is None else "\n" + cpu_note(e, gpu))
-              + _verdict_text(e.peak.total, budget, headroom))
+              + _verdict_text(e.peak.total, budget, headroom) + paged_text(e, budget))
     return 0
+
+
+def _paging_dict(e, budget: int) -> dict:
+    from labkit.estimate import paging
+
+    p = paging(e, budget)
+    return {"paged_out": int(p.evicted), "fits": bool(p.fits)}
+
+
+def paged_text(e, budget: int | None) -> str:
+    """--paged: the states' bytes in unified memory, apart from the peak; under --budget, what the
+    driver pages out to host RAM (labkit.optim.paged.predict_paging)."""
+    if not e.unified:
+        return ""
+    states = fmt_bytes(e.unified)
+    lines = [f"paged optimizer states: {states} in CUDA unified memory (bitsandbytes' paged "
+             "optimizers), not in the peak above: max_memory_allocated does not count them"]
+    if budget is not None:
+        from labkit.estimate import paging
+
+        p = paging(e, budget)
+        with_states = fmt_bytes(e.peak.total + e.unified)
+        if not p.evicted:
+            lines.append(f"paging: none; the peak with the states on the device, {with_states}, "
+                         "fits the budget")
+        elif p.fits:
+            out = fmt_bytes(p.evicted)
+            lines.append(f"paging: the peak with the states on the device is {with_states}, over "
+                         f"the budget: the driver pages about {out} of them out to host RAM and "
+                         "brings them back in the optimizer step (slower, not out of memory)")
+        else:
+            peak = fmt_bytes(e.peak.total)
+            lines.append(f"paging: the device peak without the states, {peak}, is over the "
+                         "budget: paging every state out does not make it fit")
+    return "".join("\n" + wrap_line(t) for t in lines)
 
 
 def _verdict_dict(peak: int, budget: int | None, headroom: float) -> dict:

@@ -99,15 +99,26 @@ def _peft_words(rows: list[dict], args) -> str:
     else:
         paper = "" if args.dtype_given else ", as the QLoRA paper's scripts run it"
         how = f"and {dtype} adapters{paper}"
-    return (f"LoRA/QLoRA in {dtype}: rank {args.lora_rank} on all linear layers but the head, "
-            f"frozen base in {base} {how} (QLoRA: NF4 with double quantization)")
+    return (f"LoRA/QLoRA in {dtype}: rank {args.lora_rank} on {_targets_words(args)}, "
+            f"frozen base in {base} {how} (QLoRA: NF4 with double quantization, {_qset_words(args)})")
 
 
-def _rank_for(spec, rank: int) -> int:
+def _targets_words(args) -> str:
+    t = getattr(args, "lora_targets", None) or "all-linear"
+    return "all linear layers but the head" if t == "all-linear" else t
+
+
+def _qset_words(args) -> str:
+    from labkit.estimate.peft_terms import QUANT_SET_NAMES
+
+    return QUANT_SET_NAMES[getattr(args, "quant_set", None) or "all-linear"]
+
+
+def _rank_for(spec, rank: int, targets="all-linear") -> int:
     """The default rank, or a model's smallest LoRA target side where that is smaller (a tiny model)."""
     from labkit.estimate.peft_terms import peft_of
 
-    sides = [min(d_in, d_out) for _, d_in, d_out, _ in peft_of(spec, 1).targets]
+    sides = [min(d_in, d_out) for _, d_in, d_out, _ in peft_of(spec, 1, targets).targets]
     return min([rank] + sides)
 
 
@@ -156,6 +167,11 @@ def cmd_wall(args, parser) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if getattr(args, "quant_set", None) is not None and "qlora" not in methods:
+        parser.error(f"--quant-set {args.quant_set} chooses what the qlora method quantizes: "
+                     "add qlora to --methods")
+    if getattr(args, "lora_targets", None) is not None and methods == ["full"]:
+        parser.error("--lora-targets is for the lora and qlora methods, not --methods full alone")
     if args.lora_rank is not None and methods == ["full"]:
         parser.error(f"--lora-rank {args.lora_rank} is for the lora and qlora methods, not --methods full alone")
     if args.optimizer.startswith("galore"):
@@ -179,13 +195,15 @@ def cmd_wall(args, parser) -> int:
     rows = []
     for text, (model, _) in zip(models, checked):  # each model read once for all its methods
         spec = read_model(model, text)
-        rank = _rank_for(spec, args.lora_rank) if default_rank else args.lora_rank
+        targets = getattr(args, "lora_targets", None) or "all-linear"
+        rank = _rank_for(spec, args.lora_rank, targets) if default_rank else args.lora_rank
         try:
             recipe = Recipe(None, args.batch, args.seq, args.dtype, args.optimizer, device=args.device,
                             checkpoint=args.checkpoint, micro_batch=args.micro_batch,
-                            lora_rank=rank, loss_chunks=args.loss_chunks)
+                            lora_rank=rank, loss_chunks=args.loss_chunks, lora_targets=targets)
             new = fit_table([spec], [b / GiB for _, b in budgets], recipe, methods,
-                            peft_dtype=peft_dtype, adapters=getattr(args, "adapters", "base"))
+                            peft_dtype=peft_dtype, adapters=getattr(args, "adapters", "base"),
+                            quant_set=getattr(args, "quant_set", None) or "all-linear")
         except ValueError as err:  # fit_table names the model by its spec: name it as typed
             raise ValueError(f"{text}: {_cli_words(str(err.__cause__ or err))}") from err
         for r in new:

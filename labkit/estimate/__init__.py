@@ -4,7 +4,7 @@ It sums the byte formulas that the technique modules own (labkit.optim, labkit.q
 never re-derives one; `labkit.memory` holds the result types.
 """
 
-from .estimator import estimate, estimate_ranks
+from .estimator import estimate, estimate_ranks, paging
 from .predict import DTYPES, OPTIMIZERS, Precision
 from .recipe import Recipe
 from .peft_terms import QUANTS

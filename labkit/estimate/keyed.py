@@ -32,8 +32,7 @@ def textbook_figure(r, stage: int = 0) -> list[Term]:
     """The textbook layer's terms for a recipe (labkit.estimate.textbook.figure), with the counts it
     needs; `stage`: the pipeline stage whose micro-batches in flight it counts."""
     spec = spec_from(r.model, **r.config)
-    peft = peft_terms.peft_of(spec, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers,
-                              r.quant_group)
+    peft = peft_terms.of_recipe(spec, r)
     if peft is None:
         return textbook.figure(spec, r, spec.n_params, stage=stage)
     n_train = peft_terms.trainable_spec(spec, peft).n_params
@@ -89,8 +88,7 @@ class Ctx:
     def __post_init__(self) -> None:
         r = self.r
         self.spec = spec_from(r.model, **r.config)
-        self.peft = peft_terms.peft_of(self.spec, r.lora_rank, r.lora_targets, r.quant,
-                                       r.lisa_layers, r.quant_group)
+        self.peft = peft_terms.of_recipe(self.spec, r)
         self.ts = (self.spec if self.peft is None
                    else peft_terms.trainable_spec(self.spec, self.peft))
         self.prec = textbook.Precision.of(r.dtype)

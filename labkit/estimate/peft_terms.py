@@ -25,7 +25,7 @@ from labkit.quant.int4 import INT4_DEQUANT_BYTES_PER_WEIGHT, INT4_GROUP, check_g
 from labkit.quant.int8 import INT8_DEQUANT_BYTES_PER_WEIGHT, int8_bytes_for
 from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE, NF4_BLOCKSIZE, NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes_for
 
-from .recipe import INT4_QUANTS, QUANTS  # noqa: E402  (the names, checked by Recipe)
+from .recipe import INT4_QUANTS, QUANT_SETS, QUANTS  # noqa: E402  (the names, checked by Recipe)
 NF4_BLOCK, DQ_BLOCK = NF4_BLOCKSIZE, DOUBLE_QUANT_BLOCKSIZE  # labkit.quant.nf4's: weights per absmax, absmax per scale
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -40,6 +40,16 @@ class Peft:
     lisa_layers: int | None  # LISA's gamma (None: no LISA)
     n_layers: int = 0  # the model's layers (LISA draws its active ones among them)
     group: int = INT4_GROUP  # int4's group size along the input features
+    # quant_set "all-linear" (transformers + bitsandbytes): the Linears but the head that have no
+    # adapter are quantized too, frozen; "targets" (torchtune): none of them (Recipe.quant_set)
+    quant_set: str = "all-linear"
+    frozen_quant: tuple[tuple, ...] = ()  # those Linears: (module name, d_in, d_out, bias elements)
+
+    @property
+    def quantized(self) -> tuple[tuple, ...]:
+        """Every Linear stored quantized: the adapted ones and, under "all-linear", the others but
+        the head."""
+        return self.targets + self.frozen_quant if self.quant != "none" else ()
 
     @property
     def method(self) -> str:
@@ -85,11 +95,27 @@ def resolve_targets(spec, targets: str | Sequence[str]) -> list[tuple]:
     return chosen
 
 
+# the estimate's label says which convention the quantized set follows
+QUANT_SET_NAMES = {"all-linear": "all linear but the head quantized (transformers + bitsandbytes)",
+                   "targets": "only the LoRA targets quantized (torchtune)"}
+
+
+def of_recipe(spec, r) -> Peft | None:
+    """peft_of with a Recipe's fields."""
+    return peft_of(spec, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers, r.quant_group,
+                   r.quant_set)
+
+
 def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none", lisa_layers=None,
-            quant_group: int | None = None) -> Peft | None:
+            quant_group: int | None = None, quant_set: str = "all-linear") -> Peft | None:
     """Check the options and resolve them against `spec`; None for plain (full) training."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    if quant_set not in QUANT_SETS:
+        raise ValueError(f"quant_set must be one of {', '.join(QUANT_SETS)}, got {quant_set!r}")
+    if quant_set != "all-linear" and quant == "none":
+        raise ValueError(f"quant_set={quant_set!r} chooses which Linears a quantized base stores: "
+                         "give quant too")
     if quant_group is not None and quant not in INT4_QUANTS:
         raise ValueError(f"quant_group is int4's group size: give quant='int4' or 'int4-awq', not {quant!r}")
     if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0):
@@ -111,19 +137,27 @@ def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none"
     name, d_in, d_out, _ = min(targets, key=lambda t: min(t[1], t[2]))
     if lora_rank > min(d_in, d_out):  # B @ A has rank <= min(d_in, d_out) whatever r is: a bigger r only costs
         raise ValueError(f"lora_rank {lora_rank} exceeds the smaller side of LoRA target {name} ({min(d_in, d_out)})")
+    others = ()
+    if quant != "none" and quant_set == "all-linear":
+        others = tuple(lin for lin in resolve_targets(spec, "all-linear") if lin not in targets)
     if quant == "nf4":
-        odd = [name for name, d_in, d_out, _ in targets if (d_in * d_out) % NF4_BLOCK]
+        odd = [name for name, d_in, d_out, _ in [*targets, *others] if (d_in * d_out) % NF4_BLOCK]
         if odd:
-            raise ValueError(f"NF4 needs weights whose size divides by {NF4_BLOCK}; {odd[0]} does not: leave it "
-                             "out of lora_targets or use quant='int8'")
+            where = ("LoRA targets" if odd[0] in {t[0] for t in targets}
+                     else "Linears quant_set='all-linear' quantizes")
+            raise ValueError(f"NF4 needs weights whose size divides by {NF4_BLOCK}; {odd[0]} (of "
+                             f"the {where}) does not: leave it out of lora_targets, give "
+                             "quant_set='targets', or use quant='int8'")
     group = INT4_GROUP if quant_group is None else quant_group
     if quant in INT4_QUANTS:
-        for name, d_in, _, _ in targets:
+        for lin in [*targets, *others]:
             try:
-                check_group(d_in, group, f"LoRA target {name}")
+                what = "LoRA target" if lin in targets else "Linear"
+                check_group(lin[1], group, f"{what} {lin[0]}")
             except ValueError as e:
                 raise ValueError(f"quant_group: {e}") from None
-    return Peft(lora_rank, tuple(targets), quant, None, group=group)
+    return Peft(lora_rank, tuple(targets), quant, None, group=group, quant_set=quant_set,
+                frozen_quant=others)
 
 
 # ---- what trains -----------------------------------------------------------------------------------
@@ -162,11 +196,15 @@ def adapter_elements(peft: Peft) -> int:
     return sum(adapter_numel(d_in, d_out, peft.rank) for _, d_in, d_out, _ in peft.targets) if peft.rank else 0
 
 
+def _stored(spec, peft: Peft) -> list[tuple]:
+    """The Linears whose weights a quantized base stores (a head tied to the embedding stays)."""
+    return [lin for lin in peft.quantized if not (spec.tied and _matches(lin[0], "lm_head"))]
+
+
 def quantized_weights(spec, peft: Peft) -> int:
-    """Weight elements moved from parameters into int8/NF4 buffers (a weight tied to the embedding stays)."""
-    if peft.quant == "none":
-        return 0
-    return sum(d_in * d_out for name, d_in, d_out, _ in peft.targets if not (spec.tied and _matches(name, "lm_head")))
+    """Weight elements moved from parameters into int8/NF4 buffers (a weight tied to the embedding
+    stays): the adapted Linears', and under quant_set "all-linear" all others but the head's."""
+    return sum(d_in * d_out for _, d_in, d_out, _ in _stored(spec, peft))
 
 
 # ---- bytes --------------------------------------------------------------------------------------------
@@ -190,15 +228,14 @@ def int4_bytes(d_in: int, d_out: int, group: int, awq: bool) -> int:
 def base_buffer_bytes(spec, peft: Peft) -> int:
     """The quantized frozen bases (BUFFER): int8 codes and scales, NF4 codes and statistics, or int4 codes,
     scales, zero points (and AWQ scales)."""
+    stored = _stored(spec, peft)
     if peft.quant in INT4_QUANTS:
-        return sum(int4_bytes(d_in, d_out, peft.group, peft.quant == "int4-awq") for name, d_in, d_out, _
-                   in peft.targets if not (spec.tied and _matches(name, "lm_head")))
+        awq = peft.quant == "int4-awq"
+        return sum(int4_bytes(d_in, d_out, peft.group, awq) for _, d_in, d_out, _ in stored)
     if peft.quant == "nf4":
-        return sum(nf4_bytes(d_in * d_out) for name, d_in, d_out, _ in peft.targets
-                   if not (spec.tied and _matches(name, "lm_head")))
+        return sum(nf4_bytes(d_in * d_out) for _, d_in, d_out, _ in stored)
     if peft.quant == "int8":
-        return sum(int8_bytes(d_in, d_out) for name, d_in, d_out, _ in peft.targets
-                   if not (spec.tied and _matches(name, "lm_head")))
+        return sum(int8_bytes(d_in, d_out) for _, d_in, d_out, _ in stored)
     return 0
 
 
@@ -213,9 +250,9 @@ def frozen_param_bytes(spec, peft: Peft, d: int) -> int:
 def dequant_scratch_bytes(peft: Peft, compute_bytes: int) -> int:
     """On-the-fly dequantization of the largest quantized weight: NF4 and int4 6 B per weight, int8 8 B (fp32
     compute) or 6 B (16-bit); one layer at a time, in forward and again in backward."""
-    if peft.quant == "none" or not peft.targets:
+    if not peft.quantized:
         return 0
-    n = max(d_in * d_out for _, d_in, d_out, _ in peft.targets)
+    n = max(d_in * d_out for _, d_in, d_out, _ in peft.quantized)
     return dequant_bytes_per_weight(peft.quant, compute_bytes) * n
 
 
@@ -235,4 +272,5 @@ def setup_walk(w, peft: Peft | None) -> None:
     if peft.lisa_layers:
         w.active = lisa_active(peft)
     else:
-        w.frozen, w.lora, w.quantized, w.quant = True, peft.adapters, peft.quant != "none", peft.quant
+        w.frozen, w.lora, w.quant = True, peft.adapters, peft.quant
+        w.quant_modules = frozenset(name for name, *_ in peft.quantized)

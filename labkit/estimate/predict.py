@@ -98,11 +98,10 @@ def single_estimate(r: Recipe) -> Estimate:
     model, batch, seq, dtype, optimizer, device = r.model, r.batch, r.seq, r.dtype, r.optimizer, r.device
     checkpoint, segments, offload_activations, micro = r.checkpoint, r.segments, r.offload_activations, r.micro
     rank, optimizer_offload, step_in_backward = r.rank, r.optimizer_offload, r.step_in_backward
-    lora_rank, lora_targets, quant, lisa_layers = r.lora_rank, r.lora_targets, r.quant, r.lisa_layers
     overrides = r.config
     prec = Precision.of(dtype)
     spec = spec_from(model, **overrides)
-    peft = peft_terms.peft_of(spec, lora_rank, lora_targets, quant, lisa_layers, r.quant_group)
+    peft = peft_terms.of_recipe(spec, r)
     if peft is not None:
         _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward)
     if optimizer.startswith("galore") and spec.galore_shapes and rank > min(min(s) for s in spec.galore_shapes):
@@ -116,6 +115,9 @@ def single_estimate(r: Recipe) -> Estimate:
     b, w = step_bytes(spec, r, peft)
     if optimizer_offload:  # state and the step's work live in host memory
         b.O = b.opt_temp = b.opt_cast = 0
+    unified = 0
+    if r.paged_states:  # the states live in CUDA unified memory, outside the allocator's peak;
+        unified, b.O = b.O, 0  # the step's temporaries stay on the device (Estimate.unified)
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft, _frozen_bytes(r))
     b.states = _state_groups(_model_state_terms(spec, prec, optimizer, b, peft, _frozen_bytes(r)))
     moments = step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward)
@@ -127,7 +129,7 @@ def single_estimate(r: Recipe) -> Estimate:
     extras += [f"micro_batch={micro}"] * (micro < batch) + [f"rank={rank}"] * optimizer.startswith("galore")
     extras += [f"proj_dtype={r.proj_dtype}"] * (r.proj_dtype is not None)
     extras += [f"optimizer_offload={optimizer_offload}"] * bool(optimizer_offload)
-    extras += ["step_in_backward"] * step_in_backward
+    extras += ["step_in_backward"] * step_in_backward + ["paged_states"] * r.paged_states
     extras += [f"attention=tiled({spec.attn_block})"] * (spec.attention == "tiled")
     extras += [f"loss_chunk={spec.loss_chunk}"] * (spec.loss_chunk is not None)
     extras += [f"loss_chunks={r.loss_chunks}"] * (r.loss_chunks is not None)
@@ -135,8 +137,10 @@ def single_estimate(r: Recipe) -> Estimate:
         extras += [f"base_dtype={r.base_dtype}"] * (r.base_dtype is not None)
         extras.append(f"LISA layers={peft.lisa_layers}" if peft.lisa_layers else
                       f"{peft.method} r={peft.rank} targets={len(peft.targets)}")
+        if peft.quant != "none":  # which convention's quantized set (Recipe.quant_set)
+            extras.append(f"[{peft_terms.QUANT_SET_NAMES[peft.quant_set]}]")
     label = " ".join([f"{spec.name} B={batch} S={seq} {dtype} {optimizer}", *extras])
-    return Estimate(label, spec.n_params, terms=terms, moments=moments)
+    return Estimate(label, spec.n_params, terms=terms, moments=moments, unified=unified)
 
 
 def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):

@@ -20,6 +20,17 @@ POLICIES = ("none", "full", "sqrt", "selective")
 SELECTIVE_POLICIES = ("matmuls", "attention-core")  # labkit.recompute.selective.POLICIES
 QUANTS = ("none", "int8", "nf4", "int4", "int4-awq")
 INT4_QUANTS = ("int4", "int4-awq")  # group-wise int4: round-to-nearest, or AWQ (labkit.quant.awq)
+# Which Linears a quantized base (quant != "none") stores quantized:
+QUANT_SETS = (
+    # every Linear but the head, whatever the LoRA targets: transformers + bitsandbytes
+    # (load_in_4bit / BitsAndBytesConfig, the QLoRA paper's scripts); the others frozen, no adapters
+    "all-linear",
+    # only the LoRA-wrapped Linears, the rest of the base in its dtype: torchtune's qlora_* builders
+    "targets",
+)
+# bitsandbytes.optim's PagedAdamW, PagedAdamW8bit, PagedAdam, PagedAdam8bit and PagedLion: states
+# in CUDA unified memory (Recipe.paged_states)
+PAGED_OPTIMIZERS = ("adamw", "adamw8bit", "adam", "adam8bit", "lion")
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (pp > 1)
 ZERO_STAGES = (0, 1, 2, 3)
 BASE_DTYPES = (None, "fp32", "bf16", "fp16")  # a frozen base's precision (None: the trained weights')
@@ -95,10 +106,14 @@ class Recipe:
     proj_dtype: str | None = None  # 8-bit GaLore's projector: "param" (None: the parameters' dtype), "fp32", "int8"
     optimizer_offload: str | None = None  # None, "cpu" or "disk" (labkit.optim.OffloadAdamW)
     step_in_backward: bool = False  # each parameter steps when its gradient is ready
+    # the optimizer's states in CUDA unified memory (bitsandbytes' PagedAdamW / PagedAdamW8bit),
+    # outside the allocator's peak (max_memory_allocated): Estimate.unified; one of PAGED_OPTIMIZERS
+    paged_states: bool = False
     lora_rank: int | None = None  # LoRA adapters of this rank on lora_targets, the base frozen
     lora_targets: str | tuple = "all-linear"  # "all-linear" or module names ("q_proj,v_proj" or a tuple)
     quant: str = "none"  # the frozen base under LoRA: "none", "int8", "nf4" (QLoRA), "int4" or "int4-awq"
     quant_group: int | None = None  # int4's group size along the input features (None: 128); int4 quants only
+    quant_set: str = "all-linear"  # which Linears `quant` stores: one of QUANT_SETS (see whose)
     lisa_layers: int | None = None  # LISA: this many layers train at a time
     # The frozen base's precision under LoRA / QLoRA (one of BASE_DTYPES). None: the trained weights' (dtype's);
     # "bf16"/"fp16" with dtype "mixed-bf16"/"mixed-fp16": peft's usual setup, a 16-bit base (its matmuls need
@@ -182,12 +197,30 @@ class Recipe:
             raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
         if self.step_in_backward and self.optimizer_offload:
             raise ValueError(STEP_AND_OFFLOAD)
+        if self.paged_states is not False and self.paged_states is not True:
+            raise ValueError(f"paged_states must be True or False, got {self.paged_states!r}")
+        if self.paged_states and self.optimizer not in PAGED_OPTIMIZERS:
+            raise ValueError(f"paged_states pages the states of bitsandbytes' paged optimizers: "
+                             f"give optimizer {', '.join(map(repr, PAGED_OPTIMIZERS))}, "
+                             f"not {self.optimizer!r}")
+        if self.paged_states and self.optimizer_offload:
+            raise ValueError("paged_states and optimizer_offload both keep the optimizer state "
+                             "off the device's allocator: choose one")
+        if self.paged_states and (self.distributed or self.zero):
+            raise ValueError("paged_states is modelled on one device: drop dp, zero, tp and pp, or "
+                             "paged_states")
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         if self.quant_group is not None:
             if self.quant not in INT4_QUANTS:
                 raise ValueError(f"quant_group is int4's group size: give quant='int4' or 'int4-awq', not {self.quant!r}")
             _positive_int("quant_group", self.quant_group)
+        if self.quant_set not in QUANT_SETS:
+            raise ValueError(f"quant_set must be one of {', '.join(QUANT_SETS)}, "
+                             f"got {self.quant_set!r}")
+        if self.quant_set != "all-linear" and self.quant == "none":
+            raise ValueError(f"quant_set={self.quant_set!r} chooses which Linears a quantized base "
+                             "stores: give quant too (e.g. 'nf4'), or drop quant_set")
         _check_base_dtype(self)
         _check_loss_chunks(self)
         for name in ("offload_activations", "step_in_backward", "zero_offload", "sequence_parallel"):

@@ -60,7 +60,9 @@ class Walk:
     frozen: bool = False  # every base weight frozen (LoRA, QLoRA)
     lora: dict[str, int] = field(default_factory=dict)  # adapted Linear module name -> LoRA rank
     active: frozenset | None = None  # LISA: indices of the layers that train (None: all)
-    quantized: bool = False  # the adapted Linears' bases are int8/NF4 (dequantized on the fly, save nothing)
+    # Linears stored quantized (dequantized on the fly, save nothing): the adapted ones, and under
+    # quant_set "all-linear" the others but the head (frozen, no adapter)
+    quant_modules: frozenset = frozenset()
     quant: str = "none"  # which: "int8", "nf4", "int4" or "int4-awq"
     linears: dict[str, tuple] = field(default_factory=dict)  # module name -> (d_in, d_out, bias elements)
     copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
@@ -272,6 +274,7 @@ class Walk:
         A frozen W saves nothing (dx = dy W needs W only). A LoRA adapter (rank r) on the module
         saves A's input (x, or a fresh 16-bit copy under autocast) and the (rows, r) output of A."""
         trains, r = self.trains(module), self.lora.get(module, 0)
+        q = module in self.quant_modules  # stored quantized: dequantized on the fly
         saved_x = None
         if trains:
             saved_x = self.as_matmul_input(x)
@@ -284,11 +287,11 @@ class Walk:
             a_out = self.new(rows * r, self.mm_bytes, f"{name} lora_A out", True)
             self.save(adapter_in, a_out)
         if self.autocast and module in self.linears:
-            self._count_copies(module, trains, x.rg, r)
+            self._count_copies(module, trains, x.rg, r, q)
         # a quantized base returns x's dtype (fp32 after an autocast LayerNorm), and base + adapter keeps it
-        itemsize = x.itemsize if r and self.quantized else self.mm_bytes
+        itemsize = x.itemsize if q else self.mm_bytes
         # the tape
-        if r and self.quantized:
+        if q:
             base = self._dequant_matmul(x, module, rows, out_features, f"{name} base")
         else:
             base = self._matmul(x, module, trains, rows, out_features, name if not r else f"{name} base", saved_x)
@@ -297,14 +300,14 @@ class Walk:
         assert y.itemsize == itemsize, (name, y.itemsize, itemsize)
         return self.keep(self.new(rows * out_features, itemsize, name, rg=y.rg), y, "linear")
 
-    def _count_copies(self, module: str, trains: bool, x_rg: bool, r: int) -> None:
+    def _count_copies(self, module: str, trains: bool, x_rg: bool, r: int, q: bool) -> None:
         """Autocast's 16-bit copies that outlive the op: a trained weight and bias are cached until
         backward; a frozen weight's copy is saved by the matmul only when x requires grad (for dx),
         its bias copy not at all; a quantized base has none (it dequantizes); adapters are trained."""
         d_in, d_out, bias = self.linears[module]
         if trains:
             self.copy_bytes += self.low_bytes * (d_in * d_out + bias)
-        elif x_rg and not (r and self.quantized) and self.frozen_copy:
+        elif x_rg and not q and self.frozen_copy:
             self.copy_bytes += self.low_bytes * d_in * d_out
             self.copy_frozen[module] = self.low_bytes * d_in * d_out
         self.copy_bytes += self.low_bytes * r * (d_in + d_out)

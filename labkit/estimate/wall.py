@@ -23,7 +23,8 @@ def default_models() -> list[str]:
 ADAPTERS = ("base", "fp32")  # LoRA adapters in the base's dtype (the QLoRA paper's scripts), or fp32 (peft's)
 
 
-def _row_recipe(recipe: Recipe, model, method: str, peft_dtype: str | None, adapters: str = "base") -> Recipe:
+def _row_recipe(recipe: Recipe, model, method: str, peft_dtype: str | None, adapters: str = "base",
+                quant_set: str = "all-linear") -> Recipe:
     """One row's step: "full" the recipe without adapters; "lora" and "qlora" adapters of rank recipe.lora_rank
     (None: LORA_RANK) on recipe.lora_targets, "qlora" in NF4, the frozen base in `peft_dtype` (None: recipe.dtype).
     adapters "base": the adapters in that dtype too (artidoro/qlora casts its LoRA layers to bf16 under --bf16);
@@ -39,12 +40,15 @@ def _row_recipe(recipe: Recipe, model, method: str, peft_dtype: str | None, adap
         base = dict(dtype=f"mixed-{low}", base_dtype=low)
     else:
         base = dict(dtype=peft_dtype or recipe.dtype, base_dtype=None)
+    qlora = method == "qlora"  # quant_set: which Linears its NF4 base stores (Recipe.quant_set)
     return recipe.replace(model=model, lora_rank=recipe.lora_rank or LORA_RANK, quant_group=None,
-                          quant="nf4" if method == "qlora" else "none", **base)
+                          quant="nf4" if qlora else "none",
+                          quant_set=quant_set if qlora else "all-linear", **base)
 
 
 def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEFAULT_RECIPE, methods=("full",),
-              peft_dtype: str | None = "bf16", adapters: str = "base") -> list[dict]:
+              peft_dtype: str | None = "bf16", adapters: str = "base", quant_set: str = "all-linear"
+              ) -> list[dict]:
     """One row per model and method: its predicted peak for one training step and whether it fits each budget.
 
     A row is {"model", "method", "dtype" (its step's, Recipe.dtype), "base_dtype" (its frozen
@@ -55,9 +59,10 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEF
     is one of `models`. methods: some of METHODS ("full" fine-tuning in recipe.dtype, "lora", "qlora"). LoRA and
     QLoRA keep their frozen base in `peft_dtype` (bf16, as peft loads models; None: recipe.dtype) with adapters
     in that dtype (adapters="base", the QLoRA paper's scripts) or in fp32 under autocast (adapters="fp32", peft's
-    default: Recipe.base_dtype), of rank recipe.lora_rank (None: LORA_RANK) on recipe.lora_targets. Nothing is allocated: every model is read
-    on the meta device. Errors from `estimate` (say, seq beyond a model's positions) are raised, not hidden in
-    the table.
+    default: Recipe.base_dtype), of rank recipe.lora_rank (None: LORA_RANK) on recipe.lora_targets;
+    QLoRA's NF4 base holds quant_set's Linears (Recipe.quant_set). Nothing is allocated: every model
+    is read on the meta device. Errors from `estimate` (say, seq beyond a model's positions) are
+    raised, not hidden in the table.
     """
     models = default_models() if models is None else list(models)
     if not models:
@@ -78,7 +83,7 @@ def fit_table(models=None, budgets_gib=DEFAULT_BUDGETS_GIB, recipe: Recipe = DEF
     rows = []
     for model in models:
         for method in methods:
-            row = _row_recipe(recipe, model, method, peft_dtype, adapters)
+            row = _row_recipe(recipe, model, method, peft_dtype, adapters, quant_set)
             try:
                 e = estimate(row)
             except ValueError as err:  # name the model that failed

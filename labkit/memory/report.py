@@ -207,6 +207,9 @@ class Estimate(_Phases):
     # moment -> its KeyRows, key by key (labkit.estimate.keyed makes it)
     keyed: Callable[[Moment], list["KeyRow"]] | None = field(default=None, repr=False,
                                                               compare=False)
+    # bytes in CUDA unified memory (paged optimizer states), outside every moment and the device
+    # peak: the driver keeps them on the device while it has room, and pages them to host RAM if not
+    unified: int = 0
 
     def __post_init__(self) -> None:
         if self.phases is None:
@@ -244,7 +247,7 @@ class Estimate(_Phases):
         if not kept:
             raise ValueError(f"every moment is of the variant {variant!r}: nothing would be left")
         return Estimate(self.label, self.n_params, terms=list(self.terms), moments=kept,
-                        textbook=list(self.textbook), keyed=self.keyed)
+                        textbook=list(self.textbook), keyed=self.keyed, unified=self.unified)
 
     def explain(self, phase: str | None = None) -> "Report":
         """Where every byte of the peak (or of `phase`'s largest moment) comes from: key by key,
@@ -362,6 +365,7 @@ class Measurement(_Phases):
     allocator: dict[str, int] | None = None  # CUDA only: allocated, reserved, max_allocated, ...
     final: Breakdown | None = None  # live bytes when the ledger stopped (e.g. all optimizer state after the last step)
     trace: object = None  # the ledger's raw events, a labkit.memory.memviz.Trace (memviz imports this module)
+    unified: int = 0  # bytes taken out of the timeline as CUDA unified memory (paged states)
 
     def of_step(self, step: int) -> "Measurement":
         """The same measurement with each phase's peak taken over one step only (steps count from 1, as the
@@ -383,7 +387,32 @@ class Measurement(_Phases):
         phases = {p: Breakdown({c: self.timeline.bytes[c][j] for c in CATEGORIES})
                   for p in PHASES + tuple(sorted(set(peaks) - set(PHASES))) if p in peaks for j in [peaks[p][1]]}
         return Measurement(f"{self.label} (step {step})", phases, self.timeline, self.baseline, self.allocator,
-                           self.final, self.trace)
+                           self.final, self.trace, self.unified)
+
+    def as_unified(self, category: Category = Category.OPT) -> "Measurement":
+        """The same measurement with `category`'s bytes moved out of the device into CUDA unified
+        memory (bitsandbytes' paged optimizer states, which max_memory_allocated does not count):
+        every phase's peak taken again over the timeline without them, `unified` the most held."""
+        cat = Category(category)
+        held = self.timeline.bytes[cat]
+        left = {c: (list(v) if c is not cat else [0] * len(v))
+                for c, v in self.timeline.bytes.items()}
+        timeline = Timeline(left, self.timeline.phase_starts)
+        total, marks = timeline.total, timeline.phase_starts
+        peaks: dict[str, tuple[int, int]] = {}  # phase -> (bytes, event index), over every step
+        for i, (ev, phase, _) in enumerate(marks):
+            end = marks[i + 1][0] if i + 1 < len(marks) else len(total)
+            for j in ([ev - 1] if ev else []) + list(range(ev, end)):  # its first moment, the rest
+                if phase not in peaks or total[j] > peaks[phase][0]:
+                    peaks[phase] = (total[j], j)
+        order = PHASES + tuple(sorted(set(peaks) - set(PHASES)))
+        phases = {p: Breakdown({c: left[c][peaks[p][1]] for c in CATEGORIES})
+                  for p in order if p in peaks}
+        base = Breakdown({c: (self.baseline[c] if c is not cat else 0) for c in CATEGORIES})
+        final = None if self.final is None else Breakdown({c: (self.final[c] if c is not cat else 0)
+                                                           for c in CATEGORIES})
+        return Measurement(self.label + " (paged states in unified memory)", phases, timeline, base,
+                           self.allocator, final, self.trace, max(held, default=0) + self.unified)
 
     def to_memory_viz(self, path, device: int = 0):
         """Write the timeline as a snapshot PyTorch's memory viewer opens (https://pytorch.org/memory_viz):

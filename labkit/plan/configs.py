@@ -187,14 +187,29 @@ def _optimizer(component: str, kwargs: dict, key: str, notes: _Notes) -> dict:
             else ("adamw8bit" if eight else "adamw")
     else:
         raise ConfigRefused(Refusal.TECHNIQUE, f"optimizer {component!r} is not one labkit models")
-    if "paged" in name:
-        notes.approximated.append((key, f"{component}: paged states counted on the device "
-                                        "(torch.cuda.max_memory_allocated does not count unified memory)"))
+    if "paged" in name:  # bitsandbytes' paged optimizers: states in CUDA unified memory (_paged)
+        out["paged_states"] = component
     if kwargs.get("fused"):
         out["foreach"] = False
         notes.approximated.append((f"{key}.fused", "the fused kernel keeps no list-wide temporaries: "
                                                    "predicted as the per-parameter path (foreach=False)"))
     return out
+
+
+def _paged(kw: dict, notes: _Notes) -> None:
+    """A paged optimizer's states in unified memory (Recipe.paged_states) on one device; over
+    several, where labkit does not model them, counted on the device and named as approximated."""
+    from labkit.estimate.recipe import PAGED_OPTIMIZERS
+
+    component = kw.pop("paged_states", None)
+    if component is None:
+        return
+    one = kw.get("dp", 1) == 1 and not kw.get("zero") and not kw.get("optimizer_offload")
+    if one and kw.get("optimizer") in PAGED_OPTIMIZERS:
+        kw["paged_states"] = True
+    else:
+        notes.approximated.append(("optimizer", f"{component}: paged states counted on the device "
+                                                "(labkit models them on one device)"))
 
 
 def _first_int(text: str, pattern: str) -> int | None:
@@ -229,12 +244,12 @@ def _torchtune_model(model: dict, notes: _Notes) -> dict:
     if model.get("apply_lora_to_output"):
         targets.append("lm_head")
     out.update(lora_rank=int(model.get("lora_rank", 8)), lora_targets=tuple(targets))
-    if kind == "qlora":
-        out["quant"] = "nf4"  # torchtune's qlora_* builders store each LoRA-wrapped linear in NF4
+    if kind == "qlora":  # torchtune's qlora_* builders: each LoRA-wrapped linear in NF4, only those
+        out.update(quant="nf4", quant_set="targets")
     if model.get("use_dora"):
         notes.approximated.append(("model.use_dora", "DoRA's magnitude vectors predicted as LoRA"))
     if model.get("quantize_base") and kind == "lora":
-        out["quant"] = "nf4"
+        out.update(quant="nf4", quant_set="targets")
     return out
 
 
@@ -346,6 +361,7 @@ def read_torchtune(cfg: dict, path: str, header: str = "", seq: int | None = Non
         raise ConfigRefused(Refusal.TECHNIQUE, "optimizer_in_bwd with gradient_accumulation_steps > 1: "
                                                "torchtune refuses it too (gradients are freed at once)")
     batch = micro * ga * dp
+    _paged(kw, notes)
     recipe = Recipe.of(kw.pop("model"), batch, seq_len, micro_batch=micro if ga > 1 else None, **kw)
     _account_rest(cfg, notes)
     return notes.reading(recipe, Format.TORCHTUNE, path)
@@ -387,10 +403,10 @@ def read_axolotl(cfg: dict, path: str, devices: int | None = None) -> Reading:
     notes.mapped.append("base_model")
     kw: dict = {"device": "cuda"}
     adapter = cfg.get("adapter")
-    if cfg.get("load_in_4bit"):
-        kw["quant"] = "nf4"
+    if cfg.get("load_in_4bit"):  # transformers + bitsandbytes: every Linear but the head
+        kw.update(quant="nf4", quant_set="all-linear")
     elif cfg.get("load_in_8bit"):
-        kw["quant"] = "int8"
+        kw.update(quant="int8", quant_set="all-linear")
     if adapter in ("lora", "qlora"):
         kw["lora_rank"] = int(cfg.get("lora_r", 8))
         if cfg.get("lora_target_linear"):
@@ -454,6 +470,7 @@ def read_axolotl(cfg: dict, path: str, devices: int | None = None) -> Reading:
     for key in cfg:
         if key in NO_MEMORY and key not in notes.mapped:
             notes.ignored.append((key, NO_MEMORY[key]))
+    _paged(kw, notes)
     recipe = Recipe.of(name, micro * ga * dp, seq, micro_batch=micro if ga > 1 else None, **kw)
     _account_rest(cfg, notes)
     return notes.reading(recipe, Format.AXOLOTL, path)

@@ -126,8 +126,7 @@ class StepTime:
 def _peft(recipe, spec):
     from labkit.estimate import peft_terms
 
-    return peft_terms.peft_of(spec, recipe.lora_rank, recipe.lora_targets, recipe.quant, recipe.lisa_layers,
-                              recipe.quant_group)
+    return peft_terms.of_recipe(spec, recipe)
 
 
 def flops(recipe, spec, tokens: int) -> dict[str, float]:

@@ -48,7 +48,11 @@ TARGET_FILES = {"training_args": ("training_args",), "accelerate": ("accelerate_
 MEMORY_FIELDS = ("batch", "seq", "dtype", "optimizer", "device", "foreach", "checkpoint", "segments",
                  "selective_policy", "offload_activations", "micro_batch", "rank", "proj_dtype",
                  "optimizer_offload", "step_in_backward", "lora_rank", "lora_targets", "quant", "quant_group",
-                 "lisa_layers", "dp", "zero", "zero_offload", "tp", "pp", "schedule", "sequence_parallel")
+                 "quant_set", "lisa_layers", "dp", "zero", "zero_offload", "tp", "pp", "schedule",
+                 "sequence_parallel", "paged_states")
+# bitsandbytes' paged optimizers by their transformers OptimizerNames value (Recipe.paged_states)
+HF_PAGED = {"adamw": "paged_adamw_32bit", "adamw8bit": "paged_adamw_8bit",
+            "lion": "paged_lion_32bit"}
 
 # labkit optimizer -> transformers OptimizerNames value (transformers.training_args.OptimizerNames)
 HF_OPTIM = {"adamw": "adamw_torch", "adam": "adamw_torch", "sgd": "sgd", "sgd-momentum": "sgd",
@@ -140,6 +144,10 @@ def _trainer_gaps(r: Recipe) -> list[Gap]:
         g.append(Gap("optimizer_offload", f"optimizer_offload {r.optimizer_offload!r} has no TrainingArguments "
                                           "option (FSDP's cpu_offload also moves the parameters): use the "
                                           "deepspeed target"))
+    if r.paged_states and r.optimizer not in HF_PAGED:
+        names = ", ".join(HF_PAGED.values())
+        g.append(Gap("paged_states", f"paged_states with {r.optimizer}: transformers names no "
+                                     f"paged {r.optimizer} (its paged optimizers: {names})"))
     if r.quant in ("int4", "int4-awq"):
         g.append(Gap("quant", f"quant {r.quant!r} (labkit's group-wise int4) has no BitsAndBytesConfig equivalent"))
     if r.quant_group is not None:
@@ -182,6 +190,9 @@ def export_gaps(recipe: Recipe, devices: int = 1) -> dict[str, tuple[Gap, ...]]:
     trainer = _trainer_gaps(r)
     hf = trainer + _fsdp_gaps(r)
     ds = [x for x in trainer if x.field != "optimizer_offload"]
+    if r.paged_states and r.optimizer in DS_OPTIMIZER:
+        ds.append(Gap("paged_states", "paged_states: DeepSpeed's optimizer section has no paged "
+                                      "optimizer (bitsandbytes' are transformers' optim names)"))
     if r.step_in_backward and r.optimizer.startswith("galore"):
         ds.append(Gap("step_in_backward", "step_in_backward: transformers' GaLore *_layerwise does not run under "
                                           "DeepSpeed, whose engine steps after backward"))
@@ -199,7 +210,10 @@ def export_gaps(recipe: Recipe, devices: int = 1) -> dict[str, tuple[Gap, ...]]:
         ds.append(Gap("zero_offload", "zero_offload at stage 1 on one device is DeepSpeed's form of labkit's "
                                       "optimizer_offload='cpu' (the same bytes; it reads back as that)"))
     script = list(_layout_gaps(r))
-    for name in ("lora_rank", "lora_targets", "quant", "quant_group", "lisa_layers"):
+    if r.paged_states:
+        script.append(Gap("paged_states", "paged_states: train_fsdp2.py builds torch and labkit "
+                                          "optimizers, not bitsandbytes' paged ones"))
+    for name in ("lora_rank", "lora_targets", "quant", "quant_group", "quant_set", "lisa_layers"):
         if getattr(r, name) != Recipe.__dataclass_fields__[name].default:
             g = "train_fsdp2.py trains every parameter: adapters and LISA are training_args.json's (peft)"
             script.append(Gap(name, f"{name}={getattr(r, name)!r}: {g}"))
@@ -284,7 +298,7 @@ def training_arguments(recipe: Recipe, devices: int = 1) -> dict:
                          "in torch.autograd.graph.save_on_cpu(pin_memory=True) in your own loop")
     # optimizer
     opt = recipe.optimizer
-    optim = HF_OPTIM[opt]
+    optim = HF_PAGED[opt] if recipe.paged_states and opt in HF_PAGED else HF_OPTIM[opt]
     if recipe.step_in_backward:
         if opt.startswith("galore"):
             optim += "_layerwise"
@@ -355,6 +369,10 @@ def training_arguments(recipe: Recipe, devices: int = 1) -> dict:
                                     "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": compute}
         elif recipe.quant == "int8":
             peft["quantization"] = {"load_in_8bit": True}
+        if "quantization" in peft and recipe.quant_set == "targets":
+            # bitsandbytes quantizes every Linear but the head by default (quant_set "all-linear");
+            # torchtune's set, the targets only, is the default less the other Linears, skipped
+            peft["quantization"]["llm_int8_skip_modules"] = ["lm_head", *_unadapted_linears(recipe)]
             notes.append("quant int8: bitsandbytes' LLM.int8() keeps outlier columns in 16 bits; labkit's int8 "
                          "base is plain per-row absmax, so memory and results differ slightly")
         elif recipe.quant in ("int4", "int4-awq"):
@@ -368,6 +386,18 @@ def training_arguments(recipe: Recipe, devices: int = 1) -> dict:
     # load in the frozen base's dtype: a 16-bit base under fp32 adapters (Recipe.base_dtype) is loaded in 16 bits
     model_section = {"name": model["name"], "dtype": _torch_dtype(recipe.frozen_dtype), "seq": recipe.seq}
     return {"kwargs": kw, "peft": peft, "model": model_section, "notes": notes}
+
+
+def _unadapted_linears(recipe: Recipe) -> list[str]:
+    """The Linears but the head that get no LoRA adapter, by full module name (transformers
+    matches a BitsAndBytesConfig skip entry against a module's full name)."""
+    from labkit.estimate import peft_terms
+    from labkit.estimate.spec import spec_from
+
+    spec = spec_from(recipe.model, **recipe.config)
+    adapted = {lin[0] for lin in peft_terms.resolve_targets(spec, recipe.lora_targets)}
+    every = peft_terms.resolve_targets(spec, "all-linear")
+    return [name for name, *_ in every if name not in adapted]
 
 
 def accelerate_config(recipe: Recipe, devices: int = 1) -> dict:
@@ -755,7 +785,8 @@ def export_plan(recipe, out_dir, devices: int = 1) -> dict[str, pathlib.Path]:
 # config written by hand reads the same way; `read_export` joins a target's files into a Recipe.
 _HF_OPTIM_BACK = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw8bit",
                   "sgd": "sgd", "adafactor": "adafactor", "lion_32bit": "lion", "galore_adamw": "galore",
-                  "galore_adamw_8bit": "galore8bit"}
+                  "galore_adamw_8bit": "galore8bit", "paged_adamw_32bit": "adamw",
+                  "paged_adamw_8bit": "adamw8bit", "paged_lion_32bit": "lion"}
 _DECAY_FREE = {"adamw": "adam", "adamw8bit": "adam8bit"}  # the AdamW forms with weight_decay 0.0 are Adam
 
 
@@ -792,6 +823,8 @@ def from_training_args(doc: dict) -> dict:
     if name.startswith("galore"):
         out["rank"] = int(args["rank"])
     out["step_in_backward"] = layerwise
+    if optim.startswith("paged_"):
+        out["paged_states"] = True
     fsdp = doc.get("fsdp_config") or {}
     if doc.get("fsdp"):
         out["zero"] = 3 if fsdp.get("reshard_after_forward", True) else 2
@@ -808,6 +841,9 @@ def from_training_args(doc: dict) -> dict:
                         "int8" if q.get("load_in_8bit") else "none")
         if q.get("load_in_4bit") and q.get("bnb_4bit_quant_type") != "nf4":
             raise ValueError(f"4-bit {q.get('bnb_4bit_quant_type')!r} base: labkit reads nf4")
+        if out["quant"] != "none":  # bitsandbytes: every Linear but the skipped ones and the head
+            skip = [m for m in q.get("llm_int8_skip_modules") or () if m != "lm_head"]
+            out["quant_set"] = "targets" if skip else "all-linear"
     return out
 
 

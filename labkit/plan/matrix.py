@@ -138,7 +138,8 @@ class _Trainer:
         self.r, self.train, self.device = recipe, train, torch.device(recipe.device)
         torch.manual_seed(seed)
         self.m = build_model(recipe.model, recipe.dtype, self.device)
-        apply_peft(self.m, recipe.dtype, recipe.lora_rank, recipe.lora_targets, recipe.quant, recipe.lisa_layers)
+        apply_peft(self.m, recipe.dtype, recipe.lora_rank, recipe.lora_targets, recipe.quant,
+                   recipe.lisa_layers, quant_set=recipe.quant_set)
         self.opt = make_optimizer(self.m, recipe, lr)
         self.before = None
         if recipe.lisa_layers:

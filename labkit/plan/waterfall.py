@@ -46,11 +46,11 @@ FIELDS: dict[Knob, tuple[str, ...]] = {
     Knob.PRECISION: ("dtype", "base_dtype"),
     Knob.OPTIMIZER: ("optimizer", "rank", "foreach"),
     Knob.EIGHT_BIT: ("proj_dtype",),
-    Knob.PEFT: ("lora_rank", "lora_targets", "quant", "quant_group", "lisa_layers"),
+    Knob.PEFT: ("lora_rank", "lora_targets", "quant", "quant_group", "quant_set", "lisa_layers"),
     Knob.CHECKPOINT: ("checkpoint", "segments", "selective_policy"),
     Knob.MICRO_BATCH: ("micro_batch",),
     Knob.STEP_IN_BACKWARD: ("step_in_backward",),
-    Knob.OFFLOAD: ("optimizer_offload", "offload_activations"),
+    Knob.OFFLOAD: ("optimizer_offload", "offload_activations", "paged_states"),
     Knob.ZERO: ("dp", "zero", "zero_offload"),
     Knob.PARALLEL: ("tp", "pp", "schedule", "sequence_parallel"),
 }

@@ -46,7 +46,7 @@ def build_model(model, dtype: str = "fp32", device=None, **overrides) -> torch.n
 
 def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = None,
                lora_targets: str | Sequence[str] = "all-linear", quant: str = "none", lisa_layers: int | None = None,
-               quant_group: int | None = None, calib=None):
+               quant_group: int | None = None, calib=None, quant_set: str = "all-linear"):
     """Make `m` a LoRA / QLoRA / int8- or int4-base LoRA model in place (labkit.peft); returns the resolved
     labkit.estimate.peft_terms.Peft, or None for plain training. LISA needs the optimizer: see measure_step.
 
@@ -54,42 +54,69 @@ def apply_peft(m: torch.nn.Module, dtype: str = "fp32", lora_rank: int | None = 
     (per-row absmax) per target; "int4": a labkit.quant.Int4Linear (round-to-nearest, groups of quant_group,
     default 128); "int4-awq": the same after AWQ's scale and clip searches on `calib` (a list of model
     inputs, required), each target keeping its scale (labkit.quant.awq_linear). The compute dtype is the
-    model's (16-bit under mixed-*)."""
-    peft = peft_of(spec_from(m), lora_rank, lora_targets, quant, lisa_layers, quant_group)
+    model's (16-bit under mixed-*).
+    quant_set "all-linear" (transformers + bitsandbytes' load_in_4bit): every other Linear but the
+    head is stored the same way too, frozen, without an adapter; "targets" (torchtune's qlora): only
+    the adapted ones."""
+    peft = peft_of(spec_from(m), lora_rank, lora_targets, quant, lisa_layers, quant_group,
+                   quant_set)
     if peft is None or peft.lisa_layers:
         return peft
-    from labkit.peft import LoRAConfig, LoRALinear, NF4Config, apply_lora, apply_qlora
+    from labkit.peft import LoRALinear, apply_lora
+    from labkit.peft.lora import find_targets
 
     targets = parse_targets(lora_targets)
     compute = _LOW.get(dtype, torch.float32)
+    adapted = find_targets(m, targets)  # apply_lora wraps them in this order
+    others = [] if quant_set == "targets" else [n for n in find_targets(m, "all-linear")
+                                                if n not in adapted]
+    base = _quantizer(m, quant, peft.group, compute, adapted + others, calib)
+    if base is None:
+        apply_lora(m, targets, r=lora_rank)
+        return peft
+    order = iter(adapted)
+    apply_lora(m, targets, r=lora_rank, wrap=lambda lin: LoRALinear(
+        base(next(order), lin), r=lora_rank, adapter_dtype=lin.weight.dtype))
+    _quantize_frozen(m, others, base)
+    return peft
+
+
+def _quantizer(m, quant: str, group: int, compute: torch.dtype, names: list[str], calib):
+    """(module name, nn.Linear) -> its frozen quantized replacement (None for quant "none"); AWQ's
+    input statistics are collected for `names` first, on the model as it is."""
+    if quant == "none":
+        return None
     if quant == "nf4":
-        apply_qlora(m, LoRAConfig(targets, r=lora_rank), NF4Config(compute))
-    elif quant in ("int4", "int4-awq"):
-        from labkit.peft.lora import find_targets
-        from labkit.quant import AWQConfig, Int4Linear, awq_linear, collect_inputs
+        from labkit.peft import NF4Config, to_nf4
 
-        names = find_targets(m, targets)  # apply_lora wraps them in this order
-        stats = collect_inputs(m, names, calib) if quant == "int4-awq" else None
-        order = iter(names)
-
-        def int4_base(lin):  # group-wise int4 codes, dequantized on the fly, nothing kept for backward
-            if stats is None:
-                return Int4Linear.from_linear(lin, peft.group, compute_dtype=compute).requires_grad_(False)
-            return awq_linear(lin, stats[next(order)], AWQConfig(peft.group), compute).requires_grad_(False)
-
-        apply_lora(m, targets, r=lora_rank, wrap=lambda lin: LoRALinear(
-            int4_base(lin), r=lora_rank, adapter_dtype=lin.weight.dtype))
-    elif quant == "int8":
+        return lambda name, lin: to_nf4(lin, NF4Config(compute))
+    if quant == "int8":
         from labkit.quant import Int8Linear
 
-        def int8_base(lin):  # per-row absmax codes, dequantized on the fly, nothing kept for backward
-            return Int8Linear.from_linear(lin, "absmax", "channel", compute_dtype=compute).requires_grad_(False)
+        # per-row absmax codes, dequantized on the fly, nothing kept for backward
+        return lambda name, lin: Int8Linear.from_linear(lin, "absmax", "channel",
+                                                        compute_dtype=compute).requires_grad_(False)
+    from labkit.quant import AWQConfig, Int4Linear, awq_linear, collect_inputs
 
-        apply_lora(m, targets, r=lora_rank, wrap=lambda lin: LoRALinear(
-            int8_base(lin), r=lora_rank, adapter_dtype=lin.weight.dtype))
-    else:
-        apply_lora(m, targets, r=lora_rank)
-    return peft
+    stats = collect_inputs(m, names, calib) if quant == "int4-awq" else None
+
+    def int4_base(name, lin):  # int4 codes by group, dequantized on the fly, none kept for backward
+        if stats is None:
+            return Int4Linear.from_linear(lin, group, compute_dtype=compute).requires_grad_(False)
+        return awq_linear(lin, stats[name], AWQConfig(group), compute).requires_grad_(False)
+
+    return int4_base
+
+
+def _quantize_frozen(m, names: list[str], base) -> None:
+    """Replace each named Linear (GPT-2's Conv1D as the equal nn.Linear) by its frozen quantized
+    base."""
+    from labkit.peft.lora import _is_conv1d, _replace, conv1d_as_linear
+
+    for name in names:
+        lin = m.get_submodule(name)
+        lin = conv1d_as_linear(lin) if _is_conv1d(lin) else lin
+        _replace(m, name, base(name, lin).requires_grad_(False))
 
 
 def adapters_to(m: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -235,7 +262,8 @@ def measure_step(recipe: Recipe, *, steps: int = 2, budget: int | None = None, d
         calib = [_sample(data, vocab, r.batch, r.seq, torch.Generator().manual_seed(seed + 1)).to(device)]
     if r.frozen_dtype != "fp32" and r.frozen_dtype != r.dtype:  # a 16-bit base under fp32 adapters (peft's way)
         m = m.to(_TORCH[r.frozen_dtype])
-    peft = apply_peft(m, r.dtype, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers, r.quant_group, calib)
+    peft = apply_peft(m, r.dtype, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers,
+                      r.quant_group, calib, r.quant_set)
     if r.base_dtype is not None and r.lora_rank is not None:
         adapters_to(m, torch.float32 if r.dtype.startswith("mixed") else _TORCH[r.dtype])
     if peft is not None:
@@ -252,8 +280,13 @@ def measure_step(recipe: Recipe, *, steps: int = 2, budget: int | None = None, d
             before = LISA(m, opt, gamma=r.lisa_layers, interval=LISA_INTERVAL, seed=seed).step
         gen = torch.Generator().manual_seed(seed)
         try:
-            return _measure(m, opt, r, lambda: _sample(data, vocab, r.batch, r.seq + 1, gen), steps, budget,
-                            progress, before)
+            meas = _measure(m, opt, r, lambda: _sample(data, vocab, r.batch, r.seq + 1, gen), steps,
+                            budget, progress, before)
+            # paged states: bitsandbytes keeps them in CUDA unified memory, which
+            # max_memory_allocated does not count. The same optimizer runs here (a CPU has no
+            # unified memory to page); the ledger's optimizer-state bytes leave the device
+            # timeline as that memory (Measurement.unified)
+            return meas.as_unified() if r.paged_states else meas
         finally:
             if hasattr(opt, "close"):
                 opt.close()

@@ -6,6 +6,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from labkit.memory.report import CATEGORIES, Breakdown
+from labkit.memory.table import wrap_line
 from labkit.memory.units import GiB, fmt_bytes, parse_bytes
 
 from .style import DOES_NOT_FIT, FITS, _axes
@@ -54,7 +55,7 @@ class BreakdownTable:
     def __str__(self) -> str:
         cells = self._cells()
         widths = [max(len(row[j]) for row in cells) for j in range(len(self.header))]
-        lines = [self.title] if self.title else []
+        lines = [wrap_line(self.title)] if self.title else []  # a long label wraps at words
         for k, row in enumerate(cells):
             lines.append("  ".join(row[0].ljust(widths[0]) if j == 0 else v.rjust(widths[j]) for j, v in enumerate(row)))
             if k == 0 or k == len(cells) - 2:

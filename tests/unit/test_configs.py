@@ -89,10 +89,12 @@ def test_torchtune_3b_lora_single_device_reads_as_its_yaml_says():
 
 def test_torchtune_qlora_paged_and_distributed_fields():
     READ, _ = _read_all()
-    assert READ["llama3_2/3B_qlora_single_device.yaml"].recipe.quant == "nf4"
+    qlora = READ["llama3_2/3B_qlora_single_device.yaml"].recipe
+    # torchtune quantizes the LoRA-wrapped linears only
+    assert (qlora.quant, qlora.quant_set) == ("nf4", "targets")
     full8 = READ["llama3_1/8B_full_single_device.yaml"]
     assert full8.recipe.optimizer == "adamw8bit"  # bitsandbytes.optim.PagedAdamW8bit
-    assert "paged" in dict(full8.approximated)["optimizer"]
+    assert full8.recipe.paged_states  # bitsandbytes' PagedAdamW8bit: its states in unified memory
     big = READ["llama3/70B_full.yaml"].recipe  # tune run --nproc_per_node 8 full_finetune_distributed
     assert (big.dp, big.zero, big.zero_offload, big.batch) == (8, 3, True, 16)
     multinode = READ["llama3_3/70B_full_multinode.yaml"]
@@ -168,8 +170,9 @@ def test_axolotl_qlora_example(tmp_path):
     assert reading.format is Format.AXOLOTL
     assert (r.model, r.batch, r.micro_batch, r.seq) == ("llama2-7b", 8, 2, 4096)
     assert (r.quant, r.lora_rank, r.lora_targets, r.checkpoint) == ("nf4", 32, "all-linear", "full")
+    assert r.quant_set == "all-linear"  # load_in_4bit: all Linears but the head
     assert r.dtype == "mixed-bf16" and r.optimizer == "adamw"
-    assert "paged" in dict(reading.approximated)["optimizer"]
+    assert r.paged_states  # paged_adamw_32bit: bitsandbytes' PagedAdamW, states in unified memory
     assert set(yaml.safe_load(AXOLOTL_QLORA)) <= reading.fields_named()
 
 

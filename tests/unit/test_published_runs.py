@@ -49,18 +49,24 @@ def test_modelled_recipes_construct_on_cuda(bench):
 
 
 def test_named_allocation_is_derived_from_the_setup(bench):
-    """bnb.nf4's named bytes: bf16 minus NF4 (no double quantization) over the Linears outside the
-    LoRA targets; more targets leave fewer such bytes, and none remain when every Linear is one."""
+    """bnb.nf4's named bytes: bf16 minus NF4 (no double quantization) over the Linears labkit keeps
+    in bf16: under the default quant_set ("all-linear", transformers + bitsandbytes') the head
+    alone; under "targets" (torchtune's) every Linear outside the LoRA targets; none when all are
+    quantized."""
     from labkit.estimate import Recipe, spec_from
     from labkit.quant.nf4 import nf4_bytes_for
 
     r = Recipe(model="llama-tiny", batch=1, seq=8, dtype="bf16", lora_rank=4,
                lora_targets="q_proj,v_proj", quant="nf4", device="cuda")
     spec = spec_from(r.model, **r.config)
+    head = [d_in * d_out for name, d_in, d_out, _ in spec.linears if name.endswith("lm_head")]
+    assert len(head) == 1
+    want = 2 * head[0] - nf4_bytes_for(head[0], double_quant=False)
+    assert bench.bnb_every_linear_bytes(r) == want
     others = [d_in * d_out for name, d_in, d_out, _ in spec.linears
               if name.rsplit(".", 1)[-1] not in ("q_proj", "v_proj")]
-    assert others
+    assert len(others) > 1
     want = sum(2 * n - nf4_bytes_for(n, double_quant=False) for n in others)
-    assert bench.bnb_every_linear_bytes(r) == want
+    assert bench.bnb_every_linear_bytes(dataclasses.replace(r, quant_set="targets")) == want
     every = ",".join(sorted({name.rsplit(".", 1)[-1] for name, *_ in spec.linears}))
     assert bench.bnb_every_linear_bytes(dataclasses.replace(r, lora_targets=every)) == 0
