@@ -17,6 +17,8 @@
 #   make test-colab   the Colab install cell in a fresh venv like Colab's image (its torch kept, ipywidgets 7.7.1,
 #                     no bitsandbytes), then the widget tests on ipywidgets 7.7.1 there
 #   make release  release/student/ (no solutions, answer stubs, checks kept) and release/grader/ (nbgrader course)
+#   make course-audit  make release, then the leak audit of every lesson against release/student/ (labkit/course/
+#                      audit.py): fails on an answer the student build gives away that release/LEAKS.md does not list
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -42,7 +44,7 @@ os._exit(0 if ok else 1)
 endef
 export CHECK_INDEX
 
-.PHONY: env lab colab check test test-parity test-browser test-browser-site browser-deps site test-site test-colab \
+.PHONY: env lab colab check test course-audit test-parity test-browser test-browser-site browser-deps site test-site test-colab \
 	test-gpu gpu-check \
 	bench release clean
 
@@ -171,6 +173,12 @@ gpu-check: env
 # Two builds from one source, in nbgrader's layout (labkit/course/release.py); LESSONS=00,09 builds only those.
 release: env
 	$(PY) -m labkit.course release --out release $(if $(LESSONS),--lessons $(LESSONS))
+
+# The leak audit of the whole course (tests/unit/test_course_audit.py audits some lessons): the student build's labkit
+# on the path, the smoke profile's sizes; every library call past its CPU budget is listed as not tried.
+course-audit: release
+	cd release/student && LABKIT_SMOKE=1 PYTHONPATH=$(CURDIR)/release/student $(abspath $(PY)) -m labkit.course.audit \
+	  $(CURDIR) $(LESSONS) --strict
 
 bench: env
 	@for f in bench/*.py; do \

@@ -1,5 +1,6 @@
-"""Checks for lesson 05 (optimizer states): the bytes of 8-bit Adam's state, of Adafactor's factored
-second moment, and the gradient bytes that step-in-backward keeps at the backward peak.
+"""Checks for lesson 05 (optimizer states): the bytes of 8-bit Adam's state and of Adafactor's factored
+second moment (each a function, checked on sizes drawn afresh), and the gradient bytes that step-in-backward
+keeps at the backward peak.
 
 Expected values come from the library: each optimizer module's own `state_bytes_for` formula
 (labkit.optim.adam8bit, labkit.optim.adafactor) and the model's shapes (labkit.memory.spec_from).
@@ -18,91 +19,132 @@ from labkit.optim import adafactor, adam8bit
 from . import checked_choice, close, failed, not_answered, number, passed, unanswered
 
 
-# ---- exercise 1: the state of 8-bit Adam ----------------------------------------------------------
-def adam8bit_state_bytes(shape) -> int:
-    """bitsandbytes' rule, as labkit.optim.adam8bit counts it: 2 bytes per value + 8 per block of 256, or fp32 m and v."""
-    return adam8bit.state_bytes_for(tuple(shape))
+# ---- exercise 1: the state of 8-bit Adam, as a function checked on fresh sizes ----------------------------
+def adam8bit_state_bytes(n: int, blocksize: int = 256, min_8bit_size: int = 4096) -> int:
+    """Reference: bitsandbytes' rule, as labkit.optim.adam8bit counts it: 2 bytes per value + 8 per block of
+    `blocksize`, or fp32 m and v (8 per value) under `min_8bit_size` values."""
+    return adam8bit.state_bytes_for((n,), blocksize=blocksize, min_8bit_size=min_8bit_size)
 
 
-def check_adam8bit_state_bytes(answer, shape) -> bool:
-    shape = tuple(shape)
-    n = math.prod(shape)
-    name = f"8-bit Adam state of a {' x '.join(map(str, shape))} " + ("matrix" if len(shape) == 2 else "tensor")
-    if len(shape) == 1:
-        name = f"8-bit Adam state of a vector of {n:,} values"
-    value = number(answer, name)
-    if value is None:
-        return False
-    expected = adam8bit_state_bytes(shape)
-    blocks = math.ceil(n / adam8bit.BLOCKSIZE)
-    if close(value, expected, rel=1e-9):
-        if n < adam8bit.MIN_8BIT_SIZE:
-            return passed(f"{name}: {expected:,} B = 8 x {n:,}: under {adam8bit.MIN_8BIT_SIZE} values the state stays "
-                          "fp32 (m and v, 4 bytes each), as bitsandbytes' min_8bit_size decides.")
-        return passed(f"{name}: {expected:,} B = 2 x {n:,} (one uint8 code for m and one for v) + 8 x {blocks:,} "
-                      f"(an fp32 absmax for m and one for v per block of {adam8bit.BLOCKSIZE}): "
-                      f"{expected / n:.3f} B per parameter instead of 8.")
-    if n < adam8bit.MIN_8BIT_SIZE:
-        if close(value, adam8bit.state_bytes_for(shape, min_8bit_size=0), rel=1e-9) or close(value, 2 * n, rel=1e-9):
-            return failed(f"{name}: only {n:,} values, fewer than min_8bit_size = {adam8bit.MIN_8BIT_SIZE}: such "
-                          "tensors keep fp32 m and v (8 bytes per value); quantizing them would save almost nothing.")
-        return failed(f"{name}: a tensor this small keeps fp32 m and v: 4 + 4 bytes per value.")
+def _adam8bit_cases(seed: int) -> list[tuple[int, int, int]]:
+    """Fresh (n, blocksize, min_8bit_size): a big tensor whose size is not a multiple of the block, one under
+    min_8bit_size, another block size (bitsandbytes <= 0.43 used 2048), and a drawn threshold on both sides."""
+    rng = random.Random(seed)
+
+    def off_block(lo: int, hi: int, block: int) -> int:
+        n = rng.randint(lo, hi)
+        return n + 1 if n % block == 0 else n
+
+    block = rng.choice((64, 128, 2048))
+    floor = rng.randint(500, 20_000)
+    return [(off_block(5_000, 3_000_000, 256), 256, 4096), (rng.randint(1, 4095), 256, 4096),
+            (off_block(20 * block, 900 * block, block), block, 4096), (floor - 1, 256, floor), (floor, 256, floor)]
+
+
+def _adam8bit_slip(value, n: int, blocksize: int, min_8bit_size: int) -> str:
+    """What a wrong value for n values most likely counted (the hint the check prints)."""
+    blocks = math.ceil(n / blocksize)
+    if n < min_8bit_size:
+        if close(value, 2 * n + 8 * blocks, rel=1e-9) or close(value, 2 * n, rel=1e-9):
+            return (f"only {n:,} values, fewer than min_8bit_size = {min_8bit_size:,}: such tensors keep fp32 m and "
+                    "v (8 bytes per value); quantizing them would save almost nothing.")
+        return "a tensor under min_8bit_size keeps fp32 m and v: 4 + 4 bytes per value."
     if close(value, 8 * n, rel=1e-9):
-        return failed(f"{name}: 8 bytes per value is fp32 Adam; 8-bit Adam stores m and v as 1-byte codes.")
+        return "8 bytes per value is fp32 Adam; 8-bit Adam stores m and v as 1-byte codes."
     if close(value, 2 * n, rel=1e-9):
-        return failed(f"{name}: the codes alone: each block of {adam8bit.BLOCKSIZE} values also keeps an fp32 absmax, "
-                      "one for m and one for v.")
+        return (f"the codes alone: each block of {blocksize} values also keeps an fp32 absmax, one for m and one "
+                "for v.")
     if close(value, 2 * n + 4 * blocks, rel=1e-9):
-        return failed(f"{name}: m and v each have their own absmax per block: 2 x 4 bytes per block.")
+        return "m and v each have their own absmax per block: 2 x 4 bytes per block."
     if close(value, n + 4 * blocks, rel=1e-9):
-        return failed(f"{name}: that is one state; Adam keeps two (m and v), each as codes + absmax.")
-    if close(value, adam8bit.state_bytes_for(shape, blocksize=2048), rel=1e-9):
-        return failed(f"{name}: blocks of 2048 are the paper's (and bitsandbytes <= 0.43); since 0.44 a block has "
-                      f"{adam8bit.BLOCKSIZE} values.")
-    if close(value, 2 * n + 8 * n / adam8bit.BLOCKSIZE, rel=1e-12) and n % adam8bit.BLOCKSIZE:
-        return failed(f"{name}: round the number of blocks up: the last, shorter block ({n % adam8bit.BLOCKSIZE} "
-                      "values) has its own absmax.")
-    return failed(f"{name}: count 1 byte per value for m's code and 1 for v's, plus two fp32 absmax values per block "
-                  f"of {adam8bit.BLOCKSIZE} (ceil(n / {adam8bit.BLOCKSIZE}) blocks).")
+        return "that is one state; Adam keeps two (m and v), each as codes + absmax."
+    if blocksize != 2048 and close(value, 2 * n + 8 * math.ceil(n / 2048), rel=1e-9):
+        return f"blocks of 2048 are the paper's (and bitsandbytes <= 0.43); use the blocksize given ({blocksize})."
+    if close(value, 2 * n + 8 * n / blocksize, rel=1e-12):
+        return (f"round the number of blocks up: the last, shorter block ({n % blocksize} values) has its own "
+                "absmax.")
+    return ("count 1 byte per value for m's code and 1 for v's, plus two fp32 absmax values per block of "
+            "`blocksize` (ceil(n / blocksize) blocks); under min_8bit_size values, fp32 m and v.")
 
 
-# ---- exercise 2: Adafactor's factored second moment --------------------------------------------------
-def adafactor_state_bytes(shape, beta1: float | None = None) -> int:
-    """fp32 row and column averages of the second moment (+ a full first moment when beta1 is set)."""
-    return adafactor.state_bytes_for(tuple(shape), beta1=beta1)
+def check_adam8bit_state_bytes(fn, seed: int | None = None) -> bool:
+    what = "adam8bit_state_bytes(n, blocksize, min_8bit_size)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    cases = _adam8bit_cases(random.randrange(1 << 30) if seed is None else seed)
+    for n, block, floor in cases:
+        try:
+            got = fn(n, block, floor)
+        except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+            return failed(f"{what} raised {type(e).__name__}: {e} for n = {n:,}, blocksize {block}, "
+                          f"min_8bit_size {floor:,}")
+        if isinstance(got, bool) or not isinstance(got, numbers.Real):
+            return failed(f"{what}: expected a number of bytes, got {type(got).__name__}")
+        if got != adam8bit_state_bytes(n, block, floor):
+            return failed(f"{what}: wrong for n = {n:,} values, blocksize {block}, min_8bit_size {floor:,}: "
+                          + _adam8bit_slip(got, n, block, floor))
+    big = adam8bit_state_bytes(1000 * 1000)
+    drawn = ", ".join(f"n={n:,}/{block}/{floor:,}" for n, block, floor in cases)
+    return passed(f"{what}: right on {len(cases)} fresh cases (n/blocksize/min_8bit_size: {drawn}). A 1000 x 1000 "
+                  f"weight: {big:,} B, {big / 1e6:.3f} B per parameter instead of 8; under min_8bit_size the state "
+                  "stays fp32, as bitsandbytes' Optimizer2State decides.")
 
 
-def check_adafactor_state_bytes(answer, shape, beta1: float | None = None) -> bool:
-    shape = tuple(shape)
-    if len(shape) != 2:
-        raise ValueError(f"shape must be a matrix (m, n), got {shape!r}")
-    m, n = shape
-    name = f"Adafactor state of a {m} x {n} matrix (beta1={beta1})"
-    value = number(answer, name)
-    if value is None:
-        return False
-    expected = adafactor_state_bytes(shape, beta1)
+# ---- exercise 2: Adafactor's factored second moment, as a function checked on fresh shapes ------------------
+def adafactor_state_bytes(m: int, n: int, beta1: float | None = None) -> int:
+    """Reference: fp32 row and column averages of the second moment of an m x n matrix (+ a full first moment
+    when beta1 is set), as labkit.optim.adafactor counts them."""
+    return adafactor.state_bytes_for((m, n), beta1=beta1)
+
+
+def _adafactor_cases(seed: int) -> list[tuple[int, int, float | None]]:
+    rng = random.Random(seed)
+    return [(rng.randint(64, 8192), rng.randint(64, 16384), None), (rng.randint(2, 500), rng.randint(2, 500), None),
+            (rng.randint(64, 4096), rng.randint(64, 4096), 0.9)]
+
+
+def _adafactor_slip(value, m: int, n: int, beta1) -> str:
     first = 4 * m * n if beta1 is not None else 0
-    if close(value, expected, rel=1e-9):
-        extra = f" + {first:,} for the first moment (beta1 is set)" if first else ""
-        return passed(f"{name}: {expected - first:,} B = 4 x ({m} + {n}): one fp32 average per row and per column"
-                      f"{extra}. Adam would keep 8 x {m} x {n} = {8 * m * n:,} B.")
     if close(value, 8 * m * n, rel=1e-9):
-        return failed(f"{name}: 8mn is Adam's m and v. Adafactor keeps no first moment by default (beta1=None) and "
-                      "stores the second moment as row and column averages.")
+        return ("8mn is Adam's m and v. Adafactor keeps no first moment by default (beta1=None) and stores the "
+                "second moment as row and column averages.")
     if close(value, 4 * m * n + first, rel=1e-9):
-        return failed(f"{name}: that is a full second moment, one value per weight; Adafactor keeps only its row "
-                      "averages (m values) and column averages (n values) and rebuilds the rest as a rank-1 product.")
+        return ("that is a full second moment, one value per weight; Adafactor keeps only its row averages "
+                "(m values) and column averages (n values) and rebuilds the rest as a rank-1 product.")
     if not first and close(value, 4 * (m + n) + 4 * m * n, rel=1e-9):
-        return failed(f"{name}: with beta1=None there is no first moment: only the row and column averages.")
+        return "with beta1=None there is no first moment: only the row and column averages."
     if first and close(value, 4 * (m + n), rel=1e-9):
-        return failed(f"{name}: beta1 is set, so a full fp32 first moment (m x n values) comes on top.")
+        return "beta1 is set, so a full fp32 first moment (m x n values) comes on top."
     if close(value, (m + n) + first / 4, rel=1e-9):
-        return failed(f"{name}: that counts values; each is an fp32 number, 4 bytes.")
+        return "that counts values; each is an fp32 number, 4 bytes."
     if close(value, 8 * (m + n) + first, rel=1e-9):
-        return failed(f"{name}: one average per row and one per column, each stored once: m + n values, not twice that.")
-    return failed(f"{name}: a row average per row (m values) and a column average per column (n values), fp32"
-                  + (", plus an m x n fp32 first moment." if first else "."))
+        return "one average per row and one per column, each stored once: m + n values, not twice that."
+    return ("a row average per row (m values) and a column average per column (n values), fp32"
+            + (", plus an m x n fp32 first moment." if first else "."))
+
+
+def check_adafactor_state_bytes(fn, seed: int | None = None) -> bool:
+    what = "adafactor_state_bytes(m, n, beta1)"
+    if unanswered(fn):
+        return not_answered(what)
+    if not callable(fn):
+        return failed(f"{what}: expected a function, got {type(fn).__name__}")
+    cases = _adafactor_cases(random.randrange(1 << 30) if seed is None else seed)
+    for m, n, beta1 in cases:
+        try:
+            got = fn(m, n, beta1)
+        except Exception as e:  # the learner's code: say what failed, do not stop the notebook
+            return failed(f"{what} raised {type(e).__name__}: {e} for a {m} x {n} matrix, beta1={beta1}")
+        if isinstance(got, bool) or not isinstance(got, numbers.Real):
+            return failed(f"{what}: expected a number of bytes, got {type(got).__name__}")
+        if got != adafactor_state_bytes(m, n, beta1):
+            return failed(f"{what}: wrong for a {m} x {n} matrix, beta1={beta1}: " + _adafactor_slip(got, m, n, beta1))
+    llama = adafactor_state_bytes(4096, 11008)
+    return passed(f"{what}: right on {len(cases)} fresh matrices ({', '.join(f'{m}x{n}' for m, n, _ in cases)}). "
+                  f"A Llama-7B MLP matrix, 4096 x 11008: {llama:,} B = 4 x (4096 + 11008), one fp32 average per row "
+                  f"and per column; Adam would keep 8 x 4096 x 11008 = {8 * 4096 * 11008:,} B.")
 
 
 # ---- exercise 3: gradient bytes at the backward peak with step-in-backward ------------------------------

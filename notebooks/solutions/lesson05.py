@@ -3,26 +3,24 @@
 import math
 
 
-# ---- exercise 1: the state of 8-bit Adam ----------------------------------------------------------------
-def adam8bit_state_bytes(shape, blocksize: int = 256, min_8bit_size: int = 4096) -> int:
+# ---- exercise 1: the state of 8-bit Adam, as a function --------------------------------------------------
+def adam8bit_state_bytes(n: int, blocksize: int = 256, min_8bit_size: int = 4096) -> int:
     """m and v: one uint8 code per value each + one fp32 absmax per block each; small tensors stay fp32."""
-    n = math.prod(shape)
     if n < min_8bit_size:
         return 8 * n  # fp32 m and v
     return 2 * n + 2 * 4 * math.ceil(n / blocksize)
 
 
-ADAM8BIT_BIG = adam8bit_state_bytes((1000, 1000))  # 2,000,000 + 8 x 3,907 = 2,031,256
-ADAM8BIT_SMALL = adam8bit_state_bytes((1000,))  # 8,000: under 4096 values, fp32 state
+# adam8bit_state_bytes(1000 * 1000) = 2,000,000 + 8 x 3,907 = 2,031,256; adam8bit_state_bytes(1000) = 8,000
 
 
-# ---- exercise 2: Adafactor's factored second moment -------------------------------------------------------
+# ---- exercise 2: Adafactor's factored second moment, as a function -------------------------------------------
 def adafactor_state_bytes(m: int, n: int, beta1=None) -> int:
     """fp32 row averages (m) and column averages (n); a full first moment only when beta1 is set."""
     return 4 * (m + n) + (4 * m * n if beta1 is not None else 0)
 
 
-ADAFACTOR_STATE = adafactor_state_bytes(4096, 11008)  # 60,416 bytes for a Llama-7B MLP matrix
+# adafactor_state_bytes(4096, 11008) = 60,416 bytes for a Llama-7B MLP matrix
 
 
 # ---- exercise 3: gradient bytes at the backward peak with step-in-backward ------------------------------------
