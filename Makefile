@@ -85,11 +85,12 @@ colab:
 	$(PYTHON) -m labkit.colab "$(URL)" notebooks --ref "$(or $(REF),main)"
 
 # make test first (it uses every core); then the browser lessons (one kernel at a time, waiting on Chromium much of
-# the time) beside the parity rerun and the Colab venv's pip install: two at once on two cores, each target's output
-# printed whole when it ends. test-site comes after test-browser: it builds the book from the lessons that saved.
+# the time) beside the parity rerun, the Colab venv's pip install and the whole course's leak audit: two at once on
+# two cores, each target's output printed whole when it ends. test-site comes after test-browser: it builds the
+# book from the lessons that saved.
 check:
 	$(MAKE) test
-	$(MAKE) -j2 --output-sync=target test-browser-site test-parity test-colab
+	$(MAKE) -j2 --output-sync=target test-browser-site test-parity test-colab course-audit
 
 test-browser-site: test-browser
 	$(MAKE) test-site
