@@ -151,7 +151,9 @@ def _third_party() -> list[str]:
 # installed is passed over) and `labkit` itself (its __init__ loads labkit.session, which imports only the standard
 # library until called) once, then fork one child per module: each child starts with no other labkit module
 # loaded, imports one module and prints the packages above its own that got loaded. (What the child loads from
-# outside labkit is not what the check is about, so the children need not import it again each.)
+# outside labkit is not what the check is about, so the children need not import it again each.) A module that a
+# passing child loaded from its own package needs no child of its own: a fresh import of it loads a subset of what
+# that child loaded, all of it at or below their package.
 _FRESH = r"""
 import importlib, os, sys
 for m in {third_party!r}:
@@ -163,26 +165,38 @@ import labkit
 order, names, out = {order!r}, {names!r}, []
 before = set(sys.modules)
 assert sorted(m for m in before if m.startswith("labkit")) == ["labkit", "labkit.session"], sorted(before)
+covered = set()
 for name in names:
+    if name in covered:
+        continue
+    pkg = name.split(".")[1]
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
             __import__(name)
-            pkg = name.split(".")[1]
-            above = sorted({{m.split(".")[1] for m in set(sys.modules) - before if m.startswith("labkit.")
-                            and order.index(m.split(".")[1]) > order.index(pkg)}})
-            msg = ",".join(above)
+            new = [m for m in set(sys.modules) - before if m.startswith("labkit.")]
+            above = sorted({{m.split(".")[1] for m in new if order.index(m.split(".")[1]) > order.index(pkg)}})
+            msg = ("ABOVE " + ",".join(above)) if above else "OK " + ",".join(new)
         except BaseException as e:
             msg = "ERROR " + type(e).__name__ + ": " + str(e)
         os.write(w, msg.encode())
         os._exit(0)
     os.close(w)
-    msg = os.read(r, 1 << 16).decode()
+    chunks = []
+    while True:
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(r)
+    msg = b"".join(chunks).decode()
     os.waitpid(pid, 0)
-    if msg:
-        out.append(name + ": " + msg)
+    if msg.startswith("OK "):
+        covered |= {{m for m in msg[3:].split(",") if m and m.split(".")[1] == pkg}}
+    else:
+        out.append(name + ": " + msg.removeprefix("ABOVE "))
 print("\n".join(out))
 """
 
