@@ -53,6 +53,15 @@ class RankLayout:
     # FSDP2 (fully_shard) shards each parameter on its own along dim 0, padded to N chunks: rank 0's chunk of
     # each tensor (ceil(d0 / N) x the other dims), block's and root's; empty: labkit's Zero (flat units)
     per_param: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    # bytes per element of what a unit gathers and its unsharded gradients (0: d). 2 under the engines' mixed
+    # precision (Recipe.zero_mixed "engine"): fp32 shards cast to 16 bits, gathered, and 16-bit gradients
+    # reduce-scattered, then cast to the fp32 shards' dtype
+    gather_bytes: int = 0
+
+    @property
+    def c(self) -> int:
+        """Bytes per element of a gathered unit and of its unsharded gradients."""
+        return self.gather_bytes or self.d
 
     @property
     def s_block(self) -> int:
@@ -88,7 +97,7 @@ class RankLayout:
         return self.d * (self.shard if self.stage == 3 else self.padded)
 
     def grads_full(self) -> int:
-        return self.d * self.padded
+        return self.c * self.padded
 
     def grads_shard(self) -> int:
         return self.d * self.shard
@@ -110,8 +119,10 @@ class RankLayout:
         return optim_terms.step_bytes(SimpleNamespace(param_shapes=shapes), self.d, optimizer, False)[1]
 
 
-def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", offload: bool = False) -> RankLayout:
-    """labkit.distributed.Zero's units for a model spec: its blocks, and the root (every other parameter)."""
+def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", offload: bool = False,
+                gather_bytes: int = 0) -> RankLayout:
+    """labkit.distributed.Zero's units for a model spec: its blocks, and the root (every other parameter).
+    gather_bytes: bytes per gathered element when they differ from d (RankLayout.gather_bytes)."""
     zero_shares(0, 0, 0, world, stage)  # raises on a bad world or stage
     L = max(spec.n_layer, 0)
     block = spec.layer_params
@@ -123,7 +134,8 @@ def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", 
     if k is None:
         raise ValueError(f"per-rank ZeRO estimates model torch.optim's sgd, sgd-momentum, adam and adamw, "
                          f"not {optimizer!r}")
-    return RankLayout(stage, world, d, block, root, L, k, optimizer in ("adam", "adamw"), offload)
+    return RankLayout(stage, world, d, block, root, L, k, optimizer in ("adam", "adamw"), offload,
+                      gather_bytes=gather_bytes)
 
 
 # ---- turning the single-device moments (at the rank's batch) into a rank's moments ----------------------
@@ -135,18 +147,18 @@ def _gathered(lay: RankLayout, root: bool, blocks: int) -> list[Term]:
     out = []
     if root and lay.root:
         out.append(_t(K.GATHERED_ROOT,
-                      "root unit gathered (embeddings, final norm, head)", P_, lay.d * lay.world * lay.s_root,
-                      f"N s_root x {lay.d} B, from the forward's start to the end of backward"))
+                      "root unit gathered (embeddings, final norm, head)", P_, lay.c * lay.world * lay.s_root,
+                      f"N s_root x {lay.c} B, from the forward's start to the end of backward"))
     if blocks:
-        out.append(_t(K.GATHERED_BLOCKS, f"{blocks} block(s) gathered", P_, blocks * lay.d * lay.world * lay.s_block,
-                      f"N s_block x {lay.d} B while the block runs"))
+        out.append(_t(K.GATHERED_BLOCKS, f"{blocks} block(s) gathered", P_, blocks * lay.c * lay.world * lay.s_block,
+                      f"N s_block x {lay.c} B while the block runs"))
     return out
 
 
 def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer: int) -> list[Moment]:
     """The single-device moments of a rank's batch with the model-state terms of ZeRO stage `lay.stage`, and the
     moments of the gradient reduce (stage 1: after backward; stages 2-3: at the end of each unit's backward)."""
-    d, st = lay.d, lay.stage
+    d, c, st = lay.d, lay.c, lay.stage
     P = _t(K.PARAMETERS, "parameters" if st < 3 else "parameter shards", P_, lay.params(),
            f"{'N s' if st < 3 else 's'} x {d} B per unit (s = ceil(n / N), N = {lay.world})")
     O = _t(K.OPTIMIZER_STATE,
@@ -161,7 +173,7 @@ def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer
             elif t.key is K.OPTIMIZER_STATE:
                 terms.append(O if st else t)
             elif st >= 2 and t.category is G_ and t.key is K.BLOCK_GRADIENTS:
-                done = round(t.bytes / (d * lay.block)) if lay.block else 0
+                done = round(t.bytes / (c * lay.block)) if lay.block else 0
                 terms.append(_t(K.BLOCK_GRADIENTS,
                                 f"gradient shards of the {done} finished block(s)", G_, done * d * lay.s_block,
                                 f"{done} x s_block x {d} B (reduce-scattered at each block's end)"))
@@ -169,7 +181,7 @@ def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer
                 terms.append(_t(K.GRADIENTS,
                                 "gradient shards of the blocks", G_, n_layer * d * lay.s_block, "L x s_block x d"))
                 terms.append(_t(K.GRADIENTS,
-                                "root unit's full gradients (reduced last)", G_, d * lay.root, f"n_root x {d} B"))
+                                "root unit's full gradients (reduced last)", G_, c * lay.root, f"n_root x {c} B"))
             elif st and t.key is K.GRADIENTS and m.phase == "optimizer":
                 terms.append(_t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), f"s x {d} B per unit"))
             elif st and t.key is K.OPTIMIZER_TEMPS:
@@ -195,7 +207,7 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
     copy, beside the activations the earlier blocks still hold, the finished blocks' gradient shards, the head's
     gradient and the gradient flowing into block k (twice: the residual's and the first norm's); and at the end
     of backward the root's gradients and their copy (stage 3: block k or the root gathered then)."""
-    d = lay.d
+    d = lay.c  # the gradients a unit reduce-scatters: in the gathered dtype
     flat_block = _t(K.COMM_BUFFERS,
                     "a block's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_block,
                     "N s_block x d B (torch.cat of the block's gradients, padded)")
@@ -249,6 +261,34 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
     return out
 
 
+def engine_mixed(r) -> bool:
+    """True when a recipe's ZeRO-3 runs mixed precision as FSDP2 and DeepSpeed do (Recipe.zero_mixed "engine"):
+    fp32 shards, units gathered and computed in 16 bits. Stages 0-2 keep autocast over full fp32 weights."""
+    return r.zero == 3 and r.dtype.startswith("mixed-") and r.zero_mixed == "engine"
+
+
+def _rank_recipe(r):
+    """The single-device recipe one rank runs: its rows; under the engines' mixed precision the model computes
+    in 16 bits (FSDP2 casts every gathered parameter to param_dtype, so every op runs in it: no autocast)."""
+    one = r.replace(dp=1, batch=r.rank_batch, zero=0, zero_offload=False)
+    return one.replace(dtype=r.dtype.removeprefix("mixed-")) if engine_mixed(r) else one
+
+
+def _label(single, r) -> str:
+    """The single-device label with the recipe's own dtype (the engines' rank computes in 16 bits)."""
+    return single.label.replace(f" {_rank_recipe(r).dtype} ", f" {r.dtype} ", 1)
+
+
+def mixed_note(r) -> str:
+    """Which mixed precision a ZeRO-3 estimate shows, for its label ('' when there is no choice)."""
+    if r.zero != 3 or not r.dtype.startswith("mixed-"):
+        return ""
+    bits = r.dtype.removeprefix("mixed-")
+    if engine_mixed(r):
+        return f" mixed={bits} as FSDP2/DeepSpeed (fp32 shards, units gathered in {bits})"
+    return f" mixed=autocast over fp32 shards (labkit's Zero)"
+
+
 def data_parallel_estimate(r) -> Estimate:
     """One data-parallel rank of a recipe: the single-device estimate of its batch (batch / dp rows), its model
     states as ZeRO stage `r.zero` keeps them."""
@@ -265,18 +305,20 @@ def data_parallel_estimate(r) -> Estimate:
             raise ValueError(f"per-rank ZeRO estimates do not model {', '.join(bad)} yet")
         if r.zero_offload and r.optimizer != "adamw":
             raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
-    single = single_estimate(r.replace(dp=1, batch=r.rank_batch, zero=0, zero_offload=False))
-    tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + " (per rank)"
+    single = single_estimate(_rank_recipe(r))
+    tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + mixed_note(r) + " (per rank)"
     if r.zero == 0:  # labkit's data parallel: all-reduce in place on the .grad tensors, nothing more
-        return Estimate(single.label + tag, single.n_params, terms=list(single.terms), moments=list(single.moments))
+        return Estimate(_label(single, r) + tag, single.n_params, terms=list(single.terms),
+                        moments=list(single.moments))
     spec = spec_from(r.model, **r.config)
-    lay = rank_layout(spec, Precision.of(r.dtype).weight, r.zero, r.dp, r.optimizer, r.zero_offload)
+    lay = rank_layout(spec, Precision.of(r.dtype).weight, r.zero, r.dp, r.optimizer, r.zero_offload,
+                      2 if engine_mixed(r) else 0)
     moments = rank_moments(single.moments, lay, r.optimizer, spec.n_layer)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
         _t(K.PARAMETERS, "parameters" if r.zero < 3 else "parameter shards", P_, lay.params(), "per rank"),
         _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "per rank, after the reduce-scatter"),
         _t(K.OPTIMIZER_STATE, "optimizer state shards", O_, lay.opt(), "per rank")]
-    return Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    return Estimate(_label(single, r) + tag, single.n_params, terms=terms, moments=moments)
 
 
 def stages(recipe) -> dict:
@@ -294,7 +336,7 @@ FSDP2_SOURCE = ("torch.distributed.fsdp.fully_shard (FSDP2): per-parameter dim-0
                 "reduce-scatter input buffers, measured with FSDPMemTracker (torch 2.13)")
 
 
-def fsdp2_layout(spec, d: int, world: int, optimizer: str = "adamw") -> RankLayout:
+def fsdp2_layout(spec, d: int, world: int, optimizer: str = "adamw", gather_bytes: int = 0) -> RankLayout:
     """Rank 0's shards under FSDP2: each parameter cut along dim 0 in N chunks of ceil(d0 / N) rows (the last
     chunks padded, rank 0's always full), so a unit's all-gather moves N x sum of its chunks, not its elements
     padded once to N (labkit's Zero flattens a unit first)."""
@@ -312,7 +354,7 @@ def fsdp2_layout(spec, d: int, world: int, optimizer: str = "adamw") -> RankLayo
         chunk = math.ceil(shape[0] / world) * rest if shape else 1
         (block if hit else root).append(chunk)
     return RankLayout(3, world, d, base.block, base.root, base.n_blocks, base.state_per_elem, base.counters,
-                      False, (tuple(block), tuple(root)))
+                      False, (tuple(block), tuple(root)), gather_bytes)
 
 
 def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward: bool = True) -> list[Moment]:
@@ -330,7 +372,7 @@ def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward:
     - either way a block's post-backward reshards it (frees its gathered parameters) before its reduce-scatter;
     - the reduce-scatter input: a block's gradients copied into one padded buffer, held until the next
       reduce-scatter starts (inside block k's backward, block k + 1's; in the embedding's, block 0's)."""
-    d, L = lay.d, lay.n_blocks
+    d, L = lay.c, lay.n_blocks
     unit = _t(K.COMM_BUFFERS,
               "all-gather output buffer (freed at the next all-gather)", T_, d * lay.world * lay.s_block,
               "N s_block x d B")
@@ -374,13 +416,13 @@ def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
     r = recipe.replace(zero=3, zero_offload=False)
     d = Precision.of(r.dtype).weight
     spec = spec_from(r.model, **r.config)
-    single = single_estimate(r.replace(dp=1, batch=r.rank_batch, zero=0))
-    lay = fsdp2_layout(spec, d, r.dp, r.optimizer)
+    single = single_estimate(_rank_recipe(r))
+    lay = fsdp2_layout(spec, d, r.dp, r.optimizer, 2 if engine_mixed(r) else 0)
     moments = fsdp2_moments(rank_moments(single.moments, lay, r.optimizer, spec.n_layer), lay, reshard_after_forward)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
         _t(K.PARAMETERS, "parameter shards", P_, lay.params(), "rank 0's dim-0 chunk of every parameter"),
         _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "the same chunks, after the reduce-scatter"),
         _t(K.OPTIMIZER_STATE,
            "optimizer state shards", O_, lay.opt(), f"{lay.state_per_elem} x s x {d} B + 4 B step per tensor")]
-    tag = f" dp={r.dp} FSDP2 reshard_after_forward={reshard_after_forward} (rank 0)"
-    return Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    tag = f" dp={r.dp} FSDP2 reshard_after_forward={reshard_after_forward}{mixed_note(r)} (rank 0)"
+    return Estimate(_label(single, r) + tag, single.n_params, terms=terms, moments=moments)
