@@ -37,7 +37,7 @@ def test_zero3_mixed_precision_as_fsdp2_runs_it(model):
     """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16) keeps fp32 shards and gathers each unit in bf16 (no
     autocast copy of the model): the default estimate ("engine") is within 3 % per rank at 2 and 4 ranks, and
     the autocast estimate is far above what the engine holds; "autocast" is measured as its own option."""
-    from labkit.distributed.simulate import fsdp2_recipe_memory
+    from labkit.run.fsdp2 import fsdp2_recipe_memory
     from labkit.memory.report import TermKey
 
     for w in (2, 4):
@@ -90,7 +90,7 @@ CKPT_LORA = [(m, dt, ck, lo, w) for m in (GPTConfig(**CFG), "llama-tiny")
 def test_zero3_with_checkpointing_and_lora_per_rank(model, dtype, checkpoint, lora, world):
     """FSDP2 (every block, then the root) over a checkpointed model and over LoRA (the frozen base sharded and
     gathered beside the adapters, only the adapters reduce-scattered and stepped), against estimate()."""
-    from labkit.distributed.simulate import fsdp2_recipe_memory
+    from labkit.run.fsdp2 import fsdp2_recipe_memory
     from labkit.estimate import estimate
 
     r = Recipe(model, batch=2 * world, seq=32, dp=world, zero=3, dtype=dtype, checkpoint=checkpoint,
