@@ -16,7 +16,8 @@ import multiprocessing as mp
 __all__ = ["fsdp2_rank_memory", "zero_rank_memory"]  # a whole Recipe under FSDP2: labkit.run.fsdp2
 
 
-def _child(cfg: dict, worlds: list, batch: int, seq: int, reshard: bool, out, opts: dict | None = None) -> None:
+def _child(cfg: dict, worlds: list, batch: int, seq: int, reshard: bool, out,
+           opts: dict | None = None) -> None:
     try:
         out.put(("ok", [_measure(cfg, w, batch, seq, reshard, **(opts or {})) for w in worlds]))
     except BaseException as e:  # report it: the parent raises it
@@ -40,7 +41,8 @@ def _measure(cfg: dict, world: int, batch: int, seq: int, reshard_after_forward:
         torch.manual_seed(0)
         m = GPT(GPTConfig(**cfg))
         mesh = init_device_mesh("cpu", (world,))
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, DTYPES[param_dtype]) if param_dtype else None)
+        low = getattr(torch, DTYPES[param_dtype]) if param_dtype else None
+        mp = MixedPrecisionPolicy(param_dtype=low)
         for b in m.blocks:
             fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
         fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
@@ -62,7 +64,7 @@ def _measure(cfg: dict, world: int, batch: int, seq: int, reshard_after_forward:
         dist.destroy_process_group()
 
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # MixedPrecisionPolicy's param_dtype, by Recipe's name
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # MixedPrecisionPolicy's param_dtype by Recipe name
 
 
 def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float = 300,
@@ -71,9 +73,10 @@ def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float =
     config (a dict of GPTConfig fields), `batch` rows of `seq` tokens per rank, on `world` simulated ranks:
     {"world", "peak", "by_category": FSDPMemTracker's categories at the peak}. A list of world sizes gives a
     list (one child process for all of them). reshard_after_forward: fully_shard's (True: parameters
-    gathered again for backward, ZeRO-3; False: each block keeps them from its forward to its backward).
-    param_dtype: "bf16" or "fp16" runs FSDP2's mixed precision, MixedPrecisionPolicy(param_dtype=...) on every
-    unit (fp32 shards, units gathered and computed in 16 bits, gradients reduced in 16 bits); None: fp32."""
+    gathered again for backward, ZeRO-3; False: each block keeps them from its forward to its
+    backward). param_dtype: "bf16" or "fp16" runs FSDP2's mixed precision,
+    MixedPrecisionPolicy(param_dtype=...) on every unit (fp32 shards, units gathered and computed in 16
+    bits, gradients reduced in 16 bits); None: fp32."""
     if param_dtype is not None and param_dtype not in DTYPES:
         raise ValueError(f"param_dtype must be None, 'bf16' or 'fp16', got {param_dtype!r}")
     worlds = list(world) if isinstance(world, (list, tuple)) else [world]
@@ -83,7 +86,8 @@ def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float =
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     opts = {"param_dtype": param_dtype}
-    p = ctx.Process(target=_child, args=(dict(cfg), worlds, batch, seq, bool(reshard_after_forward), q, opts),
+    args = (dict(cfg), worlds, batch, seq, bool(reshard_after_forward), q, opts)
+    p = ctx.Process(target=_child, args=args,
                     daemon=True)
     p.start()
     try:

@@ -92,11 +92,11 @@ class Recipe:
     zero: int = 0  # ZeRO stage over the dp ranks: 1 shards optimizer states, 2 also gradients, 3 also parameters
     zero_offload: bool = False  # ZeRO-Offload: the (sharded) optimizer state and its step live in host memory
     # Mixed precision (dtype "mixed-*") under ZeRO-3, one of ZERO_MIXED:
-    # "engine": what FSDP2 (MixedPrecisionPolicy(param_dtype=bf16)) and DeepSpeed's bf16 do by default: fp32
-    #   shards, each unit gathered in 16 bits while it runs, the model computing in 16 bits, 16-bit gradients
-    #   reduce-scattered into fp32 gradient shards; no autocast copy of the whole model.
-    # "autocast": labkit's Zero under torch.autocast: fp32 shards gathered in fp32, autocast's 16-bit copy of
-    #   every matmul weight kept from the forward to the backward.
+    # "engine": what FSDP2 (MixedPrecisionPolicy(param_dtype=bf16)) and DeepSpeed's bf16 do by
+    #   default: fp32 shards, each unit gathered in 16 bits while it runs, the model computing in 16
+    #   bits, 16-bit gradients reduce-scattered into fp32 gradient shards; no autocast copy of the model.
+    # "autocast": labkit's Zero under torch.autocast: fp32 shards gathered in fp32, autocast's 16-bit
+    #   copy of every matmul weight kept from the forward to the backward.
     # Stages 0-2 keep every weight on every rank; there labkit models autocast either way.
     zero_mixed: Literal["engine", "autocast"] = "engine"
     tp: int = 1  # tensor-parallel ranks (Megatron: attention heads and the MLP split t ways)

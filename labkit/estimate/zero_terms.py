@@ -54,13 +54,13 @@ class RankLayout:
     # FSDP2 (fully_shard) shards each parameter on its own along dim 0, padded to N chunks: rank 0's chunk of
     # each tensor (ceil(d0 / N) x the other dims), block's and root's; empty: labkit's Zero (flat units)
     per_param: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-    # bytes per element of what a unit gathers and its unsharded gradients (0: d). 2 under the engines' mixed
-    # precision (Recipe.zero_mixed "engine"): fp32 shards cast to 16 bits, gathered, and 16-bit gradients
-    # reduce-scattered, then cast to the fp32 shards' dtype
+    # bytes per element of what a unit gathers and its unsharded gradients (0: d). 2 under the
+    # engines' mixed precision (Recipe.zero_mixed "engine"): fp32 shards cast to 16 bits, gathered,
+    # and 16-bit gradients reduce-scattered, then cast to the fp32 shards' dtype
     gather_bytes: int = 0
-    # LoRA under FSDP2: the frozen base is sharded and gathered beside the adapters, but only the adapters get
-    # gradients and optimizer state: (rank 0's chunks of a block's trained tensors, the root's; the trained
-    # elements of a block, of the root). Empty: every parameter trains
+    # LoRA under FSDP2: the frozen base is sharded and gathered beside the adapters, but only the
+    # adapters get gradients and optimizer state: (rank 0's chunks of a block's trained tensors,
+    # the root's; the trained elements of a block, of the root). Empty: every parameter trains
     trained: tuple = ()
 
     @property
@@ -331,38 +331,42 @@ def _check_zero(r) -> None:
     """The ZeRO recipes labkit refuses, each with what stands in the way."""
     if r.optimizer not in optim_terms.TORCH_STATES:
         raise ValueError(f"optimizer {r.optimizer!r} under ZeRO: labkit's {r.optimizer} keeps its state per "
-                         "full tensor (block-wise 8-bit, factored or projected), while ZeRO's optimizer steps "
-                         "flat shards that cut tensors anywhere; use sgd, sgd-momentum, adam or adamw")
+                         "full tensor (block-wise 8-bit, factored or projected), while ZeRO's "
+                         "optimizer steps flat shards that cut tensors anywhere; use sgd, "
+                         "sgd-momentum, adam or adamw")
     if r.optimizer_offload is not None:
         raise ValueError("optimizer_offload under ZeRO: OffloadAdamW would step the full parameters that ZeRO "
-                         "shards; ZeRO-Offload moves the shards' state instead: give zero_offload=True")
+                         "shards; ZeRO-Offload moves the shards' state instead: give "
+                         "zero_offload=True")
     if r.step_in_backward:
         raise ValueError("step_in_backward under ZeRO: the step needs each unit's reduce-scattered gradient "
-                         "shard, which exists only after the unit's reduce; labkit's Zero steps its shards "
-                         "after backward (Zero.step)")
+                         "shard, which exists only after the unit's reduce; labkit's Zero steps "
+                         "its shards after backward (Zero.step)")
     if r.zero_offload and r.optimizer != "adamw":
         raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
     if r.zero < 3 and (r.lora_rank is not None or r.lisa_layers is not None):
         raise ValueError(f"ZeRO-{r.zero} over a LoRA/LISA model: labkit's Zero builds its units from the "
-                         "trained parameters only, and its stage 1-2 moments are derived for a model that "
-                         "trains whole; LoRA's states are sharded with the frozen base at zero=3 (FSDP2)")
+                         "trained parameters only, and its stage 1-2 moments are derived for a "
+                         "model that trains whole; LoRA's states are sharded with the frozen "
+                         "base at zero=3 (FSDP2)")
     if r.micro < r.rank_batch:
         raise ValueError("micro_batch under ZeRO: labkit's Zero reduce-scatters every micro-batch's "
-                         "gradients into the shard (Zero._reduce) and its moments for a second micro-batch "
-                         "are not derived; give micro_batch=None")
+                         "gradients into the shard (Zero._reduce) and its moments for a second "
+                         "micro-batch are not derived; give micro_batch=None")
     if r.checkpoint != "none" and r.zero >= 2:
         spec = spec_from(r.model, **r.config)
         per_block = r.checkpoint in ("full", "selective") and r.segments in (None, spec.n_layer)
         if not per_block and r.zero == 3:
             raise ValueError("ZeRO-3 with checkpointed segments of several blocks: ZeRO-3 gathers a block's "
-                             "parameters in that block's own forward hook, but a segment runs all its blocks "
-                             "inside its first block's call, before the others are gathered; checkpoint each "
-                             "block (checkpoint='full' or 'selective', segments=None)")
+                             "parameters in that block's own forward hook, but a segment runs "
+                             "all its blocks inside its first block's call, before the others "
+                             "are gathered; checkpoint each block (checkpoint='full' or "
+                             "'selective', segments=None)")
         if not per_block:
             raise ValueError("ZeRO-2 with checkpointed segments of several blocks: the reduce-scatter moments "
-                             "inside a multi-block segment's backward are derived per block only (measured 6 % "
-                             "above them); checkpoint each block (checkpoint='full' or 'selective', "
-                             "segments=None)")
+                             "inside a multi-block segment's backward are derived per block "
+                             "only (measured 6 % above them); checkpoint each block "
+                             "(checkpoint='full' or 'selective', segments=None)")
 
 
 def data_parallel_estimate(r) -> Estimate:
@@ -373,8 +377,9 @@ def data_parallel_estimate(r) -> Estimate:
     if r.zero:
         _check_zero(r)
         if r.zero == 3 and (engine_mixed(r) or r.lora_rank is not None or r.lisa_layers is not None):
-            # the engines' mixed precision, or a frozen base sharded beside its adapters: FSDP2's units
-            # (labkit's Zero runs neither: fp32 or autocast, its units made of trained parameters)
+            # the engines' mixed precision, or a frozen base sharded beside its adapters: FSDP2's
+            # units (labkit's Zero runs neither: fp32 or autocast, its units made of trained
+            # parameters)
             return fsdp2_estimate(r)
     single = single_estimate(_rank_recipe(r))
     tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + mixed_note(r) + " (per rank)"
@@ -497,20 +502,22 @@ def _check_fsdp2(r, peft) -> None:
     """The recipes FSDP2 cannot run as labkit builds them, each with its reason."""
     if peft is not None and peft.lisa_layers:
         raise ValueError("LISA under ZeRO-3 / FSDP2: LISA switches which layers train every few steps, and "
-                         "fully_shard fixes at wrapping time which parameters a unit reduce-scatters and "
-                         "steps; use LoRA, or LISA with zero=0")
+                         "fully_shard fixes at wrapping time which parameters a unit "
+                         "reduce-scatters and steps; use LoRA, or LISA with zero=0")
     if peft is not None and peft.quant != "none":
         raise ValueError(f"quant={peft.quant!r} under ZeRO-3 / FSDP2: labkit's quantized base keeps its codes "
-                         "in buffers, which fully_shard does not shard (torchao's NF4Tensor implements "
-                         "FSDP2's all-gather extension for that); use quant='none' with zero=3")
+                         "in buffers, which fully_shard does not shard (torchao's NF4Tensor "
+                         "implements FSDP2's all-gather extension for that); use quant='none' "
+                         "with zero=3")
     if r.base_dtype is not None:
         raise ValueError("base_dtype under ZeRO-3 / FSDP2: fully_shard all-gathers a unit in one dtype, so a "
-                         "16-bit base beside fp32 adapters cannot share a unit; under zero_mixed='engine' "
-                         "every unit is gathered in 16 bits anyway: drop base_dtype")
+                         "16-bit base beside fp32 adapters cannot share a unit; under "
+                         "zero_mixed='engine' every unit is gathered in 16 bits anyway: drop "
+                         "base_dtype")
     if r.optimizer not in optim_terms.TORCH_STATES:
         raise ValueError(f"optimizer {r.optimizer!r} under ZeRO-3 / FSDP2: labkit's {r.optimizer} keeps its "
-                         "state per full tensor (block-wise 8-bit, factored or projected), not per dim-0 "
-                         "shard (DTensor); use sgd, sgd-momentum, adam or adamw")
+                         "state per full tensor (block-wise 8-bit, factored or projected), not "
+                         "per dim-0 shard (DTensor); use sgd, sgd-momentum, adam or adamw")
 
 
 def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
