@@ -430,7 +430,7 @@ def _chunks(names, shapes, world: int) -> tuple[list[int], list[int], int, int]:
 
 
 def fsdp2_layout(spec, d: int, world: int, optimizer: str = "adamw", gather_bytes: int = 0,
-                 trained=None) -> RankLayout:
+                 trained=None, offload: bool = False) -> RankLayout:
     """Rank 0's shards under FSDP2: each parameter cut along dim 0 in N chunks of ceil(d0 / N) rows (the last
     chunks padded, rank 0's always full), so a unit's all-gather moves N x sum of its chunks, not its elements
     padded once to N (labkit's Zero flattens a unit first). trained: the ModelSpec of LoRA's adapters
@@ -445,7 +445,7 @@ def fsdp2_layout(spec, d: int, world: int, optimizer: str = "adamw", gather_byte
         train = (tuple(tb), tuple(tr), nb, nr)
     block, root, nb, nr = _chunks(names, shapes, world)
     return RankLayout(3, world, d, nb, nr, base.n_blocks, base.state_per_elem, base.counters,
-                      False, (tuple(block), tuple(root)), gather_bytes, train)
+                      offload, (tuple(block), tuple(root)), gather_bytes, train)
 
 
 def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward: bool = True) -> list[Moment]:
@@ -526,19 +526,23 @@ def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
     ZeRO-3 moments on FSDP2's per-parameter layout, with FSDP2's buffers (fsdp2_moments)."""
     if recipe.dp < 2:
         raise ValueError(f"fsdp2_estimate needs dp >= 2 ranks, got dp={recipe.dp}")
-    r = recipe.replace(zero=3, zero_offload=False)
+    # zero_offload: the optimizer state and its step on the host (DeepSpeed's offload_optimizer), as at
+    # labkit's ZeRO-Offload; parameters and gradients stay on the device
+    r = recipe.replace(zero=3)
     d = Precision.of(r.dtype).weight
     spec = spec_from(r.model, **r.config)
     single = single_estimate(_rank_recipe(r))
     peft = peft_of(spec, r.lora_rank, r.lora_targets, r.quant, r.lisa_layers, r.quant_group)
     _check_fsdp2(r, peft)
     trained = trainable_spec(spec, peft) if peft is not None else None
-    lay = fsdp2_layout(spec, d, r.dp, r.optimizer, 2 if engine_mixed(r) else 0, trained)
+    lay = fsdp2_layout(spec, d, r.dp, r.optimizer, 2 if engine_mixed(r) else 0, trained,
+                       r.zero_offload)
     moments = fsdp2_moments(rank_moments(single.moments, lay, r.optimizer, spec.n_layer), lay, reshard_after_forward)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
         _t(K.PARAMETERS, "parameter shards", P_, lay.params(), "rank 0's dim-0 chunk of every parameter"),
         _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "the same chunks, after the reduce-scatter"),
         _t(K.OPTIMIZER_STATE,
            "optimizer state shards", O_, lay.opt(), f"{lay.state_per_elem} x s x {d} B + 4 B step per tensor")]
-    tag = f" dp={r.dp} FSDP2 reshard_after_forward={reshard_after_forward}{mixed_note(r)} (rank 0)"
+    off = " offload" if r.zero_offload else ""
+    tag = f" dp={r.dp} FSDP2{off} reshard_after_forward={reshard_after_forward}{mixed_note(r)} (rank 0)"
     return Estimate(_label(single, r) + tag, single.n_params, terms=terms, moments=moments)

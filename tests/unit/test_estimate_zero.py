@@ -111,3 +111,15 @@ def test_cli_per_rank_json(capsys):
     e = estimate(Recipe("gpt2-tiny", 4, 32, dtype=d["dtype"], device=d["device"], dp=2, zero=3))
     single = estimate(Recipe("gpt2-tiny", 2, 32, dtype=d["dtype"], device=d["device"]))
     assert str(e.peak.total) in text and str(single.peak.total) not in text
+
+
+def test_engine_zero3_keeps_zero_offload():
+    """ZeRO-3 under the engines' mixed precision runs on FSDP2's units; zero_offload still moves the
+    optimizer state and its step to the host (DeepSpeed's offload_optimizer), not dropped."""
+    from labkit.memory.report import TermKey
+
+    r = Recipe("gpt2-tiny", 8, 32, dtype="mixed-bf16", dp=2, zero=3)
+    on, off = estimate(r.replace(zero_offload=True)), estimate(r)
+    state = [t.bytes for m in on.moments for t in m.terms if t.key is TermKey.OPTIMIZER_STATE]
+    assert state and not any(state) and "offload" in on.label
+    assert on.peak.total < off.peak.total
