@@ -253,7 +253,8 @@ def zero_redundancy_elements(rank: int, world: int, cfg: dict, seed: int = 0) ->
 
 def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget: int | None = None):
     """The ledger's Measurement of `steps` steps of `recipe` (a labkit.estimate.Recipe with dp = world, a
-    GPTConfig model, fp32, adamw) on this rank: its rows of each global batch, ZeRO stage `recipe.zero`
+    GPTConfig model, fp32, adamw) on this rank: its rows of each global batch, ZeRO stage
+    `recipe.zero`, its checkpoint policy (labkit.recompute.checkpoint_blocks)
     (0: labkit's naive data parallel, all-reduce in place after backward). budget: bytes per rank; the ledger
     raises SimulatedOutOfMemoryError where a device with that much memory would fail."""
     from labkit.memory.ledger import Ledger
@@ -274,7 +275,11 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
         net = DataParallelNaive(m)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=recipe.foreach)
     rows = shard_rows(run, rank, world)  # each step copies its rows inside the ledger, as a data loader hands them
-    with Ledger(m, opt, budget=budget, label=f"rank {rank} of {world}, ZeRO-{recipe.zero}") as led:
+    from labkit.recompute import checkpoint_blocks
+
+    ckpt = checkpoint_blocks(m, recipe.checkpoint, recipe.segments, selective=recipe.selective_policy)
+    label = f"rank {rank} of {world}, ZeRO-{recipe.zero}"
+    with ckpt, Ledger(m, opt, budget=budget, label=label) as led:
         for i in range(steps):
             x, y = (t.clone() for t in rows[i])
             loss = net(x, y)

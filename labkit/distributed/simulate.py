@@ -13,22 +13,24 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
-__all__ = ["fsdp2_rank_memory", "zero_rank_memory"]
+__all__ = ["fsdp2_rank_memory", "zero_rank_memory"]  # a whole Recipe under FSDP2: labkit.run.fsdp2
 
 
-def _child(cfg: dict, worlds: list, batch: int, seq: int, reshard: bool, out) -> None:
+def _child(cfg: dict, worlds: list, batch: int, seq: int, reshard: bool, out,
+           opts: dict | None = None) -> None:
     try:
-        out.put(("ok", [_measure(cfg, w, batch, seq, reshard) for w in worlds]))
+        out.put(("ok", [_measure(cfg, w, batch, seq, reshard, **(opts or {})) for w in worlds]))
     except BaseException as e:  # report it: the parent raises it
         out.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def _measure(cfg: dict, world: int, batch: int, seq: int, reshard_after_forward: bool = True) -> dict:
+def _measure(cfg: dict, world: int, batch: int, seq: int, reshard_after_forward: bool = True,
+             param_dtype: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from labkit.models.gpt import GPT, GPTConfig
@@ -39,9 +41,11 @@ def _measure(cfg: dict, world: int, batch: int, seq: int, reshard_after_forward:
         torch.manual_seed(0)
         m = GPT(GPTConfig(**cfg))
         mesh = init_device_mesh("cpu", (world,))
+        low = getattr(torch, DTYPES[param_dtype]) if param_dtype else None
+        mp = MixedPrecisionPolicy(param_dtype=low)
         for b in m.blocks:
-            fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
         x = torch.randint(0, cfg["vocab_size"], (batch, seq))
         tracker = FSDPMemTracker(m, opt)
@@ -60,20 +64,31 @@ def _measure(cfg: dict, world: int, batch: int, seq: int, reshard_after_forward:
         dist.destroy_process_group()
 
 
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # MixedPrecisionPolicy's param_dtype by Recipe name
+
+
 def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float = 300,
-                      reshard_after_forward: bool = True):
+                      reshard_after_forward: bool = True, param_dtype: str | None = None):
     """Rank 0's peak bytes under FSDP2 (every block, then the root, fully_shard-ed; AdamW) for a labkit GPT
     config (a dict of GPTConfig fields), `batch` rows of `seq` tokens per rank, on `world` simulated ranks:
     {"world", "peak", "by_category": FSDPMemTracker's categories at the peak}. A list of world sizes gives a
     list (one child process for all of them). reshard_after_forward: fully_shard's (True: parameters
-    gathered again for backward, ZeRO-3; False: each block keeps them from its forward to its backward)."""
+    gathered again for backward, ZeRO-3; False: each block keeps them from its forward to its
+    backward). param_dtype: "bf16" or "fp16" runs FSDP2's mixed precision,
+    MixedPrecisionPolicy(param_dtype=...) on every unit (fp32 shards, units gathered and computed in 16
+    bits, gradients reduced in 16 bits); None: fp32."""
+    if param_dtype is not None and param_dtype not in DTYPES:
+        raise ValueError(f"param_dtype must be None, 'bf16' or 'fp16', got {param_dtype!r}")
     worlds = list(world) if isinstance(world, (list, tuple)) else [world]
     for w in worlds:
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
             raise ValueError(f"world must be an integer >= 1, got {w!r}")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(dict(cfg), worlds, batch, seq, bool(reshard_after_forward), q), daemon=True)
+    opts = {"param_dtype": param_dtype}
+    args = (dict(cfg), worlds, batch, seq, bool(reshard_after_forward), q, opts)
+    p = ctx.Process(target=_child, args=args,
+                    daemon=True)
     p.start()
     try:
         kind, value = _result(q, p, timeout_s)

@@ -210,7 +210,7 @@ def estimate_ranks(recipe) -> list[Estimate]:
         b.G = rs.n_params * d
         b.O = predict.optimizer_state_bytes(rs, prec, r.optimizer)
         b.opt_temp = predict.optimizer_temp_bytes(rs, prec, r.optimizer, foreach)
-        b.C = predict.autocast_copy_bytes(dataclasses.replace(rs, matmul_params=_matmul(rs)), prec)
+        b.C = predict.autocast_copy_bytes(dataclasses.replace(rs, matmul_params=_matmul(rs, spec)), prec)
         b.states = {}
         b.layer = tp_layer_bytes(w, marks, t, sp) if t > 1 else full.layer
         b.layer_grad = rs.layer_params * d
@@ -269,10 +269,12 @@ def estimate_ranks(recipe) -> list[Estimate]:
     return out
 
 
-def _matmul(rs) -> int:
-    """Parameters of the rank that enter a matmul (autocast copies them): the blocks' Linears and the head."""
+def _matmul(rs, spec) -> int:
+    """Parameters of the rank that enter a matmul (autocast copies them): the blocks' Linears and the head, by
+    the model's own list of Linears (spec.linears: GPT-2's c_attn..., Llama's q_proj... gate_proj...)."""
+    linears = {name for name, *_ in spec.linears} | {"lm_head"}
     return sum(_numel(s) for n, s in zip(rs.param_names, rs.param_shapes)
-               if re.search(r"(c_attn|c_proj|c_fc|lm_head)\.(weight|bias)", n))
+               if n.split(" ")[0].rsplit(".", 1)[0] in linears)
 
 
 def _actions(schedule: str, m: int, p: int, s: int):
@@ -324,12 +326,14 @@ def layout_wire_bytes(recipe) -> dict[str, float]:
     r = recipe
     spec = spec_from(r.model, **r.config)
     d = predict.Precision.of(r.dtype)
-    e = 2 if d.autocast else d.weight
+    e = 2 if d.autocast else d.weight  # a matmul's output (TP's all-reduces): 16 bits under autocast
     m = r.rank_batch // r.micro
     act = r.micro * r.seq * spec.hidden * e
     out = {}
-    if r.pp > 1:
-        out["pipeline: each stage boundary, each way (m activations forward, m gradients back)"] = m * act
+    if r.pp > 1:  # a block's output is the residual stream, in the weights' dtype (fp32 under autocast), as the
+        # walk keeps it (Walk.x_bytes)
+        out["pipeline: each stage boundary, each way (m activations forward, m gradients back)"] = (
+            m * r.micro * r.seq * spec.hidden * d.weight)
         if spec.tied:
             out["pipeline: tied embedding gradient all-reduce (first and last stage)"] = spec.vocab * spec.hidden * d.weight
     if r.dp > 1:  # each part's gradients over its dp replicas: an all-reduce, or ZeRO-1's reduce-scatter of the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Sequence
+from typing import Literal, Sequence
 
 from labkit.optim.galore8bit import PROJ_DTYPES  # 8-bit GaLore's projector precisions (its module owns them)
 
@@ -33,6 +33,7 @@ QUANT_SETS = (
 PAGED_OPTIMIZERS = ("adamw", "adamw8bit", "adam", "adam8bit", "lion")
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (pp > 1)
 ZERO_STAGES = (0, 1, 2, 3)
+ZERO_MIXED = ("engine", "autocast")  # how ZeRO-3 / FSDP2 runs mixed precision (Recipe.zero_mixed)
 BASE_DTYPES = (None, "fp32", "bf16", "fp16")  # a frozen base's precision (None: the trained weights')
 STEP_AND_OFFLOAD = "step_in_backward and optimizer_offload: OffloadAdamW steps all parameters at once; choose one"
 
@@ -123,6 +124,14 @@ class Recipe:
     dp: int = 1  # data-parallel ranks: `batch` is the global batch, each rank takes batch / dp rows
     zero: int = 0  # ZeRO stage over the dp ranks: 1 shards optimizer states, 2 also gradients, 3 also parameters
     zero_offload: bool = False  # ZeRO-Offload: the (sharded) optimizer state and its step live in host memory
+    # Mixed precision (dtype "mixed-*") under ZeRO-3, one of ZERO_MIXED:
+    # "engine": what FSDP2 (MixedPrecisionPolicy(param_dtype=bf16)) and DeepSpeed's bf16 do by
+    #   default: fp32 shards, each unit gathered in 16 bits while it runs, the model computing in 16
+    #   bits, 16-bit gradients reduce-scattered into fp32 gradient shards; no autocast copy of the model.
+    # "autocast": labkit's Zero under torch.autocast: fp32 shards gathered in fp32, autocast's 16-bit
+    #   copy of every matmul weight kept from the forward to the backward.
+    # Stages 0-2 keep every weight on every rank; there labkit models autocast either way.
+    zero_mixed: Literal["engine", "autocast"] = "engine"
     tp: int = 1  # tensor-parallel ranks (Megatron: attention heads and the MLP split t ways)
     pp: int = 1  # pipeline stages (consecutive blocks); micro_batch sets the pipeline's micro-batches
     schedule: str = "1f1b"  # pipeline schedule when pp > 1: "gpipe" or "1f1b"
@@ -160,6 +169,8 @@ class Recipe:
             raise ValueError(f"batch ({self.batch}) is the global batch: it must divide evenly over dp={self.dp} ranks")
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        if self.zero_mixed not in ZERO_MIXED:
+            raise ValueError(f"zero_mixed must be one of {', '.join(ZERO_MIXED)}, got {self.zero_mixed!r}")
         if self.zero_offload and self.zero == 0:
             raise ValueError("zero_offload offloads ZeRO's sharded optimizer state: give zero=1, 2 or 3 too")
         if self.zero and self.dp == 1 and not self.zero_offload:

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 from labkit.memory.report import Category, Estimate, Moment, MomentKind, Term, TermKey as K
 
 from . import keyed, optim_terms
+from .peft_terms import of_recipe, trainable_spec
 from .predict import Precision, single_estimate
 from .spec import spec_from
 from .textbook import paper_bytes, zero_shares  # noqa: F401 (lessons 9 and 13 quote paper_bytes from here)
@@ -53,6 +54,42 @@ class RankLayout:
     # FSDP2 (fully_shard) shards each parameter on its own along dim 0, padded to N chunks: rank 0's chunk of
     # each tensor (ceil(d0 / N) x the other dims), block's and root's; empty: labkit's Zero (flat units)
     per_param: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    # bytes per element of what a unit gathers and its unsharded gradients (0: d). 2 under the
+    # engines' mixed precision (Recipe.zero_mixed "engine"): fp32 shards cast to 16 bits, gathered,
+    # and 16-bit gradients reduce-scattered, then cast to the fp32 shards' dtype
+    gather_bytes: int = 0
+    # LoRA under FSDP2: the frozen base is sharded and gathered beside the adapters, but only the
+    # adapters get gradients and optimizer state: (rank 0's chunks of a block's trained tensors,
+    # the root's; the trained elements of a block, of the root). Empty: every parameter trains
+    trained: tuple = ()
+
+    @property
+    def s_tblock(self) -> int:
+        """Elements of a block's trained shard (gradients, optimizer state)."""
+        return sum(self.trained[0]) if self.trained else self.s_block
+
+    @property
+    def s_troot(self) -> int:
+        return sum(self.trained[1]) if self.trained else self.s_root
+
+    @property
+    def t_block(self) -> int:
+        """Trained elements of a block (its unsharded gradients)."""
+        return self.trained[2] if self.trained else self.block
+
+    @property
+    def t_root(self) -> int:
+        return self.trained[3] if self.trained else self.root
+
+    @property
+    def tshard(self) -> int:
+        """Elements of this rank's trained shards, every unit."""
+        return self.n_blocks * self.s_tblock + self.s_troot
+
+    @property
+    def c(self) -> int:
+        """Bytes per element of a gathered unit and of its unsharded gradients."""
+        return self.gather_bytes or self.d
 
     @property
     def s_block(self) -> int:
@@ -65,6 +102,8 @@ class RankLayout:
     @property
     def tensors(self) -> int:
         """Optimizer tensors: one per unit shard (labkit's Zero), one per parameter (FSDP2's DTensors)."""
+        if self.trained:
+            return self.n_blocks * len(self.trained[0]) + len(self.trained[1])
         if self.per_param[0] or self.per_param[1]:
             return self.n_blocks * len(self.per_param[0]) + len(self.per_param[1])
         return self.units
@@ -88,30 +127,34 @@ class RankLayout:
         return self.d * (self.shard if self.stage == 3 else self.padded)
 
     def grads_full(self) -> int:
-        return self.d * self.padded
+        return self.c * self.world * self.tshard
 
     def grads_shard(self) -> int:
-        return self.d * self.shard
+        return self.d * self.tshard
 
     def opt(self) -> int:
         if self.offload:
             return 0
-        return self.state_per_elem * self.d * self.shard + (4 * self.tensors if self.counters else 0)
+        return self.state_per_elem * self.d * self.tshard + (4 * self.tensors if self.counters else 0)
 
     def opt_temp(self, optimizer: str) -> int:
         """AdamW (single tensor) on the unit shards: the largest shard's sqrt(v) and quotient beside the
         previous shard's (optim_terms.step_bytes); 0 offloaded (the host does it)."""
         if self.offload:
             return 0
-        if self.per_param[0] or self.per_param[1]:
+        if self.trained:
+            shapes = [(n,) for n in self.trained[0]] * self.n_blocks + [(n,) for n in self.trained[1]]
+        elif self.per_param[0] or self.per_param[1]:
             shapes = [(n,) for n in self.per_param[0]] * self.n_blocks + [(n,) for n in self.per_param[1]]
         else:
             shapes = [(self.s_block,)] * self.n_blocks + ([(self.s_root,)] if self.root else [])
         return optim_terms.step_bytes(SimpleNamespace(param_shapes=shapes), self.d, optimizer, False)[1]
 
 
-def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", offload: bool = False) -> RankLayout:
-    """labkit.distributed.Zero's units for a model spec: its blocks, and the root (every other parameter)."""
+def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", offload: bool = False,
+                gather_bytes: int = 0) -> RankLayout:
+    """labkit.distributed.Zero's units for a model spec: its blocks, and the root (every other parameter).
+    gather_bytes: bytes per gathered element when they differ from d (RankLayout.gather_bytes)."""
     zero_shares(0, 0, 0, world, stage)  # raises on a bad world or stage
     L = max(spec.n_layer, 0)
     block = spec.layer_params
@@ -123,7 +166,8 @@ def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", 
     if k is None:
         raise ValueError(f"per-rank ZeRO estimates model torch.optim's sgd, sgd-momentum, adam and adamw, "
                          f"not {optimizer!r}")
-    return RankLayout(stage, world, d, block, root, L, k, optimizer in ("adam", "adamw"), offload)
+    return RankLayout(stage, world, d, block, root, L, k, optimizer in ("adam", "adamw"), offload,
+                      gather_bytes=gather_bytes)
 
 
 # ---- turning the single-device moments (at the rank's batch) into a rank's moments ----------------------
@@ -135,18 +179,18 @@ def _gathered(lay: RankLayout, root: bool, blocks: int) -> list[Term]:
     out = []
     if root and lay.root:
         out.append(_t(K.GATHERED_ROOT,
-                      "root unit gathered (embeddings, final norm, head)", P_, lay.d * lay.world * lay.s_root,
-                      f"N s_root x {lay.d} B, from the forward's start to the end of backward"))
+                      "root unit gathered (embeddings, final norm, head)", P_, lay.c * lay.world * lay.s_root,
+                      f"N s_root x {lay.c} B, from the forward's start to the end of backward"))
     if blocks:
-        out.append(_t(K.GATHERED_BLOCKS, f"{blocks} block(s) gathered", P_, blocks * lay.d * lay.world * lay.s_block,
-                      f"N s_block x {lay.d} B while the block runs"))
+        out.append(_t(K.GATHERED_BLOCKS, f"{blocks} block(s) gathered", P_, blocks * lay.c * lay.world * lay.s_block,
+                      f"N s_block x {lay.c} B while the block runs"))
     return out
 
 
 def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer: int) -> list[Moment]:
     """The single-device moments of a rank's batch with the model-state terms of ZeRO stage `lay.stage`, and the
     moments of the gradient reduce (stage 1: after backward; stages 2-3: at the end of each unit's backward)."""
-    d, st = lay.d, lay.stage
+    d, c, st = lay.d, lay.c, lay.stage
     P = _t(K.PARAMETERS, "parameters" if st < 3 else "parameter shards", P_, lay.params(),
            f"{'N s' if st < 3 else 's'} x {d} B per unit (s = ceil(n / N), N = {lay.world})")
     O = _t(K.OPTIMIZER_STATE,
@@ -158,18 +202,24 @@ def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer
         for t in m.terms:
             if t.key is K.PARAMETERS:
                 terms.append(P)
+            elif st == 3 and lay.trained and t.key is K.FROZEN_BASE:
+                terms.append(_t(K.FROZEN_BASE, "frozen base shards", P_, d * (lay.shard - lay.tshard),
+                                f"rank 0's chunks of the frozen weights x {d} B"))
+            elif st == 3 and lay.trained and t.key is K.ADAPTERS:
+                terms.append(_t(K.ADAPTERS, "adapter shards", P_, d * lay.tshard,
+                                f"rank 0's chunks of the adapters x {d} B"))
             elif t.key is K.OPTIMIZER_STATE:
                 terms.append(O if st else t)
             elif st >= 2 and t.category is G_ and t.key is K.BLOCK_GRADIENTS:
-                done = round(t.bytes / (d * lay.block)) if lay.block else 0
+                done = round(t.bytes / (c * lay.t_block)) if lay.t_block else 0
                 terms.append(_t(K.BLOCK_GRADIENTS,
-                                f"gradient shards of the {done} finished block(s)", G_, done * d * lay.s_block,
+                                f"gradient shards of the {done} finished block(s)", G_, done * d * lay.s_tblock,
                                 f"{done} x s_block x {d} B (reduce-scattered at each block's end)"))
             elif st >= 2 and t.key is K.GRADIENTS and m.phase == "backward":  # the embedding's backward
                 terms.append(_t(K.GRADIENTS,
-                                "gradient shards of the blocks", G_, n_layer * d * lay.s_block, "L x s_block x d"))
+                                "gradient shards of the blocks", G_, n_layer * d * lay.s_tblock, "L x s_block x d"))
                 terms.append(_t(K.GRADIENTS,
-                                "root unit's full gradients (reduced last)", G_, d * lay.root, f"n_root x {d} B"))
+                                "root unit's full gradients (reduced last)", G_, c * lay.t_root, f"n_root x {c} B"))
             elif st and t.key is K.GRADIENTS and m.phase == "optimizer":
                 terms.append(_t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), f"s x {d} B per unit"))
             elif st and t.key is K.OPTIMIZER_TEMPS:
@@ -195,20 +245,20 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
     copy, beside the activations the earlier blocks still hold, the finished blocks' gradient shards, the head's
     gradient and the gradient flowing into block k (twice: the residual's and the first norm's); and at the end
     of backward the root's gradients and their copy (stage 3: block k or the root gathered then)."""
-    d = lay.d
+    d = lay.c  # the gradients a unit reduce-scatters: in the gathered dtype
     flat_block = _t(K.COMM_BUFFERS,
-                    "a block's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_block,
+                    "a block's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_tblock,
                     "N s_block x d B (torch.cat of the block's gradients, padded)")
     flat_root = _t(K.COMM_BUFFERS,
-                   "the root's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_root,
+                   "the root's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_troot,
                    "N s_root x d B")
-    full_block = _t(K.GRADIENTS_SO_FAR, "the block's full gradients", G_, d * lay.block, "n_block x d B")
+    full_block = _t(K.GRADIENTS_SO_FAR, "the block's full gradients", G_, d * lay.t_block, "n_block x d B")
     if lay.stage == 1:
         opt = next((m for m in moments if m.phase == "optimizer"), None)
         if opt is None:
             return []
         keep = [t for t in opt.terms if t.category not in (T_, G_)]
-        first = flat_block if lay.block else flat_root
+        first = flat_block if lay.t_block else flat_root
         return [Moment("backward", "after backward: the first unit's gradients flattened for its reduce-scatter",
                        [*keep, _t(K.GRADIENTS, "gradients", G_, lay.grads_full(), f"N s x {d} B per unit (all full)"),
                         first], kind=MomentKind.GRADIENT_REDUCE)]
@@ -234,7 +284,7 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
         out.append(Moment("backward", f"block {k} backward ends: its gradients flattened for the reduce-scatter", terms,
                           kind=MomentKind.GRADIENT_REDUCE, block=k))
     end = next((m for m in moments if m.kind is MomentKind.EMBEDDING_BACKWARD), None)
-    if end is not None and lay.root:
+    if end is not None and lay.t_root:
         terms = []
         for t in end.terms:
             if t.key is K.EMBEDDING_TIED_SUM:  # the sum is .grad now; the dense part waits
@@ -249,26 +299,92 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
     return out
 
 
+def engine_mixed(r) -> bool:
+    """True when a recipe's ZeRO-3 runs mixed precision as FSDP2 and DeepSpeed do (Recipe.zero_mixed "engine"):
+    fp32 shards, units gathered and computed in 16 bits. Stages 0-2 keep autocast over full fp32 weights."""
+    return r.zero == 3 and r.dtype.startswith("mixed-") and r.zero_mixed == "engine"
+
+
+def _rank_recipe(r):
+    """The single-device recipe one rank runs: its rows; under the engines' mixed precision the model computes
+    in 16 bits (FSDP2 casts every gathered parameter to param_dtype, so every op runs in it: no autocast)."""
+    one = r.replace(dp=1, batch=r.rank_batch, zero=0, zero_offload=False)
+    return one.replace(dtype=r.dtype.removeprefix("mixed-")) if engine_mixed(r) else one
+
+
+def _label(single, r) -> str:
+    """The single-device label with the recipe's own dtype (the engines' rank computes in 16 bits)."""
+    return single.label.replace(f" {_rank_recipe(r).dtype} ", f" {r.dtype} ", 1)
+
+
+def mixed_note(r) -> str:
+    """Which mixed precision a ZeRO-3 estimate shows, for its label ('' when there is no choice)."""
+    if r.zero != 3 or not r.dtype.startswith("mixed-"):
+        return ""
+    bits = r.dtype.removeprefix("mixed-")
+    if engine_mixed(r):
+        return f" mixed={bits} as FSDP2/DeepSpeed (fp32 shards, units gathered in {bits})"
+    return f" mixed=autocast over fp32 shards (labkit's Zero)"
+
+
+def _check_zero(r) -> None:
+    """The ZeRO recipes labkit refuses, each with what stands in the way."""
+    if r.optimizer not in optim_terms.TORCH_STATES:
+        raise ValueError(f"optimizer {r.optimizer!r} under ZeRO: labkit's {r.optimizer} keeps its state per "
+                         "full tensor (block-wise 8-bit, factored or projected), while ZeRO's "
+                         "optimizer steps flat shards that cut tensors anywhere; use sgd, "
+                         "sgd-momentum, adam or adamw")
+    if r.optimizer_offload is not None:
+        raise ValueError("optimizer_offload under ZeRO: OffloadAdamW would step the full parameters that ZeRO "
+                         "shards; ZeRO-Offload moves the shards' state instead: give "
+                         "zero_offload=True")
+    if r.step_in_backward:
+        raise ValueError("step_in_backward under ZeRO: the step needs each unit's reduce-scattered gradient "
+                         "shard, which exists only after the unit's reduce; labkit's Zero steps "
+                         "its shards after backward (Zero.step)")
+    if r.zero_offload and r.optimizer != "adamw":
+        raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
+    if r.zero < 3 and (r.lora_rank is not None or r.lisa_layers is not None):
+        raise ValueError(f"ZeRO-{r.zero} over a LoRA/LISA model: labkit's Zero builds its units from the "
+                         "trained parameters only, and its stage 1-2 moments are derived for a "
+                         "model that trains whole; LoRA's states are sharded with the frozen "
+                         "base at zero=3 (FSDP2)")
+    if r.micro < r.rank_batch:
+        raise ValueError("micro_batch under ZeRO: labkit's Zero reduce-scatters every micro-batch's "
+                         "gradients into the shard (Zero._reduce) and its moments for a second "
+                         "micro-batch are not derived; give micro_batch=None")
+    if r.checkpoint != "none" and r.zero >= 2:
+        spec = spec_from(r.model, **r.config)
+        per_block = r.checkpoint in ("full", "selective") and r.segments in (None, spec.n_layer)
+        if not per_block and r.zero == 3:
+            raise ValueError("ZeRO-3 with checkpointed segments of several blocks: ZeRO-3 gathers a block's "
+                             "parameters in that block's own forward hook, but a segment runs "
+                             "all its blocks inside its first block's call, before the others "
+                             "are gathered; checkpoint each block (checkpoint='full' or "
+                             "'selective', segments=None)")
+        if not per_block:
+            raise ValueError("ZeRO-2 with checkpointed segments of several blocks: the reduce-scatter moments "
+                             "inside a multi-block segment's backward are derived per block "
+                             "only (measured 6 % above them); checkpoint each block "
+                             "(checkpoint='full' or 'selective', segments=None)")
+
+
 def data_parallel_estimate(r) -> Estimate:
     """One data-parallel rank of a recipe: the single-device estimate of its batch (batch / dp rows), its model
     states as ZeRO stage `r.zero` keeps them."""
     if r.tp > 1 or r.pp > 1:
         raise ValueError("data_parallel_estimate takes dp and zero only: use labkit.estimate.estimate for tp/pp")
     if r.zero:
-        why = [("lora_rank/lisa_layers", r.lora_rank is not None or r.lisa_layers is not None),
-               ("optimizer_offload (use zero_offload)", r.optimizer_offload is not None),
-               ("step_in_backward", r.step_in_backward), ("micro_batch", r.micro < r.rank_batch),
-               ("checkpoint", r.checkpoint != "none" and r.zero >= 2),
-               (f"optimizer {r.optimizer!r}", r.optimizer not in optim_terms.TORCH_STATES)]
-        bad = [w for w, b in why if b]
-        if bad:
-            raise ValueError(f"per-rank ZeRO estimates do not model {', '.join(bad)} yet")
-        if r.zero_offload and r.optimizer != "adamw":
-            raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
-    single = single_estimate(r.replace(dp=1, batch=r.rank_batch, zero=0, zero_offload=False))
-    tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + " (per rank)"
+        _check_zero(r)
+        if r.zero == 3 and (engine_mixed(r) or r.lora_rank is not None or r.lisa_layers is not None):
+            # the engines' mixed precision, or a frozen base sharded beside its adapters: FSDP2's
+            # units (labkit's Zero runs neither: fp32 or autocast, its units made of trained
+            # parameters)
+            return fsdp2_estimate(r)
+    single = single_estimate(_rank_recipe(r))
+    tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + mixed_note(r) + " (per rank)"
     if r.zero == 0:  # labkit's data parallel: all-reduce in place on the .grad tensors, nothing more
-        return keyed.attach(Estimate(single.label + tag, single.n_params, terms=list(single.terms),
+        return keyed.attach(Estimate(_label(single, r) + tag, single.n_params, terms=list(single.terms),
                                      moments=list(single.moments)), r)
     spec = spec_from(r.model, **r.config)
     lay = rank_layout(spec, Precision.of(r.dtype).weight, r.zero, r.dp, r.optimizer, r.zero_offload)
@@ -277,7 +393,7 @@ def data_parallel_estimate(r) -> Estimate:
         _t(K.PARAMETERS, "parameters" if r.zero < 3 else "parameter shards", P_, lay.params(), "per rank"),
         _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "per rank, after the reduce-scatter"),
         _t(K.OPTIMIZER_STATE, "optimizer state shards", O_, lay.opt(), "per rank")]
-    est = Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    est = Estimate(_label(single, r) + tag, single.n_params, terms=terms, moments=moments)
     return keyed.attach(est, r)
 
 
@@ -296,25 +412,41 @@ FSDP2_SOURCE = ("torch.distributed.fsdp.fully_shard (FSDP2): per-parameter dim-0
                 "reduce-scatter input buffers, measured with FSDPMemTracker (torch 2.13)")
 
 
-def fsdp2_layout(spec, d: int, world: int, optimizer: str = "adamw") -> RankLayout:
-    """Rank 0's shards under FSDP2: each parameter cut along dim 0 in N chunks of ceil(d0 / N) rows (the last
-    chunks padded, rank 0's always full), so a unit's all-gather moves N x sum of its chunks, not its elements
-    padded once to N (labkit's Zero flattens a unit first)."""
-    import re
-
-    base = rank_layout(spec, d, 3, world, optimizer)
-    block, root = [], []
-    for name, shape in zip(spec.param_names, spec.param_shapes):
+def _chunks(names, shapes, world: int) -> tuple[list[int], list[int], int, int]:
+    """Rank 0's dim-0 chunk (ceil(d0 / N) rows x the other dims) of each tensor of block 0 and of the root,
+    and the elements of block 0 and of the root."""
+    block, root, nb, nr = [], [], 0, 0
+    for name, shape in zip(names, shapes):
         hit = re.search(r"(?:blocks|h|layers)\.(\d+)\.", name)
         if hit and int(hit.group(1)) != 0:
             continue
-        rest = 1
-        for x in shape[1:]:
-            rest *= x
+        rest = math.prod(shape[1:])
         chunk = math.ceil(shape[0] / world) * rest if shape else 1
         (block if hit else root).append(chunk)
-    return RankLayout(3, world, d, base.block, base.root, base.n_blocks, base.state_per_elem, base.counters,
-                      False, (tuple(block), tuple(root)))
+        if hit:
+            nb += math.prod(shape)
+        else:
+            nr += math.prod(shape)
+    return block, root, nb, nr
+
+
+def fsdp2_layout(spec, d: int, world: int, optimizer: str = "adamw", gather_bytes: int = 0,
+                 trained=None, offload: bool = False) -> RankLayout:
+    """Rank 0's shards under FSDP2: each parameter cut along dim 0 in N chunks of ceil(d0 / N) rows (the last
+    chunks padded, rank 0's always full), so a unit's all-gather moves N x sum of its chunks, not its elements
+    padded once to N (labkit's Zero flattens a unit first). trained: the ModelSpec of LoRA's adapters
+    (peft_terms.trainable_spec), sharded beside the frozen base in the same units; None: all train."""
+    base = rank_layout(spec, d, 3, world, optimizer)
+    names, shapes = list(spec.param_names), list(spec.param_shapes)
+    train = ()
+    if trained is not None:
+        names += list(trained.param_names)
+        shapes += list(trained.param_shapes)
+        tb, tr, nb, nr = _chunks(trained.param_names, trained.param_shapes, world)
+        train = (tuple(tb), tuple(tr), nb, nr)
+    block, root, nb, nr = _chunks(names, shapes, world)
+    return RankLayout(3, world, d, nb, nr, base.n_blocks, base.state_per_elem, base.counters,
+                      offload, (tuple(block), tuple(root)), gather_bytes, train)
 
 
 def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward: bool = True) -> list[Moment]:
@@ -332,12 +464,12 @@ def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward:
     - either way a block's post-backward reshards it (frees its gathered parameters) before its reduce-scatter;
     - the reduce-scatter input: a block's gradients copied into one padded buffer, held until the next
       reduce-scatter starts (inside block k's backward, block k + 1's; in the embedding's, block 0's)."""
-    d, L = lay.d, lay.n_blocks
+    d, L = lay.c, lay.n_blocks
     unit = _t(K.COMM_BUFFERS,
               "all-gather output buffer (freed at the next all-gather)", T_, d * lay.world * lay.s_block,
               "N s_block x d B")
     rs = _t(K.COMM_BUFFERS, "the previous block's reduce-scatter input (freed at the next reduce-scatter)", T_,
-            d * lay.world * lay.s_block, "N s_block x d B")
+            d * lay.world * lay.s_tblock, "N s_block x d B (its trained tensors)")
     out = []
     for m in moments:
         k, terms = m.block, list(m.terms)
@@ -367,23 +499,52 @@ def _regather(terms: list[Term], lay: RankLayout, blocks: int) -> list[Term]:
     return kept + _gathered(lay, False, blocks)
 
 
+def _check_fsdp2(r, peft) -> None:
+    """The recipes FSDP2 cannot run as labkit builds them, each with its reason."""
+    if peft is not None and peft.lisa_layers:
+        raise ValueError("LISA under ZeRO-3 / FSDP2: LISA switches which layers train every few steps, and "
+                         "fully_shard fixes at wrapping time which parameters a unit "
+                         "reduce-scatters and steps; use LoRA, or LISA with zero=0")
+    if peft is not None and peft.quant != "none":
+        raise ValueError(f"quant={peft.quant!r} under ZeRO-3 / FSDP2: labkit's quantized base keeps its codes "
+                         "in buffers, which fully_shard does not shard (torchao's NF4Tensor "
+                         "implements FSDP2's all-gather extension for that); use quant='none' "
+                         "with zero=3")
+    if r.base_dtype is not None:
+        raise ValueError("base_dtype under ZeRO-3 / FSDP2: fully_shard all-gathers a unit in one dtype, so a "
+                         "16-bit base beside fp32 adapters cannot share a unit; under "
+                         "zero_mixed='engine' every unit is gathered in 16 bits anyway: drop "
+                         "base_dtype")
+    if r.optimizer not in optim_terms.TORCH_STATES:
+        raise ValueError(f"optimizer {r.optimizer!r} under ZeRO-3 / FSDP2: labkit's {r.optimizer} keeps its "
+                         "state per full tensor (block-wise 8-bit, factored or projected), not "
+                         "per dim-0 shard (DTensor); use sgd, sgd-momentum, adam or adamw")
+
+
 def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
     """Rank 0's Estimate under FSDP2 (fully_shard on every block, then the root; torch AdamW on the DTensor
     shards) for a data-parallel recipe (its dp is the world size; its zero is ignored): labkit's per-rank
     ZeRO-3 moments on FSDP2's per-parameter layout, with FSDP2's buffers (fsdp2_moments)."""
     if recipe.dp < 2:
         raise ValueError(f"fsdp2_estimate needs dp >= 2 ranks, got dp={recipe.dp}")
-    r = recipe.replace(zero=3, zero_offload=False)
+    # zero_offload: the optimizer state and its step on the host (DeepSpeed's offload_optimizer), as at
+    # labkit's ZeRO-Offload; parameters and gradients stay on the device
+    r = recipe.replace(zero=3)
     d = Precision.of(r.dtype).weight
     spec = spec_from(r.model, **r.config)
-    single = single_estimate(r.replace(dp=1, batch=r.rank_batch, zero=0))
-    lay = fsdp2_layout(spec, d, r.dp, r.optimizer)
+    single = single_estimate(_rank_recipe(r))
+    peft = of_recipe(spec, r)
+    _check_fsdp2(r, peft)
+    trained = trainable_spec(spec, peft) if peft is not None else None
+    lay = fsdp2_layout(spec, d, r.dp, r.optimizer, 2 if engine_mixed(r) else 0, trained,
+                       r.zero_offload)
     moments = fsdp2_moments(rank_moments(single.moments, lay, r.optimizer, spec.n_layer), lay, reshard_after_forward)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
         _t(K.PARAMETERS, "parameter shards", P_, lay.params(), "rank 0's dim-0 chunk of every parameter"),
         _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "the same chunks, after the reduce-scatter"),
         _t(K.OPTIMIZER_STATE,
            "optimizer state shards", O_, lay.opt(), f"{lay.state_per_elem} x s x {d} B + 4 B step per tensor")]
-    tag = f" dp={r.dp} FSDP2 reshard_after_forward={reshard_after_forward} (rank 0)"
-    est = Estimate(single.label + tag, single.n_params, terms=terms, moments=moments)
+    off = " offload" if r.zero_offload else ""
+    tag = f" dp={r.dp} FSDP2{off} reshard_after_forward={reshard_after_forward}{mixed_note(r)} (rank 0)"
+    est = Estimate(_label(single, r) + tag, single.n_params, terms=terms, moments=moments)
     return keyed.attach(est, r)

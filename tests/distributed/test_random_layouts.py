@@ -57,6 +57,20 @@ def test_zero_stages_on_a_drawn_layout(seed):
         assert abs(err) <= TOL, f"{why}: {err:+.2%} at {e.peak_moment.where}"
 
 
+@pytest.mark.parametrize("seed", [12, 14])
+def test_zero_stages_with_checkpointing_on_a_drawn_layout(seed):
+    """labkit's Zero (ZeRO-1/2/3) over every block checkpointed (labkit.recompute.checkpoint_blocks)."""
+    rng = random.Random(seed)
+    cfg, world, rows, seq = draw_model(rng), rng.randint(2, 64), rng.randint(1, 2), rng.choice([8, 16, 32])
+    for zero in (1, 2, 3):
+        r = Recipe(GPTConfig(**cfg), batch=rows * world, seq=seq, dp=world, zero=zero, checkpoint="full")
+        m, e = zero_rank_memory(r), estimate(r)
+        err = e.peak.total / m.peak.total - 1
+        why = _why(seed, cfg=cfg, world=world, rows=rows, seq=seq, zero=zero, checkpoint="full")
+        print(f"{why}: measured {m.peak.total:,} predicted {e.peak.total:,} ({err:+.2%})")
+        assert abs(err) <= TOL, f"{why}: {err:+.2%} at {e.peak_moment.where}"
+
+
 FSDP2_CASES = [("reported", dict(vocab_size=512, block_size=32, n_layer=3, n_head=3, n_embd=96), 64, 2, 32)]
 # 504: a draw from a wider sweep that found the block-0 reduce-scatter input still held at the embedding's backward
 # (2 ranks, a large vocabulary: the peak is there), kept

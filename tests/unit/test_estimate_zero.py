@@ -59,8 +59,14 @@ def test_per_rank_estimate_shrinks_by_the_stage_rules(world):
     (dict(dp=0), "dp must be a positive integer"),
     (dict(dp=2, zero=4), "ZeRO stage"),
     (dict(dp=3), "divide evenly over dp=3"),
-    (dict(dp=2, zero=2, optimizer="lion"), "do not model optimizer 'lion'"),
-    (dict(dp=2, zero=2, checkpoint="full"), "do not model checkpoint"),
+    (dict(dp=2, zero=2, optimizer="lion"), "optimizer 'lion' under ZeRO: labkit's lion keeps its state per full"),
+    (dict(dp=2, zero=3, checkpoint="sqrt"), "ZeRO-3 with checkpointed segments of several blocks: ZeRO-3 gathers"),
+    (dict(dp=2, zero=3, checkpoint="full", segments=1), "before the others are gathered"),
+    (dict(dp=2, zero=2, checkpoint="sqrt"), "ZeRO-2 with checkpointed segments of several blocks"),
+    (dict(dp=2, zero=3, lora_rank=4, quant="nf4"), "keeps its codes in buffers, which fully_shard does not"),
+    (dict(dp=2, zero=3, lisa_layers=1), "LISA switches which layers train"),
+    (dict(dp=2, zero=3, optimizer="adamw8bit"), "block-wise 8-bit"),
+    (dict(dp=2, zero=1, optimizer_offload="cpu"), "give zero_offload=True"),
     (dict(dp=2, zero=1, zero_offload=True, optimizer="adam"), "OffloadAdamW"),
 ])
 def test_bad_input_is_one_clear_error(kw, msg):
@@ -83,7 +89,7 @@ def test_more_ranks_than_elements_to_shard():
     (["--dp", "2", "--zero", "4"], "--zero must be a ZeRO stage"),
     (["--dp", "3", "--batch", "4"], "must divide evenly over --dp 3"),
     (["--zero-offload"], "give --zero 1, 2 or 3"),
-    (["--dp", "2", "--zero", "2", "--optimizer", "lion"], "do not model optimizer"),
+    (["--dp", "2", "--zero", "2", "--optimizer", "lion"], "optimizer 'lion' under ZeRO"),
 ])
 def test_cli_bad_input(capsys, argv, words):
     from labkit.cli import main
@@ -105,3 +111,15 @@ def test_cli_per_rank_json(capsys):
     e = estimate(Recipe("gpt2-tiny", 4, 32, dtype=d["dtype"], device=d["device"], dp=2, zero=3))
     single = estimate(Recipe("gpt2-tiny", 2, 32, dtype=d["dtype"], device=d["device"]))
     assert str(e.peak.total) in text and str(single.peak.total) not in text
+
+
+def test_engine_zero3_keeps_zero_offload():
+    """ZeRO-3 under the engines' mixed precision runs on FSDP2's units; zero_offload still moves the
+    optimizer state and its step to the host (DeepSpeed's offload_optimizer), not dropped."""
+    from labkit.memory.report import TermKey
+
+    r = Recipe("gpt2-tiny", 8, 32, dtype="mixed-bf16", dp=2, zero=3)
+    on, off = estimate(r.replace(zero_offload=True)), estimate(r)
+    state = [t.bytes for m in on.moments for t in m.terms if t.key is TermKey.OPTIMIZER_STATE]
+    assert state and not any(state) and "offload" in on.label
+    assert on.peak.total < off.peak.total

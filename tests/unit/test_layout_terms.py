@@ -124,3 +124,24 @@ def test_labkit_layer_rejects_bad_values(kwargs, field):
 
     with pytest.raises(ValueError, match=f"LabkitLayer.{field} "):
         LabkitLayer(**kwargs)
+
+
+def test_llama_pipeline_stages_hold_their_autocast_copies_and_send_fp32_boundaries():
+    """Issue 43, item 5: a Llama stage under mixed precision keeps autocast's 16-bit copy of its Linears, as a
+    GPT-2 stage does (found by the model's own Linears, not GPT-2's names), and a stage boundary carries the
+    residual stream in the weights' dtype (fp32 under autocast), as the walk keeps it."""
+    from labkit.estimate import Recipe, estimate_ranks
+    from labkit.estimate.layout_terms import layout_wire_bytes
+    from labkit.estimate.spec import spec_from
+    from labkit.memory.report import TermKey
+
+    r = Recipe("llama2-7b", batch=8, seq=512, dtype="mixed-bf16", pp=4, micro_batch=1)
+    spec = spec_from("llama2-7b")
+    per_layer = sum(d_in * d_out for name, d_in, d_out, _ in spec.linears if ".layers.0." in name)
+    for s, e in enumerate(estimate_ranks(r)[:3]):  # 8 layers each, no head
+        copies = max(sum(t.bytes for t in mo.terms if t.key is TermKey.COPIES_16BIT) for mo in e.moments)
+        print(f"stage {s}: {copies / 2 ** 30:.2f} GiB of autocast copies")
+        assert copies == 8 * per_layer * 2  # 3.02 GiB
+    wire = layout_wire_bytes(r)
+    assert wire["pipeline: each stage boundary, each way (m activations forward, m gradients back)"] == \
+        8 * 1 * 512 * 4096 * 4
