@@ -78,10 +78,11 @@ def test_zero3_engine_mixed_precision_on_llama2_7b_drops_the_autocast_copies():
 
 
 # ---- ZeRO-3 / FSDP2 with checkpointing and LoRA (issue 43, item 3) ------------------------------------------------
-CKPT_LORA = [(m, dt, ck, lo, w) for m in (GPTConfig(**CFG), "llama-tiny")
-             for dt, ck, lo, w in [("fp32", "full", None, 2), ("mixed-bf16", "full", None, 4),
-                                   ("mixed-bf16", "none", 4, 2), ("mixed-bf16", "full", 4, 4),
-                                   ("fp32", "selective", 4, 2)]]
+# each model, precision, policy, LoRA or not and world size at least once, each model with and without LoRA
+_GPT = GPTConfig(**CFG)
+CKPT_LORA = [(_GPT, "fp32", "full", None, 2), ("llama-tiny", "mixed-bf16", "full", None, 4),
+             (_GPT, "mixed-bf16", "none", 4, 2), ("llama-tiny", "mixed-bf16", "full", 4, 4),
+             ("llama-tiny", "fp32", "selective", 4, 2), (_GPT, "fp32", "selective", 4, 4)]
 
 
 @pytest.mark.parametrize("model, dtype, checkpoint, lora, world", CKPT_LORA,
