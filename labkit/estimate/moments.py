@@ -115,6 +115,11 @@ class StepBytes:
                        "AccumulateGrad: a weight's gradient exists before it is stored in .grad")
     proj_dx: int = _f(K.LAYER_TEMPS, T_, "the MLP output projection's input gradient", "r x f x m",
                       "mm backward: grad_input = dy @ W, made with the projection's weight gradient")
+    # the MLP's residual dropout (GPT-2, labkit GPT): its backward runs before the output
+    # projection's, making the gradient the projection reads and releasing its saved mask
+    drop_grad: int = _f(K.LAYER_TEMPS, T_, "the MLP residual dropout's gradient", "r x h x m",
+                        "dropout backward: grad x mask, the output projection's incoming gradient")
+    drop_mask: int = 0  # bytes of that dropout's saved mask (r x h: 1 B on CUDA, m on CPU)
     layer_grad: int = _f(K.BLOCK_GRADIENTS, G_, "gradients of one block", "block parameters x d", "")
     layer_copy: int = _f(K.COPIES_16BIT,
                          P_, "autocast copies of one block's weights", "2 x block matmul parameters", "torch.autocast")
@@ -558,8 +563,11 @@ def _plain_backward(st: _Step, moments: list[Moment]) -> list[Moment]:
         terms.append(b.term("stream"))
         if step_in_backward:  # the projection's weight gradient is stepped and freed before the activation's
             # backward: at most its input gradient beside it, the MLP transient after it
-            block_moments.append(_m(MK.BLOCK_BACKWARD, unit_block,
-                                    "backward", where + sfx, [*terms, b.term("tau_grad"), b.term("proj_dx")]))
+            freed_mask = custom(K.SAVED_ACTIVATIONS, "freed: the MLP residual dropout's saved mask",
+                                A_, -b.drop_mask, "r x h (1 B on CUDA, m on CPU)", _RELEASED)
+            dropped = [b.term("drop_grad"), freed_mask] if b.drop_mask else []
+            block_moments.append(_m(MK.BLOCK_BACKWARD, unit_block, "backward", where + sfx,
+                                    [*terms, b.term("tau_grad"), b.term("proj_dx"), *dropped]))
             where += ", the MLP activation's backward, its output projection stepped"
             terms += [b.term("proj_dx"), custom(K.SAVED_ACTIVATIONS,
                                                 "freed: the output projection's saved input", A_, -b.step_freed[1],

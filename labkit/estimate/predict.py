@@ -194,7 +194,8 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         **_refresh_fields(ts, prec.weight, optimizer, rank, proj_dtype),
         **units,
         head_held=V * h * gb if spec.tied and head_trains else 0,  # waits for the embedding's part (not the final norm)
-        step_freed=(2 * block_largest if prec.autocast else 0, r * spec.ffn * mm, 0),
+        step_freed=(2 * block_largest if prec.autocast else 0, r * spec.ffn * mm,
+                    r * h * mm if spec.dropout > 0 else 0),  # and the residual dropout's gradient
         head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer,
         after=w.saved_bytes - marks[-1][0], lsm=lsm,
@@ -211,6 +212,8 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         * r * spec.ffn * mm,
         tau_grad=spec.ffn * h * mm if peft is None or peft.lisa_layers else ts.largest_param * mm,
         proj_dx=r * spec.ffn * mm,  # the MLP output projection's dX, beside its weight gradient
+        drop_grad=r * h * mm if spec.dropout > 0 else 0,
+        drop_mask=r * h * (1 if w.device == "cuda" else mm) if spec.dropout > 0 else 0,
         layer_grad=ts.layer_params * gb,
         layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
         else max(w.copy_bytes - (2 * V * h if w.frozen_copy else 0), 0) // L,
