@@ -743,7 +743,8 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                 if step_in_backward:
                     steps.append(_step_moment(b, list(terms), w.step, k, sfx))
                 terms += _saved_terms(w, k)
-                terms.append(_bwd_term(w, k, offload=False, plain=True))
+                stolen, held = _stolen(w, k, step_in_backward)
+                terms += [_bwd_term(w, k, offload=False, plain=True, less=stolen), *held]
                 if w.grads:
                     terms.append(_wgrad_term(w, k, grads_exist))
                 out.append(_m(MK.BLOCK_BACKWARD, k, "backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
@@ -753,7 +754,8 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
             for k in reversed(range(s, e)):
                 r = b.replays[k]
                 w = r.offload_later if grads_exist or step_in_backward else r.offload
-                terms = [*base, *grads_terms(0), _bwd_term(w, k, offload=True)]
+                stolen, held = _stolen(w, k, step_in_backward)
+                terms = [*base, *grads_terms(0), _bwd_term(w, k, offload=True, less=stolen), *held]
                 if w.grads:
                     terms.append(_wgrad_term(w, k, grads_exist))
                 out.append(_m(MK.BLOCK_BACKWARD, k, "backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
@@ -806,10 +808,11 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                                      range(s, k), sel)
             if step_in_backward:
                 steps.append(_step_moment(b, list(terms), w.step, k, sfx))
+            stolen, held = _stolen(w, k, step_in_backward)
             terms += _split(K.LAYER_TEMPS, f"block {k} backward, {_at(w.op, k)}: recomputed saved tensors still "
-                            "needed, gradients and temporaries", w.live, w.copies, w.kept if sel else 0,
+                            "needed, gradients and temporaries", w.live - stolen, w.copies, w.kept if sel else 0,
                             "replay: the output's gradient, each node's saved tensors until their last reader, "
-                            "its gradients and temporaries")
+                            "its gradients and temporaries") + held
             if w.grads:
                 terms.append(_wgrad_term(w, k, grads_exist))
             out.append(_m(MK.BLOCK_BACKWARD, k, "backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
@@ -878,15 +881,29 @@ def _saved_terms(w, k: int) -> list[Term]:
     return out
 
 
-def _bwd_term(w, k: int, offload: bool, plain: bool = False) -> Term:
+def _bwd_term(w, k: int, offload: bool, plain: bool = False, less: int = 0) -> Term:
     """Block k's backward at its worst op: what lives in it then. plain (nothing recomputed or offloaded): the
-    gradients and temporaries only, its saved tensors are `_saved_terms`."""
+    gradients and temporaries only, its saved tensors are `_saved_terms`. less: bytes counted apart
+    (`_stolen`)."""
     held = "recomputed saved tensors still needed, "
     what = "copied-back saved tensors, " if offload else "" if plain else held
     return custom(K.LAYER_TEMPS, f"block {k} backward, {_at(w.op, k)}: {what}gradients and temporaries",
-                  T_, w.live - (w.saved if plain else 0), "replay: the output's gradient, each node's " +
+                  T_, w.live - (w.saved if plain else 0) - less, "replay: the output's gradient, each node's " +
                   ("saved tensors copied back (labkit.recompute.offload_activations unpacks on use)" if offload
                    else "saved tensors until their last reader") + ", its gradients and temporaries", _REPLAY_SOURCE)
+
+
+def _stolen(w, k: int, step_in_backward: bool) -> tuple[int, list[Term]]:
+    """Under step in backward, the parameter gradients a block's backward has made but not yet stepped
+    (`Worst.new_grads`): with no .grad before them (one micro-batch), AccumulateGrad stores each as the
+    parameter's .grad itself, so they are gradient memory, not temporaries, until the hook frees them.
+    Returns their bytes (to take out of the block's temporaries) and their term."""
+    if not step_in_backward or not w.new_grads:
+        return 0, []
+    return w.new_grads, [custom(K.NEW_GRADIENT,
+                                f"block {k}: a parameter's gradient, its .grad until its hook steps it", G_,
+                                w.new_grads, "replay: the parameter's gradient (x d)",
+                                "AccumulateGrad stores it as .grad; labkit.optim.StepInBackward frees it", k)]
 
 
 def _wgrad_term(w, k: int, later: bool = False) -> Term:

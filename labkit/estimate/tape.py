@@ -174,6 +174,9 @@ class Worst:
     params: int = 0  # the part of `live` that is autocast weight copies, saved or not (parameter memory)
     kept: int = 0  # the part of `live` that is selective checkpointing's cached outputs: made by the forward,
     # so activations in the ledger even while a recompute or a backward reads them
+    new_grads: int = 0  # the part of `live` that is parameter gradients made but not yet put into .grad
+    # (keep_wgrads=False): a later micro-batch's, summed into .grad; under step in backward the first and
+    # only micro-batch's, which AccumulateGrad stores as .grad itself (gradient memory in the ledger)
 
     @property
     def total(self) -> int:
@@ -280,9 +283,10 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
         if state["worst"] is None or t > state["worst"].total:
             saved = [(k, b) for k, (_, b) in live.items() if isinstance(k, int)]  # the saved roots (mode "saved")
             copies = sum(b for k, b in saved if getattr(roots[k], "weight", False))
+            fresh = sum(b for k, (_, b) in live.items() if isinstance(k, tuple) and k[0] == "wgrad")
             state["worst"] = Worst(what, t - state["wg"], state["wg"], tuple(f"{n}={b}" for n, b in live.values()),
                                    saved=sum(b for _, b in saved), copies=copies, params=copies,
-                                   kept=sum(b for k, b in saved if k in kept))
+                                   kept=sum(b for k, b in saved if k in kept), new_grads=fresh)
 
     def release(g: _Grad):
         g.refs -= 1
