@@ -97,11 +97,13 @@ test-browser-site: test-browser
 
 # notebooks/ is passed only once it exists (git keeps no empty folders); nbval collects its .ipynb files.
 # JOBS: pytest-xdist workers (auto: one per core; JOBS=0 runs in this process). --dist loadscope sends a whole
-# module, or a whole notebook (nbval's cells depend on each other), to one worker.
+# module, or a whole notebook (nbval's cells depend on each other), to one worker. JUNIT=PATH writes every
+# test's time to a JUnit XML file (to see where make test's minutes go).
 JOBS ?= auto
 XDIST = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadscope)
 test: env
-	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --ignore=tests/browser --ignore=tests/site --nbval-lax -p no:cacheprovider -rs --durations=20 $(XDIST)
+	LABKIT_SMOKE=1 MPLBACKEND=Agg $(PY) -m pytest tests $(wildcard notebooks) --ignore=tests/browser --ignore=tests/site --nbval-lax -p no:cacheprovider -rs --durations=20 $(XDIST) \
+	  $(if $(JUNIT),--junitxml=$(JUNIT))
 
 # The tests marked `parity` (numbers compared with a reference library or a torch kernel) once more, on
 # ATen's portable kernels, as a CPU without AVX2/AVX-512 runs them: their tolerances must not depend on the CPU.
