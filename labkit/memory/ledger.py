@@ -256,8 +256,9 @@ class Ledger(TorchDispatchMode):
         elif phase == "forward":
             self._stepped = False
         elif phase == "backward" and self._phase == "forward":
-            # Whatever the forward pass made and is still alive now is saved for backward.
-            for sid in self._live.values():
+            # Whatever the forward pass made and is still alive now is saved for backward. (A copy of the
+            # live set: Python's garbage collector may free a storage, and so edit the set, mid-loop.)
+            for sid in list(self._live.values()):
                 if _made_by_forward(self._recs[sid]):
                     self._recs[sid].tag = Category.ACT
         self._phase = phase
@@ -398,7 +399,7 @@ class Ledger(TorchDispatchMode):
         `_set_phase` gives it when backward starts, not as the temporaries it is tagged as until then."""
         retag = as_final and self._phase == "forward"
         b = Breakdown()
-        for sid in self._live.values():
+        for sid in list(self._live.values()):  # a copy: a storage freed mid-loop edits the set
             rec = self._recs[sid]
             b.bytes[Category.ACT if retag and _made_by_forward(rec) else rec.tag] += rec.nbytes
         return b
@@ -406,7 +407,7 @@ class Ledger(TorchDispatchMode):
     def live_tensors(self, tag: Category | None = None) -> list[tuple[str, tuple, str, int, str]]:
         """Live storages, largest first: (op, shape, dtype, bytes, category), optionally one category."""
         rows = []
-        for sid in self._live.values():
+        for sid in list(self._live.values()):  # a copy: a storage freed mid-loop edits the set
             r = self._recs[sid]
             if tag is None or r.tag is Category(tag):
                 rows.append((r.op or "(outside)", r.shape, str(r.dtype).replace("torch.", ""), r.nbytes, r.tag.name))

@@ -32,6 +32,7 @@ class Knob(enum.Enum):
     EIGHT_BIT = "8-bit optimizer states"
     PEFT = "PEFT and quantized base"
     CHECKPOINT = "activation checkpointing"
+    LOSS_CHUNKS = "chunked output loss"
     MICRO_BATCH = "micro-batches"
     STEP_IN_BACKWARD = "step in backward"
     OFFLOAD = "offload"
@@ -48,10 +49,11 @@ FIELDS: dict[Knob, tuple[str, ...]] = {
     Knob.EIGHT_BIT: ("proj_dtype",),
     Knob.PEFT: ("lora_rank", "lora_targets", "quant", "quant_group", "quant_set", "lisa_layers"),
     Knob.CHECKPOINT: ("checkpoint", "segments", "selective_policy"),
+    Knob.LOSS_CHUNKS: ("loss_chunks",),
     Knob.MICRO_BATCH: ("micro_batch",),
     Knob.STEP_IN_BACKWARD: ("step_in_backward",),
     Knob.OFFLOAD: ("optimizer_offload", "offload_activations", "paged_states"),
-    Knob.ZERO: ("dp", "zero", "zero_offload"),
+    Knob.ZERO: ("dp", "zero", "zero_offload", "zero_mixed"),
     Knob.PARALLEL: ("tp", "pp", "schedule", "sequence_parallel"),
 }
 # 8-bit optimizers and the 32-bit one the OPTIMIZER knob applies before EIGHT_BIT makes it 8-bit

@@ -90,7 +90,8 @@ def test_torch_range_is_the_same_everywhere():
 def test_ci_reruns_the_parity_tests_on_portable_kernels():
     """`make test-parity` reruns the `parity` tests with ATEN_CPU_CAPABILITY=default; CI runs `make check`, which
     is `make test`, then `make test-browser` followed by `make test-site` (the HTML book, from the lessons that
-    make test-browser saved) beside `make test-parity` and `make test-colab`, two at a time."""
+    make test-browser saved) beside `make test-parity`, `make test-colab` and `make course-audit`, two at a
+    time."""
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile.split("\ntest-parity:", 1)[1].split("\n\n", 1)[0]
     assert "ATEN_CPU_CAPABILITY=default" in recipe and "-m parity" in recipe and "LABKIT_SMOKE=1" in recipe
@@ -103,7 +104,8 @@ def test_ci_reruns_the_parity_tests_on_portable_kernels():
     assert steps[0] == "$(MAKE) test"  # alone: it uses every core
     rest = steps[1].split()
     assert rest[:2] == ["$(MAKE)", "-j2"] and "--output-sync=target" in rest
-    assert sorted(rest[3:]) == ["test-browser-site", "test-colab", "test-parity"] and len(steps) == 2
+    assert sorted(rest[3:]) == ["course-audit", "test-browser-site", "test-colab", "test-parity"]
+    assert len(steps) == 2
     browser_site = makefile.split("\ntest-browser-site:", 1)[1].split("\n\n", 1)[0]
     assert browser_site.split("\n")[0].split() == ["test-browser"] and "$(MAKE) test-site" in browser_site
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
