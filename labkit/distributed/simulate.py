@@ -6,22 +6,18 @@ and PyTorch's `FSDPMemTracker` (exact byte accounting of one rank, by FSDP's cat
 With the `fake` backend (torch.testing._internal.distributed.fake_pg) every collective returns at once with
 its output left as it was, so the numbers that come out of the step are meaningless, but every tensor has the
 shape and lifetime it would have on rank 0 of `world` ranks: the bytes are real. Runs in a child process (a
-process group is global state; this leaves the caller's alone). CPU only.
+process group is global state; this leaves the caller's alone; labkit.distributed.procs). CPU only.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+from .procs import run_child
 
 __all__ = ["fsdp2_rank_memory", "zero_rank_memory"]  # a whole Recipe under FSDP2: labkit.run.fsdp2
 
 
-def _child(cfg: dict, worlds: list, batch: int, seq: int, reshard: bool, out,
-           opts: dict | None = None) -> None:
-    try:
-        out.put(("ok", [_measure(cfg, w, batch, seq, reshard, **(opts or {})) for w in worlds]))
-    except BaseException as e:  # report it: the parent raises it
-        out.put(("error", f"{type(e).__name__}: {e}"))
+def _measure_all(cfg: dict, worlds: list, batch: int, seq: int, reshard: bool, opts: dict) -> list:
+    return [_measure(cfg, w, batch, seq, reshard, **opts) for w in worlds]
 
 
 def _measure(cfg: dict, world: int, batch: int, seq: int, reshard_after_forward: bool = True,
@@ -83,42 +79,10 @@ def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float =
     for w in worlds:
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
             raise ValueError(f"world must be an integer >= 1, got {w!r}")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     opts = {"param_dtype": param_dtype}
-    args = (dict(cfg), worlds, batch, seq, bool(reshard_after_forward), q, opts)
-    p = ctx.Process(target=_child, args=args,
-                    daemon=True)
-    p.start()
-    try:
-        kind, value = _result(q, p, timeout_s)
-    finally:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    if kind != "ok":
-        raise RuntimeError(f"fsdp2_rank_memory at world {world}: {value}")
+    value = run_child(_measure_all, (dict(cfg), worlds, batch, seq, bool(reshard_after_forward), opts),
+                      timeout_s, f"fsdp2_rank_memory at world {world}")
     return value if isinstance(world, (list, tuple)) else value[0]
-
-
-def _result(q, p, timeout_s: float):
-    """The child's ("ok" | "error", value), or an error at once if it died without one (an import of the
-    caller's __main__ failing under spawn, a crash) instead of waiting out the whole timeout."""
-    import queue
-    import time
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            return q.get(timeout=1)
-        except queue.Empty:
-            if not p.is_alive():
-                try:
-                    return q.get(timeout=1)
-                except queue.Empty:
-                    return "error", f"the child process exited (code {p.exitcode}) without a result"
-    return "error", f"no result within {timeout_s} s"
 
 
 def zero_rank_memory(recipe, steps: int = 2, seed: int = 0):

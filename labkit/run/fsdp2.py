@@ -9,18 +9,10 @@ has on rank 0 of N).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
-from labkit.distributed.simulate import DTYPES, _result
+from labkit.distributed.procs import run_child
+from labkit.distributed.simulate import DTYPES
 
 __all__ = ["fsdp2_recipe_memory"]
-
-
-def _recipe_child(recipe, reshard: bool, out) -> None:
-    try:
-        out.put(("ok", _measure_recipe(recipe, reshard)))
-    except BaseException as e:  # report it: the parent raises it
-        out.put(("error", f"{type(e).__name__}: {e}"))
 
 
 def _measure_recipe(r, reshard_after_forward: bool = True) -> dict:
@@ -84,20 +76,5 @@ def fsdp2_recipe_memory(recipe, reshard_after_forward: bool = True, timeout_s: f
     autocast; "autocast", fp32 units under torch.autocast. {"world", "peak", "by_category"}."""
     if recipe.dp < 2:
         raise ValueError(f"fsdp2_recipe_memory needs dp >= 2 ranks, got dp={recipe.dp}")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    args = (recipe, bool(reshard_after_forward), q)
-    p = ctx.Process(target=_recipe_child, args=args, daemon=True)
-    p.start()
-    try:
-        kind, value = _result(q, p, timeout_s)
-    finally:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    if kind != "ok":
-        raise RuntimeError(f"fsdp2_recipe_memory at dp={recipe.dp}: {value}")
-    return value
-
-
+    return run_child(_measure_recipe, (recipe, bool(reshard_after_forward)), timeout_s,
+                     f"fsdp2_recipe_memory at dp={recipe.dp}")

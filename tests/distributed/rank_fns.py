@@ -63,3 +63,4 @@ def sleeps_on_rank_0(rank, world_size, seconds):
 
 def pid(rank, world_size):
     return os.getpid()
+

@@ -12,21 +12,24 @@ from labkit.distributed.comms import wire_bytes
 
 
 def _children_of_me() -> list[int]:
-    """PIDs of live processes whose parent is this test process (spawned ranks that were left behind)."""
-    me, kids = os.getpid(), []
+    """PIDs of live ranks this test process left behind: its children, and the children of its forkserver
+    (labkit.distributed.procs: ranks are forked from it, so they are its children, not this process's)."""
+    procs = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    procs[int(d)] = (int(fields[1]), fields[0], f.read())
             except OSError:
                 continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmd = f.read()
-                if b"resource_tracker" not in cmd:  # multiprocessing's shared helper, not a rank
-                    kids.append(int(d))
-    return kids
+    live = {pid: (ppid, cmd) for pid, (ppid, state, cmd) in procs.items() if state != "Z"}
+    mine = [pid for pid, (ppid, _) in live.items() if ppid == os.getpid()]
+    servers = [pid for pid in mine if b"multiprocessing.forkserver" in live[pid][1]]
+    # multiprocessing's shared helpers are not ranks: its resource tracker, the forkserver itself
+    kids = [pid for pid in mine if pid not in servers and b"resource_tracker" not in live[pid][1]]
+    return kids + [pid for pid, (ppid, _) in live.items() if ppid in servers]
 
 
 def test_two_ranks_all_reduce_and_environment():
