@@ -18,10 +18,11 @@ from labkit.course import audit, release
 from labkit.course.exercises import check_calls
 from labkit.paths import REPO_ROOT
 
-# Every lesson but 00, 01, 03, 07 and 08, those whose audit takes longest (a measured step per check,
-# quantized tensors, LoRA models, lesson 00's imports: about 70 % of the whole course's audit time);
+# The lessons whose audit takes under a second each (measured: 02 3.9 s, 05 6.1 s, 10 2.8 s, 00, 01, 03, 07
+# and 08 longer: a measured step per check, quantized tensors, LoRA models); they hold a LEAKS entry (06, 11),
+# derivations (06, 12), hashed letters (04, 06, 11, 13) and stubbed answer functions (every one).
 # `make course-audit`, which `make check` runs, audits every lesson.
-LESSONS = "02,04,05,06,09,10,11,12,13"
+LESSONS = "04,06,09,11,12,13"
 
 
 def _audit(labkit_root, lessons: str = LESSONS) -> dict:
