@@ -215,8 +215,8 @@ def test_llama32_3b_lora_peak_drops_by_the_loss_temporaries_less_what_the_chunks
     assert kept == r * V * 2 + r // 8 * V * 4
     # the rest of the two peaks differs by a few token-sized tensors only: the plain loss's shifted
     # labels and the chunks' label copies (r x 8 each), the checkpointed regions' other arguments
+    # so the drop is 1 - (2 + 4/8) / 8 = 68.75 % of the temporaries: the chunks' bf16 logits live on
     assert abs(drop - (temps - kept)) <= r * 8
-    assert drop >= 0.65 * temps  # 68.8 %: the chunks' bf16 logits (r V 2) live through the loss
 
 
 # ---- the command line and the planner ----------------------------------------------------------
