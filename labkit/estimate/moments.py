@@ -741,7 +741,7 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                     terms.append(custom(K.BLOCK_INPUT, f"the input of block {k}, saved by it", A_, r.input_saved,
                                         "r x h x d", "derivatives.yaml", block=k))
                 if step_in_backward:
-                    steps.append(_step_moment(b, list(terms), w.step, k, sfx))
+                    steps.append(_step_moment(b, list(terms), w.step, k, sfx, plain=True))
                 terms += _saved_terms(w, k)
                 stolen, held = _stolen(w, k, step_in_backward)
                 terms += [_bwd_term(w, k, offload=False, plain=True, less=stolen), *held]
@@ -807,7 +807,7 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                 terms += _recomputed(b, "saved by the unit's earlier blocks (recomputed), waiting", wait,
                                      range(s, k), sel)
             if step_in_backward:
-                steps.append(_step_moment(b, list(terms), w.step, k, sfx))
+                steps.append(_step_moment(b, list(terms), w.step, k, sfx, sel=sel))
             stolen, held = _stolen(w, k, step_in_backward)
             terms += _split(K.LAYER_TEMPS, f"block {k} backward, {_at(w.op, k)}: recomputed saved tensors still "
                             "needed, gradients and temporaries", w.live - stolen, w.copies, w.kept if sel else 0,
@@ -846,14 +846,25 @@ def _recomputed(b: StepBytes, name: str, nbytes: int, blocks, sel: bool) -> list
     return _split(K.RECOMPUTED, name, nbytes, params, kept, "replay: saved tensors and autocast weight copies")
 
 
-def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str) -> Moment:
+def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str, plain: bool = False,
+                 sel: bool = False) -> Moment:
     """Block k's backward when one of its parameters steps (labkit.optim.StepInBackward: as soon as its node
-    has returned): what is alive then, that gradient, and a step's temporaries (the block's largest tensor's)."""
-    live, grad, op = (w.live, w.grads, w.op) if w is not None else (0, 0, "")
+    has returned): what is alive then, that gradient, and a step's temporaries (the block's largest tensor's).
+    What is alive is split by lesson 00's categories as the block's backward is: plain (nothing recomputed
+    or offloaded), the forward's saved tensors are activations (`_saved_terms`); recomputed, `_split`'s
+    (sel: selective's cached outputs are activations)."""
+    grad, op = (w.grads, w.op) if w is not None else (0, "")
+    name = f"block {k} backward when a parameter's gradient is ready: live"
+    formula = "replay: the backward up to that node"
+    if w is None:
+        live = [custom(K.LAYER_TEMPS, name, T_, 0, formula, _REPLAY_SOURCE)]
+    elif plain:
+        live = [*_saved_terms(w, k), custom(K.LAYER_TEMPS, name, T_, w.live - w.saved, formula, _REPLAY_SOURCE)]
+    else:
+        live = _split(K.LAYER_TEMPS, name, w.live, w.params, w.kept if sel else 0, formula)
     return _m(MK.PARAMETER_STEP, k, "optimizer", f"block {k} backward, {_at(op, k)}" + sfx, [
         *terms,
-        custom(K.LAYER_TEMPS, f"block {k} backward when a parameter's gradient is ready: live", T_, live,
-               "replay: the backward up to that node", _REPLAY_SOURCE),
+        *live,
         custom(K.GRADIENTS, "the stepping parameter's gradient", G_, grad, "replay: the parameter's gradient",
                "labkit.optim.StepInBackward"),
         custom(K.OPTIMIZER_TEMPS,

@@ -278,15 +278,18 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
     def total() -> int:
         return sum(b for _, b in live.values()) + state["wg"]
 
+    def snapshot(what: str, now: int, wg: int) -> Worst:
+        """What is live now (`now` bytes besides `wg` of parameter gradients), by kind."""
+        saved = [(k, b) for k, (_, b) in live.items() if isinstance(k, int)]  # the saved roots (mode "saved")
+        copies = sum(b for k, b in saved if getattr(roots[k], "weight", False))
+        fresh = sum(b for k, (_, b) in live.items() if isinstance(k, tuple) and k[0] == "wgrad")
+        return Worst(what, now, wg, tuple(f"{n}={b}" for n, b in live.values()), saved=sum(b for _, b in saved),
+                     copies=copies, params=copies, kept=sum(b for k, b in saved if k in kept), new_grads=fresh)
+
     def peak(what: str):
         t = total()
         if state["worst"] is None or t > state["worst"].total:
-            saved = [(k, b) for k, (_, b) in live.items() if isinstance(k, int)]  # the saved roots (mode "saved")
-            copies = sum(b for k, b in saved if getattr(roots[k], "weight", False))
-            fresh = sum(b for k, (_, b) in live.items() if isinstance(k, tuple) and k[0] == "wgrad")
-            state["worst"] = Worst(what, t - state["wg"], state["wg"], tuple(f"{n}={b}" for n, b in live.values()),
-                                   saved=sum(b for _, b in saved), copies=copies, params=copies,
-                                   kept=sum(b for k, b in saved if k in kept), new_grads=fresh)
+            state["worst"] = snapshot(what, t - state["wg"], state["wg"])
 
     def release(g: _Grad):
         g.refs -= 1
@@ -379,7 +382,7 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
         for nb in ready:  # the moment a step in backward would run (the gradient not counted in `wg`)
             t = total() - (state["wg"] if keep_wgrads else 0)
             if state["step"] is None or t + nb > state["step"].total:
-                state["step"] = Worst(f"{n.op}: its parameter steps", t, nb)
+                state["step"] = snapshot(f"{n.op}: its parameter steps", t, nb)
     g_in = grads.get(id(x))
     worst = state["worst"]
     worst.trigger = state["trigger"] if state["trigger"] is not None else stream
