@@ -23,3 +23,16 @@ def assert_categories_within(e, m, tol: float = TOL) -> None:
     for c in CATEGORIES:
         assert abs(e.peak[c] - m.peak[c]) <= tol * m.peak.total, (
             e.label, c.name, e.peak[c], m.peak[c], e.peak_phase, m.peak_phase, e.explain())
+
+
+def estimate_and_measure(recipe, tol: float = TOL, total_tol: float | None = None, steps: int = 2):
+    """estimate(recipe) and measure_step(recipe, steps): the peak within `total_tol` (default `tol`) and each
+    category within `tol` of the measured peak (assert_categories_within). Returns (estimate, measurement)."""
+    from labkit.estimate import estimate
+    from labkit.run import measure_step
+
+    e, m = estimate(recipe), measure_step(recipe, steps=steps)
+    t = tol if total_tol is None else total_tol
+    assert abs(e.peak.total - m.peak.total) <= t * m.peak.total, (e.label, e.peak.total, m.peak.total)
+    assert_categories_within(e, m, tol)
+    return e, m
