@@ -258,8 +258,8 @@ def units_freed(c: Ctx, m: Moment) -> list[Term]:
                   "where its first block saves it)", first.input_saved - first.input_bytes,
                   "input saved - r h x d", "labkit.recompute.checkpoint"))
     if sel:
-        now = (sum(b.replays[i].kept_saved for i in range(s, m.block))
-               + (w.kept if m.kind is not MK.PARAMETER_STEP else 0))
+        at = w if m.kind is not MK.PARAMETER_STEP else w.step  # a step moment: when the parameter steps
+        now = sum(b.replays[i].kept_saved for i in range(s, m.block)) + (at.kept if at is not None else 0)
         out.append(_t(K.CHECKPOINT_INPUTS, _A, "the unit's cached outputs: those autograd saves "
                       "wait for their reader", now - kept_unit, "replay",
                       "labkit.recompute.selective"))
@@ -445,10 +445,10 @@ def grads_stepped(c: Ctx, m: Moment) -> list[Term]:
                    "left", left - c.b.G, "largest gradient - N x d", how)]
     if m.kind is not MK.PARAMETER_STEP:
         return []
-    if c.replayed:
-        w = c.b.replays[m.block].recomputed_later.step if m.block is not None else None
+    if c.replayed and m.block is not None:  # a checkpointed block's parameter: its recompute's replay
+        w = c.b.replays[m.block].recomputed_later.step
         grad = w.grads if w is not None else 0
-    else:
+    else:  # a plain block's, or one outside the blocks (the embeddings, the head)
         grad = _stepping(c, m)[0][0]
     return [_t(K.GRADIENTS, _G, "stepped and freed as made: only the stepping parameter's gradient "
                "exists", grad - c.b.G, "its gradient - N x d", how)]

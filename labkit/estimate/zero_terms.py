@@ -261,7 +261,7 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
         first = flat_block if lay.t_block else flat_root
         return [Moment("backward", "after backward: the first unit's gradients flattened for its reduce-scatter",
                        [*keep, _t(K.GRADIENTS, "gradients", G_, lay.grads_full(), f"N s x {d} B per unit (all full)"),
-                        first], kind=MomentKind.GRADIENT_REDUCE)]
+                        first], kind=MomentKind.REDUCE_AFTER_BACKWARD)]
     out, seen = [], set()
     for m in moments:
         k = m.block
@@ -473,7 +473,8 @@ def fsdp2_moments(moments: list[Moment], lay: RankLayout, reshard_after_forward:
     out = []
     for m in moments:
         k, terms = m.block, list(m.terms)
-        ends = m.kind is MomentKind.GRADIENT_REDUCE  # rank_moments' flat copy: the reduce-scatter input itself
+        # rank_moments' flat copy: the reduce-scatter input itself
+        ends = m.kind in (MomentKind.GRADIENT_REDUCE, MomentKind.REDUCE_AFTER_BACKWARD)
         # the loss, the head, the final norm
         head_side = k is None and not ends and m.kind not in (MomentKind.EMBEDDING_BACKWARD, MomentKind.EMBEDDING_SUM)
         if L and m.phase == "forward":  # inside the last block or after it: the last block's buffer

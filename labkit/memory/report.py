@@ -83,7 +83,8 @@ class MomentKind(enum.Enum):
     BLOCK_BACKWARD = "block backward"  # inside a block's (or a segment's) backward
     EMBEDDING_BACKWARD = "embedding backward"  # the embedding's backward
     EMBEDDING_SUM = "embedding sum"  # a tied embedding's two gradient parts summed
-    GRADIENT_REDUCE = "gradient reduce"  # ZeRO: a unit's gradients flattened for their reduce-scatter
+    GRADIENT_REDUCE = "gradient reduce"  # ZeRO-2/3: a unit's gradients flattened for their reduce-scatter
+    REDUCE_AFTER_BACKWARD = "reduce after backward"  # ZeRO-1: every gradient full, the first unit's flattened
     OPTIMIZER_STEP = "optimizer step"
     PARAMETER_STEP = "parameter step"  # step in backward: a parameter steps as its gradient is ready
 
@@ -156,6 +157,12 @@ class Moment:
     def total(self) -> int:
         return sum(t.bytes for t in self.terms)
 
+    @property
+    def key(self) -> tuple:
+        """(phase, kind, block, variant): the same point of a step in another estimate of it
+        (`Estimate.moment(key)`), for code; `where` says it for people."""
+        return self.phase, self.kind, self.block, self.variant
+
     def breakdown(self) -> Breakdown:
         b = Breakdown()
         for t in self.terms:
@@ -225,6 +232,14 @@ class Estimate(_Phases):
     def peak_moment(self) -> Moment | None:
         """The largest moment (the first of equals, in step order); None for an estimate built from phases."""
         return max(self.moments, key=lambda m: m.total) if self.moments else None
+
+    def moment(self, key: tuple) -> Moment:
+        """The moment at `key` (`Moment.key`: phase, kind, block, variant), e.g. the point where another
+        estimate of the same step peaks; a KeyError if this step has none or several there."""
+        found = [m for m in self.moments if m.key == key]
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} moments at {key} in {self.label}")
+        return found[0]
 
     def term_bytes(self, key: TermKey) -> int:
         """The summary table's bytes of one kind of term (`Term.key`), 0 when the step has none: e.g.

@@ -118,3 +118,18 @@ def test_explain_prints_each_key_with_its_corrections():
         assert r.key.value in text
         for t in r.corrections:
             assert t.name.split(":")[0][:20] in text.replace("\n", " ") or t.bytes == 0
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_step_in_backward_moments_are_explained_on_every_policy(policy):
+    """Every moment, not only the peak: a checkpointed step in backward's embedding steps (their gradient)
+    and selective's cached outputs at a block's step were left unexplained."""
+    from labkit.models.gpt import GPTConfig
+
+    model = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, attention="sdpa")
+    r = Recipe.of(model, 2, 31, dtype="fp16", optimizer="galore8bit", device="cpu", rank=16,
+                  checkpoint=policy, step_in_backward=True)
+    e = estimate(r).without(REFRESH)
+    for m in e.moments:
+        for row in e.keyed(m):
+            assert abs(row.unexplained) < LIMIT * m.total, (policy, m.where, row.key, row.unexplained)

@@ -183,3 +183,29 @@ def test_a_lesson_picks_a_term_by_its_key():
     assert e.term_bytes(TermKey.DEQUANT_SCRATCH) == 0  # no quantized base: no such term
     with pytest.raises(TypeError, match="TermKey"):
         e.term_bytes("attention scores (s^2)")
+
+
+NOTEBOOKS = LABKIT.parent / "notebooks"
+# (notebook, receiver): what the receiver is (not a term, not a moment)
+NOTEBOOK_NOT_TERMS: dict[tuple[str, str], str] = {}
+
+
+def _cell_code(source: str) -> str:
+    """A code cell as Python: IPython's magics and shell lines (% and !) become `pass`."""
+    return "\n".join("pass" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+
+
+def test_no_lesson_decides_on_a_term_name_or_a_moment_where():
+    """The lessons too: a cell that picks a moment by its `where` breaks when the words change."""
+    import nbformat
+
+    found = []
+    for p in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(p, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "code":
+                for s in display_decisions(_cell_code(cell.source), f"{p.name} cell {i}"):
+                    if (p.name, s[2]) not in NOTEBOOK_NOT_TERMS:
+                        found.append(s)
+    assert not found, "decide on Term.key / Moment.key, not on display text:\n" + "\n".join(
+        f"  {path}:{line}: {code}" for path, _, _, line, code in found)
