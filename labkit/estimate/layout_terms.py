@@ -14,6 +14,7 @@ share of every term.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 
@@ -82,8 +83,12 @@ def labkit_layer_extras(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = F
 
 
 # ---- what one rank holds ---------------------------------------------------------------------------------------
+_LAYER = re.compile(r"(?:blocks|h|layers)\.(\d+)\.")
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the planner asks for the same few hundred names millions of times
 def _layer_of(name: str) -> int | None:
-    m = re.search(r"(?:blocks|h|layers)\.(\d+)\.", name)
+    m = _LAYER.search(name)
     return int(m.group(1)) if m else None
 
 
@@ -126,11 +131,14 @@ def rank_spec(spec, stage: int = 0, n_stages: int = 1, t: int = 1):
     params = rank_params(spec, stage, n_stages, t)
     numels = [_numel(s) for _, s in params]
     start, stop = split_layers(spec.n_layer, n_stages)[stage]
+    per_layer = dict.fromkeys(range(start, stop), 0)  # each layer's elements, one pass over the names
+    for (name, _), n in zip(params, numels):
+        k = _layer_of(name)
+        if k in per_layer:
+            per_layer[k] += n
     return dataclasses.replace(spec, n_params=sum(numels), param_numels=numels, param_shapes=[s for _, s in params],
                                param_names=[n for n, _ in params], n_layer=stop - start,
-                               layer_params=max((sum(_numel(s) for n, s in params if _layer_of(n) == k)
-                                                 for k in range(start, stop)), default=0),
-                               galore_shapes=[], linears=[])
+                               layer_params=max(per_layer.values(), default=0), galore_shapes=[], linears=[])
 
 
 def _numel(shape) -> int:
