@@ -20,6 +20,7 @@ default run, Measurement.of_step(2)) against the estimate without its refresh mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
@@ -31,6 +32,7 @@ from tqdm import tqdm
 from labkit.memory import CATEGORIES, fmt_bytes
 from labkit.estimate import Recipe, estimate
 from labkit.estimate.moments import REFRESH
+from labkit.estimate.recipe import PAGED_OPTIMIZERS
 from labkit.run import measure_step
 from labkit.models.gpt import GPTConfig
 
@@ -47,6 +49,7 @@ class Config:
     optimizer: str
     overrides: dict = field(default_factory=dict)  # preset config overrides, e.g. n_layer=3
     refresh: bool | None = None  # GaLore: measure a projector-refresh step (True) or a steady one (False)
+    added: tuple = ()  # overrides drawn on their own stream (`_draw_added`): left out if the estimator refuses them
 
 
 def _gpt(attention: str, dropout: float, **kw) -> GPTConfig:
@@ -200,6 +203,9 @@ WORK_CAP = 4e9  # multiply-adds of one forward (about B*S*L*(12 h^2 + 2 S h)): k
 OPTIONS_P = {"checkpoint": 0.35, "offload_activations": 0.1, "micro_batch": 0.2, "step_in_backward": 0.1,
              "optimizer_offload": 0.1}
 PEFT_P = (("none", 0.55), ("lora", 0.15), ("qlora", 0.1), ("lora-int8", 0.05), ("lisa", 0.15))
+# the Recipe fields added after the random bench's seeds were first reported (issue 43): drawn on a stream of
+# their own, seeded by the configuration drawn so far, so every earlier field of every seed draws as it did
+ADDED_P = {"loss_chunks": 0.2, "quant_set": 0.5, "base_dtype": 0.5, "paged_states": 0.3}
 
 
 def _loguniform_int(rng: random.Random, lo: int, hi: int) -> int:
@@ -267,9 +273,37 @@ def _draw(rng: random.Random) -> Config | None:
         opts["quant"] = {"lora": "none", "qlora": "nf4", "lora-int8": "int8"}[peft]
     elif peft == "lisa":
         opts["lisa_layers"] = rng.randint(1, L)
+    added = _draw_added(random.Random(f"{name} {sorted(opts.items())} {B} {S} {dtype} {optimizer} {refresh}"),
+                        S, dtype, optimizer, peft)
+    return _config(name, model, B, S, dtype, optimizer, {**opts, **added}, ov, refresh, tuple(added))
+
+
+def _draw_added(rng: random.Random, S: int, dtype: str, optimizer: str, peft: str) -> dict:
+    """The fields added later (ADDED_P): torchtune's chunked loss, QLoRA's quantized set (torchtune's: the
+    adapters' targets only), a 16-bit frozen base under fp32 adapters, bitsandbytes' paged states."""
+    out: dict = {}
+    if S > 1 and rng.random() < ADDED_P["loss_chunks"]:
+        out["loss_chunks"] = rng.choice([c for c in (2, 3, 8) if c <= S])
+    if peft == "qlora" and rng.random() < ADDED_P["quant_set"]:
+        out["quant_set"] = "targets"
+    if peft in ("lora", "qlora") and dtype.startswith("mixed-") and rng.random() < ADDED_P["base_dtype"]:
+        out["base_dtype"] = dtype.removeprefix("mixed-")
+    if optimizer in PAGED_OPTIMIZERS and rng.random() < ADDED_P["paged_states"]:
+        out["paged_states"] = True
+    return out
+
+
+def _config(name, model, B, S, dtype, optimizer, opts, ov, refresh, added=()) -> Config:
     shown = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ov)
     shown += {None: "", True: " refresh", False: " steady"}[refresh]
-    return Config(f"{name} {shown}".rstrip(), model, B, S, dtype, optimizer, opts, refresh)
+    return Config(f"{name} {shown}".rstrip(), model, B, S, dtype, optimizer, opts, refresh, added)
+
+
+def _without_added(c: Config) -> Config:
+    opts = {k: v for k, v in c.overrides.items() if k not in c.added}
+    name = c.label.split(" ")
+    return dataclasses.replace(c, label=" ".join(w for w in name if w.split("=")[0] not in c.added),
+                               overrides=opts, added=())
 
 
 def random_configs(n: int, seed: int) -> list[Config]:
@@ -280,12 +314,16 @@ def random_configs(n: int, seed: int) -> list[Config]:
         c = _draw(rng)
         if c is None:
             continue
-        try:
-            estimate(c.model, c.batch, c.seq, c.dtype, c.optimizer, device="cpu", **c.overrides)
-        except ValueError:
+        for tried in ((c, _without_added(c)) if c.added else (c,)):
+            try:
+                estimate(tried.model, tried.batch, tried.seq, tried.dtype, tried.optimizer, device="cpu",
+                         **tried.overrides)
+            except ValueError:
+                continue
+            out.append(tried)
+            break
+        else:
             refused += 1
-            continue
-        out.append(c)
     print(f"random configurations: seed={seed} drawn={n} refused_by_estimator={refused}", file=sys.stderr)
     return out
 
