@@ -81,13 +81,23 @@ def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, dev
     the trained parameters' (a 16-bit base under fp32 adapters): the stream then runs in the base's dtype.
     loss_chunks: the head and the loss in chunks along the sequence
     (families.output_chunks_loss)."""
+    key = (repr(spec), prec, batch, seq, device, repr(peft), selective, base_bytes, loss_chunks)
+    if key in _WALKS:  # the planner asks for the same walk of an 80-layer model dozens of times
+        _WALKS[key] = _WALKS.pop(key)  # most recently used last
+        return _WALKS[key]
     w = Walk(x_bytes=base_bytes or prec.weight, train_bytes=prec.weight, autocast=prec.autocast, device=device,
              linears={name: (d_in, d_out, bias) for name, d_in, d_out, bias in spec.linears},
              tape=Tape(kinds=keep_kinds(selective)), loss_chunks=loss_chunks)
     peft_terms.setup_walk(w, peft)
     marks: list[int] = []
     WALKS[spec.family](w, spec, batch, seq, marks)
+    _WALKS[key] = (w, marks)  # read-only from here: the moments, replays and layouts only read a walk
+    while len(_WALKS) > 32:
+        _WALKS.pop(next(iter(_WALKS)))
     return w, marks
+
+
+_WALKS: dict = {}  # walk_activations' last 32 walks, by everything that shapes one
 
 
 def single_estimate(r: Recipe) -> Estimate:
