@@ -251,12 +251,14 @@ def zero_redundancy_elements(rank: int, world: int, cfg: dict, seed: int = 0) ->
     return {"zero_redundancy": theirs, "labkit_zero1": ours}
 
 
-def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget: int | None = None):
+def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget: int | None = None,
+            prepare=None):
     """The ledger's Measurement of `steps` steps of `recipe` (a labkit.estimate.Recipe with dp = world, a
     GPTConfig model, fp32, adamw) on this rank: its rows of each global batch, ZeRO stage
     `recipe.zero`, its checkpoint policy (labkit.recompute.checkpoint_blocks)
     (0: labkit's naive data parallel, all-reduce in place after backward). budget: bytes per rank; the ledger
-    raises SimulatedOutOfMemoryError where a device with that much memory would fail."""
+    raises SimulatedOutOfMemoryError where a device with that much memory would fail. prepare: a function
+    that changes the model in place before ZeRO wraps it (labkit.run.zero_lora: LoRA's adapters)."""
     from labkit.memory.ledger import Ledger
     from labkit.models.gpt import GPTConfig
 
@@ -268,12 +270,14 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
         raise ValueError("per-rank measurement runs fp32 AdamW without micro-batches")
     run = TrainRun({**recipe.model.__dict__, **recipe.config}, steps, recipe.batch, recipe.seq, seed)
     m = _model(run.cfg, seed).train()
+    if prepare is not None:
+        prepare(m)
     if recipe.zero:
         net = Zero(m, recipe.zero, lr=1e-3, offload=recipe.zero_offload)
         opt = net.optimizer
     else:
         net = DataParallelNaive(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=recipe.foreach)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, foreach=recipe.foreach)
     rows = shard_rows(run, rank, world)  # each step copies its rows inside the ledger, as a data loader hands them
     from labkit.recompute import checkpoint_blocks
 

@@ -85,11 +85,11 @@ def fsdp2_rank_memory(cfg: dict, world, batch: int, seq: int, timeout_s: float =
     return value if isinstance(world, (list, tuple)) else value[0]
 
 
-def zero_rank_memory(recipe, steps: int = 2, seed: int = 0):
+def zero_rank_memory(recipe, steps: int = 2, seed: int = 0, prepare=None):
     """Rank 0's Measurement (the ledger's, last step) of labkit's Zero for `recipe` (dp = the simulated world
     size, a GPTConfig model, fp32 AdamW) under a fake process group, in this process: the per-rank bytes of any
     world size without its ranks. The caller's process group, if any, must be the fake one of that size or none
-    (one is made and destroyed here)."""
+    (one is made and destroyed here). prepare: changes the model before ZeRO wraps it (dp_ranks.measure)."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -104,7 +104,7 @@ def zero_rank_memory(recipe, steps: int = 2, seed: int = 0):
                          f"there; zero_rank_memory needs none or a fake one of dp={recipe.dp}")
     try:
         threads = torch.get_num_threads()
-        return measure(0, recipe.dp, recipe, steps, seed).of_step(steps)
+        return measure(0, recipe.dp, recipe, steps, seed, prepare=prepare).of_step(steps)
     finally:
         torch.set_num_threads(threads)
         if made:
