@@ -72,6 +72,8 @@ class Node:
     outs: tuple
     saved: tuple
     steps: tuple
+    reads_weight: bool = False  # it unpacks a parameter autograd saved (a frozen matmul's weight, for dx): no
+    # activation bytes, but a checkpoint's unpack hook recomputes its region there all the same
 
 
 @dataclass
@@ -106,8 +108,9 @@ class Tape:
             if t is not None:
                 self._add(("drop", t))
 
-    def node(self, op: str, outs, saved=(), steps=()) -> None:
-        self._add(("node", Node(op, tuple(outs), tuple(s for s in saved if s is not None), tuple(steps))))
+    def node(self, op: str, outs, saved=(), steps=(), reads_weight: bool = False) -> None:
+        self._add(("node", Node(op, tuple(outs), tuple(s for s in saved if s is not None), tuple(steps),
+                                reads_weight)))
 
     def keep(self, t, kind: str) -> None:
         """Selective checkpointing caches this output until backward when its policy keeps `kind` (KEEP_KINDS).
@@ -325,7 +328,7 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
     for i, n in enumerate(reversed(nodes)):
         if not any(id(o) in grads for o in n.outs):
             continue  # no gradient reaches it: autograd never runs it
-        if n.saved and state["trigger"] is None:  # a checkpointed block is recomputed here
+        if (n.saved or n.reads_weight) and state["trigger"] is None:  # a checkpointed block is recomputed here
             state["trigger"] = sum(b for k, (_, b) in live.items() if k not in roots)
         incoming = [grads.pop(id(o)) for o in n.outs if id(o) in grads]
         copies = []
@@ -437,7 +440,7 @@ def _signature(events) -> tuple:
             n = ev[1]
             out.append(("node", tuple(o.nbytes for o in n.outs), tuple(s.nbytes for s in n.saved),
                         tuple((st[0], st[-1] if isinstance(st[-1], int) else getattr(st[-1], "nbytes", 0))
-                              for st in n.steps)))
+                              for st in n.steps), n.reads_weight))
         elif ev[0] == "block":
             continue
         else:

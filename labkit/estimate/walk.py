@@ -145,9 +145,9 @@ class Walk:
         """The code lets these tensors go (freed unless saved, or held by another reference)."""
         self.tape.drop(*ts)
 
-    def node(self, op: str, outs, saved=(), steps=()) -> None:
+    def node(self, op: str, outs, saved=(), steps=(), reads_weight: bool = False) -> None:
         """An autograd node (recorded when anything it reads requires grad)."""
-        self.tape.node(op, outs, saved, steps)
+        self.tape.node(op, outs, saved, steps, reads_weight)
 
     def cast(self, x: T, itemsize: int, name: str = "") -> T:
         """x.to(dtype): a copy when the dtype changes; its backward casts the gradient back (x's bytes)."""
@@ -199,7 +199,8 @@ class Walk:
         if x.rg or trains:
             steps = [*wsteps, *bsteps] + ([("grad", xc)] if x.rg else [])
             saved = ([xc] if trains else []) + ([w16] if w16 is not None and x.rg else [])
-            self.node(f"{module or name} matmul", [y], saved, steps)
+            # autograd saves the weight itself for dx when no 16-bit copy stands in for it
+            self.node(f"{module or name} matmul", [y], saved, steps, reads_weight=x.rg and w16 is None)
         if xc is not x:
             self.drop(xc)
         if w16 is not None and not trains:

@@ -115,7 +115,8 @@ BAD = [
     (E + ["--lisa-layers", "3"], ["--lisa-layers", "3"]),
     (E + ["--lisa-layers", "1", "--lora-rank", "4"], ["--lisa-layers", "--lora-rank"]),
     (E + ["--lora-rank", "4", "--optimizer", "galore", "--rank", "2"], ["--lora-rank", "GaLore"]),
-    (E + ["--lora-rank", "4", "--step-in-backward"], ["--lora-rank", "--step-in-backward"]),
+    (E + ["--lisa-layers", "1", "--step-in-backward"], ["--lisa-layers", "--step-in-backward"]),
+    (E + ["--lora-rank", "4", "--optimizer-offload", "cpu"], ["--lora-rank", "--optimizer-offload"]),
     (E + ["--optimizer", "sgd", "--optimizer-offload", "cpu"], ["--optimizer-offload", "sgd"]),
     (E + ["--optimizer-offload", "tape"], ["--optimizer-offload", "tape"]),
     (E + ["--step-in-backward", "--optimizer-offload", "cpu"], ["--step-in-backward", "--optimizer-offload"]),
@@ -282,6 +283,7 @@ GOOD = [
     G + ["--lora-rank", "4", "--checkpoint", "selective"],
     ["estimate", "--model", "llama-tiny", "--seq", "8", "--lora-rank", "4", "--quant", "nf4", "--checkpoint", "full"],
     E + ["--batch", "4", "--micro-batch", "4", "--step-in-backward"],
+    E + ["--lora-rank", "4", "--step-in-backward"],  # each adapter steps as its gradient is ready
     E + ["--batch", "1000000"],
     ["estimate", "--model", "{cfg}/g_ok.json", "--seq", "8"],
     ["estimate", "--model", "{cfg}/l_ok.json", "--seq", "8", "--lora-rank", "8", "--quant", "nf4"],
