@@ -159,9 +159,12 @@ def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):
         raise ValueError(f"{what} and GaLore are two ways to shrink the optimizer state: choose one")
     if optimizer_offload:
         raise ValueError(f"{what} is not modelled with optimizer_offload; drop one of them")
-    if step_in_backward and peft.lisa_layers:  # LoRA/QLoRA: within 0.21 % per category (test_estimate_peft)
+    if step_in_backward and peft.lisa_layers:  # LoRA: within 0.21 % per category (test_estimate_peft)
         raise ValueError("lisa_layers is not modelled with step_in_backward (its sampled layers' steps in "
                          "backward measure 2-23 % off the estimate); drop one of them")
+    if step_in_backward and peft.quant != "none":
+        raise ValueError(f"a quantized base (quant={peft.quant!r}) is not modelled with step_in_backward (the "
+                         "random bench measured 2-11 % off the estimate); drop one of them")
 
 
 def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, Walk]:
@@ -188,7 +191,11 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
     units = optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank, proj_dtype)
     block_largest = units["block_step"][0] // gb  # the block's largest matrix: the one a block's moment steps
     # the chunked loss casts the head itself; a frozen 16-bit head needs no copy
-    head_copy = 2 * V * h if prec.autocast and not chunked and (w.frozen_copy or head_trains) else 0
+    # a trained head's copy is cached once; a frozen head's is saved by each matmul that reads it (one per
+    # chunk under Recipe.loss_chunks: Walk.copy_frozen counts them)
+    frozen_head = sum(v for k, v in w.copy_frozen.items() if not _BLOCK.search("." + k + "."))
+    head_copy = ((2 * V * h if head_trains or not frozen_head else frozen_head)
+                 if prec.autocast and not chunked and (w.frozen_copy or head_trains) else 0)
     fields = {}
     if w.output_chunks:  # the chunked output loss (Recipe.loss_chunks)
         fields = _output_chunk_fields(w.output_chunks, r, h, V, mm, w.x_bytes, head_trains,
@@ -229,7 +236,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         drop_mask=r * h * (1 if w.device == "cuda" else mm) if spec.dropout > 0 else 0,
         layer_grad=ts.layer_params * gb,
         layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
-        else max(w.copy_bytes - (2 * V * h if w.frozen_copy else 0), 0) // L,
+        else max(w.copy_bytes - frozen_head, 0) // L,  # the head's copies (one per loss chunk) are not a layer's
         head_copy=head_copy,
         emb_temp=2 * V * h * gb if spec.tied and emb_trains else 0,  # tied: the dense embedding gradient and the sum
         # with gradients already there (micro-batch 2 on), each embedding table's dense gradient is a temporary

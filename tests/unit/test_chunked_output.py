@@ -257,3 +257,16 @@ def test_plan_searches_the_chunked_loss(capsys):
     assert best["recipe"]["loss_chunks"] == 8 and "loss in 8 chunks" in best["summary"]
     needed = "chunked loss: 8 chunks along the sequence: needed"
     assert any(w.startswith(needed) for w in best["why"])
+
+
+def test_qlora_with_chunked_loss_counts_the_frozen_heads_copies_once():
+    """The random bench, seed 9, configuration 22: under QLoRA the frozen (tied) head's autocast copy is made
+    and saved by each chunk's matmul; those copies were also counted among the blocks' (forward parameters
+    +3.09 % of the peak)."""
+    from estimate_checks import estimate_and_measure
+    from labkit.models.gpt import GPTConfig
+
+    model = GPTConfig(n_layer=4, n_head=1, n_embd=64, block_size=64, dropout=0.1)
+    r = Recipe.of(model, 7, 3, device="cpu", dtype="mixed-bf16", optimizer="sgd-momentum", lora_rank=8,
+                  quant="nf4", loss_chunks=2, quant_set="targets")
+    estimate_and_measure(r, tol=0.005)
