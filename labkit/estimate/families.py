@@ -484,7 +484,10 @@ def output_chunks_loss(w: Walk, final: T, spec, B: int, S: int, head: str) -> No
     (predict.step_bytes reads w.output_chunks)."""
     r, V = B * S, spec.vocab
     rows = chunk_rows(B, S, w.loss_chunks)
+    before = w.saved_total
     logits = w.linear(final, r, V, "logits (every chunk's)", head)
+    # bytes: what the chunks' matmuls save as inputs (none for a frozen head: dx needs W only)
+    w.output_chunk_inputs = (w.saved_total - before, w.autocast or (B > 1 and len(rows) > 1))
     if head in w.copy_frozen:  # a frozen weight's copy per chunk, saved by its chunk's matmul (dx)
         more = (len(rows) - 1) * w.copy_frozen[head]
         w.copy_frozen[head] += more

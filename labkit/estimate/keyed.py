@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import SimpleNamespace
 
 from labkit.memory.report import (Category, Estimate, KeyRow, Moment, MomentKind as MK, Term,
                                   TermKey as K, Variant)
@@ -97,9 +98,9 @@ class Ctx:
         self.L = self.spec.n_layer
         self.e = 2 if r.dtype != "fp32" else 4  # the textbook's bytes per activation value
         replays = len(self.b.replays) == self.L
-        # nothing checkpointed, offloaded or stepped in backward: the exact layer replays each block
-        self.plain = (r.checkpoint == "none" and not r.offload_activations
-                      and not r.step_in_backward and replays)
+        # nothing checkpointed or offloaded: the exact layer replays each block (stepping in
+        # backward too: each gradient stepped and freed as it is made)
+        self.plain = r.checkpoint == "none" and not r.offload_activations and replays
         # checkpointed or offloaded: the blocks' moments from their replays (moments._replayed_*)
         self.replayed = (r.checkpoint != "none" or r.offload_activations) and replays
         self.sizes = segments_of(self.L, r.checkpoint, r.segments)
@@ -132,6 +133,20 @@ _FREES = "autograd frees a node's saved tensors once it has run"
 def _later(m: Moment) -> bool:
     """A later micro-batch's moment (every .grad exists, GRADIENTS among its keys)."""
     return any(t.key is K.GRADIENTS for t in m.terms)
+
+
+_NO_OP = SimpleNamespace(op="", saved=0, copies=0, grads=0)  # a block with no parameter's step recorded
+
+
+def _plain_worst(c: "Ctx", m: Moment):
+    """The replay's worst op of a plain block's moment (moments._replayed_backward): its backward's, or
+    under step in backward the one where a parameter steps (`Worst.step`). Stepping in backward, the
+    replay is the one with no .grad to add into (`plain_later`), as the estimate's."""
+    rep = c.b.replays[m.block]
+    w = rep.plain_later if _later(m) or c.r.step_in_backward else rep.plain
+    if m.kind is MK.PARAMETER_STEP:
+        return w.step if w.step is not None else _NO_OP
+    return w
 
 
 # ---- saved activations: what each kind of op saves against Korthikanti's share ----------------
@@ -172,13 +187,9 @@ def block_in_progress(c: Ctx, m: Moment) -> list[Term]:
                    "not made yet", (w.saved - w.copies) - total,
                    "replay: the block's ops, every saved tensor kept",
                    "labkit.estimate.tape.forward")]
-    if m.kind is MK.PARAMETER_STEP:
-        return [_t(K.SAVED_ACTIVATIONS, _A, f"block {k}'s saved tensors: counted in its backward's "
-                   "live bytes (layer temporaries) when a parameter steps", -total, "replay",
-                   "labkit.estimate.tape.backward")]
-    if m.kind is not MK.BLOCK_BACKWARD:
+    if m.kind not in _BACKWARD_BLOCK:
         return []
-    w = rep.plain_later if _later(m) else rep.plain
+    w = _plain_worst(c, m)
     return [_t(K.SAVED_ACTIVATIONS, _A, f"block {k}'s backward at {w.op}: saved tensors released "
                "so far (its input: 'block input')", (w.saved - w.copies) - total,
                "replay: each saved tensor until its last reader", "labkit.estimate.tape.backward")]
@@ -335,8 +346,7 @@ def copies_freed(c: Ctx, m: Moment) -> list[Term]:
                   -b.head_copy, "2 x V x h", _FREES))
     if c.plain:
         saved = [r.copies_saved for r in b.replays]
-        rep = b.replays[k]
-        w = rep.plain_later if _later(m) else rep.plain
+        w = _plain_worst(c, m)
         out += [_t(K.COPIES_16BIT, _P, f"blocks {k}-{c.L - 1}'s copies: freed by their backward "
                    f"(block {k}'s still needed: below)", -sum(saved[k:]),
                    "replay: 2 x the weights their matmuls save", _FREES),
@@ -428,7 +438,9 @@ def _stepping(c: Ctx, m: Moment) -> tuple[tuple, tuple]:
     rest = b.rest_refresh if refresh else b.rest_step
     if K.TIED_HEAD_GRADIENT in keys:
         return rest, (0, 0, 0)
-    if K.HEAD_BACKWARD in keys:
+    if K.HEAD_BACKWARD in keys:  # chunked: every chunk's matmul has returned (on the device)
+        if b.loss_grad:
+            return rest, (0, 0, 0) if c.r.offload_activations else (b.head_copy, b.chunk_inputs, 0)
         return rest, b.head_freed
     return (b.tied_refresh if refresh else b.tied_step), (0, 0, b.emb_temp)
 
@@ -448,6 +460,8 @@ def grads_stepped(c: Ctx, m: Moment) -> list[Term]:
     if c.replayed and m.block is not None:  # a checkpointed block's parameter: its recompute's replay
         w = c.b.replays[m.block].recomputed_later.step
         grad = w.grads if w is not None else 0
+    elif c.plain and m.block is not None:  # a plain block's parameter: its replay
+        grad = _plain_worst(c, m).grads
     else:  # a plain block's, or one outside the blocks (the embeddings, the head)
         grad = _stepping(c, m)[0][0]
     return [_t(K.GRADIENTS, _G, "stepped and freed as made: only the stepping parameter's gradient "
@@ -457,7 +471,9 @@ def grads_stepped(c: Ctx, m: Moment) -> list[Term]:
 def freed_for_step(c: Ctx, m: Moment) -> list[Term]:
     """Before a matrix steps in backward its matmul's node has run: its 16-bit copy and saved input
     are gone (in the block's moment after the MLP's output projection stepped, that input too)."""
-    if not c.r.step_in_backward or c.replayed or m.kind not in _BACKWARD_BLOCK:
+    if not c.r.step_in_backward or m.kind not in _BACKWARD_BLOCK:
+        return []
+    if m.block is not None and (c.replayed or c.plain):  # the replay's worst op holds what is left
         return []
     if m.kind is MK.PARAMETER_STEP:
         freed = _stepping(c, m)[1]
@@ -469,6 +485,24 @@ def freed_for_step(c: Ctx, m: Moment) -> list[Term]:
               "step", -freed[0], "its 2 x elements", _FREES),
            _t(K.SAVED_ACTIVATIONS, _A, "the stepped matmul's saved input: freed by its node before "
               "the step", -freed[1], "its r x d_in x m", _FREES)]
+    return [t for t in out if t.bytes]
+
+
+# ---- the head's backward ----------------------------------------------------------------------
+def head_freed(c: Ctx, m: Moment) -> list[Term]:
+    """Inside the head's backward (chunked: its worst chunk) the chunks whose matmul has run freed
+    their saved inputs; after it (its weight gradient's cast, the chunks' input gradients
+    concatenated) every chunk's, and the head's 16-bit weight copy. Offloaded, both were on the
+    host."""
+    if m.kind not in (MK.HEAD_BACKWARD, MK.HEAD_AFTER) or c.r.offload_activations:
+        return []
+    after = m.kind is MK.HEAD_AFTER
+    out = [_t(K.SAVED_ACTIVATIONS, _A, "the chunks' saved inputs: freed as their matmuls' nodes "
+              "return", -c.b.chunk_inputs if after else c.b.head_inputs_freed,
+              "rows done x h x m (views of one tensor: all, after the last chunk)", _FREES)]
+    if after:
+        out.append(_t(K.COPIES_16BIT, _P, "the head's copy: freed with its matmul's backward",
+                      -c.b.head_copy, "2 x V x h", _FREES))
     return [t for t in out if t.bytes]
 
 
@@ -508,7 +542,7 @@ def refresh_pops(c: Ctx, m: Moment) -> list[Term]:
         return [_t(K.OPTIMIZER_STATE, _O, "GaLore's refresh: the old projector popped before the "
                    "SVD",
                    -c.b.refresh_freed, "r k x its bytes", src)]
-    if m.kind is MK.PARAMETER_STEP and c.r.step_in_backward and not c.replayed:
+    if m.kind is MK.PARAMETER_STEP and c.r.step_in_backward:
         step = _stepping(c, m)[0]
         if len(step) > 3 and step[3]:  # (gradient, temporaries, cast, change of the state)
             return [_t(K.OPTIMIZER_STATE, _O, "GaLore's refresh in backward: the old projector "
@@ -540,9 +574,10 @@ def loss_dtype(c: Ctx, m: Moment) -> list[Term]:
 
 
 CORRECTIONS = {  # key -> the functions that compute its corrections, in the order they are shown
-    K.SAVED_ACTIVATIONS: (op_groups, blocks_freed, block_in_progress, freed_for_step),
+    K.SAVED_ACTIVATIONS: (op_groups, blocks_freed, block_in_progress, freed_for_step, head_freed),
     K.CHECKPOINT_INPUTS: (checkpoint_inputs, units_freed),
-    K.COPIES_16BIT: (not_cast, peft_copies, copies_freed, copies_recomputed, freed_for_step),
+    K.COPIES_16BIT: (not_cast, peft_copies, copies_freed, copies_recomputed, freed_for_step,
+                     head_freed),
     K.OPTIMIZER_STATE: (state_layout, refresh_pops),
     K.GRADIENTS: (grads_stepped,),
     K.QUANTIZED_BASE: (quant_layout,),

@@ -321,7 +321,8 @@ def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0):
         if mo.phase == "optimizer":
             out.append(mo)
             continue
-        inner = mo.phase == "backward" and mo.kind not in (MomentKind.LOSS_BACKWARD, MomentKind.HEAD_BACKWARD)
+        inner = mo.phase == "backward" and mo.kind not in (MomentKind.LOSS_BACKWARD, MomentKind.HEAD_BACKWARD,
+                                                                   MomentKind.HEAD_AFTER)
         out.append(dataclasses.replace(mo, terms=[*mo.terms, *extra, *(held if inner else [])]))
     return out
 

@@ -180,6 +180,13 @@ class StepBytes:
     lsm_gone: int = _f(K.LOG_SOFTMAX, A_, "freed: the log-softmax of the chunks already through "
                        "backward", "rows of those chunks x V x 4",
                        "autograd releases a node's saved tensors once it ran")
+    # chunked (Recipe.loss_chunks): the chunks' saved inputs (Walk.output_chunk_inputs), freed as their
+    # matmuls' nodes return: those gone at the head's worst moment (<= 0), and all of them
+    head_inputs_freed: int = _f(K.SAVED_ACTIVATIONS, A_,
+                                "freed: the saved inputs of the chunks whose matmul has run",
+                                "- rows done x h x m (each chunk's own copy; views: all after the last)",
+                                "autograd releases a node's saved tensors once it has run")
+    chunk_inputs: int = 0
     head_sum: int = _f(K.HEAD_GRADIENTS, G_,
                        "output matrix gradient: the chunks' dW summed (the .grad)",
                        "V x h x d", "autograd's buffer adds a node's inputs out of place; "
@@ -320,8 +327,9 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     n_units = len(sizes)
     replayed = (policy != "none" or offload) and len(b.replays) == n_layer
     # nothing checkpointed or offloaded: the blocks' moments from their ops replayed with every saved tensor kept
-    # (a step in backward keeps the per-block terms below: its steps' moments are calibrated on them)
-    plain = policy == "none" and not offload and not step_in_backward and len(b.replays) == n_layer
+    # (stepping in backward too, each gradient stepped and freed as made); without a replay per block, the
+    # per-block terms of _plain_backward
+    plain = policy == "none" and not offload and len(b.replays) == n_layer
     states = [*b.state("P"), *b.state("O")]
     base_states = list(states)
     if grads_exist:
@@ -413,16 +421,17 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     # head_temp, or head_sum: the sum that becomes .grad) until the last chunk
     worst = ", its worst chunk" if chunked else ""
     head = _m(MK.HEAD_BACKWARD, None, "backward", "the head's backward" + worst + sfx,
-              [*around, *([] if cast or chunked else in_head), *loss_back,
+              [*around, *([] if cast or chunked else in_head), *loss_back, *_inputs_freed(b, offload, every=False),
                *_head_sum(b, grads_exist), b.term("head_temp")])
     moments = [*fwd, start, head]
     if b.split_cat:  # chunked: after the last chunk, split's backward cats the input gradients
-        moments.append(_m(MK.HEAD_BACKWARD, None, "backward",
+        moments.append(_m(MK.HEAD_AFTER, None, "backward",
                           "the chunks' input gradients concatenated" + sfx,
-                          [*around, *_copy_freed(b, offload), *in_head, b.term("split_cat")]))
+                          [*around, *_copy_freed(b, offload), *_inputs_freed(b, offload), *in_head,
+                           b.term("split_cat")]))
     if cast:
-        moments.append(_m(MK.HEAD_BACKWARD, None, "backward", "the head's weight gradient cast to fp32" + sfx, [
-            *around, *_copy_freed(b, offload), *in_head, b.term("head_cast")]))
+        moments.append(_m(MK.HEAD_AFTER, None, "backward", "the head's weight gradient cast to fp32" + sfx, [
+            *around, *_copy_freed(b, offload), *_inputs_freed(b, offload), *in_head, b.term("head_cast")]))
     if b.tail is not None and not step_in_backward and len(b.replays) == n_layer:
         # after the head: a later micro-batch's new head gradient was summed into .grad (a tied one waits)
         after_head = ([b.term("head_held")] if b.head_held else []) if grads_exist else head_grad
@@ -467,7 +476,15 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     if step_in_backward:
         # a block's largest matrix (the MLP's output projection) steps at the moment its gradient is made
         stepping = [x for x in block_moments if b.term("tau_grad") in x.terms]
-        moments += _steps_in_backward(b, [] if replayed or plain else stepping, head, end, sfx)
+        head_freed = b.head_freed
+        if chunked:  # the head's summed dW steps after the last chunk: every chunk's dX (cast) beside it;
+            # the chunks' matmuls have returned, their weight copy and saved inputs freed (on the device)
+            head = _m(MK.HEAD_AFTER, None, "backward", "after the last chunk's backward" + sfx,
+                      [*around, custom(K.HEAD_BACKWARD, "the chunks' input gradients (not yet concatenated)", T_,
+                                       b.stream, "r x h x d",
+                                       "each chunk's matmul backward (and its cast to the stream)")])
+            head_freed = (0, 0, 0) if offload else (b.head_copy, b.chunk_inputs, 0)
+        moments += _steps_in_backward(b, [] if replayed or plain else stepping, head, end, sfx, head_freed)
         moments += block_steps or []
     elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
         opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
@@ -490,6 +507,14 @@ def _head_sum(b: StepBytes, grads_exist: bool) -> list[Term]:
     if grads_exist:
         return [b.term("head_new", nbytes=b.head_sum)]
     return [b.term("head_sum")]
+
+
+def _inputs_freed(b: StepBytes, offload: bool, every: bool = True) -> list[Term]:
+    """Chunked: the chunks' saved inputs, freed as their matmuls' nodes return (every: all, after the last
+    chunk; else those gone at the head's worst moment). Offloaded, they were on the host."""
+    n = -b.chunk_inputs if every else b.head_inputs_freed
+    return [b.term("head_inputs_freed", nbytes=n, name="freed: the chunks' saved inputs (their matmuls have "
+                   "run)" if every else None)] if n and not offload else []
 
 
 def _copy_freed(b: StepBytes, offload: bool) -> list[Term]:
@@ -572,6 +597,7 @@ def _plain_backward(st: _Step, moments: list[Moment]) -> list[Moment]:
             terms += [b.term("proj_dx"), custom(K.SAVED_ACTIVATIONS,
                                                 "freed: the output projection's saved input", A_, -b.step_freed[1],
                                                 "r x f x m", _RELEASED)]
+            terms += [freed_mask] if b.drop_mask else []  # its backward ran before the projection's
         else:
             terms.append(b.term("tau_grad"))
         terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
@@ -741,7 +767,7 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                     terms.append(custom(K.BLOCK_INPUT, f"the input of block {k}, saved by it", A_, r.input_saved,
                                         "r x h x d", "derivatives.yaml", block=k))
                 if step_in_backward:
-                    steps.append(_step_moment(b, list(terms), w.step, k, sfx, plain=True))
+                    steps += _step_moment(b, list(terms), w.step, k, sfx, plain=True)
                 terms += _saved_terms(w, k)
                 stolen, held = _stolen(w, k, step_in_backward)
                 terms += [_bwd_term(w, k, offload=False, plain=True, less=stolen), *held]
@@ -760,7 +786,7 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                     terms.append(_wgrad_term(w, k, grads_exist))
                 out.append(_m(MK.BLOCK_BACKWARD, k, "backward", f"block {k} backward, {_at(w.op, k)}" + sfx, terms))
                 if step_in_backward:
-                    steps.append(_step_moment(b, terms[:-1], w.step, k, sfx))
+                    steps += _step_moment(b, terms[:-1], w.step, k, sfx)
                 done_grads += r.wgrad_bytes
             continue
         unit_held = [custom(K.CHECKPOINT_INPUTS, f"the input of {unit}", A_, b.replays[s].input_bytes, "r x h x d",
@@ -807,7 +833,7 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                 terms += _recomputed(b, "saved by the unit's earlier blocks (recomputed), waiting", wait,
                                      range(s, k), sel)
             if step_in_backward:
-                steps.append(_step_moment(b, list(terms), w.step, k, sfx, sel=sel))
+                steps += _step_moment(b, list(terms), w.step, k, sfx, sel=sel)
             stolen, held = _stolen(w, k, step_in_backward)
             terms += _split(K.LAYER_TEMPS, f"block {k} backward, {_at(w.op, k)}: recomputed saved tensors still "
                             "needed, gradients and temporaries", w.live - stolen, w.copies, w.kept if sel else 0,
@@ -847,12 +873,13 @@ def _recomputed(b: StepBytes, name: str, nbytes: int, blocks, sel: bool) -> list
 
 
 def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str, plain: bool = False,
-                 sel: bool = False) -> Moment:
+                 sel: bool = False) -> list[Moment]:
     """Block k's backward when one of its parameters steps (labkit.optim.StepInBackward: as soon as its node
     has returned): what is alive then, that gradient, and a step's temporaries (the block's largest tensor's).
     What is alive is split by lesson 00's categories as the block's backward is: plain (nothing recomputed
     or offloaded), the forward's saved tensors are activations (`_saved_terms`); recomputed, `_split`'s
-    (sel: selective's cached outputs are activations)."""
+    (sel: selective's cached outputs are activations). GaLore: one moment in a steady step and one in a
+    projector-refresh step (its SVD's temporaries, the old projector freed), as `_steps_in_backward`'s."""
     grad, op = (w.grads, w.op) if w is not None else (0, "")
     name = f"block {k} backward when a parameter's gradient is ready: live"
     formula = "replay: the backward up to that node"
@@ -862,17 +889,21 @@ def _step_moment(b: StepBytes, terms: list[Term], w, k: int, sfx: str, plain: bo
         live = [*_saved_terms(w, k), custom(K.LAYER_TEMPS, name, T_, w.live - w.saved, formula, _REPLAY_SOURCE)]
     else:
         live = _split(K.LAYER_TEMPS, name, w.live, w.params, w.kept if sel else 0, formula)
-    return _m(MK.PARAMETER_STEP, k, "optimizer", f"block {k} backward, {_at(op, k)}" + sfx, [
+    runs = [(b.block_step, "", None)]
+    if b.block_refresh is not None:
+        runs = [(b.block_step, f", {STEADY}", STEADY), (b.block_refresh, f", {REFRESH}", REFRESH)]
+    return [_m(MK.PARAMETER_STEP, k, "optimizer", f"block {k} backward, {_at(op, k)}" + kind + sfx, [
         *terms,
         *live,
         custom(K.GRADIENTS, "the stepping parameter's gradient", G_, grad, "replay: the parameter's gradient",
                "labkit.optim.StepInBackward"),
         custom(K.OPTIMIZER_TEMPS,
-               "its optimizer step's temporaries", T_, b.block_step[1], "the block's largest tensor's step "
+               "its optimizer step's temporaries", T_, step[1], "the block's largest tensor's step "
                "(optim_terms.tensor_step_bytes)", "torch.optim single-tensor step; labkit.optim's update of one tensor"),
         custom(K.STEP_CAST,
-               "its step's fp32 working copy of the parameter", P_, b.block_step[2], "4 x its elements (16-bit) or 0",
-               "labkit.optim: p.float(), counted as parameter memory")])
+               "its step's fp32 working copy of the parameter", P_, step[2], "4 x its elements (16-bit) or 0",
+               "labkit.optim: p.float(), counted as parameter memory"),
+        *_freed_projector(-step[3] if len(step) > 3 else 0)], v) for step, kind, v in runs]
 
 
 def _saved_terms(w, k: int) -> list[Term]:
@@ -1036,9 +1067,11 @@ def _freed_projector(nbytes: int) -> list:
 _RELEASED = "autograd releases a node's saved tensors when it returns; the step runs after (AccumulateGrad's hook)"
 
 
-def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str) -> list[Moment]:
+def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str,
+                       head_freed: tuple) -> list[Moment]:
     """The backward moments at which a parameter steps: each block's (its largest parameter's gradient and
-    step temporaries on top), and the head's (untied head) or the last one's (the tied embedding)."""
+    step temporaries on top), and the head's (untied head; head_freed: (copy, saved input, transient
+    gradients) its node freed before) or the last one's (the tied embedding)."""
     def stepping(x: Moment, step: tuple, freed=(0, 0, 0), where: str = "", variant: Variant | None = None) -> Moment:
         keep = [t for t in x.terms if t.category is not G_]
         return _m(MK.PARAMETER_STEP, x.block, "optimizer", where + sfx, [
@@ -1080,6 +1113,6 @@ def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Mo
                 out.append(stepping(held, rest_step,
                                     where="the position embedding steps (the tied head's gradient held)" + kind,
                                     variant=v))
-        else:
-            out.append(stepping(head, rest_step, b.head_freed, "the head steps" + kind, v))
+        elif rest_step[0]:  # (a frozen head, under LoRA, steps nothing)
+            out.append(stepping(head, rest_step, head_freed, "the head steps" + kind, v))
     return out

@@ -89,6 +89,9 @@ class Walk:
     loss_scratch: tuple | None = None  # a chunked loss (labkit.recompute.chunked_ce): its (forward, backward) scratch
     loss_chunks: int | None = None  # Recipe.loss_chunks: the head and loss in chunks along S
     output_chunks: tuple | None = None  # with loss_chunks: rows of each chunk (chunked_output)
+    # with loss_chunks: (bytes the chunks' head matmuls save as their inputs, whether each chunk's is its
+    # own copy, freed with its matmul's backward; else views of one tensor, freed after the last chunk)
+    output_chunk_inputs: tuple = (0, False)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:

@@ -77,7 +77,8 @@ class MomentKind(enum.Enum):
     DEQUANT = "dequantizing"  # forward: the last block dequantizing its largest weight
     BLOCK_FORWARD = "block forward"  # forward inside or at the end of a block
     LOSS_BACKWARD = "loss backward"  # backward's start: the loss's backward
-    HEAD_BACKWARD = "head backward"  # the head's backward (and its weight gradient's cast)
+    HEAD_BACKWARD = "head backward"  # inside the head's backward (chunked: its worst chunk)
+    HEAD_AFTER = "after the head"  # the head's matmul(s) returned: its weight gradient's cast, the chunks' cat
     FINAL_NORM_BACKWARD = "final norm backward"
     RECOMPUTE = "recompute"  # a checkpointed unit's forward again
     BLOCK_BACKWARD = "block backward"  # inside a block's (or a segment's) backward

@@ -7,12 +7,13 @@ import pytest
 import torch
 import transformers.optimization
 
-from labkit.memory import Category, Ledger
+from labkit.memory import CATEGORIES, Category, Ledger
 from labkit.estimate import Precision, Recipe, estimate, optim_terms, spec_from
-from labkit.estimate.moments import REFRESH, STEADY
+from labkit.estimate.moments import REFRESH, STEADY, MomentKind
 from labkit.run import make_optimizer, measure_step
 from labkit.estimate.optim_terms import adam8bit_state, galore_matrix_state, state_bytes
 from labkit.models.gpt import GPT, GPTConfig
+from estimate_checks import assert_every_phase_within
 from labkit.optim import Adafactor, GaLoreAdamW, GaLoreAdamW8bit, StepInBackward
 
 G = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64)
@@ -88,31 +89,43 @@ def test_step_in_backward_within_1_percent(optimizer, kw, refresh):
 
 # a 1-layer GPT-2: B=3 S=4 puts the peak at the MLP output projection's backward (r = 12 rows < h = 32), a wider
 # B=4 S=128 at the activation's backward after that projection stepped (r = 512 > h = 128); random seed 0's case
-GPT2_SIB = [(dict(n_layer=1, n_head=1, n_embd=32, n_positions=64), 3, 4, "block 0 backward"),
-            (dict(n_layer=2, n_head=2, n_embd=128, n_positions=128), 4, 128, "its output projection stepped")]
+GPT2_SIB = [(dict(n_layer=1, n_head=1, n_embd=32, n_positions=64), 3, 4),
+            (dict(n_layer=2, n_head=2, n_embd=128, n_positions=128), 4, 128)]
 
 
-@pytest.mark.parametrize("cfg, B, S, where", GPT2_SIB, ids=["projection", "activation"])
-def test_step_in_backward_mlp_projection_then_activation(cfg, B, S, where):
+@pytest.mark.parametrize("cfg, B, S", GPT2_SIB, ids=["projection", "activation"])
+def test_step_in_backward_mlp_projection_then_activation(cfg, B, S):
     """Stepping in backward frees the MLP output projection's weight gradient (f x h) before the activation's
-    backward makes its transient gradients (2 x r x f, GPT-2's Python GELU): not both at once. Beside that
-    gradient lives only the projection's input gradient, r x f x 4 bytes (an addmm's dX, the ledger's mm)."""
+    backward makes its transient gradients (2 x r x f, GPT-2's Python GELU): not both at once. The block's ops
+    are replayed (labkit.estimate.tape) with each gradient stepped and freed as it is made, so the backward's
+    every category equals the ledger's, and the peak is a block's backward."""
     kw = dict(cfg, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="sdpa", step_in_backward=True)
     r = Recipe.of("gpt2-tiny", B, S, dtype="fp32", optimizer="sgd", **kw)
     e, m = estimate(r), measure_step(r, steps=2)
-    assert abs(e.peak.total - m.peak.total) <= 0.03 * m.peak.total
     assert e.peak_phase == m.peak_phase == "backward"
-    peak = e.peak_moment
-    assert peak.where.endswith(where)
-    names = {t.name: t.bytes for t in peak.terms}
-    if where == "block 0 backward":
-        assert names["the MLP output projection's input gradient"] == B * S * 4 * cfg["n_embd"] * 4
-        assert names["one weight gradient before accumulation"] == 4 * cfg["n_embd"] * cfg["n_embd"] * 4
-        assert "MLP backward transient" not in names
-    else:
-        assert names["MLP backward transient"] == 2 * B * S * 4 * cfg["n_embd"] * 4
-        assert "one weight gradient before accumulation" not in names
-    assert e.phases["backward"][Category.TEMP] == m.phases["backward"][Category.TEMP]
+    assert e.peak_moment.kind is MomentKind.BLOCK_BACKWARD
+    for c in CATEGORIES:
+        assert abs(e.phases["backward"][c] - m.phases["backward"][c]) <= 0.001 * m.peak.total, c
+    # the projection's gradient (f x h x 4) never sits beside the activation's transients: counting it
+    # there would put the estimate over by that much
+    assert abs(e.peak.total - m.peak.total) < 4 * cfg["n_embd"] * cfg["n_embd"] * 4
+
+
+@pytest.mark.parametrize("family", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("dtype,lora,chunks", [("fp32", 16, None), ("bf16", 16, 2), ("fp32", None, 2)])
+def test_step_in_backward_replays_each_block_under_lora_and_chunks(family, dtype, lora, chunks):
+    """With nothing checkpointed, a step in backward takes each block's moments from its ops replayed with
+    every gradient stepped as made (moments._replayed_backward), as a checkpointed one does. The per-block
+    formula it used before over-counted LoRA's down projection (its saved input freed and counted again in
+    the MLP's transient: +6.2 % of the peak at GPT-2 h=128, fp32) and split chunked runs' categories
+    (17.8 % activations into temporaries). Every phase's every category, the optimizer phase (the moments a
+    parameter steps) included."""
+    kw = dict(n_layer=1, attn_implementation="eager", n_embd=128, n_head=8) if family == "gpt2-tiny" else \
+        dict(num_hidden_layers=1)
+    r = Recipe.of(family, 2, 64, dtype=dtype, optimizer="sgd", step_in_backward=True, lora_rank=lora,
+                  loss_chunks=chunks, **kw)
+    e, m = estimate(r), measure_step(r, steps=2)
+    assert_every_phase_within(e, m, 0.002)
 
 
 # ---- GaLore: the step's temporaries, op by op, and both moments on the three families -------------------------
