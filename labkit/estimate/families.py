@@ -58,11 +58,12 @@ class AttnCall:
         return self.batch * self.heads * self.seq * self.seq
 
 
-def _shape(w: Walk, c: AttnCall, mm: int, sm: int, to: int = 0) -> AttnShape:
-    """to: the dtype softmax's output is cast to (0: mm); dropout gets that (its CPU mask is of it)."""
+def _shape(w: Walk, c: AttnCall, mm: int, sm: int, to: int = 0, v_copied: bool = True) -> AttnShape:
+    """to: the dtype softmax's output is cast to (0: mm); dropout gets that (its CPU mask is of it).
+    v_copied: grouped-query attention's repeated v is a copy (not `_kv_view`'s view read as it is)."""
     drop = 1 if w.device == "cuda" else (to or mm)
-    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop, c.kv_repeat, to,
-                     one_statement=c.fp32_softmax)
+    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop,
+                     c.kv_repeat if v_copied else 1, to, one_statement=c.fp32_softmax)
 
 
 def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bool:
@@ -105,7 +106,7 @@ def _operand(w: Walk, t: T, name: str, B: int, heads: int, autocast: bool = True
     if autocast and w.autocast and t.itemsize != w.low_bytes:
         t = w.cast(t, w.low_bytes, f"{name} (16-bit copy)")
         made.append(t)
-    if t.heads_moved and B > 1 and heads > 1:
+    if (t.heads_moved or t.expanded) and B > 1 and heads > 1:
         t = _copy(w, t, name)
         made.append(t)
     return t, made
@@ -232,9 +233,30 @@ def sdpa_math(w: Walk, c: AttnCall, rg: bool = True, q: T | None = None, k: T | 
     return y
 
 
-def _repeat(w: Walk, t: T, rep: int, name: str) -> T:
+def _kv_view(c: AttnCall) -> bool:
+    """Grouped-query attention with one key/value head: repeat_kv's reshape of the expanded (B, 1, rep, S, d)
+    merges a size-1 dimension, so it is a view (stride 0 over the heads), not a copy."""
+    return c.kv_repeat > 1 and c.kv_heads == 1
+
+
+def _repeated(w: Walk, t: T, c: AttnCall, name: str) -> T:
+    """What the eager attention's matmul saves of a repeated k or v: a (B, heads, S, d) copy in the matmul's
+    dtype (repeat_kv's copy; of `_kv_view`'s view, autocast's cast of an fp32 one or matmul's reshape when
+    B > 1 keeps (B, heads) from folding into one batch dimension), else the view itself (t's storage)."""
+    n = c.numel
+    if _kv_view(c) and not (w.autocast and t.itemsize != w.low_bytes) and c.batch == 1:
+        return T(n, t.itemsize, name, base=t, rg=t.rg, expanded=True)
+    return w.new(n, w.mm_bytes, name)
+
+
+def _repeat(w: Walk, t: T, rep: int, name: str, view: bool = False) -> T:
     """Grouped-query attention's k/v repeated to every head (repeat_kv, repeat_interleave: expand + reshape =
-    a contiguous copy); backward sums the copies into a gradient of t's size."""
+    a contiguous copy; view: `_kv_view`'s); backward sums the copies into a gradient of t's size."""
+    if view:
+        y = T(t.numel * rep, t.itemsize, name, base=t, rg=t.rg, expanded=True)
+        if t.rg:
+            w.node(name, [y], (), [("grad", t)])
+        return y
     y = w.made(T(t.numel * rep, t.itemsize, name, rg=t.rg))
     if t.rg:
         w.node(name, [y], (), [("grad", t)])
@@ -345,10 +367,10 @@ def attention_eager(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
         w.keep(w.new(c.scores, mm, "attention scores"), kind="attention")
         w.keep(w.new(n, mm, "probs @ v"), kind="attention")
         return _eager_tape(w, (q, k, v), c, (sm, to), False)
-    kr = w.new(n, mm, "k repeated") if rep > 1 else k
-    vr = w.new(n, mm, "v repeated") if rep > 1 else v
+    kr = _repeated(w, k, c, "k repeated") if rep > 1 else k
+    vr = _repeated(w, v, c, "v repeated") if rep > 1 else v
     w.save(w.as_matmul_input(q), w.as_matmul_input(kr))
-    w.point("attention (eager)", materialised("eager", _shape(w, c, mm, sm, to), c.p))
+    w.point("attention (eager)", materialised("eager", _shape(w, c, mm, sm, to, vr.base is None), c.p))
     w.keep(w.new(c.scores, mm, "attention scores"), kind="attention")  # q @ k^T (bmm)
     probs = w.new(c.scores, sm, "attention probs")
     w.save(probs)
@@ -365,7 +387,9 @@ def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, widths: tuple[int, in
     """transformers' eager attention on the tape. widths: bytes of softmax's output and of its cast."""
     mm, (q, k, v), B, heads, S, n, p, rep = w.mm_bytes, qkv, c.batch, c.heads, c.seq, c.numel, c.p, c.kv_repeat
     sm, to = widths
-    kr, vr = (_repeat(w, k, rep, "k repeated"), _repeat(w, v, rep, "v repeated")) if rep > 1 else (k, v)
+    view = _kv_view(c)
+    kr, vr = ((_repeat(w, k, rep, "k repeated", view), _repeat(w, v, rep, "v repeated", view)) if rep > 1
+              else (k, v))
     (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, kr, "k^T contiguous", B, heads)
     scores = _bmm(w, qc, kc, c.scores, "q @ k^T")
     w.drop(*qm, *km)
@@ -403,11 +427,13 @@ def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, widths: tuple[int, in
     # eager returns (output, weights): the block's `hidden_states, _ = self.attn(...)` holds the weights
     # in `_` until it returns
     w.block_end.append(dropped)
-    if kr is not k:
-        w.drop(kr)
-    if vr is not v:
-        w.drop(vr)
+    # the output's transpose(1, 2).contiguous() runs inside eager_attention_forward, whose locals hold the
+    # repeated k and v until it returns
     y = _contiguous_out(w, o, "attention out (contiguous)", heads, S)
+    if kr is not k and not kr.expanded:
+        w.drop(kr)
+    if vr is not v and not vr.expanded:
+        w.drop(vr)
     y.rg = rg
     assert y.itemsize == mm, (y.name, y.itemsize)
     return y

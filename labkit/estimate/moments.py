@@ -365,8 +365,10 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     logits = b.term("logits")
     if offload and b.loss_grad:  # chunked output loss: one chunk's log-softmax on the device
         lsm, logits = b.term("lsm_chunk"), b.term("logits_off")
+    # the checkpointed regions hold the blocks' other arguments (the mask, rotary tables) from their forward on
     fwd = [_m(MK.LOSS, None, "forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
-                                                 *held_all, *held_final, lsm, logits])]
+                                                 *_kwargs(b, policy, offload), *held_all, *held_final, lsm,
+                                                 logits])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
         head = 0 if replayed and offload and b.c_frozen_head else b.head_copy  # (an offloaded frozen one: gone)
         before_head = [custom(t.key, t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,

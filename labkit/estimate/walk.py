@@ -30,6 +30,7 @@ class T:
     heads_moved: bool = False  # a (B, heads, S, d) tensor laid out as (B, S, heads, d): a projection's output
     # viewed per head, and what pointwise ops make from it (they keep the layout)
     weight: bool = False  # an autocast 16-bit copy of a weight (model-state bytes, counted apart from activations)
+    expanded: bool = False  # a view with a stride-0 dimension (expand): a copy of it is whole (numel elements)
 
     @property
     def nbytes(self) -> int:
