@@ -29,7 +29,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from .procs import child_env, context, pack, unpack
 
@@ -97,15 +97,20 @@ class _Spec:
     env: dict
 
 
+def _fail(rank: int, e: BaseException, out: Any) -> NoReturn:
+    """Report an error at once (before any teardown that could wait on peers) and leave."""
+    out.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+    out.close()
+    out.join_thread()
+    os._exit(1)
+
+
 def _child(rank: int, env: dict, payload: bytes, out: Any) -> None:
     """Body of one rank: set the environment, join the group, run fn, report, leave the group."""
     try:
         spec = unpack(env, payload)  # the parent's environment first, then the import of fn's module
     except BaseException as e:
-        out.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        out.close()
-        out.join_thread()
-        os._exit(1)
+        _fail(rank, e, out)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec.port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
                        "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": str(spec.threads),
@@ -128,11 +133,8 @@ def _child(rank: int, env: dict, payload: bytes, out: Any) -> None:
         payload = pickle.dumps(result)  # plain pickle: tensors travel by value, not via shared memory
         out.put(("ok", rank, payload))
         dist.destroy_process_group()
-    except BaseException as e:  # report anything at once (before any teardown that could wait on peers)
-        out.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        out.close()
-        out.join_thread()
-        os._exit(1)
+    except BaseException as e:  # anything, at once
+        _fail(rank, e, out)
 
 
 def _exit_text(code: int | None) -> str:

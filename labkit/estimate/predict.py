@@ -91,7 +91,9 @@ def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, dev
     peft_terms.setup_walk(w, peft)
     marks: list[int] = []
     WALKS[spec.family](w, spec, batch, seq, marks)
-    _WALKS[key] = (w, marks)  # read-only from here: the moments, replays and layouts only read a walk
+    w.freeze()  # read-only from here: the moments, replays and layouts share it
+    marks = tuple(marks)
+    _WALKS[key] = (w, marks)
     while len(_WALKS) > 32:
         _WALKS.pop(next(iter(_WALKS)))
     return w, marks

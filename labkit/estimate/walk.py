@@ -95,6 +95,16 @@ class Walk:
     output_chunk_inputs: tuple = (0, False)
 
     # ---- bookkeeping -------------------------------------------------------------------------
+    def freeze(self) -> None:
+        """No more changes: the estimator caches a finished walk and every estimate of that shape reads it
+        (predict.walk_activations); setting a field afterwards raises."""
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"a finished walk is read-only (Walk.{name}): the estimator caches and shares it")
+        object.__setattr__(self, name, value)
+
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:
         return T(int(numel), int(itemsize), name, rg=rg)
 

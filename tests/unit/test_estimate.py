@@ -199,3 +199,23 @@ def test_zero3_rank_categories_agree_with_its_ledger():
     e, m = estimate(r), zero_rank_memory(r)
     for c in Category:
         assert abs(e.peak[c] - m.peak[c]) <= 3 * 4, (c, e.peak[c], m.peak[c])
+
+
+def test_a_cached_walk_is_shared_read_only():
+    """The estimator keeps its last walks and hands the same one to every estimate of that shape (the
+    planner asks for one 80-layer walk dozens of times): a change to it would change every later estimate,
+    so a finished walk refuses one, and two estimates of one recipe agree term by term."""
+    from labkit.estimate.predict import walk_activations
+    from labkit.estimate.spec import spec_from
+    from labkit.estimate.textbook import Precision
+
+    spec = spec_from("gpt2-tiny")
+    w, marks = walk_activations(spec, Precision.of("fp32"), 2, 32, "cpu")
+    again, _ = walk_activations(spec, Precision.of("fp32"), 2, 32, "cpu")
+    assert again is w
+    with pytest.raises(AttributeError, match="read-only"):
+        w.trained = 0
+    r = Recipe("gpt2-tiny", 2, 32, "fp32", "adamw")
+    first, second = estimate(r), estimate(r)
+    assert [(t.key, t.bytes) for m in first.moments for t in m.terms] == \
+        [(t.key, t.bytes) for m in second.moments for t in m.terms]
