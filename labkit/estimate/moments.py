@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 from labkit.memory.report import Category, Moment, MomentKind, Term, TermKey, Variant
 
@@ -49,6 +50,18 @@ K, MK = TermKey, MomentKind
 
 def _f(key: TermKey, cat: Category, name: str, formula: str, source: str = ""):
     return field(default=0, metadata=dict(key=key, cat=cat, name=name, formula=formula, source=source))
+
+
+class BlockPoint(NamedTuple):
+    """An op's worst moment inside block 0 (walk.OpPoint, relative to the block's start)."""
+
+    phase: str  # "forward" or "backward"
+    what: str  # the op and its worst moment, in words (for display)
+    before: int  # bytes the block saved before the op
+    saved: int  # bytes: the op's own saved tensors alive at that moment
+    temp: int  # bytes: the op's temporaries at that moment
+    grads_made: int  # bytes of the block's parameter gradients made by then in backward
+    kept: int  # bytes of the block's matmul outputs up to the op (selective checkpointing keeps them)
 
 
 @dataclass
@@ -208,10 +221,8 @@ class StepBytes:
                         "split's backward (torch.chunk): cat of the chunks' gradients")
     block0_local: int = 0  # the part of forward_locals that is block 0's input (held as a checkpointed input)
     block_kwargs: tuple = (0, 0)  # (bytes of the tensors every block gets besides its input, the part in `before`)
-    # worst moments inside a block's ops (materialised attention, labkit.estimate.attention), block 0's:
-    # (phase, what, saved by the block before the op, the op's saved tensors alive then, its temporaries,
-    #  bytes of the block's gradients made by then in backward, matmul outputs of the block up to the op)
-    points: list = field(default_factory=list)
+    # worst moments inside a block's ops (materialised attention, labkit.estimate.attention), block 0's
+    points: list[BlockPoint] = field(default_factory=list)
     forward_extra: int = 0  # alive through the forward, never saved (transformers' (B, 1, S, S) float mask)
     forward_locals: int = _f(K.FORWARD_LOCALS,
                              T_, "embeddings held by the model's forward function", "r h d (+ S h d positions)",
@@ -1010,9 +1021,10 @@ def _forward_points(st: _Step, plain: bool = False) -> list[Moment]:
         out.append(_m(MK.BLOCK_FORWARD, L - 1,
                       "forward", f"inside block {L - 1}'s forward ({_at(worst.op, L - 1)})" + sfx, terms))
         return out
-    for phase, what, before, saved, temp, _, kept in b.points:
-        if phase != "forward":
+    for p in b.points:
+        if p.phase != "forward":
             continue
+        what, before, saved, temp = p.what, p.before, p.saved, p.temp
         terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra,
                  b.term("before"), *_held_terms(b, policy, offload, sizes, L - 1),
                  custom(K.SAVED_ACTIVATIONS,
@@ -1033,9 +1045,10 @@ def _backward_points(st: _Step, j: int, done: int, where: str) -> list[Moment]:
     grads_exist, step_in_backward, sfx, n_layer = st.grads_exist, st.step_in_backward, st.sfx, sum(st.sizes)
     unit_block = j if sizes[j] == 1 and policy != "full" and policy != "sqrt" else None  # as _plain_backward's
     out = []
-    for phase, what, before, saved, temp, grads_made, _ in b.points:
-        if phase != "backward":
+    for p in b.points:
+        if p.phase != "backward":
             continue
+        what, before, saved, temp, grads_made = p.what, p.before, p.saved, p.temp, p.grads_made
         terms = [*states, *buffers, b.term("inputs"), b.term("before"), *_held_terms(b, policy, offload, sizes, j)]
         terms += [custom(K.SAVED_ACTIVATIONS,
                          f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",

@@ -10,7 +10,7 @@ import re
 
 from .families import WALKS
 from . import optim_terms, peft_terms, textbook
-from .moments import StepBytes, step_moments
+from .moments import BlockPoint, StepBytes, step_moments
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
 from labkit.memory.report import Category, Estimate, Term, TermKey as K
 from .spec import ModelSpec, spec_from
@@ -326,14 +326,15 @@ def _refresh_fields(spec, d: int, optimizer: str, rank, proj_dtype) -> dict:
     return {"opt_refresh": temp, "refresh_freed": -opt}
 
 
-def _block_points(w: Walk, marks, gb: int) -> list[tuple]:
+def _block_points(w: Walk, marks, gb: int) -> list[BlockPoint]:
     """Block 0's recorded op moments, relative to the block's start (all blocks are alike)."""
     if len(marks) < 2:
         return []
     start, end = marks[0], marks[1]
-    return [(phase, what, before - start[0], saved, temp, (end[2] - trained) * gb, kept - start[1])
-            for phase, what, before, saved, temp, trained, kept in w.points if start[0] <= before <= end[0]
-            and start[2] <= trained <= end[2]][: 2 * max(1, len(w.points) // max(len(marks) - 1, 1) // 2)]
+    return [BlockPoint(p.phase, p.what, p.before - start[0], p.saved, p.temp, (end[2] - p.trained) * gb,
+                       p.kept - start[1])
+            for p in w.points if start[0] <= p.before <= end[0] and start[2] <= p.trained <= end[2]
+            ][: 2 * max(1, len(w.points) // max(len(marks) - 1, 1) // 2)]
 
 
 def _frozen_bytes(r: Recipe) -> int:

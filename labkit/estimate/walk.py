@@ -14,8 +14,22 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .tape import Tape
+
+
+class OpPoint(NamedTuple):
+    """An op's worst moment in forward or backward (labkit.estimate.attention's replay of it), recorded
+    where the walk is when it reaches the op."""
+
+    phase: str  # "forward" or "backward"
+    what: str  # the op and its worst moment, in words (for display)
+    before: int  # bytes the walk had saved before the op
+    saved: int  # bytes: the op's own saved tensors alive at that moment
+    temp: int  # bytes: the op's temporaries at that moment
+    trained: int  # elements of the trained parameters the walk had passed (gradients come in reverse)
+    kept: int  # bytes selective checkpointing keeps by then (the block's matmul outputs so far)
 
 
 @dataclass(eq=False)
@@ -69,9 +83,7 @@ class Walk:
     copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
     copy_frozen: dict = field(default_factory=dict)  # module -> bytes of a frozen weight's copy (saved, not cached)
     trained: int = 0  # elements of the trained parameters the walk has passed (their gradients come in reverse)
-    # worst moments inside ops (labkit.estimate.attention): (phase, what, saved bytes before the op,
-    # the op's own saved bytes alive then, its temporaries then, `trained` before the op, kept bytes then)
-    points: list[tuple] = field(default_factory=list)
+    points: list[OpPoint] = field(default_factory=list)  # worst moments inside ops (attention)
     forward_extra: int = 0  # alive through the whole forward, never saved (transformers' 4-D float mask)
     forward_locals: int = 0  # tensors a model's forward function holds in locals until it returns (embeddings)
     locals_saved: int = 0  # such locals that are also saved for backward (position ids, rotary tables)
@@ -342,8 +354,8 @@ class Walk:
     def point(self, what: str, pts) -> None:
         """Record an op's worst forward and backward moments (an AttnPoints) at the walk's position."""
         for phase, (op, saved, temp) in (("forward", pts.forward), ("backward", pts.backward)):
-            self.points.append((phase, f"{what}: {op}", self.saved_bytes, saved, temp, self.trained,
-                                self.kept_bytes + (pts.kept if "attention" in self.tape.kinds else 0)))
+            self.points.append(OpPoint(phase, f"{what}: {op}", self.saved_bytes, saved, temp, self.trained,
+                                       self.kept_bytes + (pts.kept if "attention" in self.tape.kinds else 0)))
 
     def layer_norm(self, x: T, rows: int, name: str, module: str = "") -> T:
         """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the
