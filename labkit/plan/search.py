@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import astuple, dataclass, field
+from typing import NamedTuple
 
 from labkit.estimate.recipe import Recipe
 from labkit.memory.report import Category
@@ -180,9 +181,29 @@ def layouts(devices: int, spec) -> list[tuple[int, int, int, int]]:
     return sorted(out, key=lambda x: (x[1] * x[2], x[0] == 1, x[3]))
 
 
+class FamilyKey(NamedTuple):
+    """What makes a family of plans: its layout, method, precision and optimizer (the search varies the
+    memory settings within it)."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    method: str  # cost.METHODS: "full", "lora", "qlora" or "lisa"
+    dtype: str  # Recipe.dtype
+    optimizer: str  # Recipe.optimizer
+
+    def layout(self) -> tuple:
+        return self.dp, self.tp, self.pp, self.zero
+
+    def same_but(self, other: "FamilyKey", *fields: str) -> bool:
+        """Equal in every field but `fields`."""
+        return all(getattr(self, f) == getattr(other, f) for f in self._fields if f not in fields)
+
+
 @dataclass
 class _Family:
-    key: tuple
+    key: FamilyKey
     base: Recipe  # the family's choices; settings are applied on top
     fidelity: cost.Fidelity
     best: Recipe | None = None
@@ -453,7 +474,7 @@ def _families(s: _Search, devices: int, peft, dtypes, optimizers) -> list[_Famil
                                       zero=zero, **peft_kw, **base_kw)
                     except ValueError:
                         continue
-                    key = (dp, tp, pp, zero, method, dtype, opt)
+                    key = FamilyKey(dp, tp, pp, zero, method, dtype, opt)
                     out.append(_Family(key, base, cost.Fidelity.of(base)))
     return out
 
@@ -499,11 +520,11 @@ def plan(model, devices: int = 1, memory: int | str | None = None, device_preset
     classes = sorted({f.fidelity for f in fams}, reverse=True)
     found: list[_Family] = []
     for fid in classes:
-        members = sorted([f for f in fams if f.fidelity == fid], key=lambda f: f.key[5] == "fp32")
+        members = sorted([f for f in fams if f.fidelity == fid], key=lambda f: f.key.dtype == "fp32")
         for f in members:
             if f.base.dtype == "fp32":
-                twin = next((g for g in members if g.key[:5] == f.key[:5] and g.key[6] == f.key[6]
-                             and g.key[5].startswith("mixed")), None)
+                twin = next((g for g in members if g.key.same_but(f.key, "dtype")
+                             and g.key.dtype.startswith("mixed")), None)
                 if twin is not None and twin.best is not None:
                     f.note = f"not tried: {twin.base.dtype} fits with the same fidelity and faster matmuls"
                     continue
@@ -543,10 +564,11 @@ def _make_plan(s: _Search, fam: _Family, fams: list[_Family], fastest: float, fi
     top = e.peak_moment
     biggest = max(top.terms, key=lambda t: t.bytes) if top is not None else None
     t = s.time(r)
+    full_only = first and all(f.key.method == "full" for f in fams)
+    why = tuple(_why(s, fam, fams) + ([NO_PEFT_NOTE] if full_only else []))
     return Plan(r, e.peak.total, e.peak_phase, top.where if top else e.peak_phase,
                 biggest.name if biggest else "", biggest.bytes if biggest else 0, t, t.total / fastest,
-                fam.fidelity, tuple(_why(s, fam, fams) + ([NO_PEFT_NOTE] if first and all(
-                    f.key[4] == "full" for f in fams) else [])), s.memory, s.device.name, s.headroom, _tight(s, e.peak.total))
+                fam.fidelity, why, s.memory, s.device.name, s.headroom, _tight(s, e.peak.total))
 
 
 def _tight(s: _Search, peak: int) -> bool:
@@ -584,7 +606,7 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
     if better:
         for m in better:
             same = _searched(s, fams, lambda f: cost.method_of(f.base) == m
-                             and f.key[:4] == fam.key[:4])
+                             and f.key.layout() == fam.key.layout())
             sm = _smallest(s, same, lambda f: True)
             fit = [f for f in same if f.best is not None]
             if fit:
@@ -596,8 +618,7 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
                 lines.append(f"{cost.METHOD_TITLES[m]}: fits in another layout or ranks elsewhere (see the other plans)")
     lines.append(f"method: {cost.METHOD_TITLES[method]} ({fam.fidelity.describe()})")
     if r.dtype in ("bf16", "fp16"):
-        sm = _smallest(s, fams, lambda f: f.key[:5] == fam.key[:5] and f.key[6] == fam.key[6]
-                       and f.key[5] != r.dtype)
+        sm = _smallest(s, fams, lambda f: f.key.same_but(fam.key, "dtype") and f.key.dtype != r.dtype)
         lost = cost.LOST_UPDATE[r.dtype]
         lines.append(f"precision: pure {r.dtype}, no fp32 master weights"
                      + (" for the trained adapters (their frozen base takes no update)" if r.lora_rank else "")
@@ -612,7 +633,7 @@ def _why(s: _Search, fam: _Family, fams: list[_Family]) -> list[str]:
                      + (f"; the frozen base in {r.base_dtype} (a frozen weight takes no update: nothing to lose)"
                         if r.base_dtype not in (None, "fp32") else ""))
     if r.optimizer != "adamw":
-        sm = _smallest(s, fams, lambda f: f.key[:6] == fam.key[:6] and f.key[6] == "adamw")
+        sm = _smallest(s, fams, lambda f: f.key.same_but(fam.key, "optimizer") and f.key.optimizer == "adamw")
         tail = (f": with AdamW {sm[1]} > {budget}" if sm and sm[0] > s.memory
                 else ": AdamW is not estimated or not allowed here" if sm is None else
                 ": AdamW fits too (see the other plans)")
