@@ -89,7 +89,7 @@ def _heads_view(w: Walk, base: T, name: str) -> T:
     return v
 
 
-def _copy(w: Walk, x: T, name: str, saved_by_next: bool = False) -> T:
+def _copy(w: Walk, x: T, name: str) -> T:
     """x.contiguous() / matmul's reshape of a strided input: a copy; its gradient passes through."""
     y = w.made(T(x.numel, x.itemsize, name, rg=x.rg))
     if x.rg:
@@ -124,7 +124,7 @@ def _bmm(w: Walk, a: T, b: T, numel: int, name: str, keep: bool = True) -> T:
     return y
 
 
-def _pointwise(w: Walk, x: T, name: str, itemsize: int | None = None, saved=(), grad_copies: int = 1) -> T:
+def _pointwise(w: Walk, x: T, name: str, itemsize: int | None = None, saved=()) -> T:
     """A pointwise op making a new tensor (scale, mask add, masked_fill, cast): its backward makes one
     gradient of x's size."""
     y = w.made(T(x.numel, itemsize or x.itemsize, name, rg=x.rg, heads_moved=x.heads_moved))
@@ -730,11 +730,6 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
         qr = _rotary(w, qv, S * hd, f"q.{i}")
         kr = _rotary(w, kvw, S * hd, f"k.{i}")
         w.drop(q, k)
-        # the walk's own record of the rotated q and k (what the attention saves)
-        q2 = w.new(q.numel, q.itemsize, f"q rotated.{i}", q.rg)
-        k2 = w.new(r * kv, q.itemsize, f"k rotated.{i}", k.rg)
-        for t, u in ((q2, qr), (k2, kr)):
-            t.base = u  # the same storage
         y = _attention(w, spec, qr, kr, vv, call)
         o = w.linear(y, r, h, f"o_proj.{i}", m + "self_attn.o_proj")
         w.drop(y, qr, kr, v, a)

@@ -25,11 +25,6 @@ assert set(TORCH_STATES) <= set(OPTIMIZERS)
 MIN_8BIT, BLOCK, CHUNK = adam8bit.MIN_8BIT_SIZE, adam8bit.BLOCKSIZE, adam8bit.CHUNK_SIZE
 
 
-def adam8bit_state(n: int) -> int:
-    """8-bit Adam's state of a tensor of n values: labkit.optim.adam8bit.state_bytes_for."""
-    return adam8bit.state_bytes_for((n,))
-
-
 def galore_matrix_state(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
     """GaLore's state of one (m, n) matrix at rank r: labkit.optim.galore.state_bytes_for, or
     labkit.optim.galore8bit.state_bytes_for with 8-bit moments (and the projector in proj_dtype)."""
@@ -93,11 +88,6 @@ def galore_refresh_split(m: int, n: int, r: int, d: int, eight_bit: bool, proj_d
     at_svd = (usv + (4 * m * n if d != 4 else 0), -old)
     at_new = (usv + (4 * r * k if eight_bit and proj_dtype == "int8" else 0), 0)
     return at_new if sum(at_new) >= sum(at_svd) else at_svd
-
-
-def galore_refresh_bytes(m: int, n: int, r: int, d: int, eight_bit: bool, proj_dtype: str | None = None) -> int:
-    """Bytes one (m, n) GaLore matrix's projector refresh adds at its worst moment (`galore_refresh_split`'s sum)."""
-    return sum(galore_refresh_split(m, n, r, d, eight_bit, proj_dtype))
 
 
 def rest_step_bytes(n: int, d: int, optimizer: str) -> int:

@@ -23,10 +23,10 @@ from labkit.peft.lisa import first_layers
 from labkit.peft.lora import adapter_numel
 from labkit.quant.int4 import INT4_DEQUANT_BYTES_PER_WEIGHT, INT4_GROUP, check_group, int4_bytes_for
 from labkit.quant.int8 import INT8_DEQUANT_BYTES_PER_WEIGHT, int8_bytes_for
-from labkit.quant.nf4 import DOUBLE_QUANT_BLOCKSIZE, NF4_BLOCKSIZE, NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes_for
+from labkit.quant.nf4 import NF4_BLOCKSIZE, NF4_DEQUANT_BYTES_PER_WEIGHT, nf4_bytes_for
 
 from .recipe import INT4_QUANTS, QUANT_SETS, QUANTS  # noqa: E402  (the names, checked by Recipe)
-NF4_BLOCK, DQ_BLOCK = NF4_BLOCKSIZE, DOUBLE_QUANT_BLOCKSIZE  # labkit.quant.nf4's: weights per absmax, absmax per scale
+NF4_BLOCK = NF4_BLOCKSIZE  # labkit.quant.nf4's: weights per absmax
 _LAYER = re.compile(r"\.(\d+)\.")
 
 

@@ -510,11 +510,6 @@ class Walk:
                       [("grad", t) for t in (up, s) if t.rg])
         return y
 
-    def silu_glu(self, gate: T, up: T, name: str) -> T:
-        """silu(gate) * up: silu saves gate; the product saves silu's output (for up's gradient)
-        and up (for silu's)."""
-        return self.glu_mul(self.silu(gate, name), up, name)
-
     def dropout(self, x: T, p: float, name: str) -> T:
         """Training dropout saves its mask: 1 byte (bool) on CUDA; on CPU a mask in x's dtype.
         Tape: the mask is made beside the output and goes when the module returns (unless saved)."""

@@ -417,8 +417,6 @@ def stages(recipe) -> dict:
 
 
 # ---- FSDP2 (torch.distributed.fsdp.fully_shard on every block, then the root) ----------------------------------
-FSDP2_SOURCE = ("torch.distributed.fsdp.fully_shard (FSDP2): per-parameter dim-0 shards; all-gather output and "
-                "reduce-scatter input buffers, measured with FSDPMemTracker (torch 2.13)")
 
 
 def _chunks(names, shapes, world: int) -> tuple[list[int], list[int], int, int]:
