@@ -161,12 +161,11 @@ def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):
         raise ValueError(f"{what} and GaLore are two ways to shrink the optimizer state: choose one")
     if optimizer_offload:
         raise ValueError(f"{what} is not modelled with optimizer_offload; drop one of them")
-    if step_in_backward and peft.lisa_layers:  # LoRA: within 0.21 % per category (test_estimate_peft)
-        raise ValueError("lisa_layers is not modelled with step_in_backward (its sampled layers' steps in "
-                         "backward measure 2-23 % off the estimate); drop one of them")
-    if step_in_backward and peft.quant != "none":
-        raise ValueError(f"a quantized base (quant={peft.quant!r}) is not modelled with step_in_backward (the "
-                         "random bench measured 2-11 % off the estimate); drop one of them")
+    # LoRA and a quantized base step in backward within 0.4 % per category (test_estimate_peft)
+    if step_in_backward and peft.lisa_layers:
+        raise ValueError("lisa_layers is not modelled with step_in_backward (measured: its sampled layers' steps "
+                         "in backward leave the step's temporaries up to 6.7 % of the peak off the estimate, the "
+                         "total up to 3.2 %); drop one of them")
 
 
 def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, Walk]:

@@ -200,27 +200,30 @@ def test_fit_table_methods_order_and_llama2_7b():
 SIB_PEFT = [(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64), "fp32", "none",
              dict(lora_rank=4), "adamw"),
             ("gpt2-tiny", "mixed-bf16", "full", dict(lora_rank=4), "adamw"),
-            ("llama-tiny", "mixed-bf16", "selective", dict(lora_rank=4), "adamw8bit")]
+            ("llama-tiny", "mixed-bf16", "selective", dict(lora_rank=4), "adamw8bit"),
+            # a quantized base: its frozen matmuls dequantize in backward too (was refused, 2-11 % off before
+            # a step in backward replayed each block's ops)
+            ("gpt2-tiny", "mixed-bf16", "none", dict(lora_rank=8, quant="nf4"), "adamw"),
+            ("llama-tiny", "bf16", "full", dict(lora_rank=8, quant="int8"), "adamw")]
 
 
 @pytest.mark.parametrize("model, dtype, policy, peft, optimizer", SIB_PEFT,
-                         ids=["gpt-fp32-none-lora", "gpt2-bf16-full-lora", "llama-bf16-selective-lora-8bit"])
+                         ids=["gpt-fp32-none-lora", "gpt2-bf16-full-lora", "llama-bf16-selective-lora-8bit",
+                              "gpt2-mixed-none-qlora-nf4", "llama-bf16-full-qlora-int8"])
 def test_lora_with_step_in_backward_per_category(model, dtype, policy, peft, optimizer):
-    """Each adapter steps as its gradient is ready: every category within 1 % of the measured peak (the
-    36 combinations of three families, two precisions, three policies and two optimizers measured within
-    0.21 %). A quantized base with it is refused: the random bench found int8 and NF4 bases 2-11 % off."""
-    from estimate_checks import estimate_and_measure
+    """Each adapter steps as its gradient is ready: every category of every phase within 0.5 % of the
+    measured peak (LoRA and QLoRA on GPT-2 and Llama, int8 and NF4, three precisions, two policies, AdamW and
+    SGD: within 0.38 %)."""
+    from estimate_checks import assert_every_phase_within
 
-    r = Recipe.of(model, 2, 32, dtype=dtype, optimizer=optimizer, checkpoint=policy, step_in_backward=True, **peft)
-    estimate_and_measure(r, tol=0.01)
+    r = Recipe.of(model, 2, 48, dtype=dtype, optimizer=optimizer, checkpoint=policy, step_in_backward=True,
+                  **peft)
+    assert_every_phase_within(estimate(r), measure_step(r, steps=2), 0.005)
 
 
-def test_lisa_and_quantized_bases_with_step_in_backward_are_refused_with_their_measured_error():
-    with pytest.raises(ValueError, match="lisa_layers is not modelled with step_in_backward"):
+def test_lisa_with_step_in_backward_is_refused_with_its_measured_error():
+    with pytest.raises(ValueError, match="lisa_layers is not modelled with step_in_backward.*6.7 %"):
         estimate(Recipe.of("gpt2-tiny", 2, 32, lisa_layers=1, step_in_backward=True))
-    for quant in ("nf4", "int8"):
-        with pytest.raises(ValueError, match=f"quant='{quant}'.* not modelled with step_in_backward"):
-            estimate(Recipe.of("gpt2-tiny", 2, 32, lora_rank=4, quant=quant, step_in_backward=True))
 
 
 @pytest.mark.parametrize("targets", ["c_attn", "c_fc"])
