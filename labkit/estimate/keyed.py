@@ -500,9 +500,9 @@ def head_freed(c: Ctx, m: Moment) -> list[Term]:
     out = [_t(K.SAVED_ACTIVATIONS, _A, "the chunks' saved inputs: freed as their matmuls' nodes "
               "return", -c.b.chunk_inputs if after else c.b.head_inputs_freed,
               "rows done x h x m (views of one tensor: all, after the last chunk)", _FREES)]
-    if after:
+    if after or c.b.head_copy_freed:  # (inside: at the last chunk's sum, after its matmul)
         out.append(_t(K.COPIES_16BIT, _P, "the head's copy: freed with its matmul's backward",
-                      -c.b.head_copy, "2 x V x h", _FREES))
+                      -c.b.head_copy if after else c.b.head_copy_freed, "2 x V x h", _FREES))
     return [t for t in out if t.bytes]
 
 

@@ -200,6 +200,8 @@ class StepBytes:
                                 "- rows done x h x m (each chunk's own copy; views: all after the last)",
                                 "autograd releases a node's saved tensors once it has run")
     chunk_inputs: int = 0
+    head_copy_freed: int = _f(K.COPIES_16BIT, P_, "freed: the head's 16-bit weight copy (the last chunk's matmul "
+                              "has run)", "- 2 x V x h", "autograd releases a node's saved tensors once it has run")
     head_sum: int = _f(K.HEAD_GRADIENTS, G_,
                        "output matrix gradient: the chunks' dW summed (the .grad)",
                        "V x h x d", "autograd's buffer adds a node's inputs out of place; "
@@ -524,10 +526,14 @@ def _head_sum(b: StepBytes, grads_exist: bool) -> list[Term]:
 
 def _inputs_freed(b: StepBytes, offload: bool, every: bool = True) -> list[Term]:
     """Chunked: the chunks' saved inputs, freed as their matmuls' nodes return (every: all, after the last
-    chunk; else those gone at the head's worst moment). Offloaded, they were on the host."""
+    chunk; else those gone at the head's worst moment, and the head's weight copy if the last chunk's has
+    run). Offloaded, they were on the host."""
+    if offload:
+        return []
     n = -b.chunk_inputs if every else b.head_inputs_freed
-    return [b.term("head_inputs_freed", nbytes=n, name="freed: the chunks' saved inputs (their matmuls have "
-                   "run)" if every else None)] if n and not offload else []
+    out = [b.term("head_inputs_freed", nbytes=n, name="freed: the chunks' saved inputs (their matmuls have "
+                  "run)" if every else None)] if n else []
+    return out + ([b.term("head_copy_freed")] if not every and b.head_copy_freed else [])
 
 
 def _copy_freed(b: StepBytes, offload: bool) -> list[Term]:

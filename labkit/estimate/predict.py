@@ -200,7 +200,8 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
     fields = {}
     if w.output_chunks:  # the chunked output loss (Recipe.loss_chunks)
         fields = _output_chunk_fields(w.output_chunks, r, h, V, mm, w.x_bytes, head_trains,
-                                      not prec.autocast and not spec.tied, w.output_chunk_inputs)
+                                      not prec.autocast and not spec.tied, w.output_chunk_inputs,
+                                      head_copy if head_trains else 0)
     if chunked:  # chunked_ce.scratch_bytes: the loss's forward temporaries, and the head's backward ones (less
         # the weight's gradient, head_grad: the fp32 accumulator itself, or its cast for a 16-bit weight)
         fields = dict(logits=w.loss_scratch[0], head_temp=w.loss_scratch[1] - V * h * gb)
@@ -258,7 +259,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
 
 
 def _output_chunk_fields(rows: tuple, r: int, h: int, V: int, mm: int, x: int, head_trains: bool,
-                         grad_sum: bool, inputs: tuple = (0, False)) -> dict:
+                         grad_sum: bool, inputs: tuple = (0, False), copy: int = 0) -> dict:
     """The chunked output loss's bytes (labkit.recompute.chunked_output;
     families.output_chunks_loss), rows the rows of each chunk, m = mm the matmul output's bytes, x
     the hidden states' (the stream's) bytes. Forward, at a chunk's loss: every chunk's logits (the
@@ -279,7 +280,9 @@ def _output_chunk_fields(rows: tuple, r: int, h: int, V: int, mm: int, x: int, h
     yet cast, the others'); then split's backward concatenates the chunks' input gradients
     (split_cat: 2 r h x). inputs: (bytes the chunks' matmuls save, each chunk's its own copy), the
     Walk's output_chunk_inputs: a chunk's copy is freed when its matmul's node returns, views of one
-    tensor after the last (head_inputs_freed: at the head's worst moment; all of them after)."""
+    tensor after the last (head_inputs_freed: at the head's worst moment; all of them after). copy: a
+    trained head's 16-bit weight copy, saved by every chunk's matmul: freed when the last one returns, before
+    the buffer's last sum (head_copy_freed)."""
     order = rows[::-1]
     start = (0, 0)
     for j, c in enumerate(order):  # (TEMP, log-softmax freed) at chunk j's log_softmax backward
@@ -293,15 +296,17 @@ def _output_chunk_fields(rows: tuple, r: int, h: int, V: int, mm: int, x: int, h
     def freed(done: int) -> int:  # bytes: the chunks' saved inputs gone once `done` rows' nodes returned
         return -(saved_in * done // r if own else saved_in if done == r else 0)
 
-    head = (0, 0, 0)  # (TEMP, GRAD, ACT freed) at the head's worst moment
+    head = (0, 0, 0, 0)  # (TEMP, GRAD, ACT freed, copy freed) at the head's worst moment
     for j, c in enumerate(order):
         dx = c * h * mm + sum(order[:j]) * h * x
         # inside chunk j's matmul backward
-        cands = [(sum(order[j:]) * V * mm + dx + dw * (2 if j else 1), 0, freed(sum(order[:j])))]
+        cands = [(sum(order[j:]) * V * mm + dx + dw * (2 if j else 1), 0, freed(sum(order[:j])), 0)]
         if j and dw:  # its dW summed with the buffer's, out of place (chunk j's node has returned)
-            last = grad_sum and j == len(order) - 1
+            end = j == len(order) - 1
+            last = grad_sum and end
             left = sum(order[j + 1:]) * V * mm
-            cands.append((left + dx + (2 if last else 3) * dw, dw if last else 0, freed(sum(order[:j + 1]))))
+            cands.append((left + dx + (2 if last else 3) * dw, dw if last else 0, freed(sum(order[:j + 1])),
+                          -copy if end else 0))
         head = max([head, *cands], key=sum)
     c0 = rows[0]
     # the forward's worst chunk k: its fp32 copy beside the log-softmax so far (lsm: all r V 4)
@@ -312,6 +317,7 @@ def _output_chunk_fields(rows: tuple, r: int, h: int, V: int, mm: int, x: int, h
                 lsm_chunk=max(rows) * V * 4,
                 logits_off=r * V * mm + (max(rows) * V * 4 if mm != 4 else 0),
                 lsm_gone=start[1], head_temp=head[0], head_sum=head[1], head_inputs_freed=head[2],
+                head_copy_freed=head[3],
                 chunk_inputs=saved_in,
                 head_cast=dw + c0 * h * mm + (r - c0) * h * x if dw and x != mm else 0,
                 split_cat=2 * r * h * x if len(rows) > 1 else 0)
