@@ -573,6 +573,14 @@ def loss_dtype(c: Ctx, m: Moment) -> list[Term]:
                "walk: cross_entropy without an fp32 upcast")]
 
 
+def chunks_not_run(c: Ctx, m: Moment) -> list[Term]:
+    """The chunked loss's forward peaks at its worst chunk: the chunks after it have no log-softmax yet."""
+    if m.kind is not MK.LOSS or not c.b.lsm_not_yet or c.r.offload_activations:
+        return []
+    return [_t(K.LOG_SOFTMAX, _A, "the log-softmax of the chunks after the worst one: not made yet",
+               c.b.lsm_not_yet, "- rows of those chunks x V x 4", "each chunk's cross-entropy in turn")]
+
+
 CORRECTIONS = {  # key -> the functions that compute its corrections, in the order they are shown
     K.SAVED_ACTIVATIONS: (op_groups, blocks_freed, block_in_progress, freed_for_step, head_freed),
     K.CHECKPOINT_INPUTS: (checkpoint_inputs, units_freed),
@@ -581,7 +589,7 @@ CORRECTIONS = {  # key -> the functions that compute its corrections, in the ord
     K.OPTIMIZER_STATE: (state_layout, refresh_pops),
     K.GRADIENTS: (grads_stepped,),
     K.QUANTIZED_BASE: (quant_layout,),
-    K.LOG_SOFTMAX: (loss_dtype,),
+    K.LOG_SOFTMAX: (loss_dtype, chunks_not_run),
 }
 
 

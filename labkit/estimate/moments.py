@@ -190,6 +190,8 @@ class StepBytes:
                         "d log-softmax) and the dlogits of the chunks through before it",
                         "2 c V 4 + rows before x V x m",
                         "nll_loss_backward, log_softmax_backward_data")
+    lsm_not_yet: int = _f(K.LOG_SOFTMAX, A_, "not made yet: the log-softmax of the chunks after the worst one",
+                          "- rows of those chunks x V x 4", "each chunk's cross-entropy runs after the one before")
     lsm_gone: int = _f(K.LOG_SOFTMAX, A_, "freed: the log-softmax of the chunks already through "
                        "backward", "rows of those chunks x V x 4",
                        "autograd releases a node's saved tensors once it ran")
@@ -375,13 +377,15 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     lsm = b.term("lsm") if not offload else custom(
         K.LOG_SOFTMAX, "log-softmax of the logits (its saved copy offloaded: on the device while the loss runs)",
         T_, b.lsm, _META["lsm"]["formula"], "labkit.recompute.offload_activations packs saved tensors to the host")
-    logits = b.term("logits")
+    logits = [b.term("logits")]
     if offload and b.loss_grad:  # chunked output loss: one chunk's log-softmax on the device
-        lsm, logits = b.term("lsm_chunk"), b.term("logits_off")
+        lsm, logits = b.term("lsm_chunk"), [b.term("logits_off")]
+    elif b.lsm_not_yet:  # chunked: at the worst chunk's loss, the later chunks have no log-softmax yet
+        logits.append(b.term("lsm_not_yet"))
     # the checkpointed regions hold the blocks' other arguments (the mask, rotary tables) from their forward on
     fwd = [_m(MK.LOSS, None, "forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
                                                  *_kwargs(b, policy, offload), *held_all, *held_final, lsm,
-                                                 logits])]
+                                                 *logits])]
     if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
         head = 0 if replayed and offload and b.c_frozen_head else b.head_copy  # (an offloaded frozen one: gone)
         before_head = [custom(t.key, t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,

@@ -309,11 +309,13 @@ def _output_chunk_fields(rows: tuple, r: int, h: int, V: int, mm: int, x: int, h
                           -copy if end else 0))
         head = max([head, *cands], key=sum)
     c0 = rows[0]
-    # the forward's worst chunk k: its fp32 copy beside the log-softmax so far (lsm: all r V 4)
-    copy = max(c * V * 4 - sum(rows[k + 1:]) * V * 4 for k, c in enumerate(rows)) if mm != 4 else 0
+    # the forward's worst chunk k: its fp32 copy (c V 4) beside the log-softmax so far (lsm is all r V 4: the
+    # chunks after k have made none yet)
+    copy, later = max(((c * V * 4, sum(rows[k + 1:]) * V * 4) for k, c in enumerate(rows)),
+                      key=lambda t: t[0] - t[1]) if mm != 4 else (0, 0)
     # under activation offload, at chunk j's loss backward its log-softmax is copied back (c V 4)
     off = max(3 * c * V * 4 + sum(order[:j]) * V * mm for j, c in enumerate(order))
-    return dict(logits=r * V * mm + copy, loss_grad=start[0], loss_grad_off=off,
+    return dict(logits=r * V * mm + copy, lsm_not_yet=-later, loss_grad=start[0], loss_grad_off=off,
                 lsm_chunk=max(rows) * V * 4,
                 logits_off=r * V * mm + (max(rows) * V * 4 if mm != 4 else 0),
                 lsm_gone=start[1], head_temp=head[0], head_sum=head[1], head_inputs_freed=head[2],
