@@ -41,8 +41,13 @@ def _fixed(recipe) -> dict:
             if f.name != "device" and getattr(recipe, f.name) != f.default}
 
 
+LOSS_CHUNKS = {"off": None, "2": 2, "4": 4, "8": 8}  # Recipe.loss_chunks: the head and the loss per chunk
+QUANT_SET_CHOICES = {"all linear (transformers)": "all-linear", "targets only (torchtune)": "targets"}
+
+
 class CheckpointPanel(RecipePanel):
-    """Lesson 03: the checkpoint policy and, for "full", the number of segments k.
+    """Lesson 03: the checkpoint policy and, for "full", the number of segments k; the loss in chunks
+    along the sequence (torchtune's chunked output loss: no (B, S, V) logits at once).
 
     step_flops, recompute_flops: FLOPs of one plain training step and of one forward of every block
     (what a full recompute adds), counted once by the lesson; given, the verdict shows the cost in FLOPs."""
@@ -54,13 +59,18 @@ class CheckpointPanel(RecipePanel):
         self.policy = widgets.Dropdown(options=POLICIES, value="full", description="checkpoint", style=STYLE)
         self.segments = widgets.IntSlider(value=n, min=1, max=n, description="segments k", style=STYLE,
                                           continuous_update=False)
-        super().__init__([self.policy, self.segments], budget, fixed=_fixed(recipe), kind=recipe.device,
-                         device=device, data=data)
+        self.chunks = with_tooltip(widgets.Dropdown(options=list(LOSS_CHUNKS), value="off",
+                                                    description="loss chunks", style=STYLE),
+                                   "the head and the loss on this many chunks of the sequence, each chunk's "
+                                   "logits upcast alone (torchtune's CEWithChunkedOutputLoss)")
+        super().__init__([self.policy, self.segments, self.chunks], budget, fixed=_fixed(recipe),
+                         kind=recipe.device, device=device, data=data)
 
     def recipe(self) -> dict:
         full = self.policy.value == "full"
         self.segments.disabled = not full  # k means something for "full" only
-        return dict(checkpoint=self.policy.value, segments=self.segments.value if full else None)
+        return dict(checkpoint=self.policy.value, segments=self.segments.value if full else None,
+                    loss_chunks=LOSS_CHUNKS[self.chunks.value])
 
     def describe(self, est) -> str:
         if not self.step_flops:
@@ -149,25 +159,33 @@ class PEFTPanel(RecipePanel):
         self.quant = with_tooltip(widgets.Dropdown(options=["none", "int8", "nf4"], value="none", description="base",
                                                    style=STYLE),
                                   "the frozen base weights: as they are, int8, or NF4 (QLoRA)")
+        self.quant_set = with_tooltip(widgets.Dropdown(options=list(QUANT_SET_CHOICES),
+                                                       value=next(iter(QUANT_SET_CHOICES)),
+                                                       description="quantized", style=STYLE),
+                                      "which Linears a quantized base stores quantized: every one but the "
+                                      "head (transformers + bitsandbytes) or the LoRA targets only (torchtune)")
         self.base_dtype = with_tooltip(widgets.Dropdown(options=list(PEFT_BASES), value=next(iter(PEFT_BASES)),
                                                         description="base dtype", style=STYLE),
                                        "the frozen base's precision: the model's dtype, or bf16 under fp32 "
                                        "adapters and autocast (how peft runs LoRA)")
         self.layers = widgets.IntSlider(value=1, min=1, max=recipe.model.n_layer, description="LISA layers",
                                         style=STYLE, continuous_update=False)
-        super().__init__([self.method, self.rank, self.targets, self.quant, self.base_dtype, self.layers], budget,
+        super().__init__([self.method, self.rank, self.targets, self.quant, self.quant_set, self.base_dtype,
+                          self.layers], budget,
                          fixed=_fixed(recipe),
                          kind=recipe.device, device=device, data=data)
 
     def recipe(self) -> dict:
         method = self.method.value
         lora = method == "LoRA"
-        for w, used in ((self.rank, lora), (self.targets, lora), (self.quant, lora), (self.base_dtype, lora),
-                        (self.layers, method == "LISA")):
+        quantized = lora and self.quant.value != "none"
+        for w, used in ((self.rank, lora), (self.targets, lora), (self.quant, lora), (self.quant_set, quantized),
+                        (self.base_dtype, lora), (self.layers, method == "LISA")):
             w.disabled = not used  # each method reads its own knobs only
         if lora:
+            which = dict(quant_set=QUANT_SET_CHOICES[self.quant_set.value]) if quantized else {}
             return dict(lora_rank=self.rank.value, lora_targets=self.targets_map[self.targets.value],
-                        quant=self.quant.value, **PEFT_BASES[self.base_dtype.value])
+                        quant=self.quant.value, **which, **PEFT_BASES[self.base_dtype.value])
         return dict(lisa_layers=self.layers.value) if method == "LISA" else {}
 
     def describe(self, est) -> str:

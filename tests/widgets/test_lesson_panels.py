@@ -10,6 +10,7 @@ import torch  # noqa: E402
 
 from labkit.estimate import Recipe  # noqa: E402
 from labkit.memory import Category, KiB, MiB  # noqa: E402
+from labkit.memory.report import MomentKind  # noqa: E402
 from labkit.models.gpt import GPTConfig  # noqa: E402
 from labkit.viz import (AWQPanel, AccumulationPanel, CheckpointPanel, OptimizerPanel, PEFTPanel, QuantPanel,  # noqa: E402
                         RankPanel)
@@ -59,6 +60,11 @@ def test_checkpoint_panel_policy_and_segments():
     assert "x1.000" in p.verdict.value
     measure_and_check_cleared(p, p.policy, "full")
     assert not p.segments.disabled
+    # the loss in chunks: the loss's backward starts beside one chunk's gradients, not the whole (B, S, V)
+    start = next(m for m in p.last_estimate.moments if m.kind is MomentKind.LOSS_BACKWARD).total
+    p.chunks.value = "4"
+    assert "loss_chunks=4" in p.last_estimate.label
+    assert next(m for m in p.last_estimate.moments if m.kind is MomentKind.LOSS_BACKWARD).total < start
 
 
 def test_accumulation_panel_micro_batch():
@@ -122,8 +128,15 @@ def test_peft_panel_methods():
     assert p.last_estimate.peak[Category.PARAM] < weights
     p.targets.value = "c_attn only"
     assert trainable(p.last_estimate) < 32 / 8 * lora
+    # which Linears NF4 stores: every one but the head (transformers), or the targets only (torchtune)
+    assert not p.quant_set.disabled
+    all_linear = p.last_estimate.peak[Category.PARAM]
+    p.quant_set.value = "targets only (torchtune)"
+    assert p.last_estimate.peak[Category.PARAM] > all_linear  # c_fc, c_proj, ... stay in their dtype
+    assert "only the LoRA targets quantized (torchtune)" in p.last_estimate.label
     # a bf16 base under fp32 adapters (peft's way): the frozen weights halve, the trained state stays fp32
     p.quant.value = "none"
+    assert p.quant_set.disabled
     fp32_base = p.last_estimate
     p.base_dtype.value = "bf16 (peft)"
     assert "base_dtype=bf16" in p.last_estimate.label and not p.base_dtype.disabled
