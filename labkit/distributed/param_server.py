@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from labkit.memory.state import TORCH_STATES
+
 from . import comms
 
 __all__ = ["PSConfig", "ServerReport", "serve", "work", "flat_params", "load_flat", "check_staleness",
@@ -45,7 +47,7 @@ __all__ = ["PSConfig", "ServerReport", "serve", "work", "flat_params", "load_fla
 
 GRAD, DONE = 1.0, 0.0
 HEADER = 3  # kind, step, steps complete in the parameters used
-OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # the server's optimizers: fp32 state buffers per parameter
+OPTIMIZERS = {k: TORCH_STATES[k] for k in ("sgd", "sgd-momentum", "adamw")}  # fp32 state buffers per parameter
 
 
 def check_staleness(s) -> int:

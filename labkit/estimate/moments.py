@@ -41,7 +41,8 @@ from typing import NamedTuple
 
 from labkit.memory.report import Category, Moment, MomentKind, Term, TermKey, Variant
 
-POLICIES = ("none", "full", "sqrt", "selective")
+from .recipe import POLICIES  # labkit.recompute.segments' table
+
 # GaLore's optimizer moments are named by the step they describe: `Estimate.without(REFRESH)` keeps the steady ones
 REFRESH, STEADY = Variant.REFRESH, Variant.STEADY
 P_, B_, G_, O_, A_, T_ = (Category.PARAM, Category.BUFFER, Category.GRAD, Category.OPT, Category.ACT, Category.TEMP)

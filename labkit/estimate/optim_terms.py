@@ -15,9 +15,9 @@ import math
 import re
 from dataclasses import replace
 
+from labkit.memory.state import TORCH_STATES  # d-byte states per element
 from labkit.optim import adafactor, adam8bit, galore, galore8bit, lion
 
-TORCH_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}  # d-byte states per element
 from .recipe import OPTIMIZERS  # noqa: E402  (the names, checked by Recipe)
 
 assert set(TORCH_STATES) <= set(OPTIMIZERS)

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, Sequence
 
 from labkit.optim.galore8bit import PROJ_DTYPES  # 8-bit GaLore's projector precisions (its module owns them)
+from labkit.recompute.segments import POLICIES  # the checkpoint policies (re-exported)
+from labkit.recompute.selective import POLICIES as _SELECTIVE  # selective checkpointing's
 
 DTYPES = ("fp32", "fp16", "bf16", "mixed-fp16", "mixed-bf16")
 TORCH_OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 OPTIMIZERS = (*TORCH_OPTIMIZERS, "adamw8bit", "adam8bit", "lion", "adafactor", "galore", "galore8bit")
-POLICIES = ("none", "full", "sqrt", "selective")
-SELECTIVE_POLICIES = ("matmuls", "attention-core")  # labkit.recompute.selective.POLICIES
+SELECTIVE_POLICIES = tuple(_SELECTIVE)
 QUANTS = ("none", "int8", "nf4", "int4", "int4-awq")
 INT4_QUANTS = ("int4", "int4-awq")  # group-wise int4: round-to-nearest, or AWQ (labkit.quant.awq)
 # Which Linears a quantized base (quant != "none") stores quantized:

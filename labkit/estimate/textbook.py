@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.memory.report import Category, Term, TermKey
+from labkit.memory.state import TORCH_STATES
 
 from .recipe import DTYPES
 
-STATES = {"sgd": 0, "sgd-momentum": 1, "lion": 1, "adam": 2, "adamw": 2}  # states per parameter, weight dtype
+STATES = {**TORCH_STATES, "lion": 1}  # states per parameter, weight dtype (Lion: its momentum)
 STATES_8BIT = {"adam8bit": 2, "adamw8bit": 2}  # 1-byte states per parameter
 ZERO = "ZeRO, Rajbhandari et al. 2020 (arXiv 1910.02054), section 5 and Figure 1"
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), section 4, eq. 1-4"

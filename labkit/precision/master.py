@@ -31,11 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.memory.state import TORCH_STATES
+
 from .scaler import DynamicLossScaler
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SCHEMES = ("fp32", "autocast", "master-fp16", "master-bf16")
-STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}  # fp32 state tensors per parameter
+STATES = TORCH_STATES  # fp32 state tensors per parameter
 
 
 @dataclass(frozen=True)
