@@ -205,7 +205,11 @@ OPTIONS_P = {"checkpoint": 0.35, "offload_activations": 0.1, "micro_batch": 0.2,
 PEFT_P = (("none", 0.55), ("lora", 0.15), ("qlora", 0.1), ("lora-int8", 0.05), ("lisa", 0.15))
 # the Recipe fields added after the random bench's seeds were first reported (issue 43): drawn on a stream of
 # their own, seeded by the configuration drawn so far, so every earlier field of every seed draws as it did
-ADDED_P = {"loss_chunks": 0.2, "quant_set": 0.5, "base_dtype": 0.5, "paged_states": 0.3}
+ADDED_P = {"loss_chunks": 0.2, "quant_set": 0.5, "base_dtype": 0.5, "paged_states": 0.3, "lora_targets": 0.5}
+# each family's Linears in a block, by the suffixes LoRA targets name (lora_targets draws a subset of them)
+BLOCK_LINEARS = {"gpt": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+                 "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+                 "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
 
 
 def _loguniform_int(rng: random.Random, lo: int, hi: int) -> int:
@@ -274,13 +278,14 @@ def _draw(rng: random.Random) -> Config | None:
     elif peft == "lisa":
         opts["lisa_layers"] = rng.randint(1, L)
     added = _draw_added(random.Random(f"{name} {sorted(opts.items())} {B} {S} {dtype} {optimizer} {refresh}"),
-                        S, dtype, optimizer, peft)
+                        S, dtype, optimizer, peft, BLOCK_LINEARS[name.split()[0]])
     return _config(name, model, B, S, dtype, optimizer, {**opts, **added}, ov, refresh, tuple(added))
 
 
-def _draw_added(rng: random.Random, S: int, dtype: str, optimizer: str, peft: str) -> dict:
+def _draw_added(rng: random.Random, S: int, dtype: str, optimizer: str, peft: str, linears: tuple) -> dict:
     """The fields added later (ADDED_P): torchtune's chunked loss, QLoRA's quantized set (torchtune's: the
-    adapters' targets only), a 16-bit frozen base under fp32 adapters, bitsandbytes' paged states."""
+    adapters' targets only), a 16-bit frozen base under fp32 adapters, bitsandbytes' paged states, and LoRA on
+    some of a block's Linears (`linears`; drawn last, so the fields before draw as they did)."""
     out: dict = {}
     if S > 1 and rng.random() < ADDED_P["loss_chunks"]:
         out["loss_chunks"] = rng.choice([c for c in (2, 3, 8) if c <= S])
@@ -290,6 +295,8 @@ def _draw_added(rng: random.Random, S: int, dtype: str, optimizer: str, peft: st
         out["base_dtype"] = dtype.removeprefix("mixed-")
     if optimizer in PAGED_OPTIMIZERS and rng.random() < ADDED_P["paged_states"]:
         out["paged_states"] = True
+    if peft in ("lora", "qlora", "lora-int8") and rng.random() < ADDED_P["lora_targets"]:
+        out["lora_targets"] = ",".join(sorted(rng.sample(linears, rng.randint(1, len(linears) - 1))))
     return out
 
 
