@@ -407,7 +407,9 @@ def copies_recomputed(c: Ctx, m: Moment) -> list[Term]:
     if m.kind is MK.RECOMPUTE:
         last = b.replays[e - 1]
         rec = last.recompute_sel if c.r.checkpoint == "selective" else last.recompute
-        made, op = sum(b.replays[i].copies_saved for i in range(s, e - 1)) + rec.params, rec.op
+        # the recompute still running: its autocast cache holds the earlier blocks' trained copies too
+        made = sum(b.replays[i].cached_bytes + b.replays[i].copies_frozen for i in range(s, e - 1))
+        made, op = made + rec.params, rec.op
     elif m.kind in _BACKWARD_BLOCK:
         r = b.replays[k]
         w = r.recomputed_later if _later(m) or c.r.step_in_backward else r.recomputed

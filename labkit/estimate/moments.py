@@ -835,7 +835,8 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
                         "save nothing)", T_, last.offload.trigger, "replay: the backward up to the first node "
                         "that reads a saved tensor", _REPLAY_SOURCE)]
         if earlier:
-            terms += _recomputed(b, "saved by the unit's earlier blocks (recomputed)", earlier, range(s, e - 1), sel)
+            terms += _recomputed(b, "saved by the unit's earlier blocks (recomputed)", earlier, range(s, e - 1), sel,
+                                 running=True)
         terms += _split(K.LAYER_TEMPS, f"block {e - 1} recompute, {_at(rec.op, e - 1)}: live in the block",
                         rec_live, rec.params, rec.kept if sel else 0,
                         "replay: the block's forward with every saved tensor kept")
@@ -888,10 +889,16 @@ def _split(key: TermKey, name: str, nbytes: int, params: int, kept: int, formula
     return out
 
 
-def _recomputed(b: StepBytes, name: str, nbytes: int, blocks, sel: bool) -> list[Term]:
+def _recomputed(b: StepBytes, name: str, nbytes: int, blocks, sel: bool, running: bool = False) -> list[Term]:
     """The saved tensors of a unit's earlier `blocks`, made again by its recompute (`_split`'s categories):
-    each block's autocast weight copies, and under selective its cached outputs, are apart."""
+    each block's autocast weight copies, and under selective its cached outputs, are apart. running: the
+    recompute has not returned, so its autocast cache still holds every trained weight's copy, saved or not
+    (a LoRA adapter whose input needs no gradient saves none); after it, the saved copies only."""
     params = sum(b.replays[i].copies_saved for i in blocks)
+    if running:
+        cached = sum(b.replays[i].cached_bytes + b.replays[i].copies_frozen - b.replays[i].copies_saved
+                     for i in blocks)
+        nbytes, params = nbytes + cached, params + cached
     kept = sum(b.replays[i].kept_saved for i in blocks) if sel else 0
     return _split(K.RECOMPUTED, name, nbytes, params, kept, "replay: saved tensors and autocast weight copies")
 
