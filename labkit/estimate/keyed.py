@@ -364,6 +364,24 @@ def copies_freed(c: Ctx, m: Moment) -> list[Term]:
     return [t for t in out if t.bytes]
 
 
+def copies_after_forward(c: Ctx, m: Moment) -> list[Term]:
+    """Nothing checkpointed or offloaded: as the forward's autocast exits its cache is cleared, so the
+    trained copies no op saves go (the loss's and the head's backward); from the final norm's backward on
+    only what the blocks' matmuls save is left (the head's copy went with its backward)."""
+    if c.r.checkpoint != "none" or c.r.offload_activations or not c.b.C:
+        return []
+    if m.kind in (MK.LOSS_BACKWARD, MK.HEAD_BACKWARD, MK.HEAD_AFTER) and c.b.C_unsaved:
+        return [_t(K.COPIES_16BIT, _P, "trained copies no op saves: freed as the forward's autocast exits",
+                   -c.b.C_unsaved, "walk: 2 x (biases + weights whose input needs no gradient)",
+                   "torch.autocast clears its cache on exit")]
+    if m.kind is MK.FINAL_NORM_BACKWARD and c.plain:
+        saved = sum(r.copies_saved for r in c.b.replays)
+        return [_t(K.COPIES_16BIT, _P, "the blocks' copies their matmuls save are left (the head's and the "
+                   "unsaved ones freed)", saved - c.b.C, "replay: 2 x the weights the blocks' matmuls save - C",
+                   _FREES)]
+    return []
+
+
 def copies_replayed(c: Ctx, m: Moment) -> list[Term]:
     """A checkpointed or offloaded step: a frozen weight's copy is saved by no block on the device
     (the checkpoint drops it, or it is offloaded); a checkpointed block's cached copies go when the
@@ -587,7 +605,7 @@ CORRECTIONS = {  # key -> the functions that compute its corrections, in the ord
     K.SAVED_ACTIVATIONS: (op_groups, blocks_freed, block_in_progress, freed_for_step, head_freed),
     K.CHECKPOINT_INPUTS: (checkpoint_inputs, units_freed),
     K.COPIES_16BIT: (not_cast, peft_copies, copies_freed, copies_recomputed, freed_for_step,
-                     head_freed),
+                     head_freed, copies_after_forward),
     K.OPTIMIZER_STATE: (state_layout, refresh_pops),
     K.GRADIENTS: (grads_stepped,),
     K.QUANTIZED_BASE: (quant_layout,),

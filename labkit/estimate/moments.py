@@ -74,6 +74,9 @@ class StepBytes:
     P: int = _f(K.PARAMETERS, P_, "parameters", "N x d", "every predictor")
     C: int = _f(K.COPIES_16BIT, P_, "autocast 16-bit weight copies", "2 x matmul parameters",
                 "torch.autocast's weight cast cache, kept until backward")
+    C_unsaved: int = _f(K.COPIES_16BIT, P_, "freed as the forward's autocast exits: trained copies no op saves",
+                        "2 x (biases + weights whose input needs no gradient)",
+                        "torch.autocast clears its cache on exit; a matmul saves W only for dx")
     G: int = _f(K.GRADIENTS,
                 G_, "gradients", "N_train x d", "gradients take the parameters' dtype (fp32 under mixed precision)")
     O: int = _f(K.OPTIMIZER_STATE,
@@ -407,7 +410,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     elif recompute:
         copies = [b.term("head_copy")] if b.C else []
     else:
-        copies = [*b.state("C")]
+        copies = [*b.state("C"), *([b.term("C_unsaved", nbytes=-b.C_unsaved)] if b.C_unsaved else [])]
     chunked = bool(b.loss_grad)  # the chunked output loss: one chunk's gradients at a time
     loss_grads = [b.term("loss_grad_off" if offload else "loss_grad")] if chunked else [custom(
         K.LOSS_TEMPS, "the loss's gradients (dlogits, d log-softmax)", T_, 2 * b.lsm,

@@ -209,7 +209,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         P=param_bytes(spec, prec) if peft is None else _peft_param_bytes(spec, peft, prec.weight, fb),
         # with frozen weights the walk counts autocast's copies (Walk._count_copies)
         C=(autocast_copy_bytes(spec, prec) - (2 * V * h if prec.autocast and chunked else 0)) if peft is None
-        else w.copy_bytes, G=grad_bytes(ts, prec),
+        else w.copy_bytes, C_unsaved=0 if peft is None else w.copy_unsaved, G=grad_bytes(ts, prec),
         O=optimizer_state_bytes(ts, prec, optimizer, rank, proj_dtype),
         opt_temp=optimizer_temp_bytes(ts, prec, optimizer, foreach, rank, False, proj_dtype),
         opt_cast=optim_terms.cast_bytes(ts, prec.weight, optimizer, foreach, rank),

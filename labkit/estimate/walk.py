@@ -80,7 +80,8 @@ class Walk:
     quant_modules: frozenset = frozenset()
     quant: str = "none"  # which: "int8", "nf4", "int4" or "int4-awq"
     linears: dict[str, tuple] = field(default_factory=dict)  # module name -> (d_in, d_out, bias elements)
-    copy_bytes: int = 0  # autocast's 16-bit weight copies alive after the forward (see `linear`)
+    copy_bytes: int = 0  # autocast's 16-bit weight copies alive through the forward (see `_count_copies`)
+    copy_unsaved: int = 0  # the part of copy_bytes no op saves: freed as the forward's autocast exits
     copy_frozen: dict = field(default_factory=dict)  # module -> bytes of a frozen weight's copy (saved, not cached)
     trained: int = 0  # elements of the trained parameters the walk has passed (their gradients come in reverse)
     points: list[OpPoint] = field(default_factory=list)  # worst moments inside ops (attention)
@@ -328,16 +329,21 @@ class Walk:
         return self.keep(self.new(rows * out_features, itemsize, name, rg=y.rg), y, "linear")
 
     def _count_copies(self, module: str, trains: bool, x_rg: bool, r: int, q: bool) -> None:
-        """Autocast's 16-bit copies that outlive the op: a trained weight and bias are cached until
-        backward; a frozen weight's copy is saved by the matmul only when x requires grad (for dx),
-        its bias copy not at all; a quantized base has none (it dequantizes); adapters are trained."""
+        """Autocast's 16-bit copies that outlive the op: a trained weight and bias are cached until the
+        forward's autocast exits, and after it live on only where the matmul saves them (a weight's, for
+        dx, when x requires grad; a bias's never: copy_unsaved); a frozen weight's copy is not cached, and
+        saved only when x requires grad, its bias copy not at all; a quantized base has none (it
+        dequantizes); adapters are trained (A reads x, B reads A's output, which requires grad)."""
         d_in, d_out, bias = self.linears[module]
+        low = self.low_bytes
         if trains:
-            self.copy_bytes += self.low_bytes * (d_in * d_out + bias)
+            self.copy_bytes += low * (d_in * d_out + bias)
+            self.copy_unsaved += low * (bias + (0 if x_rg else d_in * d_out))
         elif x_rg and not q and self.frozen_copy:
-            self.copy_bytes += self.low_bytes * d_in * d_out
-            self.copy_frozen[module] = self.low_bytes * d_in * d_out
-        self.copy_bytes += self.low_bytes * r * (d_in + d_out)
+            self.copy_bytes += low * d_in * d_out
+            self.copy_frozen[module] = low * d_in * d_out
+        self.copy_bytes += low * r * (d_in + d_out)
+        self.copy_unsaved += 0 if x_rg else low * r * d_in
 
     def keep(self, t: T, result: T | None = None, kind: str = "linear") -> T:
         """Note an op's output that selective checkpointing may keep instead of recomputing: counted when the
