@@ -390,7 +390,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     fwd = [_m(MK.LOSS, None, "forward", "the loss" + sfx, [*states, *fwd_copies, *buffers, b.term("inputs"), *outside,
                                                  *_kwargs(b, policy, offload), *held_all, *held_final, lsm,
                                                  *logits])]
-    if b.dequant:  # a quantized base: the last block dequantizes its largest weight before the loss
+    if b.dequant and not (replayed or plain):  # no replay per block: the largest weight dequantized at the end
         head = 0 if replayed and offload and b.c_frozen_head else b.head_copy  # (an offloaded frozen one: gone)
         before_head = [custom(t.key, t.name + " (not the head's yet)", t.category, t.bytes - head, t.formula,
                               t.source) for t in fwd_copies[:1]] if fwd_copies and head else fwd_copies
