@@ -311,8 +311,9 @@ def _output_chunk_fields(rows: tuple, r: int, h: int, V: int, mm: int, x: int, h
     c0 = rows[0]
     # the forward's worst chunk k: its fp32 copy (c V 4) beside the log-softmax so far (lsm is all r V 4: the
     # chunks after k have made none yet)
+    # (on a tie the later chunk: the earlier chunks' losses, a few bytes each, are alive beside it)
     copy, later = max(((c * V * 4, sum(rows[k + 1:]) * V * 4) for k, c in enumerate(rows)),
-                      key=lambda t: t[0] - t[1]) if mm != 4 else (0, 0)
+                      key=lambda t: (t[0] - t[1], -t[1])) if mm != 4 else (0, 0)
     # under activation offload, at chunk j's loss backward its log-softmax is copied back (c V 4)
     off = max(3 * c * V * 4 + sum(order[:j]) * V * mm for j, c in enumerate(order))
     return dict(logits=r * V * mm + copy, lsm_not_yet=-later, loss_grad=start[0], loss_grad_off=off,
