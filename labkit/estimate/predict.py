@@ -65,8 +65,10 @@ def optimizer_temp_bytes(spec: ModelSpec, prec: Precision, optimizer: str, forea
 
 # ---- activations -------------------------------------------------------------------------------
 def input_bytes(batch: int, seq: int) -> int:
-    """Token ids and targets: 2 x B x S x 8 bytes (int64)."""
-    return 2 * batch * seq * 8
+    """Token ids and targets (int64), the two windows of a (B, S + 1) sample (labkit.run.step._measure):
+    for B > 1 each window's .contiguous() is a copy, 2 x B x S x 8 bytes; one row's windows are contiguous
+    already, views of the sample, (S + 1) x 8 bytes."""
+    return (seq + 1) * 8 if batch == 1 else 2 * batch * seq * 8
 
 
 def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, device: str, peft=None,

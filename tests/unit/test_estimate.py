@@ -219,3 +219,15 @@ def test_a_cached_walk_is_shared_read_only():
     first, second = estimate(r), estimate(r)
     assert [(t.key, t.bytes) for m in first.moments for t in m.terms] == \
         [(t.key, t.bytes) for m in second.moments for t in m.terms]
+
+
+def test_one_rows_ids_and_targets_are_views_of_its_sample():
+    """measure_step cuts ids and targets from one (B, S + 1) sample: for B > 1 each window's .contiguous()
+    copies it, for one row both are contiguous views of the sample itself, (S + 1) x 8 bytes."""
+    from labkit.estimate.predict import input_bytes
+
+    assert input_bytes(1, 898) == 899 * 8 and input_bytes(2, 64) == 2 * 2 * 64 * 8
+    for B in (1, 2):  # after backward the ids and targets are what is left of the activations (and the loss)
+        r = Recipe("gpt2-tiny", B, 40, "fp32", "sgd", device="cpu")
+        left = estimate(r).phases["optimizer"][Category.ACT]
+        assert abs(left - measure_step(r, steps=2).phases["optimizer"][Category.ACT]) <= 16, B
