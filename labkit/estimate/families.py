@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .attention import AttnShape, materialised
-from .walk import T, Walk
+from .walk import T, TPShare, Walk
 
 
 @dataclass(frozen=True)
@@ -56,14 +55,6 @@ class AttnCall:
     def scores(self) -> int:
         """Elements of one (B, heads, S, S) matrix."""
         return self.batch * self.heads * self.seq * self.seq
-
-
-def _shape(w: Walk, c: AttnCall, mm: int, sm: int, to: int = 0, v_copied: bool = True) -> AttnShape:
-    """to: the dtype softmax's output is cast to (0: mm); dropout gets that (its CPU mask is of it).
-    v_copied: grouped-query attention's repeated v is a copy (not `_kv_view`'s view read as it is)."""
-    drop = 1 if w.device == "cuda" else (to or mm)
-    return AttnShape(c.batch, c.heads, c.seq, c.head_dim, mm, sm, w.x_bytes, drop,
-                     c.kv_repeat if v_copied else 1, to, one_statement=c.fp32_softmax)
 
 
 def fused_attention_used(device: str, attention: str, attn_dropout: float) -> bool:
@@ -117,7 +108,7 @@ def _bmm(w: Walk, a: T, b: T, numel: int, name: str, keep: bool = True) -> T:
     rg = a.rg or b.rg
     y = w.made(T(numel, max(a.itemsize, b.itemsize), name, rg=rg))
     if keep:
-        w.tape.keep(y, "attention")
+        w.keep(y, "attention")
     if rg:
         w.node(name, [y], [t for t, other in ((a, b), (b, a)) if other.rg],
                [("grad", t) for t in (b, a) if t.rg])
@@ -141,12 +132,8 @@ def sdpa_fused(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
     rg = q.rg or k.rg or v.rg
     out = w.new(c.numel, w.mm_bytes, "attention out", rg)
     lse = w.new(c.batch * c.heads * c.seq, 4, "logsumexp")
+    # under autocast an fp32 q/k/v (a quantized base's output) is saved as its 16-bit copy
     copies = {id(t): w.as_matmul_input(t) for t in (q, k, v)}
-    if rg:  # under autocast an fp32 q/k/v (a quantized base's output) is saved as its 16-bit copy
-        w.save(*copies.values(), out, lse)
-    if c.p == 0:
-        w.keep(out, kind="attention"), w.keep(lse, kind="attention")
-    # the tape
     ins = []
     for t in (q, k, v):
         x = copies[id(t)]
@@ -158,38 +145,23 @@ def sdpa_fused(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
         ins.append(x)
     w.made(out), w.made(lse)
     if c.p == 0:
-        w.tape.keep(out, "attention"), w.tape.keep(lse, "attention")
+        w.keep(out, "attention"), w.keep(lse, "attention")
     if rg:
         w.node("scaled_dot_product_attention", [out], [*ins, out, lse], [("grad", t) for t in ins if t.rg])
     w.drop(lse, *[x for x, t in zip(ins, (q, k, v)) if x is not t])
     return out
 
 
-def sdpa_math(w: Walk, c: AttnCall, rg: bool = True, q: T | None = None, k: T | None = None,
-              v: T | None = None) -> T:
+def sdpa_math(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
     """SDPA's math fallback (CPU with dropout): scaled q and k, contiguous v, probabilities,
     dropout mask and dropped probabilities are kept; on CPU it upcasts 16-bit inputs to fp32.
-    rg: whether q, k or v requires grad (else nothing is saved).
     Tape (aten's _scaled_dot_product_attention_math): upcast copies, the causal bias (ones, tril, where),
     q * sqrt(scale) (held to the end), k^T * sqrt(scale), contiguous copies of both for the bmm, + bias,
     _safe_softmax, dropout (the probabilities rebound to the dropped ones), v's copy, bmm, and the output
     (and the returned weights) cast back to the inputs' dtype."""
     B, heads, S, n, p = c.batch, c.heads, c.seq, c.numel, c.p
+    rg = q.rg or k.rg or v.rg
     b = 4 if w.device == "cpu" else w.mm_bytes
-    if rg:
-        w.point("attention (SDPA math)", materialised("math", _shape(w, c, b, b), p))
-    w.keep(w.new(c.scores, b, "attention scores"), kind="attention")  # q @ k^T (bmm)
-    w.keep(w.new(n, b, "probs @ v"), kind="attention")  # bmm
-    if rg:
-        for part in ("q scaled", "k^T scaled", "v contiguous"):
-            w.save(w.new(n, b, part))
-        probs = w.new(c.scores, b, "attention probs")
-        with w.tape.off():
-            w.save(probs, w.dropout(probs, p, "attention dropout"))
-    out = w.new(n, w.mm_bytes, "attention out (contiguous)", rg)  # saved by the output projection
-    if q is None:
-        return out
-    # the tape
     ins = [w.cast(t, w.low_bytes, f"{t.name} (16-bit copy)") if w.autocast else t for t in (q, k, v)]
     up = [w.cast(t, b, f"{t.name} (upcast)") for t in ins]
     q32, k32, v32 = up
@@ -292,30 +264,13 @@ def attention_manual(w: Walk, qkv: T, c: AttnCall) -> T:
     softmax, the causal mask and, with dropout, mask and dropped copy stay. Autocast runs softmax
     in fp32 on CUDA (then probs @ v takes a 16-bit copy) but in 16-bit on CPU.
     Tape: q, k, v are views of qkv (their gradients concatenated back); the mask (tril) lives to the end."""
-    n, S = c.numel, c.seq
-    q, k, v = _views(w, qkv, 3, n, "q,k,v")
-    if not qkv.rg:  # nothing is recorded
-        w.keep(w.new(c.scores, w.mm_bytes, "attention scores"), kind="attention")
-        w.keep(w.new(n, w.mm_bytes, "probs @ v"), kind="attention")
-        return _manual_tape(w, (q, k, v), c, w.mm_bytes, False)
-    sm = 4 if w.autocast and w.device == "cuda" else w.mm_bytes
-    saved = [w.new(n, w.mm_bytes, part) for part in ("q contiguous", "k^T contiguous", "v contiguous")]
-    w.save(*saved)
-    w.point("attention (manual)", materialised("manual", _shape(w, c, w.mm_bytes, sm, to=sm), c.p))
-    mask = w.new(S * S, 1, "causal mask")
-    w.save(mask)
-    w.keep(w.new(c.scores, w.mm_bytes, "attention scores"), kind="attention")  # q @ k^T (bmm)
-    probs = w.new(c.scores, 4 if w.autocast and w.device == "cuda" else w.mm_bytes, "attention probs")
-    w.save(probs)
-    with w.tape.off():
-        dropped = w.dropout(probs, c.p, "attention dropout")
-    w.save(w.as_matmul_input(dropped))  # probs @ v takes a 16-bit copy under autocast
-    w.keep(w.new(n, w.mm_bytes, "probs @ v"), kind="attention")  # bmm
-    return _manual_tape(w, (q, k, v), c, sm, True)
+    q, k, v = _views(w, qkv, 3, c.numel, "q,k,v")
+    sm = 4 if w.autocast and w.device == "cuda" and qkv.rg else w.mm_bytes
+    return _manual_tape(w, (q, k, v), c, sm, qkv.rg)
 
 
 def _manual_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, sm: int, rg: bool) -> T:
-    """labkit GPT's manual attention on the tape (the op list of labkit.estimate.attention's "manual")."""
+    """labkit GPT's manual attention on the tape."""
     (q, k, v), B, heads, S, n, p = qkv, c.batch, c.heads, c.seq, c.numel, c.p
     (qc, qm), (kc, km) = _operand(w, q, "q contiguous", B, heads), _operand(w, k, "k^T contiguous", B, heads)
     scores = _bmm(w, qc, kc, c.scores, "q @ k^T")
@@ -323,9 +278,9 @@ def _manual_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, sm: int, rg: bool) -
     scaled = _pointwise(w, scores, "scaled scores")
     w.drop(scores)
     ones = w.made(T(S * S, 1, "ones"))
-    tril = w.made(T(S * S, 1, "causal mask"))
+    tril = w.made(T(S * S, 1, "causal mask", tp=TPShare.LAYER))
     w.drop(ones)
-    notm = w.made(T(S * S, 1, "~mask"))
+    notm = w.made(T(S * S, 1, "~mask", tp=TPShare.LAYER))
     masked = _pointwise(w, scaled, "masked scores", saved=[notm])
     w.drop(notm, scaled)
     probs = w.made(T(masked.numel, sm, "attention probs", rg=rg))
@@ -354,33 +309,15 @@ def attention_eager(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
     matmuls save q and k (with grouped query attention, k and v repeated to every head: repeat_kv copies
     them), softmax its output, the second matmul the (dropped) probabilities and v. Under autocast an fp32
     model's Llama query is fp32 (RoPE), so dropout runs in fp32 and the second matmul copies the
-    probabilities to 16-bit (labkit.estimate.attention).
+    probabilities to 16-bit.
     Tape: matmul copies a strided operand (GPT-2's q, k^T and v are views of c_attn's output) before its
     bmm; under autocast an fp32 operand is copied to 16-bit."""
-    rg = q.rg or k.rg or v.rg
-    mm, rep, n = w.mm_bytes, c.kv_repeat, c.numel
+    rg, mm = q.rg or k.rg or v.rg, w.mm_bytes
     sm = 4 if c.fp32_softmax else max(mm, w.x_bytes)  # 16-bit scores + the model's fp32 mask promote to fp32
     to = q.itemsize if c.fp32_softmax else v.itemsize  # what softmax's output is cast to (query's, value's)
     # the (B, 1, S, S) mask, for the whole forward
     w.forward_extra = max(w.forward_extra, c.batch * c.seq * c.seq * w.x_bytes)
-    if not rg:
-        w.keep(w.new(c.scores, mm, "attention scores"), kind="attention")
-        w.keep(w.new(n, mm, "probs @ v"), kind="attention")
-        return _eager_tape(w, (q, k, v), c, (sm, to), False)
-    kr = _repeated(w, k, c, "k repeated") if rep > 1 else k
-    vr = _repeated(w, v, c, "v repeated") if rep > 1 else v
-    w.save(w.as_matmul_input(q), w.as_matmul_input(kr))
-    w.point("attention (eager)", materialised("eager", _shape(w, c, mm, sm, to, vr.base is None), c.p))
-    w.keep(w.new(c.scores, mm, "attention scores"), kind="attention")  # q @ k^T (bmm)
-    probs = w.new(c.scores, sm, "attention probs")
-    w.save(probs)
-    if sm != to:
-        probs = w.new(c.scores, to, "attention probs (cast)")
-    with w.tape.off():
-        dropped = w.dropout(probs, c.p, "attention dropout")
-    w.save(w.as_matmul_input(dropped), w.as_matmul_input(vr))
-    w.keep(w.new(n, mm, "probs @ v"), kind="attention")  # bmm
-    return _eager_tape(w, (q, k, v), c, (sm, to), True)
+    return _eager_tape(w, (q, k, v), c, (sm, to), rg)
 
 
 def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, widths: tuple[int, int], rg: bool) -> T:
@@ -454,13 +391,9 @@ def attention_tiled(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
     # only when one of them is 1 (an fp32 matmul copies the tile otherwise)
     B, heads, n = c.batch, c.heads, c.numel
     fwd, bwd = scratch_bytes(B, heads, c.seq, c.head_dim, c.block, q.itemsize, packed=B > 1 and heads > 1)
-    out = w.new(n, q.itemsize, "attention out", rg)
-    lse = w.new(B * heads * c.seq, 4, "logsumexp")
-    if rg:
-        w.save(q, k, v, out, lse)
-    w.keep(out, kind="attention"), w.keep(lse, kind="attention")
-    w.made(out), w.made(lse)
-    w.tape.keep(out, "attention"), w.tape.keep(lse, "attention")
+    out = w.made(w.new(n, q.itemsize, "attention out", rg))
+    lse = w.made(w.new(B * heads * c.seq, 4, "logsumexp"))
+    w.keep(out, "attention"), w.keep(lse, "attention")
     scratch = w.made(T(fwd, 1, "tiled attention: one tile's scratch"))
     w.drop(scratch)
     if rg:
@@ -542,7 +475,7 @@ def _attention(w: Walk, spec, q: T, k: T, v: T, c: AttnCall) -> T:
     if fused_attention_used(w.device, spec.attention, c.p):
         return sdpa_fused(w, q, k, v, c)
     if spec.attention == "sdpa":
-        return sdpa_math(w, c, q.rg or k.rg or v.rg, q, k, v)
+        return sdpa_math(w, q, k, v, c)
     return attention_eager(w, q, k, v, c)
 
 
@@ -564,14 +497,15 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
         m = f"blocks.{i}."
         a = w.layer_norm(x, r, f"ln_1.{i}", m + "ln_1")
         qkv = w.linear(a, r, 3 * h, f"qkv.{i}", m + "attn.c_attn")
-        if spec.attention == "manual":
-            y = attention_manual(w, qkv, call)
-        elif spec.attention == "tiled":
-            q, k, v = _views(w, qkv, 3, n, "q,k,v")
-            y = attention_tiled(w, q, k, v, call)
-        else:
-            q, k, v = _views(w, qkv, 3, n, "q,k,v")
-            y = _attention(w, spec, q, k, v, call)
+        with w.per_head(qkv):  # c_attn is column-parallel, c_proj row-parallel
+            if spec.attention == "manual":
+                y = attention_manual(w, qkv, call)
+            elif spec.attention == "tiled":
+                q, k, v = _views(w, qkv, 3, n, "q,k,v")
+                y = attention_tiled(w, q, k, v, call)
+            else:
+                q, k, v = _views(w, qkv, 3, n, "q,k,v")
+                y = _attention(w, spec, q, k, v, call)
         o = w.linear(y, r, h, f"attn proj.{i}", m + "attn.c_proj")
         od = w.dropout(o, spec.dropout, f"resid dropout.{i}")
         if od is not o:
@@ -581,7 +515,8 @@ def walk_labkit_gpt(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> No
         w.drop(od)
         b = w.layer_norm(x2, r, f"ln_2.{i}", m + "ln_2")
         f = w.linear(b, r, spec.ffn, f"fc.{i}", m + "mlp.c_fc")
-        g = w.gelu(f, f"gelu.{i}")
+        with w.per_head(f):  # c_fc is column-parallel, c_proj row-parallel
+            g = w.gelu(f, f"gelu.{i}")
         w.drop(f)
         o = w.linear(g, r, h, f"mlp proj.{i}", m + "mlp.c_proj")
         w.drop(g)
@@ -670,14 +605,13 @@ def walk_hf_gpt2(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None:
     w.cross_entropy(logits, r, spec.vocab, upcast=True)
 
 
-def _rotary(w: Walk, q: T, cs: int, name: str) -> T:
-    """q * cos + rotate_half(q) * sin (transformers' apply_rotary_pos_emb); cos and sin (cs bytes each) are
-    the model's, saved by the two products. rotate_half: -x2 (half), cat(-x2, x1); the slices' backward
-    makes full-size gradients."""
+def _rotary(w: Walk, q: T, rope: tuple[T, T], name: str) -> T:
+    """q * cos + rotate_half(q) * sin (transformers' apply_rotary_pos_emb); cos and sin are the model's (one
+    pair for every block: `unsqueeze` views of them), saved by the two products. rotate_half: -x2 (half),
+    cat(-x2, x1); the slices' backward makes full-size gradients."""
     half = T(q.numel // 2, q.itemsize, f"{name} second half", base=q, rg=q.rg)
     first = T(q.numel // 2, q.itemsize, f"{name} first half", base=q, rg=q.rg)
-    cos = T(cs, w.x_bytes, "rotary cos")
-    sin = T(cs, w.x_bytes, "rotary sin")
+    cos, sin = rope
     wide = max(q.itemsize, w.x_bytes)  # cos and sin are in the model's dtype: a 16-bit q times them is fp32
     hm = q.heads_moved  # pointwise ops keep q's layout; cat makes a fresh (B, heads, S, d) tensor
     qc = w.made(T(q.numel, wide, f"{name} * cos", rg=q.rg, heads_moved=hm))
@@ -709,7 +643,8 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
     qd, kv = spec.n_head * hd, spec.n_kv_head * hd  # q and attention output widths (hidden unless head_dim says)
     if not w.loss_chunks:  # transformers' loss: the labels shifted, a copy its nll_loss saves
         w.save(w.new(r, 8, "shifted labels"))
-    w.save(w.new(2 * S * hd, w.x_bytes, "rotary cos and sin"))
+    rope = (w.new(S * hd, w.x_bytes, "rotary cos", rg=False), w.new(S * hd, w.x_bytes, "rotary sin", rg=False))
+    w.save(*rope)
     x = w.made(w.new(r * h, w.x_bytes, "token embeddings", w.trains("model.embed_tokens")))
     # LlamaModel.forward keeps inputs_embeds (block 0's input), the position ids and cos, sin (saved by the
     # rotary products) until it returns; block 0's RMSNorm saves the embeddings themselves when they are fp32
@@ -727,8 +662,8 @@ def walk_hf_llama(w: Walk, spec, B: int, S: int, layer_marks: list[int]) -> None
         k = w.linear(a, r, kv, f"k_proj.{i}", m + "self_attn.k_proj")
         v = w.linear(a, r, kv, f"v_proj.{i}", m + "self_attn.v_proj")
         qv, kvw, vv = (_heads_view(w, t, f"{t.name} heads") for t in (q, k, v))
-        qr = _rotary(w, qv, S * hd, f"q.{i}")
-        kr = _rotary(w, kvw, S * hd, f"k.{i}")
+        qr = _rotary(w, qv, rope, f"q.{i}")
+        kr = _rotary(w, kvw, rope, f"k.{i}")
         w.drop(q, k)
         y = _attention(w, spec, qr, kr, vv, call)
         o = w.linear(y, r, h, f"o_proj.{i}", m + "self_attn.o_proj")

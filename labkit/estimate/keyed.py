@@ -446,15 +446,12 @@ def copies_recomputed(c: Ctx, m: Moment) -> list[Term]:
 
 # ---- stepping in backward ---------------------------------------------------------------------
 def _stepping(c: Ctx, m: Moment) -> tuple[tuple, tuple]:
-    """At a moment a parameter steps in backward outside the replays (moments._steps_in_backward):
-    (its step's (gradient, temporaries, cast[, change of the state]), what was freed before it
-    (copy, saved input, transient gradients)). Which parameter: a block's largest matrix, the head
-    (the head's backward keys), the position table (the tied head's held gradient), else the tied
-    embedding."""
+    """At a moment a parameter outside the blocks steps in backward (moments._steps_in_backward): (its
+    step's (gradient, temporaries, cast[, change of the state]), what was freed before it (copy, saved
+    input, transient gradients)). Which parameter: the head (the head's backward keys), the position
+    table (the tied head's held gradient), else the tied embedding."""
     b, keys = c.b, {t.key for t in m.terms}
     refresh = m.variant is Variant.REFRESH
-    if m.block is not None:
-        return (b.block_refresh if refresh else b.block_step), b.step_freed
     rest = b.rest_refresh if refresh else b.rest_step
     if K.TIED_HEAD_GRADIENT in keys:
         return rest, (0, 0, 0)
@@ -480,9 +477,9 @@ def grads_stepped(c: Ctx, m: Moment) -> list[Term]:
     if c.replayed and m.block is not None:  # a checkpointed block's parameter: its recompute's replay
         w = c.b.replays[m.block].recomputed_later.step
         grad = w.grads if w is not None else 0
-    elif c.plain and m.block is not None:  # a plain block's parameter: its replay
+    elif m.block is not None:  # a plain block's parameter: its replay
         grad = _plain_worst(c, m).grads
-    else:  # a plain block's, or one outside the blocks (the embeddings, the head)
+    else:  # one outside the blocks (the embeddings, the head)
         grad = _stepping(c, m)[0][0]
     return [_t(K.GRADIENTS, _G, "stepped and freed as made: only the stepping parameter's gradient "
                "exists", grad - c.b.G, "its gradient - N x d", how)]
@@ -493,14 +490,9 @@ def freed_for_step(c: Ctx, m: Moment) -> list[Term]:
     are gone (in the block's moment after the MLP's output projection stepped, that input too)."""
     if not c.r.step_in_backward or m.kind not in _BACKWARD_BLOCK:
         return []
-    if m.block is not None and (c.replayed or c.plain):  # the replay's worst op holds what is left
-        return []
-    if m.kind is MK.PARAMETER_STEP:
-        freed = _stepping(c, m)[1]
-    elif m.block is not None and K.NEW_GRADIENT not in {t.key for t in m.terms}:
-        freed = (0, c.b.step_freed[1], 0)  # the MLP activation's backward, after the step
-    else:
-        return []
+    if m.block is not None or m.kind is not MK.PARAMETER_STEP:  # a block's: its replay's worst op holds
+        return []  # what is left
+    freed = _stepping(c, m)[1]
     out = [_t(K.COPIES_16BIT, _P, "the stepped matrix's 16-bit copy: freed by its node before the "
               "step", -freed[0], "its 2 x elements", _FREES),
            _t(K.SAVED_ACTIVATIONS, _A, "the stepped matmul's saved input: freed by its node before "

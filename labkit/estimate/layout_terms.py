@@ -23,11 +23,9 @@ from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey a
 from . import keyed, predict, zero_terms
 from .moments import custom, step_moments
 from .spec import spec_from
+from .walk import TPShare
 from .textbook import in_flight, korthikanti_layer_bytes  # noqa: F401 (lesson 10 quotes them from here)
 
-SPLIT_BY_T = ("qkv", "q contiguous", "k^T contiguous", "v contiguous", "attention out", "logsumexp",
-              "attention probs", "attention dropout", "attention scores", "fc.", "gelu.")  # walk names, per head / ffn
-NOT_SPLIT = ("causal mask",)  # (S, S): one per layer, whatever t
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
@@ -156,15 +154,11 @@ def tp_layer_bytes(w, marks, t: int, sp: bool = False) -> int:
         return 0
     lo, hi = marks[-2][0], marks[-1][0]
     total, pos = 0.0, 0
-    for name, nbytes in w.log:
+    for root in w.saved.values():  # in the order saved
         if lo <= pos < hi:
-            if any(k in name for k in NOT_SPLIT):
-                total += nbytes
-            elif any(name.startswith(k) or k in name for k in SPLIT_BY_T) or sp:
-                total += nbytes / t
-            else:
-                total += nbytes
-        pos += nbytes
+            share = root.tp or TPShare.STREAM
+            total += root.nbytes / (t if share is TPShare.HEADS or (share is TPShare.STREAM and sp) else 1)
+        pos += root.nbytes
     return int(round(total))
 
 
@@ -222,9 +216,13 @@ def estimate_ranks(recipe) -> list[Estimate]:
         b.states = {}
         b.layer = tp_layer_bytes(w, marks, t, sp) if t > 1 else full.layer
         b.layer_grad = rs.layer_params * d
-        b.replays = []
-        if t > 1:  # block 0's op-level moments are of the unsplit block
-            b.points = []
+        # a stage's blocks run their ops as on one device: their replays (a tensor-parallel rank's ops are
+        # split, so it takes the per-block bytes instead); only the last stage has the final norm
+        start, stop = split_layers(spec.n_layer, p)[s]
+        b.replays = full.replays[start:stop] if t == 1 else []
+        b.tail = full.tail if last and t == 1 else None
+        if p > 1:  # a tied matrix's two parts are on two stages: no gradient waits for the other's part here
+            b.head_held = 0
         if t > 1:
             b.tau, b.tau_grad = full.tau // t, full.tau_grad // t
             b.stream = rh * d // (t if sp else 1)

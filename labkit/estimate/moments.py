@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
 
 from labkit.memory.report import Category, Moment, MomentKind, Term, TermKey, Variant
 
@@ -51,18 +50,6 @@ K, MK = TermKey, MomentKind
 
 def _f(key: TermKey, cat: Category, name: str, formula: str, source: str = ""):
     return field(default=0, metadata=dict(key=key, cat=cat, name=name, formula=formula, source=source))
-
-
-class BlockPoint(NamedTuple):
-    """An op's worst moment inside block 0 (walk.OpPoint, relative to the block's start)."""
-
-    phase: str  # "forward" or "backward"
-    what: str  # the op and its worst moment, in words (for display)
-    before: int  # bytes the block saved before the op
-    saved: int  # bytes: the op's own saved tensors alive at that moment
-    temp: int  # bytes: the op's temporaries at that moment
-    grads_made: int  # bytes of the block's parameter gradients made by then in backward
-    kept: int  # bytes of the block's matmul outputs up to the op (selective checkpointing keeps them)
 
 
 @dataclass
@@ -130,13 +117,6 @@ class StepBytes:
     tau_grad: int = _f(K.NEW_GRADIENT,
                        G_, "one weight gradient before accumulation", "f x h x m (LoRA: the largest trained tensor)",
                        "AccumulateGrad: a weight's gradient exists before it is stored in .grad")
-    proj_dx: int = _f(K.LAYER_TEMPS, T_, "the MLP output projection's input gradient", "r x f x m",
-                      "mm backward: grad_input = dy @ W, made with the projection's weight gradient")
-    # the MLP's residual dropout (GPT-2, labkit GPT): its backward runs before the output
-    # projection's, making the gradient the projection reads and releasing its saved mask
-    drop_grad: int = _f(K.LAYER_TEMPS, T_, "the MLP residual dropout's gradient", "r x h x m",
-                        "dropout backward: grad x mask, the output projection's incoming gradient")
-    drop_mask: int = 0  # bytes of that dropout's saved mask (r x h: 1 B on CUDA, m on CPU)
     layer_grad: int = _f(K.BLOCK_GRADIENTS, G_, "gradients of one block", "block parameters x d", "")
     layer_copy: int = _f(K.COPIES_16BIT,
                          P_, "autocast copies of one block's weights", "2 x block matmul parameters", "torch.autocast")
@@ -153,10 +133,7 @@ class StepBytes:
                       "labkit.quant.dequantize_nf4 / dequantize_int8")
     # step-in-backward: (largest gradient, step temporaries, fp32 casts of the parameter) of one block's
     # parameters and of the rest;
-    # head_held: the tied head's partial gradient, held from the head until the embedding's part is added;
-    # step_freed: what is gone from a block's worst moment when its largest matrix, the MLP's output
-    # projection (backward's first), steps: its autocast copy and saved input (the MLP's other transient
-    # gradients come after the step)
+    # head_held: the tied head's partial gradient, held from the head until the embedding's part is added
     block_step: tuple = (0, 0, 0)
     rest_step: tuple = (0, 0, 0)  # outside the blocks, but a tied embedding
     tied_step: tuple = (0, 0, 0)  # the tied embedding (zeros when the head is untied)
@@ -168,8 +145,8 @@ class StepBytes:
                         T_, "the tied head's partial gradient (a gradient in flight, not yet a .grad)", "V x h x d",
                         "autograd holds it in the shared weight's input buffer until the embedding's part is added; "
                         "that sum becomes .grad")
-    step_freed: tuple[int, int, int] = (0, 0, 0)
-    head_freed: tuple[int, int, int] = (0, 0, 0)  # the same for an untied head: its copy, saved input, all but dX
+    # an untied head stepping in backward: what its node freed before (its copy, saved input, all but dX)
+    head_freed: tuple[int, int, int] = (0, 0, 0)
     states: dict = field(default_factory=dict)  # "P", "C", "G", "O", "buffers" -> the model-state terms making it up
     # checkpointed / offloaded steps: each block's replays (labkit.estimate.tape.BlockReplay), the frozen
     # weights' autocast copies (saved for dx, not cached) inside the blocks and of the head, and the model's
@@ -229,8 +206,6 @@ class StepBytes:
                         "split's backward (torch.chunk): cat of the chunks' gradients")
     block0_local: int = 0  # the part of forward_locals that is block 0's input (held as a checkpointed input)
     block_kwargs: tuple = (0, 0)  # (bytes of the tensors every block gets besides its input, the part in `before`)
-    # worst moments inside a block's ops (materialised attention, labkit.estimate.attention), block 0's
-    points: list[BlockPoint] = field(default_factory=list)
     forward_extra: int = 0  # alive through the forward, never saved (transformers' (B, 1, S, S) float mask)
     forward_locals: int = _f(K.FORWARD_LOCALS,
                              T_, "embeddings held by the model's forward function", "r h d (+ S h d positions)",
@@ -400,7 +375,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     if replayed:
         fwd += _replayed_forward(st)
     else:
-        fwd += _forward_points(st, plain)
+        fwd += _forward_block(st, plain)
 
     # autocast's weight copies after the forward: all kept (none), the head's only (the blocks' copies
     # are not saved by a checkpointed region; its recompute casts again), or none (offloaded)
@@ -463,7 +438,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     if replayed or plain:
         block_moments, block_steps = _replayed_backward(st)
     else:
-        block_moments = _plain_backward(st, moments)
+        block_moments = _plain_backward(st)
     rest = [custom(K.GRADIENTS, "gradients of the parameters outside the blocks (step in backward)", G_,
                    max(b.rest_step[0], b.tied_step[0]),
                    "largest such gradient x d", "labkit.optim.StepInBackward")] if step_in_backward else b.state("G")
@@ -496,9 +471,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                                    "2 x V x h x d", "embedding_dense_backward; autograd's sum of the two parts")])]
     else:
         moments += [*block_moments, end]
-    if step_in_backward:
-        # a block's largest matrix (the MLP's output projection) steps at the moment its gradient is made
-        stepping = [x for x in block_moments if b.term("tau_grad") in x.terms]
+    if step_in_backward:  # (always with replays: the blocks' steps are in block_steps)
         head_freed = b.head_freed
         if chunked:  # the head's summed dW steps after the last chunk: every chunk's dX (cast) beside it;
             # the chunks' matmuls have returned, their weight copy and saved inputs freed (on the device)
@@ -507,7 +480,7 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
                                        b.stream, "r x h x d",
                                        "each chunk's matmul backward (and its cast to the stream)")])
             head_freed = (0, 0, 0) if offload else (b.head_copy, b.chunk_inputs, 0)
-        moments += _steps_in_backward(b, [] if replayed or plain else stepping, head, end, sfx, head_freed)
+        moments += _steps_in_backward(b, head, end, sfx, head_freed)
         moments += block_steps or []
     elif b.opt_refresh:  # GaLore: a projector-refresh step and a steady one
         opt = [*base_states, *buffers, *b.state("G"), b.term("inputs")]
@@ -587,50 +560,25 @@ def _tail_moment(st: _Step, kwargs: list[Term], held_all: list[Term], head_grad:
     return _m(MK.FINAL_NORM_BACKWARD, None, "backward", "the final norm's backward" + sfx, terms)
 
 
-def _plain_backward(st: _Step, moments: list[Moment]) -> list[Moment]:
-    """Each unit's backward from the walk's per-block bytes (no checkpointing, no offload); the op-level
-    points are appended to `moments`."""
-    b, policy, offload, sizes, states, buffers = st.b, st.policy, st.offload, st.sizes, st.states, st.buffers
-    grads_exist, step_in_backward, sfx, n_layer = st.grads_exist, st.step_in_backward, st.sfx, sum(st.sizes)
-    n_units = len(sizes)
+def _plain_backward(st: _Step) -> list[Moment]:
+    """Each block's backward from the walk's per-block bytes, where no block has a replay: a tensor-parallel
+    rank's (its ops split; estimate_ranks refuses checkpointing, offload and the step in backward there)."""
+    b, sizes, states, buffers, grads_exist = st.b, st.sizes, st.states, st.buffers, st.grads_exist
+    n_layer = sum(sizes)
     block_moments = []
-    done = 0  # blocks whose backward is finished
-    for j in reversed(range(n_units)):  # units, last first
-        m = sizes[j]
-        unit_block = j if m == 1 and policy != "full" and policy != "sqrt" else None  # one block, named
-        where = (f"block {j} backward" if unit_block is not None
-                 else f"segment {j} backward (blocks {sum(sizes[:j])}-{sum(sizes[:j + 1]) - 1})")
-        terms = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")])]
-        terms += _held_terms(b, policy, offload, sizes, j)
-        terms.append(b.term("layer", m, f"saved by the block(s) in backward"))
-        if not grads_exist and not step_in_backward:
+    for j in reversed(range(n_layer)):  # the last block first
+        done = n_layer - 1 - j  # blocks whose backward is finished
+        terms = [*states, *buffers, b.term("inputs"), b.term("before"), *_held_terms(b, "none", False, sizes, j),
+                 b.term("layer", 1, "saved by the block in backward")]
+        if not grads_exist:
             terms += _head_grads(b)
             if done:
                 terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
         if b.C:  # each finished block's copies are freed
             terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
                                 name=f"autocast copies of the {n_layer - done} blocks not finished"))
-        if step_in_backward and b.head_held:
-            terms.append(b.term("head_held"))
-        terms.append(b.term("stream"))
-        if step_in_backward:  # the projection's weight gradient is stepped and freed before the activation's
-            # backward: at most its input gradient beside it, the MLP transient after it
-            freed_mask = custom(K.SAVED_ACTIVATIONS, "freed: the MLP residual dropout's saved mask",
-                                A_, -b.drop_mask, "r x h (1 B on CUDA, m on CPU)", _RELEASED)
-            dropped = [b.term("drop_grad"), freed_mask] if b.drop_mask else []
-            block_moments.append(_m(MK.BLOCK_BACKWARD, unit_block, "backward", where + sfx,
-                                    [*terms, b.term("tau_grad"), b.term("proj_dx"), *dropped]))
-            where += ", the MLP activation's backward, its output projection stepped"
-            terms += [b.term("proj_dx"), custom(K.SAVED_ACTIVATIONS,
-                                                "freed: the output projection's saved input", A_, -b.step_freed[1],
-                                                "r x f x m", _RELEASED)]
-            terms += [freed_mask] if b.drop_mask else []  # its backward ran before the projection's
-        else:
-            terms.append(b.term("tau_grad"))
-        terms.append(b.term("tau") if b.tau >= b.dequant else b.term("dequant"))
-        block_moments.append(_m(MK.BLOCK_BACKWARD, unit_block, "backward", where + sfx, terms))
-        moments += _backward_points(st, j, done, where)
-        done += m
+        terms += [b.term("stream"), b.term("tau_grad"), b.term("tau") if b.tau >= b.dequant else b.term("dequant")]
+        block_moments.append(_m(MK.BLOCK_BACKWARD, j, "backward", f"block {j} backward" + st.sfx, terms))
     return block_moments
 
 
@@ -992,10 +940,9 @@ def _wgrad_term(w, k: int, later: bool = False) -> Term:
                   "autograd makes a weight's gradient at its op's backward", k)
 
 
-def _forward_points(st: _Step, plain: bool = False) -> list[Moment]:
-    """Inside the last block's forward (nothing checkpointed or offloaded), at the block's end and at its
-    worst moment: from the replay of its ops with every saved tensor kept (plain), else at each recorded
-    attention op's worst moment (labkit.estimate.attention)."""
+def _forward_block(st: _Step, plain: bool = False) -> list[Moment]:
+    """Inside the last block's forward (nothing checkpointed or offloaded): at the block's end and, from the
+    replay of its ops with every saved tensor kept (plain), at its worst moment."""
     b, policy, offload, sizes, states, buffers = st.b, st.policy, st.offload, st.sizes, st.states, st.buffers
     sfx = st.sfx
     out = []
@@ -1003,7 +950,7 @@ def _forward_points(st: _Step, plain: bool = False) -> list[Moment]:
     extra = [custom(K.FORWARD_LOCALS, "transformers' 4-D float attention mask", T_, b.forward_extra, "B x S x S x d",
                     "made once per forward by the model's masking utilities")] if b.forward_extra else []
     extra += [b.term("forward_locals")] if b.forward_locals else []
-    if extra or b.points:  # the blocks' end: all saved, nothing freed yet
+    if extra:  # the blocks' end: all saved, nothing freed yet
         out.append(_m(MK.BLOCK_FORWARD, L - 1, "forward", f"the end of block {L - 1}" + sfx, [
             *states, *b.state("C"), *buffers, b.term("inputs"), b.term("before"),
             *_held_terms(b, policy, offload, sizes, L), *extra,
@@ -1042,54 +989,6 @@ def _forward_points(st: _Step, plain: bool = False) -> list[Moment]:
         out.append(_m(MK.BLOCK_FORWARD, L - 1,
                       "forward", f"inside block {L - 1}'s forward ({_at(worst.op, L - 1)})" + sfx, terms))
         return out
-    for p in b.points:
-        if p.phase != "forward":
-            continue
-        what, before, saved, temp = p.what, p.before, p.saved, p.temp
-        terms = [*states, *b.state("C"), *buffers, b.term("inputs"), *extra,
-                 b.term("before"), *_held_terms(b, policy, offload, sizes, L - 1),
-                 custom(K.SAVED_ACTIVATIONS,
-                        f"saved by block {L - 1} before it", A_, before, "walk, block prefix", "derivatives.yaml"),
-                 custom(K.SAVED_ACTIVATIONS,
-                        f"{what} saved so far", A_, saved, "replayed ops (labkit.estimate.attention)",
-                        "the op sequence of this attention path"),
-                 custom(K.LAYER_TEMPS, f"{what} temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
-                        "the op sequence of this attention path")]
-        out.append(_m(MK.BLOCK_FORWARD, L - 1, "forward", f"block {L - 1} forward, {what}" + sfx, terms))
-    return out
-
-
-def _backward_points(st: _Step, j: int, done: int, where: str) -> list[Moment]:
-    """Inside unit j's backward (nothing checkpointed or offloaded), at each recorded op's worst moment: what
-    the block's earlier ops saved is still alive, what came after it is freed, the op's temporaries on top."""
-    b, policy, offload, sizes, states, buffers = st.b, st.policy, st.offload, st.sizes, st.states, st.buffers
-    grads_exist, step_in_backward, sfx, n_layer = st.grads_exist, st.step_in_backward, st.sfx, sum(st.sizes)
-    unit_block = j if sizes[j] == 1 and policy != "full" and policy != "sqrt" else None  # as _plain_backward's
-    out = []
-    for p in b.points:
-        if p.phase != "backward":
-            continue
-        what, before, saved, temp, grads_made = p.what, p.before, p.saved, p.temp, p.grads_made
-        terms = [*states, *buffers, b.term("inputs"), b.term("before"), *_held_terms(b, policy, offload, sizes, j)]
-        terms += [custom(K.SAVED_ACTIVATIONS,
-                         f"saved by the block before {what.split(':')[0]}", A_, before, "walk, block prefix",
-                         "derivatives.yaml"),
-                  custom(K.SAVED_ACTIVATIONS,
-                         f"{what}: saved tensors still alive", A_, saved, "replayed ops (labkit.estimate.attention)",
-                         "the op sequence of this attention path")]
-        if b.C:
-            terms.append(b.term("C", nbytes=b.C - b.head_copy - done * b.layer_copy,
-                                name=f"autocast copies of the {n_layer - done} blocks not finished"))
-        terms.append(custom(K.LAYER_TEMPS, f"{what}: temporaries", T_, temp, "replayed ops (labkit.estimate.attention)",
-                            "the op sequence of this attention path"))
-        terms.append(b.term("stream"))
-        if not grads_exist and not step_in_backward:
-            terms += _head_grads(b)
-            if done:
-                terms.append(b.term("layer_grad", done, f"gradients of the {done} finished block(s)"))
-            terms.append(custom(K.GRADIENTS_SO_FAR, "gradients of this block made so far", G_, grads_made,
-                                "parameters after the op x d", "AccumulateGrad, in reverse order"))
-        out.append(_m(MK.BLOCK_BACKWARD, unit_block, "backward", f"{where}, {what}" + sfx, terms))
     return out
 
 
@@ -1103,11 +1002,10 @@ def _freed_projector(nbytes: int) -> list:
 _RELEASED = "autograd releases a node's saved tensors when it returns; the step runs after (AccumulateGrad's hook)"
 
 
-def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Moment, sfx: str,
-                       head_freed: tuple) -> list[Moment]:
-    """The backward moments at which a parameter steps: each block's (its largest parameter's gradient and
-    step temporaries on top), and the head's (untied head; head_freed: (copy, saved input, transient
-    gradients) its node freed before) or the last one's (the tied embedding)."""
+def _steps_in_backward(b: StepBytes, head: Moment, end: Moment, sfx: str, head_freed: tuple) -> list[Moment]:
+    """The backward moments at which a parameter outside the blocks steps (the blocks' are their replays'):
+    the head's (untied head; head_freed: (copy, saved input, transient gradients) its node freed before) or
+    the last one's (the tied embedding), and a position table's."""
     def stepping(x: Moment, step: tuple, freed=(0, 0, 0), where: str = "", variant: Variant | None = None) -> Moment:
         keep = [t for t in x.terms if t.category is not G_]
         return _m(MK.PARAMETER_STEP, x.block, "optimizer", where + sfx, [
@@ -1131,14 +1029,12 @@ def _steps_in_backward(b: StepBytes, blocks: list[Moment], head: Moment, end: Mo
                    _RELEASED),
         ], variant)
 
-    runs = [(b.block_step, b.rest_step, b.tied_step, "", None)]
+    runs = [(b.rest_step, b.tied_step, "", None)]
     if b.block_refresh is not None:  # GaLore: each step in a steady step and in a projector-refresh step
-        runs = [(b.block_step, b.rest_step, b.tied_step, f", {STEADY}", STEADY),
-                (b.block_refresh, b.rest_refresh, b.tied_refresh, f", {REFRESH}", REFRESH)]
+        runs = [(b.rest_step, b.tied_step, f", {STEADY}", STEADY),
+                (b.rest_refresh, b.tied_refresh, f", {REFRESH}", REFRESH)]
     out = []
-    for block_step, rest_step, tied_step, kind, v in runs:
-        out += [stepping(x, block_step, b.step_freed, x.where.split(" (")[0] + ", its largest matrix steps" + kind, v)
-                for x in blocks]
+    for rest_step, tied_step, kind, v in runs:
         # the tied matrix steps once the embedding's dense gradient is summed into it (that sum is its .grad);
         # the other parameters outside the blocks (a position embedding) step before, beside the head's part
         if b.head_held:

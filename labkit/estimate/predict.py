@@ -10,7 +10,7 @@ import re
 
 from .families import WALKS
 from . import optim_terms, peft_terms, textbook
-from .moments import BlockPoint, StepBytes, step_moments
+from .moments import StepBytes, step_moments
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
 from labkit.memory.report import Category, Estimate, Term, TermKey as K
 from .spec import ModelSpec, spec_from
@@ -192,7 +192,6 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
     head_trains, emb_trains = w.trains("lm_head"), w.trains("wte")
     head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
     units = optim_terms.step_in_backward_units(ts, gb, optimizer, foreach, rank, proj_dtype)
-    block_largest = units["block_step"][0] // gb  # the block's largest matrix: the one a block's moment steps
     # the chunked loss casts the head itself; a frozen 16-bit head needs no copy
     # a trained head's copy is cached once; a frozen head's is saved by each matmul that reads it (one per
     # chunk under Recipe.loss_chunks: Walk.copy_frozen counts them)
@@ -218,8 +217,6 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         **_refresh_fields(ts, prec.weight, optimizer, rank, proj_dtype),
         **units,
         head_held=V * h * gb if spec.tied and head_trains else 0,  # waits for the embedding's part (not the final norm)
-        step_freed=(2 * block_largest if prec.autocast else 0, r * spec.ffn * mm,
-                    r * h * mm if spec.dropout > 0 else 0),  # and the residual dropout's gradient
         head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
         inputs=input_bytes(B, S), before=marks[0][0], layer=layer,
         after=w.saved_bytes - marks[-1][0], lsm=lsm,
@@ -235,9 +232,6 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         tau=((1 if spec.family == "labkit-gpt" else 2) + (1 if peft is not None and not peft.lisa_layers else 0))
         * r * spec.ffn * mm,
         tau_grad=spec.ffn * h * mm if peft is None or peft.lisa_layers else ts.largest_param * mm,
-        proj_dx=r * spec.ffn * mm,  # the MLP output projection's dX, beside its weight gradient
-        drop_grad=r * h * mm if spec.dropout > 0 else 0,
-        drop_mask=r * h * (1 if w.device == "cuda" else mm) if spec.dropout > 0 else 0,
         layer_grad=ts.layer_params * gb,
         layer_copy=0 if not prec.autocast else 2 * spec.layer_matmul_params if peft is None
         else max(w.copy_bytes - frozen_head, 0) // L,  # the head's copies (one per loss chunk) are not a layer's
@@ -255,7 +249,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         loss_saved=r * h * w.x_bytes + r * 4 + 8 if chunked else 0, block0_local=w.block0_local,
         block_kwargs=w.block_kwargs,
         buffers=0 if peft is None else peft_terms.base_buffer_bytes(spec, peft),
-        points=_block_points(w, marks, gb), forward_extra=w.forward_extra, forward_locals=w.forward_locals,
+        forward_extra=w.forward_extra, forward_locals=w.forward_locals,
         dequant=0 if peft is None else peft_terms.dequant_scratch_bytes(peft, 2 if prec.autocast else gb),
     ), w
 
@@ -334,17 +328,6 @@ def _refresh_fields(spec, d: int, optimizer: str, rank, proj_dtype) -> dict:
         return {}
     temp, opt = optim_terms.galore_step_split(spec, d, optimizer, rank, True, proj_dtype)
     return {"opt_refresh": temp, "refresh_freed": -opt}
-
-
-def _block_points(w: Walk, marks, gb: int) -> list[BlockPoint]:
-    """Block 0's recorded op moments, relative to the block's start (all blocks are alike)."""
-    if len(marks) < 2:
-        return []
-    start, end = marks[0], marks[1]
-    return [BlockPoint(p.phase, p.what, p.before - start[0], p.saved, p.temp, (end[2] - p.trained) * gb,
-                       p.kept - start[1])
-            for p in w.points if start[0] <= p.before <= end[0] and start[2] <= p.trained <= end[2]
-            ][: 2 * max(1, len(w.points) // max(len(marks) - 1, 1) // 2)]
 
 
 def _frozen_bytes(r: Recipe) -> int:

@@ -12,24 +12,21 @@ before the first tensor that requires grad (`T.rg`). `Walk.trains(module)` says 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from enum import Enum
 
 from .tape import Tape
 
 
-class OpPoint(NamedTuple):
-    """An op's worst moment in forward or backward (labkit.estimate.attention's replay of it), recorded
-    where the walk is when it reaches the op."""
+class TPShare(Enum):
+    """How each tensor-parallel rank holds a saved tensor of a block (Megatron-LM's layer, as
+    labkit.distributed.tensor_parallel splits labkit's GPT): the key layout_terms.tp_layer_bytes reads."""
 
-    phase: str  # "forward" or "backward"
-    what: str  # the op and its worst moment, in words (for display)
-    before: int  # bytes the walk had saved before the op
-    saved: int  # bytes: the op's own saved tensors alive at that moment
-    temp: int  # bytes: the op's temporaries at that moment
-    trained: int  # elements of the trained parameters the walk had passed (gradients come in reverse)
-    kept: int  # bytes selective checkpointing keeps by then (the block's matmul outputs so far)
+    STREAM = "whole on every rank, or 1/t of the sequence with sequence parallelism"  # norms, residual, dropout
+    HEADS = "1/t: per head or per MLP feature"  # between a column-parallel matmul and its row-parallel partner
+    LAYER = "whole on every rank"  # the (S, S) causal mask: one per layer, whatever t or the sequence split
 
 
 @dataclass(eq=False)
@@ -45,6 +42,7 @@ class T:
     # viewed per head, and what pointwise ops make from it (they keep the layout)
     weight: bool = False  # an autocast 16-bit copy of a weight (model-state bytes, counted apart from activations)
     expanded: bool = False  # a view with a stride-0 dimension (expand): a copy of it is whole (numel elements)
+    tp: TPShare | None = None  # how a tensor-parallel rank holds it (None: STREAM; Walk.per_head sets HEADS)
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +69,6 @@ class Walk:
     device: str = "cpu"
     saved: dict[int, T] = field(default_factory=dict)  # id(root) -> root tensor
     kept_bytes: int = 0  # outputs of matmul-like ops: what "matmuls" selective checkpointing keeps
-    log: list[tuple[str, int]] = field(default_factory=list)  # (what, bytes) as saved
     frozen: bool = False  # every base weight frozen (LoRA, QLoRA)
     lora: dict[str, int] = field(default_factory=dict)  # adapted Linear module name -> LoRA rank
     active: frozenset | None = None  # LISA: indices of the layers that train (None: all)
@@ -84,7 +81,6 @@ class Walk:
     copy_unsaved: int = 0  # the part of copy_bytes no op saves: freed as the forward's autocast exits
     copy_frozen: dict = field(default_factory=dict)  # module -> bytes of a frozen weight's copy (saved, not cached)
     trained: int = 0  # elements of the trained parameters the walk has passed (their gradients come in reverse)
-    points: list[OpPoint] = field(default_factory=list)  # worst moments inside ops (attention)
     forward_extra: int = 0  # alive through the whole forward, never saved (transformers' 4-D float mask)
     forward_locals: int = 0  # tensors a model's forward function holds in locals until it returns (embeddings)
     locals_saved: int = 0  # such locals that are also saved for backward (position ids, rotary tables)
@@ -106,6 +102,7 @@ class Walk:
     # with loss_chunks: (bytes the chunks' head matmuls save as their inputs, whether each chunk's is its
     # own copy, freed with its matmul's backward; else views of one tensor, freed after the last chunk)
     output_chunk_inputs: tuple = (0, False)
+    heads_region: bool = False  # inside `per_head`: what is made is per head or per MLP feature (TPShare.HEADS)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def freeze(self) -> None:
@@ -119,7 +116,25 @@ class Walk:
         object.__setattr__(self, name, value)
 
     def new(self, numel: int, itemsize: int, name: str = "", rg: bool = True) -> T:
-        return T(int(numel), int(itemsize), name, rg=rg)
+        return self._share(T(int(numel), int(itemsize), name, rg=rg))
+
+    def _share(self, t: T) -> T:
+        if self.heads_region and t.tp is None:
+            t.tp = TPShare.HEADS
+        return t
+
+    @contextlib.contextmanager
+    def per_head(self, *inputs: T):
+        """The ops between a column-parallel matmul and its row-parallel partner (attention, the MLP's
+        activation): `inputs` (the column-parallel outputs) and every tensor made inside are per head or per
+        feature (TPShare.HEADS), but those made with a share of their own (the causal mask)."""
+        for t in inputs:
+            t.root().tp = TPShare.HEADS
+        self.heads_region = True
+        try:
+            yield
+        finally:
+            self.heads_region = False
 
     def trains(self, module: str) -> bool:
         """Whether the module's own weights get gradients: not when frozen; with LISA, modules outside
@@ -136,7 +151,6 @@ class Walk:
             if id(r) not in self.saved:
                 self.saved[id(r)] = r
                 self.saved_total += r.nbytes
-                self.log.append((r.name, r.nbytes))
 
     @property
     def saved_bytes(self) -> int:
@@ -166,15 +180,18 @@ class Walk:
     # ---- the tape: allocations, Python lifetimes and backward nodes (labkit.estimate.tape) ---------
     def made(self, t: T, cached: bool = False) -> T:
         """t is a fresh storage made by an op (recorded for the replays)."""
-        return self.tape.new(t, cached)
+        return self.tape.new(self._share(t), cached)
 
     def drop(self, *ts: T) -> None:
         """The code lets these tensors go (freed unless saved, or held by another reference)."""
         self.tape.drop(*ts)
 
     def node(self, op: str, outs, saved=(), steps=(), reads_weight: bool = False) -> None:
-        """An autograd node (recorded when anything it reads requires grad)."""
+        """An autograd node (recorded when anything it reads requires grad): the one record of what autograd
+        saves. Its saved tensors are the walk's activations (`save`), but autocast's weight copies (model
+        state: `copy_bytes`)."""
         self.tape.node(op, outs, saved, steps, reads_weight)
+        self.save(*(t for t in saved if t is not None and not t.root().weight))
 
     def cast(self, x: T, itemsize: int, name: str = "") -> T:
         """x.to(dtype): a copy when the dtype changes; its backward casts the gradient back (x's bytes)."""
@@ -222,7 +239,7 @@ class Walk:
         if bsteps and not self.autocast:  # the engine sums the bias's gradient once the node has returned
             bsteps = [("bgrad", bias * self.x_bytes)]
         y = self.made(self.new(rows * d_out, out_itemsize or self.mm_bytes, name, x.rg or trains))
-        self.tape.keep(y, "linear")
+        self.keep(y, "linear")
         if x.rg or trains:
             steps = [*wsteps, *bsteps] + ([("grad", xc)] if x.rg else [])
             saved = ([xc] if trains else []) + ([w16] if w16 is not None and x.rg else [])
@@ -249,7 +266,7 @@ class Walk:
         w = self.made(self.new(n, cb, f"{module} dequantized weight"))
         self.drop(scratch)
         out = self.made(self.new(rows * d_out, cb, name, x.rg))
-        self.tape.keep(out, "linear")
+        self.keep(out, "linear")
         self.drop(w)
         if x.rg:
             self.node(f"{module} dequant matmul", [out], (), [
@@ -274,14 +291,14 @@ class Walk:
             if h.rg:
                 self.node("autocast input cast", [a_in], (), [("grad", h)])
         self.made(a_out)
-        self.tape.keep(a_out, "linear")
+        self.keep(a_out, "linear")
         self.node(f"{module}.lora_A matmul", [a_out], [a_in] + ([a16] if h.rg and a16 else []),
                   asteps + ([("grad", a_in)] if h.rg else []))
         if a_in is not h:
             self.drop(a_in)
         b16, bsteps = self._weight_copy(d_out * r, True, f"{module}.lora_B (16-bit copy)")
         b = self.made(self.new(rows * d_out, self.mm_bytes, f"{name} lora_B out"))
-        self.tape.keep(b, "linear")
+        self.keep(b, "linear")
         self.node(f"{module}.lora_B matmul", [b], [a_out] + ([b16] if b16 else []), bsteps + [("grad", a_out)])
         self.drop(a_out)
         delta = self.made(self.new(b.numel, b.itemsize, f"{name} lora delta"))
@@ -303,17 +320,13 @@ class Walk:
         saves A's input (x, or a fresh 16-bit copy under autocast) and the (rows, r) output of A."""
         trains, r = self.trains(module), self.lora.get(module, 0)
         q = module in self.quant_modules  # stored quantized: dequantized on the fly
-        saved_x = None
-        if trains:
-            saved_x = self.as_matmul_input(x)
-            self.save(saved_x)
+        saved_x = self.as_matmul_input(x) if trains else None
         d_in, d_out, bias = self.linears.get(module, (0, 0, 0))
         self.trained += (d_in * d_out + bias if trains else 0) + r * (d_in + d_out)
         adapter_in = a_out = None
         if r:
             adapter_in = self.new(x.numel, self.low_bytes, f"{name} adapter input") if self.autocast else x
             a_out = self.new(rows * r, self.mm_bytes, f"{name} lora_A out", True)
-            self.save(adapter_in, a_out)
         if self.autocast and module in self.linears:
             self._count_copies(module, trains, x.rg, r, q)
         # a quantized base returns x's dtype (fp32 after an autocast LayerNorm), and base + adapter keeps it
@@ -326,7 +339,7 @@ class Walk:
         y = self._lora_path(x, module, rows, out_features, name, adapter_in, a_out, base) if r else base
         y.rg = x.rg or trains or r > 0
         assert y.itemsize == itemsize, (name, y.itemsize, itemsize)
-        return self.keep(self.new(rows * out_features, itemsize, name, rg=y.rg), y, "linear")
+        return y
 
     def _count_copies(self, module: str, trains: bool, x_rg: bool, r: int, q: bool) -> None:
         """Autocast's 16-bit copies that outlive the op: a trained weight and bias are cached until the
@@ -345,23 +358,16 @@ class Walk:
         self.copy_bytes += low * r * (d_in + d_out)
         self.copy_unsaved += 0 if x_rg else low * r * d_in
 
-    def keep(self, t: T, result: T | None = None, kind: str = "linear") -> T:
-        """Note an op's output that selective checkpointing may keep instead of recomputing: counted when the
-        policy keeps `kind` (labkit.estimate.tape.KEEP_KINDS); returns `result` (the tape's tensor) when given,
-        else t."""
+    def keep(self, t: T, kind: str) -> None:
+        """An op's output that selective checkpointing may keep instead of recomputing: on the tape, and counted
+        when the policy keeps `kind` (labkit.estimate.tape.KEEP_KINDS). Call it right after the op makes t."""
+        self.tape.keep(t, kind)
         if kind in self.tape.kinds:
             self.kept_bytes += t.nbytes
-        return t if result is None else result
 
     def mark(self) -> tuple[int, int, int]:
         """(saved, kept bytes, trained elements) so far: the walk's position, for per-layer differences."""
         return self.saved_bytes, self.kept_bytes, self.trained
-
-    def point(self, what: str, pts) -> None:
-        """Record an op's worst forward and backward moments (an AttnPoints) at the walk's position."""
-        for phase, (op, saved, temp) in (("forward", pts.forward), ("backward", pts.backward)):
-            self.points.append(OpPoint(phase, f"{what}: {op}", self.saved_bytes, saved, temp, self.trained,
-                                       self.kept_bytes + (pts.kept if "attention" in self.tape.kinds else 0)))
 
     def layer_norm(self, x: T, rows: int, name: str, module: str = "") -> T:
         """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the
@@ -374,13 +380,10 @@ class Walk:
         if self.autocast and self.device == "cuda" and x.itemsize != 4:  # CUDA autocast runs it in fp32
             x = self.cast(x, 4, f"{name} input (fp32 copy)")
         stats = self.new(2 * rows, 4 if self.device == "cuda" else x.itemsize, f"{name} stats")
-        if rg:
-            self.save(x, stats)
         # CPU autocast leaves layer_norm in its input's dtype (fp32 after an fp32 stream, 16-bit after a 16-bit one)
         out = self.made(self.new(x.numel, 4 if self.autocast and x.itemsize == 4 else x.itemsize, f"{name} out", rg))
         self.made(stats)
-        self.keep(out, kind="norm"), self.keep(stats, kind="norm")  # native_layer_norm's (out, mean, rstd)
-        self.tape.keep(out, "norm"), self.tape.keep(stats, "norm")
+        self.keep(out, "norm"), self.keep(stats, "norm")  # native_layer_norm's (out, mean, rstd)
         if rg:
             h = x.numel // max(rows, 1)
             self.node(f"{name} layer_norm", [out], [x, stats],
@@ -400,11 +403,7 @@ class Walk:
         trains = self.trains(module)
         x32 = x if x.itemsize == 4 else self.new(x.numel, 4, f"{name} fp32 copy", x.rg)
         rs = self.new(rows, 4, f"{name} rsqrt", x.rg)
-        if x.rg:
-            self.save(x32, rs)
         normed = self.new(x.numel, x.itemsize, f"{name} normed", x.rg)
-        if trains:
-            self.save(normed)
         out = self.new(x.numel, x.itemsize, f"{name} out", x.rg or trains)
         # the tape
         if x32 is not x:
@@ -447,10 +446,8 @@ class Walk:
 
     def gelu(self, x: T, name: str) -> T:
         """Exact (erf) GELU in one kernel: saves its input only."""
-        if x.rg:
-            self.save(x)
         y = self.made(self.new(x.numel, x.itemsize, name, x.rg))
-        self.keep(y, kind="activation"), self.tape.keep(y, "activation")  # aten.gelu
+        self.keep(y, "activation")  # aten.gelu
         if x.rg:
             self.node(name, [y], [x], [("grad", x)])
         return y
@@ -463,10 +460,6 @@ class Walk:
         Tape: Python evaluates 0.5*x first and holds it while the tanh term is built.
         """
         parts = {p: self.new(x.numel, x.itemsize, f"{name} {p}", x.rg) for p in ("0.5x", "tanh", "1+tanh")}
-        if x.rg:
-            self.save(x)
-            for t in parts.values():
-                self.save(t)
         new = lambda what: self.made(self.new(x.numel, x.itemsize, f"{name} {what}", x.rg))  # noqa: E731
         half = self.made(parts["0.5x"])
         cube = new("x^3")
@@ -496,20 +489,14 @@ class Walk:
 
     def silu(self, gate: T, name: str) -> T:
         """silu(gate) saves gate (the first half of Llama's SwiGLU)."""
-        if gate.rg:
-            self.save(gate)
         s = self.made(self.new(gate.numel, gate.itemsize, f"{name} silu", gate.rg))
-        self.keep(s, kind="activation"), self.tape.keep(s, "activation")  # aten.silu
+        self.keep(s, "activation")  # aten.silu
         if gate.rg:
             self.node(f"{name} silu", [s], [gate], [("grad", gate)])
         return s
 
     def glu_mul(self, s: T, up: T, name: str) -> T:
         """silu(gate) * up saves up (for silu's gradient) and silu's output (for up's)."""
-        if s.rg:
-            self.save(up)
-        if up.rg:
-            self.save(s)
         y = self.made(self.new(s.numel, max(s.itemsize, up.itemsize), name, s.rg or up.rg))
         if s.rg or up.rg:
             self.node(f"{name} silu * up", [y], [t for t, other in ((up, s), (s, up)) if other.rg],
@@ -521,10 +508,7 @@ class Walk:
         Tape: the mask is made beside the output and goes when the module returns (unless saved)."""
         if p <= 0:
             return x
-        mask = self.new(x.numel, 1 if self.device == "cuda" else x.itemsize, f"{name} mask")
-        if x.rg:
-            self.save(mask)
-        self.made(mask)
+        mask = self.made(self.new(x.numel, 1 if self.device == "cuda" else x.itemsize, f"{name} mask"))
         y = self.made(self.new(x.numel, x.itemsize, name, x.rg))
         if x.rg:
             self.node(name, [y], [mask], [("grad", x)])

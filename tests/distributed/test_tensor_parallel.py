@@ -88,3 +88,21 @@ def test_tensor_parallel_memory_against_formula_and_estimate(runs):
             est = estimate_ranks(Recipe(GPTConfig(**CFG), 8, 32, tp=2, micro_batch=4, sequence_parallel=sp))
             assert meas["n_params"] == est[0].n_params
             assert abs(est[0].peak.total / meas["peak"]["total"] - 1) < 0.03
+
+
+@pytest.mark.parametrize("attention,dtype", [("sdpa", "fp32"), ("manual", "bf16")])
+def test_rank_layer_bytes_from_the_walks_shares(attention, dtype):
+    """Each saved tensor carries how a tensor-parallel rank holds it (walk.TPShare: per head, the stream, the
+    mask), set where the walk makes it: one rank's layer, measured by its ledger, is what the walk predicts,
+    with and without sequence parallelism. With dropout on the CPU, SDPA runs its math fallback, whose scaled
+    q and k the old split by tensor names kept whole on each rank (tp: +5.5 % here)."""
+    from labkit.estimate import predict
+    from labkit.estimate.layout_terms import tp_layer_bytes
+    from labkit.estimate.spec import spec_from
+
+    cfg = dict(ACT_CFG, attention=attention)
+    res = launch(lr.tp_activation_memory, 2, args=(lr.Workload(cfg, 2, 64), dtype), timeout_s=200)
+    w, marks = predict.walk_activations(spec_from(GPTConfig(**cfg)), predict.Precision.of(dtype), 2, 64, "cpu")
+    for layer in res:
+        assert layer == {"t=1": marks[-1][0] - marks[-2][0], "tp": tp_layer_bytes(w, marks, 2),
+                         "tp+sp": tp_layer_bytes(w, marks, 2, True)}

@@ -1,29 +1,14 @@
-"""Materialised attention's transients (labkit.estimate.attention) against the ledger, where they set the peak."""
+"""Materialised attention's transients (the blocks' replayed ops, labkit.estimate.tape) against the ledger, where
+they set the peak."""
 
 import pytest
 
 from labkit.estimate import Recipe, estimate
 from labkit.run import measure_step
-from labkit.estimate.attention import AttnShape, materialised
 from labkit.models.gpt import GPTConfig
 from estimate_checks import assert_every_phase_within
 
 TOL = 0.03  # of the measured peak, as every lesson states it
-
-
-def test_manual_attention_ops_by_hand():
-    """B=1, a=4, S=512, fp32: P = 4 MiB. Forward: the scaled and the masked scores and two S^2 bool masks;
-    backward: the probabilities (saved) with d attn and softmax's backward output."""
-    a = AttnShape(B=1, heads=4, S=512, head_dim=8, mm=4, sm=4, x=4, drop_mask=4)
-    P, M = 4 * 512 * 512 * 4, 512 * 512
-    pts = materialised("manual", a, 0.0)
-    assert pts.forward == ("masked", M, 2 * P + M)  # ~mask saved; scaled + masked + tril live
-    assert pts.backward == ("d scores", P + M, 2 * P)
-    assert pts.saved == P + M
-    with_dropout = materialised("manual", a, 0.1)
-    assert with_dropout.saved == 3 * P + M  # probs, dropout mask, dropped
-    with pytest.raises(ValueError, match="unknown attention kind"):
-        materialised("flash", a, 0.0)
 
 
 CASES = {  # each sets its peak inside attention
@@ -121,8 +106,8 @@ def test_gpt2_eager_frees_the_masked_scores_as_softmax_returns():
 
 
 def test_llama_eager_16bit_forward_points_hold_softmax_fp32_input():
-    """With the step in backward the forward's attention moment comes from
-    labkit.estimate.attention's replay (not the block's tape): a 16-bit Llama's
+    """With the step in backward the forward's attention moment comes from the block's replay: a 16-bit
+    Llama's
     softmax(dtype=float32) first copies the scores to fp32, and `softmax(...).to(query.dtype)` is
     one statement, so the masked scores live through the cast. Without the fp32 copy the forward was
     -10.56 % of the peak here."""
