@@ -416,8 +416,6 @@ def chunked_loss(w: Walk, final: T, spec, r: int) -> tuple[int, int]:
     from labkit.recompute.chunked_ce import scratch_bytes
 
     m = w.low_bytes if w.autocast else final.itemsize
-    if w.trains("lm_head"):
-        w.trained += spec.vocab * spec.hidden
     w.save(final, w.new(r, 4, "logsumexp (chunked loss)"), w.new(1, 8, "counted rows (chunked loss)"))
     return scratch_bytes(r, spec.hidden, spec.vocab, spec.loss_chunk, final.itemsize, w.x_bytes, m)
 

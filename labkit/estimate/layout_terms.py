@@ -152,7 +152,7 @@ def tp_layer_bytes(w, marks, t: int, sp: bool = False) -> int:
     residual stream, residual dropout masks) replicated, or divided by t too with sequence parallelism."""
     if len(marks) < 2:
         return 0
-    lo, hi = marks[-2][0], marks[-1][0]
+    lo, hi = marks[-2], marks[-1]
     total, pos = 0.0, 0
     for root in w.saved.values():  # in the order saved
         if lo <= pos < hi:

@@ -187,7 +187,7 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
     lsm = 0 if chunked else w.log_softmax.nbytes
     upcast = r * V * 4 if not chunked and lsm // (r * V) != mm else 0  # the fp32 copy the loss makes
     L = max(spec.n_layer, 1)
-    layer = (marks[-1][0] - marks[0][0]) // L
+    layer = (marks[-1] - marks[0]) // L
     ts = spec if peft is None else peft_terms.trainable_spec(spec, peft)  # what trains
     head_trains, emb_trains = w.trains("lm_head"), w.trains("wte")
     head_grad = (V * h + 2 * h) * gb if head_trains else 0  # the output matrix (and final norm)
@@ -218,8 +218,8 @@ def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, W
         **units,
         head_held=V * h * gb if spec.tied and head_trains else 0,  # waits for the embedding's part (not the final norm)
         head_freed=(2 * V * h if prec.autocast else 0, r * h * mm, r * V * mm + (V * h * mm if prec.autocast else 0)),
-        inputs=input_bytes(B, S), before=marks[0][0], layer=layer,
-        after=w.saved_bytes - marks[-1][0], lsm=lsm,
+        inputs=input_bytes(B, S), before=marks[0], layer=layer,
+        after=w.saved_bytes - marks[-1], lsm=lsm,
         **(fields or dict(logits=r * V * mm + upcast,
                           head_temp=r * V * mm + r * h * mm + (V * h * mm if prec.autocast and head_trains else 0))),
         head_grad=head_grad, head_new=V * h * gb if head_trains else 0, stream=r * h * w.x_bytes,

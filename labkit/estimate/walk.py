@@ -68,7 +68,6 @@ class Walk:
     train_bytes: int | None = None
     device: str = "cpu"
     saved: dict[int, T] = field(default_factory=dict)  # id(root) -> root tensor
-    kept_bytes: int = 0  # outputs of matmul-like ops: what "matmuls" selective checkpointing keeps
     frozen: bool = False  # every base weight frozen (LoRA, QLoRA)
     lora: dict[str, int] = field(default_factory=dict)  # adapted Linear module name -> LoRA rank
     active: frozenset | None = None  # LISA: indices of the layers that train (None: all)
@@ -80,7 +79,6 @@ class Walk:
     copy_bytes: int = 0  # autocast's 16-bit weight copies alive through the forward (see `_count_copies`)
     copy_unsaved: int = 0  # the part of copy_bytes no op saves: freed as the forward's autocast exits
     copy_frozen: dict = field(default_factory=dict)  # module -> bytes of a frozen weight's copy (saved, not cached)
-    trained: int = 0  # elements of the trained parameters the walk has passed (their gradients come in reverse)
     forward_extra: int = 0  # alive through the whole forward, never saved (transformers' 4-D float mask)
     forward_locals: int = 0  # tensors a model's forward function holds in locals until it returns (embeddings)
     locals_saved: int = 0  # such locals that are also saved for backward (position ids, rotary tables)
@@ -322,7 +320,6 @@ class Walk:
         q = module in self.quant_modules  # stored quantized: dequantized on the fly
         saved_x = self.as_matmul_input(x) if trains else None
         d_in, d_out, bias = self.linears.get(module, (0, 0, 0))
-        self.trained += (d_in * d_out + bias if trains else 0) + r * (d_in + d_out)
         adapter_in = a_out = None
         if r:
             adapter_in = self.new(x.numel, self.low_bytes, f"{name} adapter input") if self.autocast else x
@@ -359,15 +356,13 @@ class Walk:
         self.copy_unsaved += 0 if x_rg else low * r * d_in
 
     def keep(self, t: T, kind: str) -> None:
-        """An op's output that selective checkpointing may keep instead of recomputing: on the tape, and counted
-        when the policy keeps `kind` (labkit.estimate.tape.KEEP_KINDS). Call it right after the op makes t."""
+        """An op's output that selective checkpointing may keep instead of recomputing, when its policy keeps
+        `kind` (labkit.estimate.tape.KEEP_KINDS). Call it right after the op makes t."""
         self.tape.keep(t, kind)
-        if kind in self.tape.kinds:
-            self.kept_bytes += t.nbytes
 
-    def mark(self) -> tuple[int, int, int]:
-        """(saved, kept bytes, trained elements) so far: the walk's position, for per-layer differences."""
-        return self.saved_bytes, self.kept_bytes, self.trained
+    def mark(self) -> int:
+        """Bytes saved so far: the walk's position, for per-layer differences."""
+        return self.saved_bytes
 
     def layer_norm(self, x: T, rows: int, name: str, module: str = "") -> T:
         """LayerNorm saves its input and two statistics per row (mean, 1/std): fp32 on CUDA, the

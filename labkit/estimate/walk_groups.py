@@ -128,7 +128,7 @@ def block_groups(spec, recipe, peft=None, base_bytes: int | None = None) -> Bloc
     peft_terms.setup_walk(w, peft)
     marks: list = []
     WALKS[spec.family](w, spec, recipe.micro, recipe.seq, marks)
-    bounds = [m[0] for m in marks]
+    bounds = marks
     blocks: list[dict] = [{} for _ in range(max(len(bounds) - 1, 0))]
     at = 0
     for group, nbytes, weight in w.saves:

@@ -104,5 +104,5 @@ def test_rank_layer_bytes_from_the_walks_shares(attention, dtype):
     res = launch(lr.tp_activation_memory, 2, args=(lr.Workload(cfg, 2, 64), dtype), timeout_s=200)
     w, marks = predict.walk_activations(spec_from(GPTConfig(**cfg)), predict.Precision.of(dtype), 2, 64, "cpu")
     for layer in res:
-        assert layer == {"t=1": marks[-1][0] - marks[-2][0], "tp": tp_layer_bytes(w, marks, 2),
+        assert layer == {"t=1": marks[-1] - marks[-2], "tp": tp_layer_bytes(w, marks, 2),
                          "tp+sp": tp_layer_bytes(w, marks, 2, True)}

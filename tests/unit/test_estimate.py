@@ -74,7 +74,7 @@ def test_korthikanti_34_plus_5as_over_h():
     w = Walk(x_bytes=2, device="cuda")
     marks = []
     WALKS["labkit-gpt"](w, spec_from(cfg), b, s, marks)
-    per_layer = marks[2][0] - marks[1][0]
+    per_layer = marks[2] - marks[1]
     extras = 2 * (2 * s * b * 4) + s * s  # two LayerNorms' fp32 mean and rstd; the bool mask
     assert per_layer - extras == s * b * h * 34 + 5 * a * s * s * b
 

@@ -59,7 +59,7 @@ def test_options_save_what_they_should():
     # with 2 segments the forward peaks inside the last segment's last block: the first segment's input and
     # the last one's (its checkpoint keeps it while its later blocks run) are the only activations held
     act_full = estimate(G, 8, 64, checkpoint="full", segments=2).phases["forward"][Category.ACT]
-    assert act_full == input_bytes(8, 64) + marks[0][0] + 2 * 8 * 64 * 96 * 4
+    assert act_full == input_bytes(8, 64) + marks[0] + 2 * 8 * 64 * 96 * 4
 
 
 def test_segments_follow_recompute_segment_bounds():
