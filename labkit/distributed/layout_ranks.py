@@ -126,16 +126,18 @@ def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
     return _stage_grads(stage), loss
 
 
-def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: int = 2, fail_stage=None):
+def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: int = 2, fail_stage=None,
+                    checkpoint: bool = False):
     """`steps` AdamW steps of one stage under schedule `name` with m micro-batches, measured by its own ledger:
     per-category peaks of the last step, the most activation bytes held, when each forward and backward ran, and
-    the in-flight counts. A `fail_stage` raises in its first forward (to test that a failing stage ends the run)."""
+    the in-flight counts. A `fail_stage` raises in its first forward (to test that a failing stage ends the run).
+    checkpoint: each block of the stage checkpointed (pipeline.Stage)."""
     from labkit.memory.ledger import Ledger
     from labkit.memory.report import Category
 
     model = build_model(work)
     vocab = model.config.vocab_size
-    stage = pl.build_stage(model, rank, world_size)
+    stage = pl.build_stage(model, rank, world_size, checkpoint=checkpoint)
     del model
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     group = pl.tied_group(world_size)
@@ -303,9 +305,9 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
             "n_params": sum(p.numel() for p in model.parameters())}
 
 
-def pipeline_memories(rank, world_size, work: Workload, m: int, names=("gpipe", "1f1b")):
+def pipeline_memories(rank, world_size, work: Workload, m: int, names=("gpipe", "1f1b"), checkpoint: bool = False):
     """pipeline_memory for several schedules in one launch: {schedule: result}."""
-    return {name: pipeline_memory(rank, world_size, work, m, name) for name in names}
+    return {name: pipeline_memory(rank, world_size, work, m, name, checkpoint=checkpoint) for name in names}
 
 
 def tp_memories(rank, world_size, layer: Workload, step: Workload, micro_batch: int):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from labkit.distributed import comms
 from labkit.memory.report import Category
+from labkit.recompute.checkpoint import checkpoint as recompute
 
 __all__ = ["split_layers", "Stage", "build_stage", "schedule", "gpipe", "one_f_one_b", "run_step", "StepRun",
            "sync_tied_grads", "p2p_group", "simulate", "durations_of", "bubble_fraction", "measured_bubble",
@@ -84,13 +85,17 @@ class Stage(nn.Module):
 
     `tied` is True on the first and last stage of a model whose output head shares the embedding matrix:
     each of the two holds its own copy and their gradients are summed after backward (sync_tied_grads),
-    as Megatron-LM does with its "embedding group"."""
+    as Megatron-LM does with its "embedding group". `checkpoint`: each block runs under
+    labkit.recompute.checkpoint (full activation recomputation of each block):
+    a micro-batch in flight holds its blocks' inputs only."""
 
     def __init__(self, blocks: list[nn.Module], index: int, n_stages: int, embed: Embed | None = None,
-                 head: Head | None = None, tied: bool = False, layers: tuple[int, int] = (0, 0)):
+                 head: Head | None = None, tied: bool = False, layers: tuple[int, int] = (0, 0),
+                 checkpoint: bool = False):
         super().__init__()
         self.embed, self.blocks, self.head = embed, nn.ModuleList(blocks), head
         self.index, self.n_stages, self.tied, self.layers = index, n_stages, tied, layers
+        self.checkpoint = checkpoint
 
     @property
     def is_first(self) -> bool:
@@ -104,7 +109,7 @@ class Stage(nn.Module):
         if self.embed is not None:
             x = self.embed(x)  # token ids (B, T) -> (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            x = recompute(block, x) if self.checkpoint else block(x)
         return self.head(x) if self.head is not None else x  # logits (B, T, V) or the hidden state (B, T, C)
 
     def tied_weight(self) -> nn.Parameter | None:
@@ -125,9 +130,10 @@ def _parts(model: nn.Module):
                      "transformers' GPT-2 are supported")
 
 
-def build_stage(model: nn.Module, index: int, n_stages: int) -> Stage:
+def build_stage(model: nn.Module, index: int, n_stages: int, checkpoint: bool = False) -> Stage:
     """Stage `index` of `n_stages`: deep copies of its modules from `model` (every rank builds the whole
-    model from the same seed and keeps its own stage; a real job would build only its part)."""
+    model from the same seed and keeps its own stage; a real job would build only its part); checkpoint:
+    each block checkpointed (Stage)."""
     wte, wpe, drop, blocks, ln_f, lm_head = _parts(model)
     if not 0 <= index < n_stages:
         raise ValueError(f"pipeline: stage {index} does not exist in {n_stages} stages")
@@ -143,7 +149,8 @@ def build_stage(model: nn.Module, index: int, n_stages: int) -> Stage:
     if is_first and is_last and shared:  # one stage: keep the tie itself
         copies["head"].lm_head.weight = copies["embed"].wte.weight
     stage = Stage([copies[f"blocks.{j}"] for j in range(stop - start)], index, n_stages, copies.get("embed"),
-                  copies.get("head"), tied=shared and n_stages > 1 and (is_first or is_last), layers=(start, stop))
+                  copies.get("head"), tied=shared and n_stages > 1 and (is_first or is_last), layers=(start, stop),
+                  checkpoint=checkpoint)
     stage.origin = {}  # this stage's parameter name -> the whole model's name for it
     for key, part in copies.items():
         for (name, _), (_, orig) in zip(part.named_parameters(remove_duplicate=False),

@@ -22,6 +22,7 @@ from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey a
 
 from . import keyed, predict, zero_terms
 from .moments import custom, step_moments
+from .moments import _held as moments_held
 from .spec import spec_from
 from .walk import TPShare
 from .textbook import in_flight, korthikanti_layer_bytes  # noqa: F401 (lesson 10 quotes them from here)
@@ -181,11 +182,15 @@ def estimate_ranks(recipe) -> list[Estimate]:
         raise ValueError("zero_offload beside tensor or pipeline parallelism is not estimated yet")
     if r.zero and r.optimizer != "adamw":
         raise ValueError("ZeRO-1 beside tensor or pipeline parallelism runs labkit's Zero: AdamW only")
-    if r.checkpoint != "none" or r.offload_activations or r.lora_rank or r.lisa_layers or r.step_in_backward \
+    if r.offload_activations or r.lora_rank or r.lisa_layers or r.step_in_backward \
             or r.optimizer_offload or r.optimizer.startswith("galore"):
-        raise ValueError("per-rank estimates of a tp/pp layout take plain training (no checkpointing, offload, "
-                         "PEFT, GaLore or step in backward)")
+        raise ValueError("per-rank estimates of a tp/pp layout take plain training or checkpointing (no "
+                         "offload, PEFT, GaLore or step in backward)")
     spec = spec_from(r.model, **r.config)
+    if r.checkpoint != "none" and (r.tp > 1 or r.checkpoint != "full" or r.segments not in (None, spec.n_layer)):
+        raise ValueError("checkpointing in a tp/pp layout: pipeline stages checkpoint each block in full "
+                         "(labkit.distributed.pipeline.Stage, checkpoint='full', segments=None); a tensor-"
+                         "parallel rank's blocks are not checkpointed (labkit.distributed.tensor_parallel)")
     if spec.family != "labkit-gpt" and r.tp > 1:
         raise ValueError(f"tensor-parallel estimates are for labkit's GPT (labkit.distributed.tensor_parallel); "
                          f"got a {spec.family} model")
@@ -240,14 +245,17 @@ def estimate_ranks(recipe) -> list[Estimate]:
             # the first micro-batch's dense embedding gradient becomes .grad itself (AccumulateGrad takes it, and
             # "gradients" counts it): no head's part to sum with on this stage, nothing beside it
             b.emb_temp = 0
-        a_s = b.before + n_blocks * b.layer + b.after  # one micro-batch's activations on this stage
+        # one micro-batch's activations on this stage: what its blocks save, or the checkpointed blocks' inputs
+        held = (sum(x.bytes for x in moments_held(b, r.checkpoint, False, [1] * n_blocks, n_blocks)) if r.checkpoint != "none"
+                else n_blocks * b.layer)
+        a_s = b.before + held + b.after
         acts = _actions(r.schedule if p > 1 else "gpipe", m, p, s) if p > 1 else None
         k_first, k_later = _others_in_flight(acts) if acts else (0, 0)
         root = 0 if last else rh * mm  # a non-last stage's output: the root of its backward, held through it
-        moments = _with_extra(step_moments(b, n_blocks), k_first, a_s, r.schedule, root)
+        moments = _with_extra(step_moments(b, n_blocks, r.checkpoint), k_first, a_s, r.schedule, root)
         if m > 1:
-            moments += _with_extra(step_moments(b, n_blocks, grads_exist=True, tag="micro-batch 2 on"), k_later,
-                                   a_s, r.schedule, root)
+            moments += _with_extra(step_moments(b, n_blocks, r.checkpoint, grads_exist=True,
+                                                tag="micro-batch 2 on"), k_later, a_s, r.schedule, root)
         label = (f"{spec.name} B={r.batch} S={r.seq} {r.dtype} {r.optimizer} tp={t}{' sp' if sp else ''} pp={p}"
                  f"{' ' + r.schedule if p > 1 else ''} m={m}: stage {s}")
         terms = [Term("parameters", Category.PARAM, b.P, f"{rs.n_params:,} x {d} B (this rank's share)",
@@ -256,7 +264,8 @@ def estimate_ranks(recipe) -> list[Estimate]:
                  Term("optimizer state", Category.OPT, b.O, "per optimizer on this rank's parameters", "",
                       key=K.OPTIMIZER_STATE),
                  Term("activations of one micro-batch on this stage", Category.ACT, a_s,
-                      f"{'before + ' if first else ''}{n_blocks} x layer + {'after' if last else 'output'}",
+                      f"{'before + ' if first else ''}{n_blocks} x "
+                      f"{'block input' if r.checkpoint != 'none' else 'layer'} + {'after' if last else 'output'}",
                       "Korthikanti et al. 2022 per layer", key=K.SAVED_ACTIVATIONS)]
         if r.dp > 1:
             label += f" dp={r.dp}" + (f" zero={r.zero}" if r.zero else "")
