@@ -127,19 +127,23 @@ def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
 
 
 def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: int = 2, fail_stage=None,
-                    checkpoint: bool = False):
+                    checkpoint: bool = False, prepare=None):
     """`steps` AdamW steps of one stage under schedule `name` with m micro-batches, measured by its own ledger:
     per-category peaks of the last step, the most activation bytes held, when each forward and backward ran, and
     the in-flight counts. A `fail_stage` raises in its first forward (to test that a failing stage ends the run).
-    checkpoint: each block of the stage checkpointed (pipeline.Stage)."""
+    checkpoint: each block of the stage checkpointed (pipeline.Stage). prepare: changes the whole model before
+    the stage is cut from it (e.g. functools.partial(labkit.run.apply_peft, lora_rank=8): LoRA; AdamW then
+    steps the trained parameters only)."""
     from labkit.memory.ledger import Ledger
     from labkit.memory.report import Category
 
     model = build_model(work)
+    if prepare is not None:
+        prepare(model)
     vocab = model.config.vocab_size
     stage = pl.build_stage(model, rank, world_size, checkpoint=checkpoint)
     del model
-    opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], lr=1e-3)
     group = pl.tied_group(world_size)
     actions = pl.schedule(name, m, world_size, rank)
     if fail_stage == rank:  # this stage dies in its first forward: its peers wait in send/recv
@@ -305,9 +309,11 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
             "n_params": sum(p.numel() for p in model.parameters())}
 
 
-def pipeline_memories(rank, world_size, work: Workload, m: int, names=("gpipe", "1f1b"), checkpoint: bool = False):
+def pipeline_memories(rank, world_size, work: Workload, m: int, names=("gpipe", "1f1b"), checkpoint: bool = False,
+                      prepare=None):
     """pipeline_memory for several schedules in one launch: {schedule: result}."""
-    return {name: pipeline_memory(rank, world_size, work, m, name, checkpoint=checkpoint) for name in names}
+    return {name: pipeline_memory(rank, world_size, work, m, name, checkpoint=checkpoint, prepare=prepare)
+            for name in names}
 
 
 def tp_memories(rank, world_size, layer: Workload, step: Workload, micro_batch: int):

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey as K
 
-from . import keyed, predict, zero_terms
+from . import keyed, peft_terms, predict, zero_terms
 from .moments import custom, step_moments
-from .moments import _held as moments_held
+from .moments import _block_saved as block_saved, _held as moments_held
 from .spec import spec_from
 from .walk import TPShare
 from .textbook import in_flight, korthikanti_layer_bytes  # noqa: F401 (lesson 10 quotes them from here)
@@ -182,10 +182,14 @@ def estimate_ranks(recipe) -> list[Estimate]:
         raise ValueError("zero_offload beside tensor or pipeline parallelism is not estimated yet")
     if r.zero and r.optimizer != "adamw":
         raise ValueError("ZeRO-1 beside tensor or pipeline parallelism runs labkit's Zero: AdamW only")
-    if r.offload_activations or r.lora_rank or r.lisa_layers or r.step_in_backward \
-            or r.optimizer_offload or r.optimizer.startswith("galore"):
-        raise ValueError("per-rank estimates of a tp/pp layout take plain training or checkpointing (no "
-                         "offload, PEFT, GaLore or step in backward)")
+    if r.offload_activations or r.lisa_layers or r.step_in_backward or r.optimizer_offload \
+            or r.optimizer.startswith("galore"):
+        raise ValueError("per-rank estimates of a tp/pp layout take full training, checkpointing and LoRA (no "
+                         "activation or optimizer offload, LISA, GaLore or step in backward)")
+    if r.lora_rank and (r.tp > 1 or r.quant != "none" or r.zero):
+        raise ValueError("LoRA in a tp/pp layout: pipeline stages (labkit.distributed.pipeline) over a "
+                         "full-precision base, without ZeRO; labkit's tensor parallel splits nn.Linear "
+                         "weights, which LoRA wraps")
     spec = spec_from(r.model, **r.config)
     if r.checkpoint != "none" and (r.tp > 1 or r.checkpoint != "full" or r.segments not in (None, spec.n_layer)):
         raise ValueError("checkpointing in a tp/pp layout: pipeline stages checkpoint each block in full "
@@ -202,8 +206,12 @@ def estimate_ranks(recipe) -> list[Estimate]:
     micro, rows = r.micro, r.rank_batch
     m = rows // micro
     foreach = (r.device == "cuda") if r.foreach is None else r.foreach
-    full, w = predict.step_bytes(spec, r)
+    peft = peft_terms.of_recipe(spec, r)
+    full, w = predict.step_bytes(spec, r, peft)
     _, marks = predict.walk_activations(spec, prec, micro, r.seq, r.device)
+    # what trains: every parameter, or LoRA's adapters (no tied copy: the embedding is frozen)
+    trains = None if peft is None else dataclasses.replace(peft_terms.trainable_spec(spec, peft), tied=False)
+    fb = predict._frozen_bytes(r)  # bytes of a frozen base's weight (LoRA)
     t, sp, p = r.tp, r.sequence_parallel, r.pp
     d, mm = prec.weight, w.mm_bytes
     rh = micro * r.seq * spec.hidden
@@ -211,16 +219,18 @@ def estimate_ranks(recipe) -> list[Estimate]:
     for s in range(p):
         first, last = s == 0, s == p - 1
         rs = rank_spec(spec, s, p, t)
+        rt = rs if trains is None else rank_spec(trains, s, p, t)  # this rank's trained parameters
         n_blocks = rs.n_layer
         b = dataclasses.replace(full)
-        b.P = rs.n_params * d
-        b.G = rs.n_params * d
-        b.O = predict.optimizer_state_bytes(rs, prec, r.optimizer)
-        b.opt_temp = predict.optimizer_temp_bytes(rs, prec, r.optimizer, foreach)
-        b.C = predict.autocast_copy_bytes(dataclasses.replace(rs, matmul_params=_matmul(rs, spec)), prec)
+        b.P = rs.n_params * d if trains is None else rs.n_params * fb + rt.n_params * d
+        b.G = rt.n_params * d
+        b.O = predict.optimizer_state_bytes(rt, prec, r.optimizer)
+        b.opt_temp = predict.optimizer_temp_bytes(rt, prec, r.optimizer, foreach)
+        b.C = (predict.autocast_copy_bytes(dataclasses.replace(rs, matmul_params=_matmul(rs, spec)), prec)
+               if trains is None else n_blocks * full.layer_copy + (full.head_copy if last else 0))
         b.states = {}
         b.layer = tp_layer_bytes(w, marks, t, sp) if t > 1 else full.layer
-        b.layer_grad = rs.layer_params * d
+        b.layer_grad = rt.layer_params * d
         # a stage's blocks run their ops as on one device: their replays (a tensor-parallel rank's ops are
         # split, so it takes the per-block bytes instead); only the last stage has the final norm
         start, stop = split_layers(spec.n_layer, p)[s]
@@ -246,16 +256,20 @@ def estimate_ranks(recipe) -> list[Estimate]:
             # "gradients" counts it): no head's part to sum with on this stage, nothing beside it
             b.emb_temp = 0
         # one micro-batch's activations on this stage: what its blocks save, or the checkpointed blocks' inputs
-        held = (sum(x.bytes for x in moments_held(b, r.checkpoint, False, [1] * n_blocks, n_blocks)) if r.checkpoint != "none"
-                else n_blocks * b.layer)
+        held = (sum(x.bytes for x in moments_held(b, r.checkpoint, False, [1] * n_blocks, n_blocks))
+                if r.checkpoint != "none" else n_blocks * b.layer if trains is None
+                else sum(block_saved(b, k) for k in range(n_blocks)))  # LoRA: blocks save unlike
         a_s = b.before + held + b.after
         acts = _actions(r.schedule if p > 1 else "gpipe", m, p, s) if p > 1 else None
         k_first, k_later = _others_in_flight(acts) if acts else (0, 0)
         root = 0 if last else rh * mm  # a non-last stage's output: the root of its backward, held through it
         moments = _with_extra(step_moments(b, n_blocks, r.checkpoint), k_first, a_s, r.schedule, root)
         if m > 1:
+            # a later stage sends each micro-batch's input gradient back with isend: the earlier one's lives
+            # until this backward's send waits for it, through this forward too where a backward ran before it
+            sending = (0 if first else rh * w.x_bytes, bool(acts) and _backward_before_forward(acts))
             moments += _with_extra(step_moments(b, n_blocks, r.checkpoint, grads_exist=True,
-                                                tag="micro-batch 2 on"), k_later, a_s, r.schedule, root)
+                                                tag="micro-batch 2 on"), k_later, a_s, r.schedule, root, sending)
         label = (f"{spec.name} B={r.batch} S={r.seq} {r.dtype} {r.optimizer} tp={t}{' sp' if sp else ''} pp={p}"
                  f"{' ' + r.schedule if p > 1 else ''} m={m}: stage {s}")
         terms = [Term("parameters", Category.PARAM, b.P, f"{rs.n_params:,} x {d} B (this rank's share)",
@@ -314,15 +328,25 @@ def _others_in_flight(actions) -> tuple[int, int]:
     return first, later
 
 
-def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0):
+def _backward_before_forward(actions) -> bool:
+    """Whether a stage's schedule runs a backward before its last forward (1F1B's steady state; not GPipe)."""
+    kinds = [kind for kind, _ in actions]
+    return "B" in kinds and kinds.index("B") < len(kinds) - 1 - kinds[::-1].index("F")
+
+
+def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0, sending: tuple = (0, False)):
     """The moments of one micro-batch with the activations of k others in flight added (forward and backward),
-    and, inside the blocks' and embedding's backward, the stage's output (`root` bytes) that backward started from."""
+    and, inside the blocks' and embedding's backward, the stage's output (`root` bytes) that backward started from;
+    sending: (bytes of the earlier micro-batch's input gradient an isend holds, whether in forward too)."""
     extra = [custom(K.IN_FLIGHT,
                     f"activations of {k} other micro-batch(es) in flight ({schedule})", Category.ACT, k * a_s,
                     f"{k} x the stage's activations per micro-batch",
                     "GPipe keeps all m; 1F1B at most p - s (Narayanan et al. 2021)")] if k > 0 else []
     held = [custom(K.IN_FLIGHT, "the stage's output, root of this backward", Category.ACT, root, "r x h x bytes",
                    "torch.autograd.backward(output, grad) holds the output until it returns")] if root else []
+    sent = [custom(K.COMM_BUFFERS, "the earlier micro-batch's input gradient, held by its send",
+                   Category.TEMP, sending[0], "r x h x d", "labkit.distributed.pipeline: isend(x.grad), waited "
+                   "at the next backward's send")] if sending[0] else []
     out = []
     for mo in moments:
         if mo.phase == "optimizer":
@@ -330,7 +354,8 @@ def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0):
             continue
         inner = mo.phase == "backward" and mo.kind not in (MomentKind.LOSS_BACKWARD, MomentKind.HEAD_BACKWARD,
                                                                    MomentKind.HEAD_AFTER)
-        out.append(dataclasses.replace(mo, terms=[*mo.terms, *extra, *(held if inner else [])]))
+        sending_now = sent if mo.phase == "backward" or sending[1] else []
+        out.append(dataclasses.replace(mo, terms=[*mo.terms, *extra, *(held if inner else []), *sending_now]))
     return out
 
 
