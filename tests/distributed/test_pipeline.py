@@ -114,69 +114,77 @@ def test_pipeline_memory_per_stage_and_estimate():
     assert out[0]["gpipe"]["act_peak"] > out[0]["1f1b"]["act_peak"]  # 4 micro-batches held vs 2
 
 
-def test_pipeline_estimate_materialised_attention():
-    """A stage's blocks take their moments from the replays of their ops, as on one device: with labkit's
-    manual attention the (S, S) scores' backward sets each stage's peak. Without the replays (the blocks'
-    per-block bytes alone) stage 1 of 1F1B was 29 % under the ledger here."""
-    cfg, batch, seq, m = dict(CFG, block_size=256, n_embd=32, attention="manual"), 8, 256, 4
-    out = launch(lr.pipeline_memories, 2, args=(lr.Workload(cfg, batch, seq), m), timeout_s=300)
-    for name in ("gpipe", "1f1b"):
-        est = estimate_ranks(Recipe(GPTConfig(**cfg), batch, seq, pp=2, micro_batch=batch // m, schedule=name))
-        for e, res in zip(est, (o[name] for o in out)):
-            peak = res["peak"]
-            assert e.peak_phase == res["peak_phase"] == "backward"
-            assert abs(e.peak.total / peak["total"] - 1) < 0.03, (name, e.label)
-            for cat in CATEGORIES:  # each category within 3 % of the measured peak
-                assert abs(e.peak[cat] - peak[cat.name.lower()]) < 0.03 * peak["total"], (name, e.label, cat)
+MANUAL = dict(CFG, block_size=256, n_embd=32, attention="manual")  # (S, S) scores set each stage's peak
+CKPT_CFGS = {"sdpa": dict(CFG, block_size=64),
+             "manual-dropout": dict(CFG, block_size=128, n_embd=32, attention="manual", dropout=0.1)}
+LORA = dict(CFG, block_size=64, dropout=0.1)
 
 
-@pytest.mark.parametrize("cfg", [dict(CFG, block_size=64), dict(CFG, block_size=128, n_embd=32, attention="manual",
-                                                                   dropout=0.1)], ids=["sdpa", "manual-dropout"])
-def test_pipeline_estimate_with_checkpointed_blocks(cfg):
-    """Each stage checkpoints its blocks (Stage(checkpoint=True)): a micro-batch in flight holds its blocks'
-    inputs only, and each block's backward runs its recompute's replay. Every category of each stage's
-    peak within 3 % of the ledger's, both schedules (was refused: "per-rank estimates of a tp/pp layout
-    take plain training")."""
-    batch, seq, m = 8, cfg["block_size"], 4
-    out = launch(lr.pipeline_memories, 2, args=(lr.Workload(cfg, batch, seq), m, ("gpipe", "1f1b"), True),
-                 timeout_s=300)
-    for name in ("gpipe", "1f1b"):
-        est = estimate_ranks(Recipe(GPTConfig(**cfg), batch, seq, pp=2, micro_batch=batch // m, schedule=name,
-                                    checkpoint="full"))
-        plain = estimate_ranks(Recipe(GPTConfig(**cfg), batch, seq, pp=2, micro_batch=batch // m, schedule=name))
-        for e, p, res in zip(est, plain, (o[name] for o in out)):
-            peak = res["peak"]
-            assert e.peak.total < p.peak.total  # the option visibly changes the figure
-            for cat in CATEGORIES:
-                assert abs(e.peak[cat] - peak[cat.name.lower()]) < 0.03 * peak["total"], (name, e.label, cat)
-    with pytest.raises(ValueError, match="checkpoint each block in full"):
-        estimate_ranks(Recipe(GPTConfig(**cfg), batch, seq, pp=2, micro_batch=2, checkpoint="full", segments=2))
-
-
-def test_pipeline_estimate_with_lora():
-    """LoRA on every block's Linears, the base frozen (the stage cut from the adapted model): each stage holds
-    its part of the base, its adapters' gradients and AdamW state; a later stage's first block saves its
-    received input, which requires grad. A later stage also holds the earlier micro-batch's input gradient
-    while its send is in flight. Every category of each stage's peak within 1 % of the ledger's, with and
-    without checkpointing, both schedules (LoRA in a pipeline was refused)."""
+@pytest.fixture(scope="module")
+def stages():
+    """Every stage's measured memory in one launch (start-up is the slow part): manual attention, checkpointed
+    blocks on two models, LoRA without and with checkpointing; 8 rows in 4 micro-batches, both schedules."""
     import functools
 
     from labkit.run.step import apply_peft
 
-    cfg, batch, seq, m = dict(CFG, block_size=64, dropout=0.1), 8, 64, 4
-    prepare = functools.partial(apply_peft, dtype="fp32", lora_rank=8)
-    for ck in (False, True):
-        out = launch(lr.pipeline_memories, 2, args=(lr.Workload(cfg, batch, seq), m, ("gpipe", "1f1b"), ck, prepare),
-                     timeout_s=300)
-        for name in ("gpipe", "1f1b"):
-            est = estimate_ranks(Recipe(GPTConfig(**cfg), batch, seq, pp=2, micro_batch=batch // m, schedule=name,
-                                        lora_rank=8, checkpoint="full" if ck else "none"))
-            for e, res in zip(est, (o[name] for o in out)):
-                peak = res["peak"]
-                for cat in CATEGORIES:
-                    assert abs(e.peak[cat] - peak[cat.name.lower()]) < 0.01 * peak["total"], (ck, name, e.label, cat)
+    lora = functools.partial(apply_peft, dtype="fp32", lora_rank=8)
+    both = ("gpipe", "1f1b")
+    calls = {"manual": (lr.Workload(MANUAL, 8, 256), 4, both),
+             **{f"ckpt {k}": (lr.Workload(c, 8, c["block_size"]), 4, both, True) for k, c in CKPT_CFGS.items()},
+             "lora": (lr.Workload(LORA, 8, 64), 4, both, False, lora),
+             "lora ckpt": (lr.Workload(LORA, 8, 64), 4, both, True, lora)}
+    out = launch(lr.many, 2, args=([("pipeline_memories", a) for a in calls.values()],), timeout_s=400)
+    return {k: [rank[n] for rank in out] for n, k in enumerate(calls)}
+
+
+def _each_category_within(est, measured, name: str, tol: float) -> None:
+    for e, res in zip(est, (o[name] for o in measured)):
+        peak = res["peak"]
+        for cat in CATEGORIES:  # each category within tol of the measured peak
+            assert abs(e.peak[cat] - peak[cat.name.lower()]) < tol * peak["total"], (name, e.label, cat)
+
+
+def test_pipeline_estimate_materialised_attention(stages):
+    """A stage's blocks take their moments from the replays of their ops, as on one device: with labkit's
+    manual attention the (S, S) scores' backward sets each stage's peak. Without the replays (the blocks'
+    per-block bytes alone) stage 1 of 1F1B was 29 % under the ledger here."""
+    for name in ("gpipe", "1f1b"):
+        est = estimate_ranks(Recipe(GPTConfig(**MANUAL), 8, 256, pp=2, micro_batch=2, schedule=name))
+        assert [e.peak_phase for e in est] == [o[name]["peak_phase"] for o in stages["manual"]] == ["backward"] * 2
+        _each_category_within(est, stages["manual"], name, 0.03)
+
+
+@pytest.mark.parametrize("which", list(CKPT_CFGS))
+def test_pipeline_estimate_with_checkpointed_blocks(stages, which):
+    """Each stage checkpoints its blocks (Stage(checkpoint=True)): a micro-batch in flight holds its blocks'
+    inputs only, and each block's backward runs its recompute's replay. Every category of each stage's
+    peak within 3 % of the ledger's, both schedules (was refused: "per-rank estimates of a tp/pp layout
+    take plain training")."""
+    cfg = CKPT_CFGS[which]
+    seq = cfg["block_size"]
+    for name in ("gpipe", "1f1b"):
+        est = estimate_ranks(Recipe(GPTConfig(**cfg), 8, seq, pp=2, micro_batch=2, schedule=name, checkpoint="full"))
+        plain = estimate_ranks(Recipe(GPTConfig(**cfg), 8, seq, pp=2, micro_batch=2, schedule=name))
+        assert all(e.peak.total < p.peak.total for e, p in zip(est, plain))  # the option visibly changes it
+        _each_category_within(est, stages[f"ckpt {which}"], name, 0.03)
+    with pytest.raises(ValueError, match="checkpoint each block in full"):
+        estimate_ranks(Recipe(GPTConfig(**cfg), 8, seq, pp=2, micro_batch=2, checkpoint="full", segments=2))
+
+
+@pytest.mark.parametrize("ck", [False, True], ids=["none", "full"])
+def test_pipeline_estimate_with_lora(stages, ck):
+    """LoRA on every block's Linears, the base frozen (the stage cut from the adapted model): each stage holds
+    its part of the base, its adapters' gradients and AdamW state; a later stage's first block saves its
+    received input, which requires grad. A later stage also holds the earlier micro-batch's input gradient
+    while its send is in flight. Every category of each stage's peak within 1 % of the ledger's, both
+    schedules (LoRA in a pipeline was refused)."""
+    for name in ("gpipe", "1f1b"):
+        est = estimate_ranks(Recipe(GPTConfig(**LORA), 8, 64, pp=2, micro_batch=2, schedule=name, lora_rank=8,
+                                    checkpoint="full" if ck else "none"))
+        _each_category_within(est, stages["lora ckpt" if ck else "lora"], name, 0.01)
     with pytest.raises(ValueError, match="full-precision base"):
-        estimate_ranks(Recipe(GPTConfig(**cfg), batch, seq, pp=2, micro_batch=2, lora_rank=8, quant="nf4"))
+        estimate_ranks(Recipe(GPTConfig(**LORA), 8, 64, pp=2, micro_batch=2, lora_rank=8, quant="nf4"))
 
 
 def test_failing_stage_ends_the_run():

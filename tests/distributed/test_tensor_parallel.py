@@ -90,8 +90,7 @@ def test_tensor_parallel_memory_against_formula_and_estimate(runs):
             assert abs(est[0].peak.total / meas["peak"]["total"] - 1) < 0.03
 
 
-@pytest.mark.parametrize("attention,dtype", [("sdpa", "fp32"), ("manual", "bf16")])
-def test_rank_layer_bytes_from_the_walks_shares(attention, dtype):
+def test_rank_layer_bytes_from_the_walks_shares():
     """Each saved tensor carries how a tensor-parallel rank holds it (walk.TPShare: per head, the stream, the
     mask), set where the walk makes it: one rank's layer, measured by its ledger, is what the walk predicts,
     with and without sequence parallelism. With dropout on the CPU, SDPA runs its math fallback, whose scaled
@@ -100,9 +99,12 @@ def test_rank_layer_bytes_from_the_walks_shares(attention, dtype):
     from labkit.estimate.layout_terms import tp_layer_bytes
     from labkit.estimate.spec import spec_from
 
-    cfg = dict(ACT_CFG, attention=attention)
-    res = launch(lr.tp_activation_memory, 2, args=(lr.Workload(cfg, 2, 64), dtype), timeout_s=200)
-    w, marks = predict.walk_activations(spec_from(GPTConfig(**cfg)), predict.Precision.of(dtype), 2, 64, "cpu")
-    for layer in res:
-        assert layer == {"t=1": marks[-1] - marks[-2], "tp": tp_layer_bytes(w, marks, 2),
-                         "tp+sp": tp_layer_bytes(w, marks, 2, True)}
+    cases = [("sdpa", "fp32"), ("manual", "bf16")]
+    cfgs = [dict(ACT_CFG, attention=attention) for attention, _ in cases]
+    res = launch(lr.many, 2, args=([("tp_activation_memory", (lr.Workload(cfg, 2, 64), dtype))
+                                    for cfg, (_, dtype) in zip(cfgs, cases)],), timeout_s=200)
+    for k, (cfg, (_, dtype)) in enumerate(zip(cfgs, cases)):
+        w, marks = predict.walk_activations(spec_from(GPTConfig(**cfg)), predict.Precision.of(dtype), 2, 64, "cpu")
+        for rank in res:
+            assert rank[k] == {"t=1": marks[-1] - marks[-2], "tp": tp_layer_bytes(w, marks, 2),
+                               "tp+sp": tp_layer_bytes(w, marks, 2, True)}, (cfg["attention"], dtype)
