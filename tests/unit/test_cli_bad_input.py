@@ -116,7 +116,6 @@ BAD = [
     (E + ["--lisa-layers", "1", "--lora-rank", "4"], ["--lisa-layers", "--lora-rank"]),
     (E + ["--lora-rank", "4", "--optimizer", "galore", "--rank", "2"], ["--lora-rank", "GaLore"]),
     (E + ["--lisa-layers", "1", "--step-in-backward"], ["--lisa-layers", "--step-in-backward"]),
-    (E + ["--lora-rank", "4", "--optimizer-offload", "cpu"], ["--lora-rank", "--optimizer-offload"]),
     (E + ["--optimizer", "sgd", "--optimizer-offload", "cpu"], ["--optimizer-offload", "sgd"]),
     (E + ["--optimizer-offload", "tape"], ["--optimizer-offload", "tape"]),
     (E + ["--step-in-backward", "--optimizer-offload", "cpu"], ["--step-in-backward", "--optimizer-offload"]),
