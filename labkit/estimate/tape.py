@@ -1,8 +1,9 @@
 """One block's ops as byte events, replayed the ways a checkpointed or offloaded step runs them.
 
-Besides what autograd saves, the family walks (labkit.estimate.families) record on a `Tape` every tensor
-a block allocates, when its Python reference goes, and for each autograd node what its backward reads
-(its saved tensors) and allocates (gradients, temporaries), in the order of the model's code. Each
+The family walks (labkit.estimate.families) record on a `Tape` every tensor a block allocates, when its
+Python reference goes, and for each autograd node what its backward reads (its saved tensors: the one
+record of what autograd keeps, which the walk's activation bytes sum too) and allocates (gradients,
+temporaries), in the order of the model's code. Each
 replay walks those events with its own rule for what stays alive:
 
 - forward, nothing saved (a checkpointed region, or activation offload: saved tensors leave the device):
@@ -27,8 +28,9 @@ checkpointed region and the offload hooks keep).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
 
 # What made a tensor the walks mark with `keep`: each kind is the set of aten ops (by name) that make it in
 # labkit.recompute.selective. A policy keeps a kind when it keeps every op of it (`keep_kinds`).
@@ -76,41 +78,45 @@ class Node:
     # activation bytes, but a checkpoint's unpack hook recomputes its region there all the same
 
 
+class Ev(Enum):
+    """What a tape event records."""
+
+    NEW = "a fresh storage"
+    DROP = "a Python reference goes"
+    NODE = "an autograd node"
+    KEEP = "an output selective checkpointing caches"
+    BLOCK = "a block starts"
+    END = "the last block's output"
+    HEAD = "the final norm's output"
+
+
+class Event(NamedTuple):
+    kind: Ev
+    t: object = None  # the tensor: made, dropped or kept; a block's input; the last block's or final norm's output
+    cached: bool = False  # NEW: an autocast weight copy, alive until the forward ends
+    node: Node | None = None  # NODE
+    block: int = -1  # BLOCK: its index
+
+
 @dataclass
 class Tape:
-    """Events of the walk: ("new", t, cached), ("drop", t), ("node", Node), ("keep", t), ("block", i, x)."""
+    """The walk's events, in the order of the model's code (Event)."""
 
-    events: list = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     kinds: frozenset = _MATMULS  # the kinds of outputs selective checkpointing keeps (keep_kinds)
-    paused: bool = False  # the walk's own bookkeeping (not ops of the model): nothing recorded
-
-    def _add(self, ev) -> None:
-        if not self.paused:
-            self.events.append(ev)
-
-    @contextlib.contextmanager
-    def off(self):
-        """Record nothing inside (the walk counting saved bytes by its own rules)."""
-        was, self.paused = self.paused, True
-        try:
-            yield
-        finally:
-            self.paused = was
 
     def new(self, t, cached: bool = False):
         """A fresh storage (cached: an autocast weight copy, alive until the forward ends)."""
-        self._add(("new", t, cached))
+        self.events.append(Event(Ev.NEW, t, cached))
         return t
 
     def drop(self, *ts) -> None:
         """The Python references to these tensors go (their storage is freed unless held)."""
-        for t in ts:
-            if t is not None:
-                self._add(("drop", t))
+        self.events += [Event(Ev.DROP, t) for t in ts if t is not None]
 
     def node(self, op: str, outs, saved=(), steps=(), reads_weight: bool = False) -> None:
-        self._add(("node", Node(op, tuple(outs), tuple(s for s in saved if s is not None), tuple(steps),
-                                reads_weight)))
+        self.events.append(Event(Ev.NODE, node=Node(op, tuple(outs), tuple(s for s in saved if s is not None),
+                                                    tuple(steps), reads_weight)))
 
     def keep(self, t, kind: str) -> None:
         """Selective checkpointing caches this output until backward when its policy keeps `kind` (KEEP_KINDS).
@@ -118,43 +124,44 @@ class Tape:
         if kind not in KEEP_KINDS:
             raise ValueError(f"unknown kept-output kind {kind!r}")
         if kind in self.kinds:
-            self._add(("keep", t))
+            self.events.append(Event(Ev.KEEP, t))
 
     def block(self, i: int, x) -> None:
         """Block i starts; x is its input (held by the caller until the block returns)."""
-        self._add(("block", i, x))
+        self.events.append(Event(Ev.BLOCK, x, block=i))
+
+    def _at(self, kind: Ev) -> list[int]:
+        return [k for k, ev in enumerate(self.events) if ev.kind is kind]
 
     def blocks(self) -> list[tuple]:
         """(events of block i, its input) for each block, in order."""
-        starts = [(k, ev[2]) for k, ev in enumerate(self.events) if ev[0] == "block"]
-        ends = [k for k, _ in starts[1:]] + [self._end(starts)]
-        return [(self.events[k + 1:e], x) for (k, x), e in zip(starts, ends)]
-
-    def _end(self, starts) -> int:
-        for k, ev in enumerate(self.events):
-            if ev[0] == "end":
-                return k
-        return len(self.events)
+        starts = self._at(Ev.BLOCK)
+        ends = starts[1:] + (self._at(Ev.END) + [len(self.events)])[:1]
+        return [(self.events[k + 1:e], self.events[k].t) for k, e in zip(starts, ends)]
 
     def end(self, out) -> None:
         """The last block's output (what the final norm reads)."""
-        self._add(("end", out))
+        self.events.append(Event(Ev.END, out))
 
     def head(self, out) -> None:
         """The final norm's output (what the head reads): the ops between `end` and here are the tail."""
-        self._add(("head", out))
+        self.events.append(Event(Ev.HEAD, out))
 
     def tail(self) -> tuple | None:
         """(events of the final norm, its input, its output), or None when the walk marked no head."""
-        ends = [k for k, ev in enumerate(self.events) if ev[0] == "end"]
-        heads = [k for k, ev in enumerate(self.events) if ev[0] == "head"]
+        ends, heads = self._at(Ev.END), self._at(Ev.HEAD)
         if not ends or not heads:
             return None
-        return self.events[ends[0] + 1:heads[0]], self.events[ends[0]][1], self.events[heads[0]][1]
+        return self.events[ends[0] + 1:heads[0]], self.events[ends[0]].t, self.events[heads[0]].t
 
 
 def _root(t):
     return t.root()
+
+
+def _saved_roots(events) -> set[int]:
+    """The storages the events' autograd nodes save (by id)."""
+    return {id(_root(t)) for ev in events if ev.kind is Ev.NODE for t in ev.node.saved}
 
 
 @dataclass
@@ -199,22 +206,21 @@ def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, 
     live: dict[int, int] = {x0: _root(x).nbytes}
     names = {x0: _root(x).name}
     for ev in events:
-        if ev[0] == "new" and id(_root(ev[1])) in pre:
-            live[id(_root(ev[1]))] = _root(ev[1]).nbytes
-            names[id(_root(ev[1]))] = _root(ev[1]).name
+        if ev.kind is Ev.NEW and id(_root(ev.t)) in pre:
+            live[id(_root(ev.t))] = _root(ev.t).nbytes
+            names[id(_root(ev.t))] = _root(ev.t).name
     held: set[int] = set()
-    weights = {id(_root(ev[1])) for ev in events if ev[0] == "new" and getattr(_root(ev[1]), "weight", False)}
+    weights = {id(_root(ev.t)) for ev in events if ev.kind is Ev.NEW and getattr(_root(ev.t), "weight", False)}
     if mode in ("saved", "all"):  # a saved tensor stays from its making (its node may be recorded a little later)
-        held = {id(_root(t)) for ev in events if ev[0] == "node" for t in ev[1].saved}
+        held = _saved_roots(events)
     cur = sum(live.values())
     worst = Worst("block input", cur, saved=live[x0] if x0 in held else 0,
                   kept=sum(b for k, b in live.items() if k in pre))
     cache = 0
     for ev in events:
-        kind = ev[0]
-        if kind == "new":
-            _, t, cached = ev
-            if cached and mode != "saved":
+        kind, t = ev.kind, ev.t
+        if kind is Ev.NEW:
+            if ev.cached and mode != "saved":
                 cache += _root(t).nbytes
                 continue  # autocast's weight cache: counted with the model states
             r = _root(t)
@@ -229,12 +235,12 @@ def forward(events, x, mode: str, pre: frozenset = frozenset()) -> tuple[Worst, 
                               copies=sum(b for k, b in live.items() if k in held and k in weights),
                               params=sum(b for k, b in live.items() if k in weights),
                               kept=sum(b for k, b in live.items() if k in pre))
-        elif kind == "drop":
-            r = _root(ev[1])
+        elif kind is Ev.DROP:
+            r = _root(t)
             if id(r) in live and id(r) not in held:
                 cur -= live.pop(id(r))
-        elif kind == "keep" and mode == "kept":
-            held.add(id(_root(ev[1])))
+        elif kind is Ev.KEEP and mode == "kept":
+            held.add(id(_root(t)))
     left = sum(b for k, b in live.items() if k in held and k != x0)
     return worst, left
 
@@ -260,8 +266,8 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
     locals, gone when it returns, before the engine sums a bias's gradient; autograd's own saved tensors go
     after that (engine.cpp: evaluate_function releases the variables after call_function's validate_outputs).
     Returns the worst moment and the bytes of the input's gradient at the end."""
-    nodes = [ev[1] for ev in events if ev[0] == "node"]
-    made = {id(_root(ev[1])) for ev in events if ev[0] == "new"}
+    nodes = [ev.node for ev in events if ev.kind is Ev.NODE]
+    made = {id(_root(ev.t)) for ev in events if ev.kind is Ev.NEW}
     last_use: dict[int, int] = {}  # saved root -> index (in reverse order) of its last reader
     roots: dict[int, object] = {}
     for i, n in enumerate(reversed(nodes)):
@@ -435,23 +441,20 @@ def _signature(events) -> tuple:
     """Blocks with the same op sequence (sizes, what requires grad) replay the same."""
     out = []
     for ev in events:
-        t = ev[1] if ev[0] != "node" else None
-        if ev[0] == "node":
-            n = ev[1]
-            out.append(("node", tuple(o.nbytes for o in n.outs), tuple(s.nbytes for s in n.saved),
+        if ev.kind is Ev.NODE:
+            n = ev.node
+            out.append((ev.kind, tuple(o.nbytes for o in n.outs), tuple(s.nbytes for s in n.saved),
                         tuple((st[0], st[-1] if isinstance(st[-1], int) else getattr(st[-1], "nbytes", 0))
                               for st in n.steps), n.reads_weight))
-        elif ev[0] == "block":
-            continue
-        else:
-            out.append((ev[0], t.nbytes, t.rg))
+        elif ev.kind is not Ev.BLOCK:
+            out.append((ev.kind, ev.t.nbytes, ev.t.rg, ev.cached))
     return tuple(out)
 
 
 def replay_blocks(tape: Tape) -> list[BlockReplay]:
     """Every replay of every block (blocks with the same ops replayed once)."""
     blocks = tape.blocks()
-    ends = [ev[1] for ev in tape.events if ev[0] == "end"]
+    ends = [ev.t for ev in tape.events if ev.kind is Ev.END]
     outs = [x for _, x in blocks[1:]] + ends[:1]
     cache: dict[tuple, BlockReplay] = {}
     result = []
@@ -464,14 +467,14 @@ def replay_blocks(tape: Tape) -> list[BlockReplay]:
 
 
 def _replay(events, x, out) -> BlockReplay:
-    kept_roots = frozenset(id(_root(ev[1])) for ev in events if ev[0] == "keep")
+    kept_roots = frozenset(id(_root(ev.t)) for ev in events if ev.kind is Ev.KEEP)
     free, _ = forward(events, x, "free")
     kept, kept_bytes = forward(events, x, "kept")
     recompute, saved_bytes = forward(events, x, "saved")
     recompute_sel, saved_sel = forward(events, x, "saved", pre=kept_roots)
-    saved_roots = {id(_root(t)) for ev in events if ev[0] == "node" for t in ev[1].saved}
-    made = {id(_root(ev[1])): _root(ev[1]) for ev in events if ev[0] == "new"}
-    cached = {id(_root(ev[1])) for ev in events if ev[0] == "new" and ev[2]}
+    saved_roots = _saved_roots(events)
+    made = {id(_root(ev.t)): _root(ev.t) for ev in events if ev.kind is Ev.NEW}
+    cached = {id(_root(ev.t)) for ev in events if ev.kind is Ev.NEW and ev.cached}
     stream = out.nbytes
     return BlockReplay(
         input_bytes=_root(x).nbytes, stream=stream, free=free, kept=kept, kept_bytes=kept_bytes,
@@ -484,8 +487,9 @@ def _replay(events, x, out) -> BlockReplay:
                                   unpacked=True)[0],
         plain=backward(events, x, out, stream, "saved")[0],
         plain_later=backward(events, x, out, stream, "saved", keep_wgrads=False)[0],
-        wgrad_bytes=sum(st[1] for ev in events if ev[0] == "node" for st in ev[1].steps if st[0] in ("wgrad", "bgrad")),
-        cached_bytes=sum(_root(ev[1]).nbytes for ev in events if ev[0] == "new" and ev[2]),
+        wgrad_bytes=sum(st[1] for ev in events if ev.kind is Ev.NODE for st in ev.node.steps
+                        if st[0] in ("wgrad", "bgrad")),
+        cached_bytes=sum(_root(ev.t).nbytes for ev in events if ev.kind is Ev.NEW and ev.cached),
         full=forward(events, x, "all")[0],
         copies_saved=sum(t.nbytes for k, t in made.items() if k in saved_roots and getattr(t, "weight", False)),
         kept_saved=sum(t.nbytes for k, t in made.items() if k in saved_roots and k in kept_roots),
@@ -511,7 +515,7 @@ def replay_tail(tape: Tape) -> TailReplay | None:
     if t is None:
         return None
     events, x, out = t
-    saved_roots = {id(_root(s)) for ev in events if ev[0] == "node" for s in ev[1].saved}
+    saved_roots = _saved_roots(events)
     return TailReplay(
         saved=backward(events, x, out, out.nbytes, "saved")[0],
         saved_later=backward(events, x, out, out.nbytes, "saved", keep_wgrads=False)[0],
