@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey as K
 
-from . import keyed, peft_terms, predict, zero_terms
+from . import keyed, peft_terms, predict, tape, zero_terms
 from .moments import custom, step_moments
 from .moments import _block_saved as block_saved, _held as moments_held
 from .spec import spec_from
@@ -235,6 +235,8 @@ def estimate_ranks(recipe) -> list[Estimate]:
         # split, so it takes the per-block bytes instead); only the last stage has the final norm
         start, stop = split_layers(spec.n_layer, p)[s]
         b.replays = full.replays[start:stop] if t == 1 else []
+        if b.replays and not last:  # its output's gradient is received, and held until backward returns
+            b.replays[-1] = tape.replay_held(w.tape, stop - 1)
         b.tail = full.tail if last and t == 1 else None
         if p > 1:  # a tied matrix's two parts are on two stages: no gradient waits for the other's part here
             b.head_held = 0
@@ -263,13 +265,17 @@ def estimate_ranks(recipe) -> list[Estimate]:
         acts = _actions(r.schedule if p > 1 else "gpipe", m, p, s) if p > 1 else None
         k_first, k_later = _others_in_flight(acts) if acts else (0, 0)
         root = 0 if last else rh * mm  # a non-last stage's output: the root of its backward, held through it
-        moments = _with_extra(step_moments(b, n_blocks, r.checkpoint), k_first, a_s, r.schedule, root)
+        # and the gradient it received for that output, held as long (the last block's replay counts it)
+        received = (0, -1) if last else (rh * w.x_bytes, n_blocks - 1)
+        moments = _with_extra(step_moments(b, n_blocks, r.checkpoint), k_first, a_s, r.schedule, root,
+                              received=received)
         if m > 1:
             # a later stage sends each micro-batch's input gradient back with isend: the earlier one's lives
             # until this backward's send waits for it, through this forward too where a backward ran before it
             sending = (0 if first else rh * w.x_bytes, bool(acts) and _backward_before_forward(acts))
             moments += _with_extra(step_moments(b, n_blocks, r.checkpoint, grads_exist=True,
-                                                tag="micro-batch 2 on"), k_later, a_s, r.schedule, root, sending)
+                                                tag="micro-batch 2 on"), k_later, a_s, r.schedule, root, sending,
+                                   received)
         label = (f"{spec.name} B={r.batch} S={r.seq} {r.dtype} {r.optimizer} tp={t}{' sp' if sp else ''} pp={p}"
                  f"{' ' + r.schedule if p > 1 else ''} m={m}: stage {s}")
         terms = [Term("parameters", Category.PARAM, b.P, f"{rs.n_params:,} x {d} B (this rank's share)",
@@ -334,10 +340,13 @@ def _backward_before_forward(actions) -> bool:
     return "B" in kinds and kinds.index("B") < len(kinds) - 1 - kinds[::-1].index("F")
 
 
-def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0, sending: tuple = (0, False)):
+def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0, sending: tuple = (0, False),
+                received: tuple = (0, -1)):
     """The moments of one micro-batch with the activations of k others in flight added (forward and backward),
     and, inside the blocks' and embedding's backward, the stage's output (`root` bytes) that backward started from;
-    sending: (bytes of the earlier micro-batch's input gradient an isend holds, whether in forward too)."""
+    sending: (bytes of the earlier micro-batch's input gradient an isend holds, whether in forward too);
+    received: (bytes of the gradient received for the stage's output, held until backward returns; the block
+    whose replay counts it already)."""
     extra = [custom(K.IN_FLIGHT,
                     f"activations of {k} other micro-batch(es) in flight ({schedule})", Category.ACT, k * a_s,
                     f"{k} x the stage's activations per micro-batch",
@@ -347,6 +356,9 @@ def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0, sending
     sent = [custom(K.COMM_BUFFERS, "the earlier micro-batch's input gradient, held by its send",
                    Category.TEMP, sending[0], "r x h x d", "labkit.distributed.pipeline: isend(x.grad), waited "
                    "at the next backward's send")] if sending[0] else []
+    got = [custom(K.COMM_BUFFERS, "the gradient received for the stage's output, held until backward returns",
+                  Category.TEMP, received[0], "r x h x d", "labkit.distributed.pipeline: recv(grad), then "
+                  "torch.autograd.backward(out, grad)")] if received[0] else []
     out = []
     for mo in moments:
         if mo.phase == "optimizer":
@@ -355,7 +367,9 @@ def _with_extra(moments, k: int, a_s: int, schedule: str, root: int = 0, sending
         inner = mo.phase == "backward" and mo.kind not in (MomentKind.LOSS_BACKWARD, MomentKind.HEAD_BACKWARD,
                                                                    MomentKind.HEAD_AFTER)
         sending_now = sent if mo.phase == "backward" or sending[1] else []
-        out.append(dataclasses.replace(mo, terms=[*mo.terms, *extra, *(held if inner else []), *sending_now]))
+        got_now = got if inner and mo.block != received[1] else []
+        out.append(dataclasses.replace(mo, terms=[*mo.terms, *extra, *(held if inner else []), *sending_now,
+                                                  *got_now]))
     return out
 
 

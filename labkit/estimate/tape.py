@@ -254,7 +254,7 @@ class _Grad:
 
 def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
              exclude: frozenset = frozenset(), kept: frozenset = frozenset(),
-             unpacked: bool = False) -> tuple[Worst, int]:
+             unpacked: bool = False, held: bool = False) -> tuple[Worst, int]:
     """Replay a block's backward from its output's gradient (`stream` bytes) to its input's.
 
     mode "offload": each node copies back the storages it saved and frees them when it returns. mode
@@ -265,6 +265,8 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
     unpacked: the saved tensors come from a checkpoint's unpack hook (a recomputed block): they are the node's
     locals, gone when it returns, before the engine sums a bias's gradient; autograd's own saved tensors go
     after that (engine.cpp: evaluate_function releases the variables after call_function's validate_outputs).
+    held: the caller holds the output's gradient until backward returns (a pipeline stage's received gradient,
+    `torch.autograd.backward(out, grad)`): it is never freed here.
     Returns the worst moment and the bytes of the input's gradient at the end."""
     nodes = [ev.node for ev in events if ev.kind is Ev.NODE]
     made = {id(_root(ev.t)) for ev in events if ev.kind is Ev.NEW}
@@ -279,7 +281,7 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
         for k, r in roots.items():
             if k in made and k not in exclude:
                 live[k] = (f"saved {r.name}", r.nbytes)
-    first = _Grad(stream, f"gradient of {out.name}")
+    first = _Grad(stream, f"gradient of {out.name}", refs=2 if held else 1)
     grads: dict[int, _Grad] = {id(out): first}
     live[first] = (first.name, stream)
     state = {"wg": 0, "worst": None}
@@ -466,7 +468,17 @@ def replay_blocks(tape: Tape) -> list[BlockReplay]:
     return result
 
 
-def _replay(events, x, out) -> BlockReplay:
+def replay_held(tape: Tape, k: int) -> BlockReplay:
+    """Block k's replays when the caller holds its output's gradient through the backward: the last block of a
+    pipeline stage that is not the last, whose output's gradient is received and kept in a local until
+    `torch.autograd.backward` returns (labkit.distributed.pipeline)."""
+    blocks = tape.blocks()
+    events, x = blocks[k]
+    out = blocks[k + 1][1] if k + 1 < len(blocks) else next(ev.t for ev in tape.events if ev.kind is Ev.END)
+    return _replay(events, x, out, held=True)
+
+
+def _replay(events, x, out, held: bool = False) -> BlockReplay:
     kept_roots = frozenset(id(_root(ev.t)) for ev in events if ev.kind is Ev.KEEP)
     free, _ = forward(events, x, "free")
     kept, kept_bytes = forward(events, x, "kept")
@@ -480,13 +492,13 @@ def _replay(events, x, out) -> BlockReplay:
         input_bytes=_root(x).nbytes, stream=stream, free=free, kept=kept, kept_bytes=kept_bytes,
         recompute=recompute, saved_bytes=saved_bytes, recompute_sel=recompute_sel, saved_sel=saved_sel,
         input_saved=_root(x).nbytes if id(_root(x)) in saved_roots else 0,
-        offload=backward(events, x, out, stream, "offload")[0],
-        offload_later=backward(events, x, out, stream, "offload", keep_wgrads=False)[0],
-        recomputed=backward(events, x, out, stream, "saved", kept=kept_roots, unpacked=True)[0],
+        offload=backward(events, x, out, stream, "offload", held=held)[0],
+        offload_later=backward(events, x, out, stream, "offload", keep_wgrads=False, held=held)[0],
+        recomputed=backward(events, x, out, stream, "saved", kept=kept_roots, unpacked=True, held=held)[0],
         recomputed_later=backward(events, x, out, stream, "saved", keep_wgrads=False, kept=kept_roots,
-                                  unpacked=True)[0],
-        plain=backward(events, x, out, stream, "saved")[0],
-        plain_later=backward(events, x, out, stream, "saved", keep_wgrads=False)[0],
+                                  unpacked=True, held=held)[0],
+        plain=backward(events, x, out, stream, "saved", held=held)[0],
+        plain_later=backward(events, x, out, stream, "saved", keep_wgrads=False, held=held)[0],
         wgrad_bytes=sum(st[1] for ev in events if ev.kind is Ev.NODE for st in ev.node.steps
                         if st[0] in ("wgrad", "bgrad")),
         cached_bytes=sum(_root(ev.t).nbytes for ev in events if ev.kind is Ev.NEW and ev.cached),

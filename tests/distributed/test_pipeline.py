@@ -148,18 +148,20 @@ def _each_category_within(est, measured, name: str, tol: float) -> None:
 def test_pipeline_estimate_materialised_attention(stages):
     """A stage's blocks take their moments from the replays of their ops, as on one device: with labkit's
     manual attention the (S, S) scores' backward sets each stage's peak. Without the replays (the blocks'
-    per-block bytes alone) stage 1 of 1F1B was 29 % under the ledger here."""
+    per-block bytes alone) stage 1 of 1F1B was 29 % under the ledger here; stage 0 was 0.38 % under until the
+    gradient it receives was held through its whole backward (the pipeline keeps it in a local until
+    torch.autograd.backward returns). Every category within 0.1 % of the measured peak."""
     for name in ("gpipe", "1f1b"):
         est = estimate_ranks(Recipe(GPTConfig(**MANUAL), 8, 256, pp=2, micro_batch=2, schedule=name))
         assert [e.peak_phase for e in est] == [o[name]["peak_phase"] for o in stages["manual"]] == ["backward"] * 2
-        _each_category_within(est, stages["manual"], name, 0.03)
+        _each_category_within(est, stages["manual"], name, 0.001)
 
 
 @pytest.mark.parametrize("which", list(CKPT_CFGS))
 def test_pipeline_estimate_with_checkpointed_blocks(stages, which):
     """Each stage checkpoints its blocks (Stage(checkpoint=True)): a micro-batch in flight holds its blocks'
     inputs only, and each block's backward runs its recompute's replay. Every category of each stage's
-    peak within 3 % of the ledger's, both schedules (was refused: "per-rank estimates of a tp/pp layout
+    peak within 0.1 % of the ledger's, both schedules (was refused: "per-rank estimates of a tp/pp layout
     take plain training")."""
     cfg = CKPT_CFGS[which]
     seq = cfg["block_size"]
@@ -167,7 +169,7 @@ def test_pipeline_estimate_with_checkpointed_blocks(stages, which):
         est = estimate_ranks(Recipe(GPTConfig(**cfg), 8, seq, pp=2, micro_batch=2, schedule=name, checkpoint="full"))
         plain = estimate_ranks(Recipe(GPTConfig(**cfg), 8, seq, pp=2, micro_batch=2, schedule=name))
         assert all(e.peak.total < p.peak.total for e, p in zip(est, plain))  # the option visibly changes it
-        _each_category_within(est, stages[f"ckpt {which}"], name, 0.03)
+        _each_category_within(est, stages[f"ckpt {which}"], name, 0.001)
     with pytest.raises(ValueError, match="checkpoint each block in full"):
         estimate_ranks(Recipe(GPTConfig(**cfg), 8, seq, pp=2, micro_batch=2, checkpoint="full", segments=2))
 
@@ -177,12 +179,12 @@ def test_pipeline_estimate_with_lora(stages, ck):
     """LoRA on every block's Linears, the base frozen (the stage cut from the adapted model): each stage holds
     its part of the base, its adapters' gradients and AdamW state; a later stage's first block saves its
     received input, which requires grad. A later stage also holds the earlier micro-batch's input gradient
-    while its send is in flight. Every category of each stage's peak within 1 % of the ledger's, both
+    while its send is in flight. Every category of each stage's peak within 0.1 % of the ledger's, both
     schedules (LoRA in a pipeline was refused)."""
     for name in ("gpipe", "1f1b"):
         est = estimate_ranks(Recipe(GPTConfig(**LORA), 8, 64, pp=2, micro_batch=2, schedule=name, lora_rank=8,
                                     checkpoint="full" if ck else "none"))
-        _each_category_within(est, stages["lora ckpt" if ck else "lora"], name, 0.01)
+        _each_category_within(est, stages["lora ckpt" if ck else "lora"], name, 0.001)
     with pytest.raises(ValueError, match="full-precision base"):
         estimate_ranks(Recipe(GPTConfig(**LORA), 8, 64, pp=2, micro_batch=2, lora_rank=8, quant="nf4"))
 
