@@ -22,7 +22,7 @@ from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey a
 
 from . import keyed, peft_terms, predict, tape, zero_terms
 from .moments import custom, step_moments
-from .moments import _block_saved as block_saved, _held as moments_held
+from .moments import block_saved, checkpoint_held
 from .spec import spec_from
 from .walk import TPShare
 from .textbook import in_flight, korthikanti_layer_bytes  # noqa: F401 (lesson 10 quotes them from here)
@@ -258,7 +258,8 @@ def estimate_ranks(recipe) -> list[Estimate]:
             # "gradients" counts it): no head's part to sum with on this stage, nothing beside it
             b.emb_temp = 0
         # one micro-batch's activations on this stage: what its blocks save, or the checkpointed blocks' inputs
-        held = (sum(x.bytes for x in moments_held(b, r.checkpoint, False, [1] * n_blocks, n_blocks))
+        inputs = checkpoint_held(b, r.checkpoint, False, [1] * n_blocks, n_blocks)
+        held = (sum(x.bytes for x in inputs)
                 if r.checkpoint != "none" else n_blocks * b.layer if trains is None
                 else sum(block_saved(b, k) for k in range(n_blocks)))  # LoRA: blocks save unlike
         a_s = b.before + held + b.after

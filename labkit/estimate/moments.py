@@ -274,20 +274,20 @@ def segments_of(n: int, policy: str, segments: int | None) -> list[int]:
 
 def _held_terms(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
     """The activations the first `units` blocks hold until their backward (nothing checkpointed or offloaded;
-    a checkpointed or offloaded step uses `_held`): from each block's replay when there is one (blocks
+    a checkpointed or offloaded step uses `checkpoint_held`): from each block's replay when there is one (blocks
     differ: LoRA's first block saves less, LISA's active ones more), else the walk's per-block average."""
     if units == 0:
         return []
     blocks = sum(sizes[:units])
     if len(b.replays) >= blocks:
         return [custom(K.SAVED_ACTIVATIONS,
-                       f"saved by {blocks} block(s)", A_, sum(_block_saved(b, k) for k in range(blocks)),
+                       f"saved by {blocks} block(s)", A_, sum(block_saved(b, k) for k in range(blocks)),
                        "replay: each block's saved tensors (its input when it saves it), without autocast's weight "
                        "copies", _REPLAY_SOURCE)]
     return [b.term("layer", blocks, f"saved by {blocks} block(s)")]
 
 
-def _block_saved(b: StepBytes, k: int) -> int:
+def block_saved(b: StepBytes, k: int) -> int:
     """Activations block k saves for backward: its replay's saved storages (a view saved keeps its whole base),
     its input when a node of the block saves it, without the autocast weight copies (model-state bytes)."""
     r = b.replays[k]
@@ -333,7 +333,8 @@ def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int
     buffers = b.state("buffers")
     sfx = f" ({tag})" if tag else ""
     st = _Step(b, policy, offload, sizes, states, buffers, grads_exist, step_in_backward, sfx)
-    held_all = _held(b, policy, offload, sizes, n_units) if replayed else _held_terms(b, policy, offload, sizes, n_units)
+    held_all = (checkpoint_held(b, policy, offload, sizes, n_units) if replayed
+                else _held_terms(b, policy, offload, sizes, n_units))
     fwd_copies = _forward_copies(b, policy, offload) if replayed else b.state("C")
 
     # ---- forward: the loss (all held activations), the last block's dequantization, inside a block
@@ -600,7 +601,7 @@ def _units(sizes: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _held(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
+def checkpoint_held(b: StepBytes, policy: str, offload: bool, sizes: list[int], units: int) -> list[Term]:
     """What the first `units` checkpointed units hold until their backward: each one's input (the
     checkpoint keeps it) and, under selective checkpointing, the outputs its blocks cached (the policy's ops). Activation
     offload does not touch them (a region's inputs are not saved tensors; inside a region its own hooks win)."""
@@ -681,7 +682,8 @@ def _replayed_forward(st: _Step) -> list[Moment]:
                          "the op)", P_, copies[0].bytes - (0 if offload and b.c_frozen_head else b.head_copy)
                          - last.cached_bytes + worst.cached, copies[0].formula, copies[0].source)]
     terms = [*states, *copies, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
-             *_locals(b, offload, policy != "none", e == 1), *_held(b, policy, offload, sizes, n_units - 1)]
+             *_locals(b, offload, policy != "none", e == 1),
+             *checkpoint_held(b, policy, offload, sizes, n_units - 1)]
     if e - 1 > s and policy != "none":
         terms.append(custom(K.CHECKPOINT_INPUTS, "the last segment's input", A_, b.replays[s].input_bytes, "r x h x d",
                             "labkit.recompute.checkpoint keeps a region's inputs"))
@@ -725,7 +727,7 @@ def _replayed_backward(st: _Step) -> tuple[list[Moment], list[Moment]]:
         s, e = spans[j]
         unit = f"block {s}" if e - s == 1 else f"segment {j} (blocks {s}-{e - 1})"
         base = [*states, *buffers, b.term("inputs"), *([] if offload else [b.term("before")]),
-                *_held(b, policy, offload, sizes, j)]
+                *checkpoint_held(b, policy, offload, sizes, j)]
         kwargs = _kwargs(b, policy, offload)  # until the first unit's recompute, the last to run
         if policy == "none" and not offload:  # nothing checkpointed or offloaded: every saved tensor is alive
             for k in reversed(range(s, e)):
