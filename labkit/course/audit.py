@@ -459,8 +459,10 @@ def _audit_exercise(lesson, exercise, nb, call, module, functions, named, ns, no
     slots = [i for i, a in enumerate(node.args) if isinstance(a, ast.Name) and a.id in answers]
     args = [None if i in slots else eval(compile(ast.Expression(a), "<check>", "eval"), ns)  # noqa: S307
             for i, a in enumerate(node.args)]
-    kwargs = {k.arg: eval(compile(ast.Expression(k.value), "<check>", "eval"), ns)  # noqa: S307
-              for k in node.keywords}
+    kwargs = {}
+    for k in node.keywords:  # `**EX`, an exercise's inputs (labkit.exercises.Inputs), as the keywords it holds
+        value = eval(compile(ast.Expression(k.value), "<check>", "eval"), ns)  # noqa: S307
+        kwargs.update(value if k.arg is None else {k.arg: value})
     bound = sig.bind_partial(*args, **kwargs)
     bound.apply_defaults()
     params = list(sig.parameters)

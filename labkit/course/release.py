@@ -61,8 +61,35 @@ def _grade_source(source: str, stmts: list[ast.stmt], module, ok: str) -> str:
             and not any(k.arg == "seed" for k in call.keywords)):  # a code exercise: its inputs drawn afresh
         fresh = text[:-1].rstrip() + ", seed=__import__('random').randrange(1 << 30))"
         hidden.append(f'assert {fresh}, "❌ on inputs drawn afresh"  # the grader\'s answer functions')
+    if any(k.arg is None for k in call.keywords):  # `**EX`: the exercise's inputs, drawn again for this student
+        hidden.append(f'assert {_redrawn(call, module)}, "❌ on the inputs drawn for your student id"')
     hidden.append(HIDDEN[1])
     return "\n".join([f"{ok} = {text}"] + ([rest] if rest else []) + hidden)
+
+
+def _redrawn(call: ast.Call, module) -> str:
+    """The check call with its `**inputs` replaced by the inputs the grader draws from the student id it grades
+    ($LABKIT_STUDENT, set per submission by labkit/course/grade.py), not the notebook's variable, which a
+    learner may have overwritten with a classmate's."""
+    key = call.func.attr.removeprefix("check_")
+    table = getattr(module, "inputs", None)
+    if table is None or key not in table.table:
+        raise ValueError(f"{module.__name__}.{call.func.attr} is called with **inputs but {module.__name__}.inputs "
+                         f"has no table {key!r}")
+    redrawn = copy.deepcopy(call)
+    for k in redrawn.keywords:
+        if k.arg is None:
+            k.value = ast.parse(f"{call.func.value.id}.inputs({key!r}, quiet=True)", mode="eval").body
+    return ast.unparse(redrawn)
+
+
+STUDENT_CELL = """from labkit.exercises import use_student
+
+use_student("")  # your student id, as your course's roster spells it: each exercise's inputs are drawn from it"""
+
+
+def _draws_inputs(nb) -> bool:
+    return any(k.arg is None for c in check_calls(nb) for k in c.node.value.keywords)
 
 
 def grader_notebook(nb, exercises_only: bool = False):
@@ -102,6 +129,9 @@ def grader_notebook(nb, exercises_only: bool = False):
                 new.source = _grade_source(cell.source, group, module, f"_ok_{grade_id}")
                 new.metadata["nbgrader"] = _grade_meta(grade_id)
             cells.append(new)
+    if _draws_inputs(nb):  # the student's id, first thing in the exercises (autograde sets it from the folder)
+        at = next(i for i, c in enumerate(cells) if c.cell_type == "markdown" and c is nb.cells[start]) + 1
+        cells.insert(at, nbformat.v4.new_code_cell(STUDENT_CELL))
     nb.cells = cells
     return nb
 
@@ -127,9 +157,11 @@ c.Execute.allow_errors = True  # a cell that raises scores 0; the cells before a
 '''
 
 
-def nbgrader(args: list[str], course: Path) -> None:
-    """Run nbgrader's own command line in the course folder, with this build's labkit importable."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(course), os.environ.get("PYTHONPATH", "")]),
+def nbgrader(args: list[str], course: Path, env: dict[str, str] | None = None) -> None:
+    """Run nbgrader's own command line in the course folder, with this build's labkit importable (and `env`
+    added to the environment its kernels inherit)."""
+    env = dict(os.environ, **(env or {}),
+               PYTHONPATH=os.pathsep.join([str(course), os.environ.get("PYTHONPATH", "")]),
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))  # alembic
     done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, env=env, capture_output=True,
                           text=True)

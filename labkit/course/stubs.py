@@ -4,9 +4,10 @@ NotImplementedError with a hint, and the checks that reach one compare with its 
 Rule. An answer function is a public function of labkit/exercises/lessonNN.py that is not a check; every one is
 stubbed. A check that reaches an answer (directly or through the module's helpers) must be called by the lessons
 only with inputs that can be recorded when the build runs: literals, the learner's answers (a number, or for a
-code exercise the reference solution from notebooks/solutions/), and a fixed seed (`STUDENT_SEED`: in the
+code exercise the reference solution from notebooks/solutions/), a fixed seed (`STUDENT_SEED`: in the
 student build a code exercise is checked on the cases that seed draws; the grader's hidden checks draw
-afresh). A check that gets the lesson's own objects (its model, its tensors: profile-dependent, so no recording
+afresh), and a numeric exercise's `**inputs` (labkit.exercises.Inputs: recorded for every combination a student
+may draw). A check that gets the lesson's own objects (its model, its tensors: profile-dependent, so no recording
 covers every learner's device) computes its expected value through a path that is not the answer: the
 estimator's whole step rather than the one term asked for, the answer's defining property tested on the
 objects, or a measurement. Should such a check still reach an answer, `plan()` keeps that answer and names it in
@@ -57,8 +58,9 @@ def _literal(node: ast.expr):
 
 
 def _call_inputs(call, answers: set[str], solutions, check_fn):
-    """The check's arguments as the recording passes them: literals as written, the learner's answers as a
-    dummy number (a numeric exercise) or the reference solution (a code exercise); ValueError otherwise."""
+    """The check's arguments as the recording passes them, a list of (args, kwargs): literals as written, the
+    learner's answers as a dummy number (a numeric exercise) or the reference solution (a code exercise), and
+    for `**inputs` every combination of the exercise's choices; ValueError otherwise."""
     params = list(check_fn.__code__.co_varnames[:check_fn.__code__.co_argcount])
     code_exercise = params[:1] == ["fn"]
 
@@ -73,10 +75,13 @@ def _call_inputs(call, answers: set[str], solutions, check_fn):
         return _literal(node)
 
     args = [value(a) for a in call.args]
-    kwargs = {k.arg: value(k.value) for k in call.keywords}
+    kwargs = {k.arg: value(k.value) for k in call.keywords if k.arg is not None}
     if "seed" in params and "seed" not in kwargs and len(args) <= params.index("seed"):
         kwargs["seed"] = STUDENT_SEED
-    return args, kwargs
+    if not any(k.arg is None for k in call.keywords):
+        return [(args, kwargs)]
+    table = importlib.import_module(check_fn.__module__).inputs  # `**EX`: every input a student may draw
+    return [(args, {**kwargs, **drawn}) for drawn in table.every(check_fn.__name__.removeprefix("check_"))]
 
 
 def _load_solutions(path: Path):
@@ -116,8 +121,8 @@ def plan(module: str, notebooks, solutions: Path) -> ModulePlan:
                     continue
                 ok = False
                 with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()):
-                    args, kwargs = _call_inputs(call.node.value, names, sols, getattr(mod, call.check))
-                    getattr(mod, call.check)(*args, **kwargs)
+                    for args, kwargs in _call_inputs(call.node.value, names, sols, getattr(mod, call.check)):
+                        getattr(mod, call.check)(*args, **kwargs)
                     ok = True
                 fully_recorded[call.check] = fully_recorded.get(call.check, True) and ok
     finally:

@@ -7,7 +7,10 @@ to the end. Expected values are always computed from the library (labkit.memory)
 from __future__ import annotations
 
 import hashlib
+import itertools
 import numbers
+import os
+import random
 from dataclasses import dataclass
 
 PLACEHOLDERS = (None, Ellipsis)  # what an answer cell holds before the learner fills it in
@@ -115,3 +118,76 @@ def checked_choice(answer, what: str, options: dict, right: "str | Sealed", prai
     if right.matches(choice) if sealed else choice == right:
         return passed(praise)
     return failed((hints or {}).get(Sealed.digest_of(choice, right.salt) if sealed else choice, otherwise))
+
+
+# ---- per-student inputs ------------------------------------------------------------------------------------
+STUDENT_ENV = "LABKIT_STUDENT"  # the student id a course sets; the grader sets it to the submission's folder name
+
+
+def student() -> str | None:
+    """The student id the exercises' inputs are drawn from: $LABKIT_STUDENT, or None for a learner on their own."""
+    return os.environ.get(STUDENT_ENV) or None
+
+
+def use_student(student_id: str) -> str | None:
+    """Set the id a course build's exercises draw their inputs from (the cell the release adds at the start of
+    every lesson's exercises calls it). When grading, the grader has set the id from the submission's folder and
+    that one wins: an id written here cannot borrow a classmate's inputs."""
+    given = str(student_id or "").strip()
+    current = student()
+    if current and given and given != current:
+        print(f"Your student id is {current!r} here (set by your course, not {given!r}).")
+    elif not current and given:
+        os.environ[STUDENT_ENV] = current = given
+    if current:
+        print(f"Exercises' inputs drawn for student {current!r}: answer for yours, shown in each exercise.")
+    else:
+        print("No student id: the exercises use the lesson's own inputs. In a graded course, write yours above; "
+              "the grader draws your inputs from it.")
+    return current
+
+
+class Drawn(dict):
+    """One exercise's inputs: a dict (passed to the check as `**inputs`) whose keys also read as attributes."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __repr__(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.items())
+
+
+class Inputs:
+    """A lesson's numeric exercises' inputs, one table per exercise (its key: the check's name without
+    `check_`), each input a tuple of choices whose first is the lesson's own.
+
+    On your own (no student id) every exercise takes the lesson's own inputs; in a course each student draws
+    each input from its choices by a hash of (student id, lesson, exercise), so an answer copied from a
+    classmate answers another question. The grader draws again from the id it grades, whatever the notebook
+    says (labkit/course/release.py)."""
+
+    def __init__(self, lesson: str, table: dict[str, dict[str, tuple]]):
+        self.lesson = lesson.rsplit(".", 1)[-1]
+        self.table = table
+
+    def __call__(self, exercise: str, student_id: str | None = None, quiet: bool = False) -> Drawn:
+        if exercise not in self.table:
+            raise KeyError(f"{self.lesson} has no exercise inputs named {exercise!r} (have {sorted(self.table)})")
+        choices = self.table[exercise]
+        sid = student_id if student_id is not None else student()
+        if not sid:
+            return Drawn({k: c[0] for k, c in choices.items()})
+        seed = hashlib.sha256(f"{sid}/{self.lesson}/{exercise}".encode()).digest()
+        rng = random.Random(int.from_bytes(seed[:8], "big"))
+        drawn = Drawn({k: rng.choice(c) for k, c in choices.items()})
+        if not quiet:
+            print(f"Your inputs for this exercise (student {sid!r}): {drawn!r}")
+        return drawn
+
+    def every(self, exercise: str) -> list[Drawn]:
+        """Every combination of the exercise's choices (what the student build records answers for)."""
+        keys = list(self.table[exercise])
+        return [Drawn(zip(keys, combo)) for combo in itertools.product(*(self.table[exercise][k] for k in keys))]

@@ -7,7 +7,12 @@ from __future__ import annotations
 from labkit.distributed.comms import wire_bytes
 from labkit.estimate.zero_terms import paper_bytes
 
-from . import failed, number, passed
+from . import Inputs, failed, number, passed
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    "stage_bytes": {"n_params": (7.5e9, 1.3e9, 13e9, 70e9), "world": (64, 8, 16, 128), "stage": (2, 1, 3)},
+    "zero3_wire_bytes": {"n_params": (1e9, 3e9, 7e9, 13e9), "world": (8, 4, 16, 64), "bytes_per_param": (2, 4)},
+})
 
 
 # ---- exercise 1: model-state bytes per GPU at a ZeRO stage -----------------------------------------------

@@ -76,6 +76,69 @@ def test_grading_scores_each_exercise(course, tmp_path):
         "right": (2, 2), "wrong": (0, 2), "raises": (1, 2)}
 
 
+@pytest.fixture(scope="module")
+def course09(tmp_path_factory):
+    root = tmp_path_factory.mktemp("release09") / "grader"
+    root.mkdir()
+    assert release.build_grader(root, lessons=["09"], exercises_only=True) == ["09_data_parallel_zero"]
+    return root
+
+
+def test_each_student_is_graded_on_inputs_drawn_from_their_id(course09, tmp_path):
+    """Issue 41 item 4: a numeric exercise's hidden check draws the inputs of the student it grades, so the
+    right answer for your own inputs scores, and a classmate's answer scores 0, even with the classmate's id
+    written in the notebook and the classmate's inputs put in its variable."""
+    import importlib.util
+
+    from labkit.exercises import lesson09
+
+    spec = importlib.util.spec_from_file_location("sol09", SOLUTIONS / "lesson09.py")
+    sol = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol)
+    source = nbformat.read(course09 / "source" / "09_data_parallel_zero" / "09_data_parallel_zero.ipynb", 4)
+    graded = [c.source for c in source.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    assert all('inputs(\'' in g and "quiet=True" in g for g in graded), graded  # drawn again when graded
+    released = nbformat.read(course09 / "release" / "09_data_parallel_zero" / "09_data_parallel_zero.ipynb", 4)
+    assert any("use_student(" in c.source for c in released.cells)
+    ada = {e: lesson09.inputs(e, "ada", quiet=True) for e in ("stage_bytes", "zero3_wire_bytes")}
+    bo = {e: lesson09.inputs(e, "bo", quiet=True) for e in ada}
+    assert all(ada[e] != bo[e] for e in ada), (ada, bo)  # else copying would not show
+    answers = {"stage2_gb": ("EX1", "stage_bytes", sol.stage_gb), "zero3_bytes": ("EX2", "zero3_wire_bytes",
+                                                                                  sol.zero3_wire_bytes)}
+    for student, whose, claimed in (("ada", "ada", ""), ("bo", "ada", "ada")):  # bo copies ada, and her id
+        nb = nbformat.from_dict(released)
+        for cell in nb.cells:
+            if "use_student(" in cell.source:
+                cell.source = f'from labkit.exercises import use_student\nuse_student("{claimed}")'
+        for name, (var, exercise, solve) in answers.items():
+            drawn = lesson09.inputs(exercise, whose, quiet=True)
+            _answer(nb, name, f"{var} = lesson09.inputs({exercise!r}, {whose!r})\n{name} = {solve(**drawn)!r}")
+        (tmp_path / "in" / student).mkdir(parents=True)
+        nbformat.write(nb, tmp_path / "in" / student / "09_data_parallel_zero.ipynb")
+    rows = grade.grade(tmp_path / "in", course09, tmp_path / "out")
+    got = {(r["student"], r["exercise"]): r["score"] for r in rows}
+    assert got == {("ada", "stage_bytes"): 1, ("ada", "zero3_wire_bytes"): 1,
+                   ("bo", "stage_bytes"): 0, ("bo", "zero3_wire_bytes"): 0}
+
+
+def test_inputs_are_the_lessons_own_on_your_own_and_drawn_per_student(monkeypatch, capsys):
+    from labkit import exercises
+    from labkit.exercises import lesson09
+
+    monkeypatch.delenv(exercises.STUDENT_ENV, raising=False)
+    assert lesson09.inputs("stage_bytes") == {"n_params": 7.5e9, "world": 64, "stage": 2}
+    assert capsys.readouterr().out == ""  # the self-paced lesson prints nothing new
+    drawn = [lesson09.inputs("stage_bytes", f"s{i}", quiet=True) for i in range(40)]
+    assert drawn[3] == lesson09.inputs("stage_bytes", "s3", quiet=True)  # the same id, the same inputs
+    assert len({tuple(d.values()) for d in drawn}) > 10
+    assert all(d in lesson09.inputs.every("stage_bytes") for d in drawn)
+    monkeypatch.setenv(exercises.STUDENT_ENV, "s3")
+    assert exercises.use_student("s4") == "s3"  # the grader's id wins over one written in the notebook
+    assert lesson09.inputs("stage_bytes") == drawn[3] and "s3" in capsys.readouterr().out
+    with pytest.raises(KeyError, match="stage_bytes"):
+        lesson09.inputs("stage_byte")
+
+
 STUDENT_SCRIPT = r'''
 import importlib.util, sys
 from labkit.exercises import lesson00, lesson09
