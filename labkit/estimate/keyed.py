@@ -21,7 +21,7 @@ from labkit.memory.report import (Category, Estimate, KeyRow, Moment, MomentKind
 from labkit.optim import adafactor, adam8bit, galore, galore8bit, lion
 
 from . import peft_terms, textbook
-from .moments import segments_of
+from .held import segments_of
 from .optim_terms import state_bytes
 from .predict import _frozen_bytes, step_bytes
 from .spec import spec_from
@@ -101,7 +101,7 @@ class Ctx:
         # nothing checkpointed or offloaded: the exact layer replays each block (stepping in
         # backward too: each gradient stepped and freed as it is made)
         self.plain = r.checkpoint == "none" and not r.offload_activations and replays
-        # checkpointed or offloaded: the blocks' moments from their replays (moments._replayed_*)
+        # checkpointed or offloaded: the blocks' moments from their replays (moments_backward._replayed_backward, moments_forward._replayed_forward)
         self.replayed = (r.checkpoint != "none" or r.offload_activations) and replays
         self.sizes = segments_of(self.L, r.checkpoint, r.segments)
         ends = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
@@ -139,7 +139,7 @@ _NO_OP = SimpleNamespace(op="", saved=0, copies=0, grads=0)  # a block with no p
 
 
 def _plain_worst(c: "Ctx", m: Moment):
-    """The replay's worst op of a plain block's moment (moments._replayed_backward): its backward's, or
+    """The replay's worst op of a plain block's moment (moments_backward._replayed_backward): its backward's, or
     under step in backward the one where a parameter steps (`Worst.step`). Stepping in backward, the
     replay is the one with no .grad to add into (`plain_later`), as the estimate's."""
     rep = c.b.replays[m.block]
@@ -446,7 +446,7 @@ def copies_recomputed(c: Ctx, m: Moment) -> list[Term]:
 
 # ---- stepping in backward ---------------------------------------------------------------------
 def _stepping(c: Ctx, m: Moment) -> tuple[tuple, tuple]:
-    """At a moment a parameter outside the blocks steps in backward (moments._steps_in_backward): (its
+    """At a moment a parameter outside the blocks steps in backward (moments_step._steps_in_backward): (its
     step's (gradient, temporaries, cast[, change of the state]), what was freed before it (copy, saved
     input, transient gradients)). Which parameter: the head (the head's backward keys), the position
     table (the tied head's held gradient), else the tied embedding."""

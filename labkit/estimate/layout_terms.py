@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey as K
 
 from . import keyed, peft_terms, predict, tape, zero_terms
-from .moments import custom, step_moments
-from .moments import block_saved, checkpoint_held
+from .held import block_saved, checkpoint_held
+from .moments import step_moments
 from .spec import spec_from
+from .step_bytes import custom
 from .walk import TPShare
 from .textbook import in_flight, korthikanti_layer_bytes  # noqa: F401 (lesson 10 quotes them from here)
 

@@ -10,7 +10,8 @@ import re
 
 from .families import WALKS
 from . import optim_terms, peft_terms, textbook
-from .moments import StepBytes, step_moments
+from .moments import step_moments
+from .step_bytes import StepBytes
 from .recipe import DTYPES, OPTIMIZERS, POLICIES, STEP_AND_OFFLOAD, Recipe  # noqa: F401 (re-exported)
 from labkit.memory.report import Category, Estimate, Term, TermKey as K
 from .spec import ModelSpec, spec_from

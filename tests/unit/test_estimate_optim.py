@@ -117,7 +117,7 @@ def test_step_in_backward_mlp_projection_then_activation(cfg, B, S):
 @pytest.mark.parametrize("dtype,lora,chunks", [("fp32", 16, None), ("bf16", 16, 2), ("fp32", None, 2)])
 def test_step_in_backward_replays_each_block_under_lora_and_chunks(family, dtype, lora, chunks):
     """With nothing checkpointed, a step in backward takes each block's moments from its ops replayed with
-    every gradient stepped as made (moments._replayed_backward), as a checkpointed one does. The per-block
+    every gradient stepped as made (moments_backward._replayed_backward), as a checkpointed one does. The per-block
     formula it used before over-counted LoRA's down projection (its saved input freed and counted again in
     the MLP's transient: +6.2 % of the peak at GPT-2 h=128, fp32) and split chunked runs' categories
     (17.8 % activations into temporaries). Every phase's every category, the optimizer phase (the moments a
@@ -368,7 +368,7 @@ def test_step_in_backward_frees_the_residual_dropouts_mask_before_the_projection
 def test_step_in_backward_counts_a_new_gradient_as_gradient_memory(checkpoint, segments):
     """With one micro-batch, AccumulateGrad stores a parameter's new gradient as its .grad itself, which
     the step-in-backward hook steps and frees: gradient memory in the ledger from then on, not a
-    temporary (moments._stolen, tape.Worst.new_grads). The random bench, seed 5, config 43 (llama L2
+    temporary (moments_backward._stolen, tape.Worst.new_grads). The random bench, seed 5, config 43 (llama L2
     h64 ffn256, full checkpointing in one segment, step in backward, B=1 S=1, fp32 SGD): GRAD was
     -9.77 % and TEMP +9.77 % of the peak, the total exact; 1 % here, so that the old code fails."""
     from estimate_checks import assert_categories_within, assert_phases_within

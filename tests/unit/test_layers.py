@@ -25,7 +25,8 @@ ORDER = ["memory", "paths", "quant", "precision", "recompute", "data", "models",
 MODULE_ORDER = {
     "memory": ["units", "table", "allocator", "state", "report", "memviz", "replay", "budget", "ledger"],
     "estimate": ["recipe", "textbook", "tape", "spec", "optim_terms", "peft_terms", "walk", "families",
-                 "walk_groups", "moments", "predict", "keyed", "zero_terms", "layout_terms", "estimator",
+                 "walk_groups", "step_bytes", "held", "moments_step", "moments_backward", "moments_forward",
+                 "moments", "predict", "keyed", "zero_terms", "layout_terms", "estimator",
                  "wall", "host"],
 }
 

@@ -34,7 +34,7 @@ STRING_TESTS = ("startswith", "endswith", "find", "rfind", "index", "rindex", "c
 FIELD, CATEGORY, AST = "a dataclasses.Field", "a Category member (its enum name)", "an ast node of a lesson's module"
 NOT_TERMS = {
     ("cli/common.py", "parse_gpt_spec", "f"): FIELD,
-    ("estimate/moments.py", "<module>", "f"): FIELD,
+    ("estimate/step_bytes.py", "<module>", "f"): FIELD,
     ("estimate/recipe.py", "options", "f"): FIELD,
     ("viz/lesson_panels.py", "_fixed", "f"): FIELD,
     ("memory/report.py", "as_dict", "c"): CATEGORY,
