@@ -182,10 +182,11 @@ class StepContext:
     held_all: list[Term]  # what every unit holds until its backward
     kwargs: list[Term]  # the blocks' other arguments a checkpointed region keeps
     chunked: bool  # the chunked output loss: one chunk's gradients at a time
+    ready: bool = False  # add each plain block's moment when its last parameter gradient is ready (ZeRO-2)
 
 
 def step_context(b: StepBytes, n_layer: int, policy: str, segments: int | None, offload: bool,
-                 grads_exist: bool, step_in_backward: bool, tag: str) -> StepContext:
+                 grads_exist: bool, step_in_backward: bool, tag: str, ready: bool = False) -> StepContext:
     sizes = segments_of(n_layer, policy, segments)
     replayed = (policy != "none" or offload) and len(b.replays) == n_layer
     # nothing checkpointed or offloaded: the blocks' moments from their ops replayed with every saved tensor kept
@@ -202,4 +203,4 @@ def step_context(b: StepBytes, n_layer: int, policy: str, segments: int | None, 
                 else held_terms(b, policy, offload, sizes, len(sizes)))
     return StepContext(b, policy, offload, sizes, states, base_states, b.state("buffers"), grads_exist, step_in_backward,
                  f" ({tag})" if tag else "", replayed, plain, outside, held_all, region_kwargs(b, policy, offload),
-                 bool(b.loss_grad))
+                 bool(b.loss_grad), ready)

@@ -46,13 +46,14 @@ from .step_bytes import REFRESH, STEADY, MomentKind, StepBytes  # noqa: F401  (R
 
 def step_moments(b: StepBytes, n_layer: int, policy: str = "none", segments: int | None = None,
                  offload: bool = False, grads_exist: bool = False, step_in_backward: bool = False,
-                 tag: str = "") -> list[Moment]:
+                 tag: str = "", ready: bool = False) -> list[Moment]:
     """Every candidate moment of one step. grads_exist: a later micro-batch (all gradients already made;
     `tag` names it). step_in_backward: each gradient is stepped and freed when made, so backward holds about
     one at a time; the optimizer's moments are then those inside backward where a parameter steps.
     A checkpointed or offloaded step takes its blocks' moments from the replays of their ops
-    (labkit.estimate.tape; moments_forward and moments_backward)."""
-    st = step_context(b, n_layer, policy, segments, offload, grads_exist, step_in_backward, tag)
+    (labkit.estimate.tape; moments_forward and moments_backward). ready: also each plain block's moment
+    when its last parameter gradient is made (MomentKind.GRADIENTS_READY, for ZeRO-2's reduce)."""
+    st = step_context(b, n_layer, policy, segments, offload, grads_exist, step_in_backward, tag, ready)
     hb = head_moments(st)
     blocks, end, block_steps = blocks_and_embedding(st)
     return [*forward_moments(st), *hb.moments, *blocks, *optimizer_moments(st, hb, end, block_steps)]

@@ -248,9 +248,12 @@ def _replayed_backward(st: StepContext) -> tuple[list[Moment], list[Moment]]:
                     terms.append(custom(K.COPIES_16BIT, f"autocast weight copies saved by blocks 0-{k - 1}", P_, copies,
                                         "2 x the weights their matmuls save (for dx)",
                                         "autograd keeps a matmul's 16-bit weight copy until that node's backward"))
+                before_input = list(terms)
                 if r.input_saved:
                     terms.append(custom(K.BLOCK_INPUT, f"the input of block {k}, saved by it", A_, r.input_saved,
                                         "r x h x d", "derivatives.yaml", block=k))
+                if st.ready and w.last is not None:  # ZeRO-2 reduce-scatters the block's unit then
+                    out.append(_ready_moment(st, before_input, terms[len(before_input):], w.last, k))
                 if step_in_backward:
                     steps += block_step_moments(b, list(terms), w.step, k, sfx, plain=True)
                 terms += saved_terms(w, k)
@@ -320,6 +323,14 @@ def _replayed_backward(st: StepContext) -> tuple[list[Moment], list[Moment]]:
                                      range(s, k), sel)
             if step_in_backward:
                 steps += block_step_moments(b, list(terms), w.step, k, sfx, sel=sel)
+            if st.ready and w.last is not None:  # ZeRO-2 reduce-scatters the block's unit then
+                lw, gone = w.last, [] if w.last.input_alive else kept_in
+                out.append(moment(MK.GRADIENTS_READY, k, "backward", f"block {k} backward, {at_block(lw.op, k)}" + sfx, [
+                    *[t for t in terms if t not in gone],
+                    *split_recomputed(K.LAYER_TEMPS, f"block {k} backward, {at_block(lw.op, k)}: recomputed saved "
+                                      "tensors still needed, gradients and temporaries", lw.live, lw.copies,
+                                      lw.kept if sel else 0, "replay: up to the block's last parameter gradient"),
+                    _wgrad_term(lw, k)]))
             stolen, held = _stolen(w, k, step_in_backward)
             terms += split_recomputed(K.LAYER_TEMPS, f"block {k} backward, {at_block(w.op, k)}: recomputed saved tensors still "
                             "needed, gradients and temporaries", w.live - stolen, w.copies, w.kept if sel else 0,
@@ -331,6 +342,20 @@ def _replayed_backward(st: StepContext) -> tuple[list[Moment], list[Moment]]:
             unit_grads += r.wgrad_bytes
         done_grads += unit_grads
     return out, steps
+
+
+def _ready_moment(st: StepContext, terms: list[Term], block_input: list[Term], w, k: int) -> Moment:
+    """Block k's backward once its last parameter gradient is made (its node returned), nothing checkpointed:
+    the block's saved tensors still needed (its input too, when a later node reads it), the gradients and
+    temporaries alive, and all the block's parameter gradients. labkit.distributed.Zero's hook reduce-scatters
+    the block's unit at this moment (ZeRO-2 over LoRA: the adapters' last gradient, inside the block's backward;
+    zero_terms._reduce_moments adds the flat copy)."""
+    return moment(MK.GRADIENTS_READY, k, "backward", f"block {k} backward, {at_block(w.op, k)}" + st.sfx, [
+        *terms, *(block_input if w.input_alive else []), *saved_terms(w, k),
+        custom(K.LAYER_TEMPS, f"block {k} backward, {at_block(w.op, k)}: gradients and temporaries", T_,
+               w.live - w.saved, "replay: the output's gradient, each node's saved tensors until their last "
+               "reader, its gradients and temporaries", REPLAY_SOURCE),
+        _wgrad_term(w, k)])
 
 
 def _recomputed(b: StepBytes, name: str, nbytes: int, blocks, sel: bool, running: bool = False) -> list[Term]:

@@ -105,9 +105,10 @@ def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, dev
 _WALKS: dict = {}  # walk_activations' last 32 walks, by everything that shapes one
 
 
-def single_estimate(r: Recipe) -> Estimate:
+def single_estimate(r: Recipe, ready: bool = False) -> Estimate:
     """The Estimate of a recipe on one device (labkit.estimate.estimator.estimate's docstring says what each
-    field does; its data, tensor and pipeline parallel layouts are built from this one)."""
+    field does; its data, tensor and pipeline parallel layouts are built from this one). ready: with each
+    block's moment when its last parameter gradient is made (ZeRO-2's reduce, labkit.estimate.zero_terms)."""
     if r.tp > 1 or r.pp > 1 or r.dp > 1 or r.zero:
         raise ValueError("single_estimate takes a single-device recipe: use labkit.estimate.estimate")
     model, batch, seq, dtype, optimizer, device = r.model, r.batch, r.seq, r.dtype, r.optimizer, r.device
@@ -135,7 +136,8 @@ def single_estimate(r: Recipe) -> Estimate:
         unified, b.O = b.O, 0  # the step's temporaries stay on the device (Estimate.unified)
     terms = _terms(spec, prec, optimizer, micro, seq, w, b, peft, _frozen_bytes(r))
     b.states = _state_groups(_model_state_terms(spec, prec, optimizer, b, peft, _frozen_bytes(r)))
-    moments = step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward)
+    moments = step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward,
+                           ready=ready)
     if micro < batch:  # later micro-batches: every gradient already exists
         moments += step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=True,
                                 tag="micro-batch 2 on")

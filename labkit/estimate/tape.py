@@ -187,6 +187,9 @@ class Worst:
     new_grads: int = 0  # the part of `live` that is parameter gradients made but not yet put into .grad
     # (keep_wgrads=False): a later micro-batch's, summed into .grad; under step in backward the first and
     # only micro-batch's, which AccumulateGrad stores as .grad itself (gradient memory in the ledger)
+    last: object = None  # backward: when the block's last parameter gradient is ready (its node returned), a
+    # Worst whose `grads` are all the block's: ZeRO-2 reduce-scatters a unit then (labkit.distributed.Zero)
+    input_alive: bool = False  # `last`: the block's input is still saved for a node that has not run
 
     @property
     def total(self) -> int:
@@ -332,7 +335,7 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
 
     peak("block output gradient")
     state["trigger"] = None
-    state["step"] = None
+    state["step"] = state["last"] = None
     for i, n in enumerate(reversed(nodes)):
         if not any(id(o) in grads for o in n.outs):
             continue  # no gradient reaches it: autograd never runs it
@@ -394,10 +397,14 @@ def backward(events, x, out, stream: int, mode: str, keep_wgrads: bool = True,
             t = total() - (state["wg"] if keep_wgrads else 0)
             if state["step"] is None or t + nb > state["step"].total:
                 state["step"] = snapshot(f"{n.op}: its parameter steps", t, nb)
+        if ready:  # the latest node to make a parameter gradient: after the last one, all the block's exist
+            state["last"] = snapshot(f"{n.op}: the block's last parameter gradient is ready",
+                                     total() - state["wg"], state["wg"])
+            state["last"].input_alive = last_use.get(id(_root(x)), -1) > i
     g_in = grads.get(id(x))
     worst = state["worst"]
     worst.trigger = state["trigger"] if state["trigger"] is not None else stream
-    worst.step = state["step"]
+    worst.step, worst.last = state["step"], state["last"]
     return worst, (g_in.nbytes if g_in else 0)
 
 

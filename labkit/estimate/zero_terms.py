@@ -232,7 +232,7 @@ def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer
             terms += _gathered(lay, in_fwd_bwd, 1 if m.block is not None else 0)
         out.append(dataclasses.replace(m, terms=terms))
     out += _reduce_moments(out, lay, n_layer)
-    return out
+    return [m for m in out if m.kind is not MomentKind.GRADIENTS_READY]  # (their reduce moments are larger)
 
 
 def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> list[Moment]:
@@ -241,8 +241,9 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
     the full gradients are freed.
 
     stage 1: after backward, every gradient full, the first unit (block 0) flattened.
-    stages 2-3: at the end of block k's backward (its last gradient made): block k's full gradients and their
-    copy, beside the activations the earlier blocks still hold, the finished blocks' gradient shards, the head's
+    stages 2-3: where block k's last gradient is made (a GRADIENTS_READY moment: LoRA's adapters, inside the
+    block's backward), that moment and the copy; else at the end of block k's backward: its full gradients and
+    their copy, beside the activations the earlier blocks still hold, the finished blocks' gradient shards, the head's
     gradient and the gradient flowing into block k (twice: the residual's and the first norm's); and at the end
     of backward the root's gradients and their copy (stage 3: block k or the root gathered then)."""
     d = lay.c  # the gradients a unit reduce-scatters: in the gathered dtype
@@ -263,6 +264,11 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
                        [*keep, _t(K.GRADIENTS, "gradients", G_, lay.grads_full(), f"N s x {d} B per unit (all full)"),
                         first], kind=MomentKind.REDUCE_AFTER_BACKWARD)]
     out, seen = [], set()
+    for m in moments:  # the unit's last gradient made inside its block's backward (LoRA's adapters): then
+        if m.kind is MomentKind.GRADIENTS_READY:
+            seen.add(m.block)
+            out.append(Moment("backward", m.where + ": the block's gradients flattened for the reduce-scatter",
+                              [*m.terms, flat_block], kind=MomentKind.GRADIENT_REDUCE, block=m.block))
     for m in moments:
         k = m.block
         if m.phase != "backward" or m.kind is not MomentKind.BLOCK_BACKWARD or k is None or k in seen:
@@ -344,11 +350,6 @@ def _check_zero(r) -> None:
                          "its shards after backward (Zero.step)")
     if r.zero_offload and r.optimizer != "adamw":
         raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
-    if r.zero == 2 and r.lora_rank is not None:
-        raise ValueError("ZeRO-2 over a LoRA model is not modelled: Zero reduce-scatters a unit when its last "
-                         "adapter gradient arrives, inside the block's backward while the frozen matmuls' "
-                         "input gradients are alive (measured 2-3 % of the peak over the estimate); ZeRO-1 "
-                         "and ZeRO-3 (FSDP2) are modelled")
     if r.zero < 3 and r.lisa_layers is not None:
         raise ValueError(f"ZeRO-{r.zero} over a LISA model: labkit's Zero builds its units once, from the "
                          "parameters that train then, and LISA changes which layers train every few steps")
@@ -384,7 +385,8 @@ def data_parallel_estimate(r) -> Estimate:
             # units (labkit's Zero runs neither: fp32 or autocast, its units made of trained
             # parameters)
             return fsdp2_estimate(r)
-    single = single_estimate(_rank_recipe(r))
+    # ZeRO-2 over LoRA reduce-scatters a block's unit inside its backward, when the adapters' last gradient is made
+    single = single_estimate(_rank_recipe(r), ready=r.zero == 2 and r.lora_rank is not None)
     tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + mixed_note(r) + " (per rank)"
     if r.zero == 0:  # labkit's data parallel: all-reduce in place on the .grad tensors, nothing more
         return keyed.attach(Estimate(_label(single, r) + tag, single.n_params, terms=list(single.terms),

@@ -84,6 +84,7 @@ class MomentKind(enum.Enum):
     BLOCK_BACKWARD = "block backward"  # inside a block's (or a segment's) backward
     EMBEDDING_BACKWARD = "embedding backward"  # the embedding's backward
     EMBEDDING_SUM = "embedding sum"  # a tied embedding's two gradient parts summed
+    GRADIENTS_READY = "gradients ready"  # a block's last parameter gradient made (ZeRO-2 reduces its unit then)
     GRADIENT_REDUCE = "gradient reduce"  # ZeRO-2/3: a unit's gradients flattened for their reduce-scatter
     REDUCE_AFTER_BACKWARD = "reduce after backward"  # ZeRO-1: every gradient full, the first unit's flattened
     OPTIMIZER_STEP = "optimizer step"
