@@ -67,7 +67,7 @@ LORA_G = dict(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
 def test_zero1_over_lora_per_rank_phase_and_category(checkpoint, world):
     """Zero's units are the adapters (the only parameters with requires_grad): their gradients full until the
     step, their AdamW state in shards; every phase's every category within 0.1 % of the measured peak
-    (measured: 0.00-0.01 %). ZeRO-2 over LoRA is refused with its measured gap."""
+    (measured: 0.00-0.01 %)."""
     from labkit.memory import CATEGORIES
     from labkit.run.step import apply_peft
 
