@@ -10,25 +10,37 @@ from labkit.memory import fmt_bytes
 from labkit.estimate.predict import Precision, param_bytes
 from labkit.estimate.spec import spec_from
 
-from . import checked_choice, close, failed, not_answered, number, passed, unanswered
+from . import Inputs, checked_choice, close, failed, not_answered, number, passed, unanswered
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    "weight_bytes": {"dtype": ("fp32", "bf16", "fp64", "fp8")},
+})
+
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1}  # bytes of one number in each dtype
 
 
-def check_weight_bytes(answer, model) -> bool:
-    """Bytes of the model's fp32 weights: parameters x 4 (a tied matrix counted once)."""
-    name = "bytes of the fp32 weights"
+def check_weight_bytes(answer, model, dtype: str = "fp32") -> bool:
+    """Bytes of the model's weights stored in `dtype`: parameters x bytes per number (a tied matrix counted once)."""
+    name = f"bytes of the {dtype} weights"
     value = number(answer, name)
     if value is None:
         return False
     spec = spec_from(model)
-    expected = param_bytes(spec, Precision.of("fp32"))
+    size = WEIGHT_BYTES[dtype]
+    expected = param_bytes(spec, Precision.of(dtype)) if dtype in ("fp32", "bf16", "fp16") else spec.n_params * size
     if close(value, expected, rel=1e-9):
         return passed(f"{name}: {fmt_bytes(expected)} for {spec.n_params:,} parameters.")
     if close(value, spec.n_params, rel=1e-9):
-        return failed(f"{name}: that is the number of parameters; each fp32 parameter takes 4 bytes.")
-    if spec.tied and close(value, expected + 4 * spec.vocab * spec.hidden, rel=1e-9):
+        return failed(f"{name}: that is the number of parameters; each {dtype} number takes {size} bytes.")
+    if spec.tied and close(value, expected + size * spec.vocab * spec.hidden, rel=1e-9):
         return failed(f"{name}: the embedding and the output head share one matrix (tied): count it once. "
                       "model.parameters() already does.")
-    return failed(f"{name}: add up p.numel() over model.parameters() and multiply by 4 bytes per fp32 number.")
+    for other, other_size in WEIGHT_BYTES.items():
+        if other_size != size and close(value, spec.n_params * other_size, rel=1e-9):
+            return failed(f"{name}: that counts {other_size} bytes per number ({other}); one {dtype} number takes "
+                          f"{size}.")
+    return failed(f"{name}: add up p.numel() over model.parameters() and multiply by {size} bytes per {dtype} "
+                  "number.")
 
 
 # ---- exercise 1: the GPT's parameter count, as a function, checked on fresh configurations -------------------

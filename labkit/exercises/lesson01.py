@@ -21,7 +21,13 @@ from labkit.estimate.predict import (
 from labkit.estimate import estimate
 from labkit.estimate.spec import spec_from
 
-from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered
+from . import Inputs, checked_choice, close, failed, integer, not_answered, number, passed, unanswered
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    "bytes_per_param": {"optimizer": ("sgd-momentum", "sgd", "adamw")},
+    "logits_bytes": {"batch": (4, 3, 5, 7), "seq": (4096, 2048, 8192)},  # 12 token counts B x S, all different
+    "largest_batch": {"seq": (1024, 512, 256), "budget": (16 * GiB, 8 * GiB, 24 * GiB, 40 * GiB)},
+})
 
 LOGITS_KEY = TermKey.LOG_SOFTMAX  # the estimator's key of the B x S x V term ("log-softmax of the logits")
 STATES = {"sgd": "no state", "sgd-momentum": "one momentum buffer", "adam": "two moments, m and v",

@@ -16,7 +16,15 @@ import torch
 from labkit.precision import bytes_per_param, flush_fraction, overflow_fraction
 from labkit.precision.fp8 import FORMATS, AMAX_FLOOR
 
-from . import checked_choice, close, failed, not_answered, number, passed, unanswered
+from . import Inputs, checked_choice, close, failed, not_answered, number, passed, unanswered
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    "master_bytes": {"optimizer": ("sgd-momentum", "sgd", "adamw")},
+    "scale_window": {"grads": (  # the smallest and the largest value set the window: each pair gives another
+        (3e-9, 2e-7, 5e-5, 1e-2, 4.0), (1e-9, 2e-7, 5e-5, 1e-2, 2.0), (5e-10, 2e-7, 5e-5, 1e-2, 0.5),
+        (2e-8, 2e-7, 5e-5, 1e-2, 30.0), (7e-9, 2e-7, 5e-5, 1e-2, 12.0), (4e-10, 2e-7, 5e-5, 1e-2, 1.5))},
+    "scaled_mm_scale": {"amax": (1e4, 3e3, 2.5e5, 80.0), "fmt": ("e4m3", "e5m2")},
+})
 
 STATES = {"sgd": "no state", "sgd-momentum": "one momentum buffer", "adam": "two moments, m and v",
           "adamw": "two moments, m and v"}
@@ -73,8 +81,10 @@ def _power_of_two(value: float) -> bool:
     return value > 0 and math.log2(value) == int(math.log2(value))
 
 
-def check_scale_window(smallest, largest, grads: torch.Tensor, dtype: str = "fp16") -> bool:
-    """The smallest power-of-two loss scale that flushes none of `grads` and the largest that overflows none."""
+def check_scale_window(smallest, largest, grads, dtype: str = "fp16") -> bool:
+    """The smallest power-of-two loss scale that flushes none of `grads` (a tensor, or its values as a sequence:
+    an fp32 tensor, as torch.tensor makes of them) and the largest that overflows none."""
+    grads = grads if isinstance(grads, torch.Tensor) else torch.tensor(grads)
     ok_lo = _check_smallest(smallest, grads, dtype)
     ok_hi = _check_largest(largest, grads, dtype)
     if ok_lo and ok_hi:

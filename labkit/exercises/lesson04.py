@@ -16,7 +16,12 @@ from labkit.accumulate import micro_shares, split_sizes
 from labkit.memory import fmt_bytes
 from labkit.estimate import estimate
 
-from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered
+from . import Inputs, checked_choice, close, failed, integer, not_answered, number, passed, unanswered
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    "micro_weight": {"sizes": ([3, 3, 2], [4, 4, 2], [5, 3, 2], [6, 3, 3]), "index": (2, 0, 1)},
+    "largest_micro_batch": {"checkpoint": ("full", "none", "selective", "sqrt"), "budget_scale": (1.0, 1.25, 1.5)},
+})
 
 
 # ---- exercise 1: the weight of a micro-batch's loss ----------------------------------------------
@@ -59,7 +64,9 @@ def largest_micro_batch(config, batch: int, seq: int, budget: int, dtype: str = 
 
 
 def check_largest_micro_batch(answer, config, batch: int, seq: int, budget: int, dtype: str = "fp32",
-                              checkpoint: str = "none", device: str = "cpu") -> bool:
+                              checkpoint: str = "none", device: str = "cpu", budget_scale: float = 1.0) -> bool:
+    """`budget_scale`: the budget is int(budget x budget_scale) bytes (1: the budget as given)."""
+    budget = int(budget * budget_scale)
     name = f"largest micro-batch in {fmt_bytes(budget)} (checkpoint={checkpoint})"
     m = integer(answer, name)
     if m is None:

@@ -16,7 +16,12 @@ from labkit.memory import fmt_bytes
 from labkit.estimate import spec_from
 from labkit.optim import adafactor, adam8bit
 
-from . import checked_choice, close, failed, not_answered, number, passed, unanswered
+from . import Inputs, checked_choice, close, failed, not_answered, number, passed, unanswered
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    # CONFIG's vocabulary (every profile's: the byte tokenizer's 256) or a BPE-sized one; fp32 or 16-bit gradients
+    "step_in_backward_grad": {"vocab_size": (256, 8192, 32000), "bytes_per_value": (4, 2)},
+})
 
 
 # ---- exercise 1: the state of 8-bit Adam, as a function checked on fresh sizes ----------------------------
@@ -171,7 +176,16 @@ def step_in_backward_grad_bytes(config, bytes_per_value: int = 4) -> int:
     return spec.largest_param * bytes_per_value
 
 
-def check_step_in_backward_grad(answer, config, bytes_per_value: int = 4) -> bool:
+def check_step_in_backward_grad(answer, config, bytes_per_value: int = 4, vocab_size: int | None = None) -> bool:
+    """`vocab_size`: the GPTConfig with that vocabulary (dataclasses.replace); None keeps config's."""
+    if vocab_size is not None:
+        from dataclasses import replace
+
+        from labkit.models.gpt import GPTConfig
+
+        if not isinstance(config, GPTConfig):
+            raise ValueError(f"vocab_size= needs a GPTConfig, got {type(config).__name__}")
+        config = replace(config, vocab_size=vocab_size)
     spec = spec_from(config)
     name = "gradient bytes at the backward peak with step-in-backward"
     value = number(answer, name)
@@ -190,7 +204,7 @@ def check_step_in_backward_grad(answer, config, bytes_per_value: int = 4) -> boo
         return failed(f"{name}: not zero: a gradient exists from the moment autograd writes it until its hook has "
                       "stepped the parameter; the largest one sets the floor.")
     if close(value, spec.largest_param, rel=0.05):
-        return failed(f"{name}: that counts values; each fp32 gradient value is {bytes_per_value} bytes.")
+        return failed(f"{name}: that counts values; each gradient value is {bytes_per_value} bytes here.")
     if close(value, spec.layer_params * bytes_per_value, rel=0.05):
         return failed(f"{name}: not a whole block's gradients: the hook fires per parameter tensor, so one tensor's "
                       "gradient is alive at a time (give or take a bias).")

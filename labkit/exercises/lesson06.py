@@ -13,7 +13,13 @@ import random
 
 from labkit.optim import galore
 
-from . import checked_choice, close, failed, integer, not_answered, number, passed, unanswered
+from . import Inputs, checked_choice, close, failed, integer, not_answered, number, passed, unanswered
+
+MATRICES = ((4096, 11008), (4096, 4096), (5120, 13824), (1600, 6400))  # Llama-7B MLP, attention; 13B MLP; GPT-2 XL
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    "galore_state_bytes": {"shape": MATRICES, "rank": (128, 64, 256, 512)},
+    "break_even_rank": {"shape": MATRICES},
+})
 
 
 def _matrix(shape) -> tuple[int, int]:

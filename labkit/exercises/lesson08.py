@@ -18,7 +18,13 @@ import torch.nn as nn
 from labkit.peft import LISA, apply_lora, count_parameters, find_layers, find_targets, lisa_bound
 from labkit.quant import nbytes_nf4, nf4_bytes_for, quantize_nf4
 
-from . import checked_choice, close, failed, integer, not_answered, passed, unanswered
+from . import Inputs, checked_choice, close, failed, integer, not_answered, passed, unanswered
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    "lora_params": {"targets": (("query", "value"), ("query", "key", "value")), "r": (8, 4, 16, 32)},
+    "nf4_base_bytes": {"shape": ((4096, 4096), (2048, 2048), (5632, 2048), (3072, 3072), (2560, 2560))},
+    "lisa_opt_bytes": {"gamma": (1, 2)},  # at most the smoke profile's 2 blocks (LISA refuses more)
+})
 
 
 # ---- exercise 1: parameters LoRA trains --------------------------------------------------------------

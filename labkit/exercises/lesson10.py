@@ -11,7 +11,15 @@ from fractions import Fraction
 
 from labkit.memory import TermKey
 
-from . import close, failed, integer, number, passed
+from . import Inputs, close, failed, integer, number, passed
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    "stage0_activations": {"batch": (16, 32), "p": (4, 2, 8), "m": (8, 16)},  # p divides the 8 layers, m the batch
+    "bubble": {"p": (4, 2, 8), "m": (12, 8, 16, 24)},
+    "tp_param_bytes": {"t": (2, 4), "dtype": ("fp32", "bf16")},  # t divides the lesson's 4 heads
+})
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per parameter of each dtype the estimate takes for pure training
 
 
 # ---- exercise 1: activations of stage 0 under each schedule --------------------------------------------------
@@ -96,20 +104,21 @@ def tp_param_bytes(model, t: int, bytes_per: int = 4) -> int:
     return bytes_per * sum(_numel(s) for _, s in rank_params(spec_from(model), 0, 1, t))
 
 
-def check_tp_param_bytes(answer, model, t: int = 2) -> bool:
+def check_tp_param_bytes(answer, model, t: int = 2, dtype: str = "fp32") -> bool:
     from labkit.estimate.spec import spec_from
 
-    what = f"parameter bytes (fp32) of one rank with tensor-parallel degree t={t}"
+    what = f"parameter bytes ({dtype}) of one rank with tensor-parallel degree t={t}"
     value = integer(answer, what)
     if value is None:
         return False
     from labkit.estimate import estimate_ranks
     from labkit.memory.report import Category
 
-    # the estimator's whole step for rank 0 at tp=t, its parameter category (fp32 here; not tp_param_bytes,
-    # which the student build stubs)
-    expected = sum(x.bytes for x in estimate_ranks(model, 1, 1, tp=t)[0].terms if x.category is Category.PARAM)
-    full = 4 * spec_from(model).n_params
+    # the estimator's whole step for rank 0 at tp=t, its parameter category (weights in `dtype`; not
+    # tp_param_bytes, which the student build stubs)
+    expected = sum(x.bytes for x in estimate_ranks(model, 1, 1, tp=t, dtype=dtype)[0].terms
+                   if x.category is Category.PARAM)
+    full = BYTES[dtype] * spec_from(model).n_params
     if value == expected:
         return passed(f"{what}: {expected:,} of the unsplit {full:,}: the blocks' matrices and the column-parallel "
                       f"biases divided by {t}; embeddings, LayerNorms and row-parallel biases whole on every rank.")
@@ -118,5 +127,7 @@ def check_tp_param_bytes(answer, model, t: int = 2) -> bool:
                       f"layers' biases are replicated on every rank.")
     if value == full:
         return failed(f"{what}: that is the unsplit model; each rank keeps 1/t of the attention and MLP matrices.")
+    if dtype != "fp32" and value == expected * 4 // BYTES[dtype]:
+        return failed(f"{what}: that counts 4 bytes per parameter; in {dtype} each takes {BYTES[dtype]}.")
     return failed(f"{what}: add the rank's share of each parameter: c_attn and c_fc (weight and bias) / t, "
                   f"c_proj weights / t, everything else whole.")

@@ -6,11 +6,22 @@ Expected values come from the library: labkit.data.shards.unit_range and labkit.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from labkit.data.shards import unit_range
 from labkit.memory import fmt_bytes
 from labkit.models.cnn import CNNConfig, largest_phi, predict
 
-from . import close, failed, integer, number, passed, unanswered, not_answered
+from . import Inputs, close, failed, integer, number, passed, unanswered, not_answered
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    # world x workers units (6, 9, 14, 21) never divide the samples: some units read one more
+    "unit_samples": {"num_samples": (1000, 1003, 1001), "world": (3, 7), "workers": (2, 3), "rank": (2, 1)},
+    # 3 and 6 workers keep "per worker" (1/workers) apart from the x-and-y (1/2) and int64 (1/4, 1/8) slips
+    "in_flight_bytes": {"num_workers": (4, 3, 6), "prefetch_factor": (2, 4), "batch": (16, 24), "seq": (256, 512)},
+    # the notebook's PHI_BUDGET and CNN_BATCH follow the profile; each choice keeps the answer inside 0..8
+    "largest_phi": {"gamma": (1.15, 1.1, 1.2, 1.3), "budget_scale": (1, 0.5, 2)},
+})
 
 
 # ---- exercise 1: how many samples one unit (rank x worker) reads ------------------------------------
@@ -62,8 +73,14 @@ def check_in_flight_bytes(answer, num_workers: int, prefetch_factor: int, batch:
 
 
 # ---- exercise 3: the largest phi that fits ----------------------------------------------------------------
-def check_largest_phi(answer, config: CNNConfig, batch: int, budget: int) -> bool:
-    name = f"largest phi whose predicted resident bytes fit {fmt_bytes(budget)} (batch {batch})"
+def check_largest_phi(answer, config: CNNConfig, batch: int, budget: int, gamma: float | None = None,
+                      budget_scale: float = 1) -> bool:
+    """gamma: the family's resolution coefficient (None: the config's own); budget_scale: the budget is
+    budget_scale x `budget`."""
+    if gamma is not None:
+        config = replace(config, gamma=gamma)
+    budget = budget * budget_scale
+    name = f"largest phi whose predicted resident bytes fit {fmt_bytes(budget)} (batch {batch}, gamma {config.gamma:g})"
     if unanswered(answer):
         return not_answered(name)
     expected = largest_phi(config, batch, budget)

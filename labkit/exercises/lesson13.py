@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import random
 
-from . import checked_choice, close, failed, integer, not_answered, passed, unanswered
+from . import Inputs, checked_choice, close, failed, integer, not_answered, passed, unanswered
+
+inputs = Inputs(__name__, {  # each exercise's inputs: the lesson's own first, then what a course may draw
+    # llama2-7b, llama2-13b, llama2-70b, llama-65b (labkit.models.hf's presets): 16 n_params divides by every ranks
+    "zero3_state_bytes": {"n_params": (6_738_415_616, 13_015_864_320, 68_976_648_192, 65_285_660_672),
+                          "ranks": (8, 4, 16, 64)},
+})
 
 
 # ---- exercise 1: ZeRO-3 model states per rank ----------------------------------------------------------------

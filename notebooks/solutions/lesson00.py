@@ -3,9 +3,13 @@
 import torch
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """fp32 weights: 4 bytes per parameter; parameters() yields a tied (shared) matrix once."""
-    return sum(p.numel() for p in model.parameters()) * 4
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1}  # one number, in each dtype the warm-up may ask
+
+
+def weight_bytes(model: torch.nn.Module, dtype: str = "fp32") -> int:
+    """The weights stored in `dtype` (EX0.dtype; fp32 in the lesson): bytes per number x parameters;
+    parameters() yields a tied (shared) matrix once."""
+    return sum(p.numel() for p in model.parameters()) * BYTES[dtype]
 
 
 def gpt_params(cfg) -> int:

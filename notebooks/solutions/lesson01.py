@@ -10,7 +10,15 @@ def bytes_per_param(optimizer_states: int, mixed: bool) -> int:
     return 4 + (2 if mixed else 0) + 4 + 4 * optimizer_states
 
 
-# The notebook asks for SGD with momentum: one state (the momentum buffer) per parameter.
+STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # optimizer states per parameter (EX1.optimizer)
+
+
+def bytes_per_param_for(optimizer: str) -> tuple[int, int]:
+    """(fp32, mixed) for the notebook's EX1.optimizer."""
+    return bytes_per_param(STATES[optimizer], mixed=False), bytes_per_param(STATES[optimizer], mixed=True)
+
+
+# The lesson's own EX1 is SGD with momentum: one state (the momentum buffer) per parameter.
 BYTES_PER_PARAM_FP32 = bytes_per_param(1, mixed=False)  # 4 + 4 + 4 = 12
 BYTES_PER_PARAM_MIXED = bytes_per_param(1, mixed=True)  # 4 + 2 + 4 + 4 = 14
 # AdamW (two states, m and v), the lesson's table: 16 and the HF docs' 18. Exactly, a little less
@@ -25,7 +33,8 @@ def logsoftmax_bytes(batch: int, seq: int, vocab: int) -> int:
     return batch * seq * vocab * 4
 
 
-# The notebook asks for Llama 3.2 1B (V = 128,256) at batch 4 and seq 4096: 7.8 GiB for one tensor
+# The notebook asks for Llama 3.2 1B (V = 128,256) at EX2's batch and seq: logsoftmax_bytes(EX2.batch, EX2.seq,
+# 128256). The lesson's own EX2, batch 4 and seq 4096, gives 7.8 GiB for one tensor
 LOGSOFTMAX_BYTES = logsoftmax_bytes(4, 4096, 128256)
 
 
@@ -51,8 +60,9 @@ def largest_batch(model, seq: int, budget: int, dtype: str = "fp32", optimizer: 
     return lo
 
 
-# The notebook asks for MODEL (gpt2 unless changed) at seq 1024 in 16 GiB, fp32 AdamW:
-#     largest_batch(MODEL, 1024, 16 * GiB, device=KIND)
+# The notebook asks for MODEL (gpt2 unless changed) at EX3's seq and budget, fp32 AdamW:
+#     largest_batch(MODEL, EX3.seq, EX3.budget, device=KIND)
+# (the lesson's own EX3: seq 1024 in 16 GiB, largest_batch(MODEL, 1024, 16 * GiB, device=KIND))
 # (KIND is "cpu" or "cuda": the kernels differ, for instance in what attention keeps for backward.)
 
 

@@ -14,7 +14,8 @@ def master_bytes_per_param(optimizer_states: int) -> int:
     return 2 + 4 + 2 + 4 + 4 * optimizer_states
 
 
-MASTER_BYTES_PER_PARAM = master_bytes_per_param(1)  # SGD with momentum: one buffer -> 16
+STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # optimizer states per parameter (EX1.optimizer)
+MASTER_BYTES_PER_PARAM = master_bytes_per_param(1)  # the lesson's own EX1, SGD with momentum: one buffer -> 16
 ADAMW_MASTER_BYTES_PER_PARAM = master_bytes_per_param(2)  # AdamW: m and v -> 20
 
 
@@ -40,7 +41,8 @@ def largest_scale_by_hand(grads: torch.Tensor) -> float:
     return 2.0 ** math.floor(math.log2(65504 / float(grads.abs().max())))
 
 
-# The notebook's GRADS = [3e-9, 2e-7, 5e-5, 1e-2, 4.0]: 3e-9 x 16 = 4.8e-8 is above 2**-25 (half the smallest
+# The notebook's GRADS = torch.tensor(EX2.grads): smallest_scale(GRADS), largest_scale(GRADS). The lesson's own,
+# [3e-9, 2e-7, 5e-5, 1e-2, 4.0]: 3e-9 x 16 = 4.8e-8 is above 2**-25 (half the smallest
 # subnormal, 2**-24), so it rounds up to 2**-24; at 8 it rounds to 0. 4.0 x 8192 = 32768 fits; x 16384 = 65536 > 65504.
 GRADS = torch.tensor([3e-9, 2e-7, 5e-5, 1e-2, 4.0])
 SMALLEST_SCALE = smallest_scale(GRADS)  # 16
@@ -53,7 +55,15 @@ def scaled_mm_scale(amax: float, fp8_max: float = 448.0) -> float:
     return amax / fp8_max
 
 
-SCALE_A = scaled_mm_scale(1e4)  # e4m3: 10**4 / 448 = 22.32
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}  # each format's largest finite value
+
+
+def scale_a_for(amax: float, fmt: str = "e4m3") -> float:
+    """The notebook's EX3: scaled_mm_scale(EX3.amax, FP8_MAX[EX3.fmt])."""
+    return scaled_mm_scale(amax, FP8_MAX[fmt])
+
+
+SCALE_A = scaled_mm_scale(1e4)  # the lesson's own EX3, e4m3: 10**4 / 448 = 22.32
 
 
 # ---- exercise 4 (code): the share of values that flush to zero ---------------------------------------

@@ -24,12 +24,15 @@ def adafactor_state_bytes(m: int, n: int, beta1=None) -> int:
 
 
 # ---- exercise 3: gradient bytes at the backward peak with step-in-backward ------------------------------------
-def step_in_backward_grad_bytes(model) -> int:
-    """The largest parameter tensor's gradient (fp32): each gradient is freed right after its own step."""
-    return 4 * max(p.numel() for p in model.parameters())
+def step_in_backward_grad_bytes(model, bytes_per_value: int = 4) -> int:
+    """The largest parameter tensor's gradient (4 bytes a value in fp32): each gradient is freed right after its
+    own step."""
+    return bytes_per_value * max(p.numel() for p in model.parameters())
 
 
-# In the notebook: step_in_backward_grad_bytes(GPT(CONFIG)), e.g. 4 x 1024 x 256 = 1 MiB on the cpu profile
+# In the notebook: step_in_backward_grad_bytes(GPT(replace(CONFIG, vocab_size=EX3.vocab_size)), EX3.bytes_per_value),
+# e.g. 4 x 1024 x 256 = 1 MiB on the cpu profile with the lesson's own EX3 (vocabulary 256, fp32): the MLP's c_fc;
+# with a vocabulary of 8192 the token embedding (8192 x 256) is the largest
 
 
 # ---- exercise 4: the state bytes of four optimizers, as a function -----------------------------------------

@@ -10,6 +10,7 @@ def galore_state_bytes(m: int, n: int, rank: int, bytes_per_value: int = 4) -> i
 
 
 GALORE_STATE = galore_state_bytes(4096, 11008, 128)  # 13,369,344 B, vs 360,710,144 B for AdamW (3.7 %)
+# In the notebook: galore_state_bytes(*EX1.shape, EX1.rank); the lesson's own EX1 is GALORE_STATE's (4096, 11008), 128
 
 
 # ---- exercise 2: the rank where GaLore stops saving memory ---------------------------------------------------
@@ -20,6 +21,7 @@ def break_even_rank(m: int, n: int) -> int:
 
 
 BREAK_EVEN_RANK = break_even_rank(4096, 11008)  # 3,454 of 4,096: GaLore saves memory below about 84 % of full rank
+# In the notebook: break_even_rank(*EX2.shape); the lesson's own EX2 is BREAK_EVEN_RANK's (4096, 11008)
 
 
 # ---- exercise 3: GaLore's state for a whole GPT, as a function ------------------------------------------------

@@ -9,13 +9,14 @@ def nf4_bits(blocksize: int = 128, dq_blocksize: int = 256) -> float:
     return 4 + 8 / blocksize + 32 / (blocksize * dq_blocksize)
 
 
-NF4_BITS_128 = nf4_bits(128)  # 4.0635
+NF4_BITS_128 = nf4_bits(128)  # 4.0635, the lesson's own blocks of 128
 
 
 # ---- exercise 2: what one outlier does to per-tensor absmax int8 ----------------------------------------
-def zeros_per_tensor(w: torch.Tensor) -> int:
-    """One step = max|w| / 127 for the whole tensor; round(w / step) == 0 for every |w| under half a step."""
-    step = w.abs().max() / 127
+def zeros_per_tensor(w: torch.Tensor, bits: int = 8) -> int:
+    """One step = max|w| / (2**(bits-1) - 1) for the whole tensor (max|w| / 127 for int8); round(w / step) == 0
+    for every |w| under half a step."""
+    step = w.abs().max() / (2 ** (bits - 1) - 1)
     return int((torch.round(w / step) == 0).sum())
 
 
@@ -26,7 +27,7 @@ def awq_bytes(d_out: int = 384, d_in: int = 1536, group: int = 128) -> int:
     return n // 2 + 3 * n // group + 2 * d_in
 
 
-AWQ_BYTES_W = awq_bytes()  # 311,808 for MiniLM's (384, 1536) output.dense
+AWQ_BYTES_W = awq_bytes()  # 311,808 for MiniLM's (384, 1536) output.dense, groups of 128 (the lesson's own)
 
 
 # ---- exercise 4: blockwise zero-point int8, as a function -----------------------------------------------------

@@ -14,11 +14,12 @@ def bubble(p: int = 4, m: int = 12) -> float:
 
 
 # ---- exercise 3: one tensor-parallel rank's parameters -------------------------------------------------------
-def tp_param_bytes(cfg, t: int = 2) -> int:
+def tp_param_bytes(cfg, t: int = 2, dtype: str = "fp32") -> int:
     """labkit's GPT (tied head): per block, c_attn (3h x h + 3h) and c_fc (4h x h + 4h) / t, the two c_proj
-    weights / t with their biases whole, two LayerNorms whole; embeddings and the final norm whole."""
+    weights / t with their biases whole, two LayerNorms whole; embeddings and the final norm whole. 4 bytes each
+    in fp32 (the lesson's own), 2 in bf16 or fp16."""
     h, L = cfg.n_embd, cfg.n_layer
     split = (3 * h * h + 3 * h) + (4 * h * h + 4 * h) + h * h + 4 * h * h
     whole = 2 * h + 2 * (2 * h)  # the c_proj biases, ln_1 and ln_2
     outside = cfg.vocab_size * h + cfg.block_size * h + 2 * h
-    return 4 * (L * (split // t + whole) + outside)
+    return {"fp32": 4, "bf16": 2, "fp16": 2}[dtype] * (L * (split // t + whole) + outside)

@@ -7,6 +7,10 @@ def zero3_state_bytes(n_params: int, ranks: int = 8) -> int:
     return 16 * n_params // ranks
 
 
+# In the notebook: zero3_state_bytes(**EX1); EX1 on your own is the lesson's llama2-7b (6,738,415,616 parameters)
+# over 8 ranks: 13,476,831,232 bytes
+
+
 # ---- exercise 2: the largest micro-batch that fits ---------------------------------------------------------
 def largest_micro_batch(model, batch, seq, memory):
     from labkit.estimate import estimate

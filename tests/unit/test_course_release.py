@@ -139,6 +139,41 @@ def test_inputs_are_the_lessons_own_on_your_own_and_drawn_per_student(monkeypatc
         lesson09.inputs("stage_byte")
 
 
+FIXED_INPUTS = {}  # check -> why its inputs are the lesson's for every student (none so far)
+
+
+def test_every_numeric_exercise_draws_its_inputs_per_student():
+    """Issue 41 item 4: each numeric exercise of every lesson (not a code exercise, whose function is checked on
+    inputs drawn afresh, nor a multiple-choice one) passes its check `**EXn`, the exercise's inputs from its
+    module's `inputs` table; each table names a check of its module that a lesson calls that way, and offers
+    each student more than one question."""
+    import importlib
+    import inspect
+
+    drawn, used = [], set()
+    for path in release.lesson_notebooks():
+        for call in check_calls(nbformat.read(path, as_version=4)):
+            module = importlib.import_module(f"labkit.exercises.{call.module}")
+            params = list(inspect.signature(getattr(module, call.check)).parameters)
+            if params[:1] == ["fn"] or call.check.startswith("check_why"):
+                continue
+            key = call.check.removeprefix("check_")
+            if any(k.arg is None for k in call.node.value.keywords):
+                assert key in module.inputs.table, (call.module, key)
+                used.add((call.module, key))
+                drawn.append(call.check)
+            else:
+                assert call.check in FIXED_INPUTS, f"{path.name}: {call.check} passes no **inputs"
+    tables = {(m, k): t for m in {m for m, _ in used}
+              for k, t in importlib.import_module(f"labkit.exercises.{m}").inputs.table.items()}
+    assert set(tables) == used  # no table the lessons do not use
+    for (m, key), table in tables.items():
+        assert len(importlib.import_module(f"labkit.exercises.{m}").inputs.every(key)) > 1, (m, key)
+        assert set(table) <= set(inspect.signature(getattr(importlib.import_module(f"labkit.exercises.{m}"),
+                                                           f"check_{key}")).parameters), (m, key)
+    print(f"{len(drawn)} numeric exercises draw their inputs per student; {len(FIXED_INPUTS)} do not")
+
+
 STUDENT_SCRIPT = r'''
 import importlib.util, sys
 from labkit.exercises import lesson00, lesson09

@@ -179,3 +179,86 @@ def test_largest_batch_wrong_answers_fail_with_a_hint(sol01, says):
     says("❌", "whole number")
     assert lesson01.check_largest_batch(-1, CFG, 64, 8 * MiB) is False
     says("❌", "negative")
+
+
+# ---- per-student inputs (labkit.exercises.Inputs): lessons 00 and 01 ------------------------------------
+def _two_students(inputs, key, answer, n=40):
+    """Two students' drawn inputs whose right answers differ: (first student's, another's)."""
+    drawn = [inputs(key, f"s{i}", quiet=True) for i in range(n)]
+    return drawn[0], next(d for d in drawn[1:] if answer(d) != answer(drawn[0]))
+
+
+def test_lessons_00_01_own_inputs_on_your_own(monkeypatch):
+    monkeypatch.delenv("LABKIT_STUDENT", raising=False)
+    assert lesson00.inputs("weight_bytes") == {"dtype": "fp32"}
+    assert lesson01.inputs("bytes_per_param") == {"optimizer": "sgd-momentum"}
+    assert lesson01.inputs("logits_bytes") == {"batch": 4, "seq": 4096}
+    assert lesson01.inputs("largest_batch") == {"seq": 1024, "budget": 16 * GiB}
+
+
+def test_weight_bytes_solution_passes_on_every_input(sol00, says):
+    model = GPT(CFG)
+    for drawn in lesson00.inputs.every("weight_bytes"):
+        assert lesson00.check_weight_bytes(sol00.weight_bytes(model, **drawn), CFG, **drawn) is True, drawn
+    assert "❌" not in says("✅")
+    assert sol00.weight_bytes(model) == 4 * sum(p.numel() for p in model.parameters())  # the lesson's: fp32
+
+
+def test_weight_bytes_another_students_answer_fails(sol00, says):
+    model = GPT(CFG)
+    mine, theirs = _two_students(lesson00.inputs, "weight_bytes", lambda d: sol00.weight_bytes(model, **d))
+    assert lesson00.check_weight_bytes(sol00.weight_bytes(model, **mine), CFG, **theirs) is False
+    says("❌", "bytes per number")  # the hint names the dtype's bytes
+
+
+def test_bytes_per_param_solution_passes_on_every_input(sol01, says):
+    for drawn in lesson01.inputs.every("bytes_per_param"):
+        fp32, mixed = sol01.bytes_per_param_for(drawn.optimizer)
+        assert lesson01.check_bytes_per_param(fp32, mixed, model="gpt2", **drawn) is True, drawn
+    assert "❌" not in says("✅")
+    assert sol01.bytes_per_param_for("sgd-momentum") == (sol01.BYTES_PER_PARAM_FP32, sol01.BYTES_PER_PARAM_MIXED)
+
+
+def test_bytes_per_param_another_students_answer_fails(sol01, says):
+    mine, theirs = _two_students(lesson01.inputs, "bytes_per_param", lambda d: sol01.bytes_per_param_for(**d))
+    assert lesson01.check_bytes_per_param(*sol01.bytes_per_param_for(**mine), model="gpt2", **theirs) is False
+    says("❌")
+
+
+def test_logits_solution_passes_on_every_input(sol01, says):
+    vocab = get_config("llama3.2-1b").vocab_size
+    tokens = set()
+    for drawn in lesson01.inputs.every("logits_bytes"):
+        answer = sol01.logsoftmax_bytes(drawn.batch, drawn.seq, vocab)
+        assert lesson01.check_logits_bytes(answer, model="llama3.2-1b", **drawn) is True, drawn
+        tokens.add(drawn.batch * drawn.seq)
+    assert "❌" not in says("✅")
+    assert len(tokens) == len(lesson01.inputs.every("logits_bytes"))  # no two inputs share an answer
+
+
+def test_logits_another_students_answer_fails(sol01, says):
+    vocab = get_config("llama3.2-1b").vocab_size
+    mine, theirs = _two_students(lesson01.inputs, "logits_bytes",
+                                 lambda d: sol01.logsoftmax_bytes(d.batch, d.seq, vocab))
+    answer = sol01.logsoftmax_bytes(mine.batch, mine.seq, vocab)
+    assert lesson01.check_logits_bytes(answer, model="llama3.2-1b", **theirs) is False
+    says("❌")
+
+
+def test_largest_batch_solution_passes_on_drawn_inputs(sol01, says):
+    """Six students (the reference solution bisects with the estimator: a second or so per input)."""
+    for i in range(6):
+        drawn = lesson01.inputs("largest_batch", f"s{i}", quiet=True)
+        b = sol01.largest_batch("gpt2", drawn.seq, drawn.budget, device="cpu")
+        assert b > 0, drawn  # every input fits gpt2 at batch 1
+        assert lesson01.check_largest_batch(b, "gpt2", dtype="fp32", optimizer="adamw", device="cpu", **drawn), drawn
+    assert "❌" not in says("✅")
+
+
+def test_largest_batch_another_students_answer_fails(sol01, says):
+    def answer(d):
+        return sol01.largest_batch("gpt2", d.seq, d.budget, device="cpu")
+
+    mine, theirs = _two_students(lesson01.inputs, "largest_batch", answer, n=6)
+    assert lesson01.check_largest_batch(answer(mine), "gpt2", device="cpu", **theirs) is False
+    says("❌")

@@ -352,3 +352,83 @@ def test_why_rank(sol06, says, blank):
     says("❌", "one of")
     assert lesson06.check_why_rank(blank) is False
     says("❌", "not answered")
+
+
+# ---- lessons 05-06: the inputs each student draws (labkit.exercises.Inputs) -----------------------------------
+def _quiet_56(check, *args, **kwargs) -> bool:
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return check(*args, **kwargs)
+
+
+def _two_students_56(inputs, key, solve):
+    """Two students whose drawn inputs give different answers: (inputs, answer) of each."""
+    seen = []
+    for i in range(200):
+        drawn = inputs(key, f"s{i}", quiet=True)
+        answer = solve(drawn)
+        for drawn2, answer2 in seen:
+            if answer2 != answer:
+                return (drawn2, answer2), (drawn, answer)
+        seen.append((drawn, answer))
+    raise AssertionError(f"every student draws the same answer for {key}")
+
+
+def _sib_answer(sol05, drawn):
+    from dataclasses import replace
+
+    with torch.device("meta"):
+        model = GPT(replace(CFG, vocab_size=drawn.vocab_size))
+    return sol05.step_in_backward_grad_bytes(model, drawn.bytes_per_value)
+
+
+def test_lesson05_06_own_inputs_are_the_lessons(monkeypatch):
+    monkeypatch.delenv("LABKIT_STUDENT", raising=False)
+    assert lesson05.inputs("step_in_backward_grad") == {"vocab_size": 256, "bytes_per_value": 4}
+    assert CFG.vocab_size == 256  # the lesson's CONFIG (every profile): the byte tokenizer's vocabulary
+    assert lesson06.inputs("galore_state_bytes") == {"shape": (4096, 11008), "rank": 128}
+    assert lesson06.inputs("break_even_rank") == {"shape": (4096, 11008)}
+
+
+def test_step_in_backward_every_input_passes_and_another_students_answer_fails(sol05):
+    every = lesson05.inputs.every("step_in_backward_grad")
+    assert len(every) <= 24
+    answers = [_sib_answer(sol05, d) for d in every]
+    assert len(set(answers)) == len(answers)
+    for drawn, right in zip(every, answers):
+        assert _quiet_56(lesson05.check_step_in_backward_grad, right, CFG, **drawn) is True, drawn
+        for other in every:
+            if other != drawn:  # within the check's 5 %: no two inputs' answers are that close
+                assert _quiet_56(lesson05.check_step_in_backward_grad, right, CFG, **other) is False, (drawn, other)
+    (_, mine), (theirs, _) = _two_students_56(lesson05.inputs, "step_in_backward_grad", lambda d: _sib_answer(sol05, d))
+    assert _quiet_56(lesson05.check_step_in_backward_grad, mine, CFG, **theirs) is False
+
+
+def test_step_in_backward_a_bigger_vocabulary_makes_the_embedding_the_largest(sol05, says):
+    assert lesson05.check_step_in_backward_grad(2 * 8192 * CFG.n_embd, CFG, bytes_per_value=2, vocab_size=8192) is True
+    says("✅", f"{8192 * CFG.n_embd:,} values x 2 B")
+    assert lesson05.check_step_in_backward_grad(8192 * CFG.n_embd, CFG, bytes_per_value=2, vocab_size=8192) is False
+    says("❌", "counts values", "2 bytes")
+    with pytest.raises(ValueError, match="GPTConfig"):
+        lesson05.check_step_in_backward_grad(1, "gpt2", vocab_size=8192)
+
+
+@pytest.mark.parametrize("key, solve", [
+    ("galore_state_bytes", lambda sol06, d: sol06.galore_state_bytes(*d.shape, d.rank)),
+    ("break_even_rank", lambda sol06, d: sol06.break_even_rank(*d.shape)),
+])
+def test_galore_every_input_passes_and_another_students_answer_fails(sol06, key, solve):
+    check = getattr(lesson06, f"check_{key}")
+    every = lesson06.inputs.every(key)
+    assert len(every) <= 24
+    answers = [solve(sol06, d) for d in every]
+    assert len(set(answers)) == len(answers)  # no two choices share an answer (transposed shapes would)
+    for drawn, right in zip(every, answers):
+        assert _quiet_56(check, right, **drawn) is True, drawn
+        for other in every:
+            if other != drawn:
+                assert _quiet_56(check, right, **other) is False, (drawn, other)
+    (_, mine), (theirs, _) = _two_students_56(lesson06.inputs, key, lambda d: solve(sol06, d))
+    assert _quiet_56(check, mine, **theirs) is False

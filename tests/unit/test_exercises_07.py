@@ -107,6 +107,64 @@ def test_awq_bytes_wrong_answers_fail_with_a_hint(answer, hint, says):
     says("❌", hint)
 
 
+# ---- per-student inputs: every combination a course may draw, and a classmate's answer fails -------------------
+def _two_students(key):
+    """The inputs of two students whose draws for exercise `key` differ."""
+    drawn = [lesson07.inputs(key, f"s{i}", quiet=True) for i in range(40)]
+    return drawn[0], next(d for d in drawn if d != drawn[0])
+
+
+def test_inputs_on_your_own_are_the_lessons(monkeypatch):
+    monkeypatch.delenv("LABKIT_STUDENT", raising=False)
+    assert lesson07.inputs("nf4_bits") == {"blocksize": 128}
+    assert lesson07.inputs("zeros_per_tensor") == {"bits": 8}
+    assert lesson07.inputs("awq_bytes") == {"d_out": 384, "d_in": 1536, "group": 128}
+    assert all(len(lesson07.inputs.every(k)) <= 24 for k in lesson07.inputs.table)
+
+
+def test_nf4_bits_every_drawn_input(sol07, says):
+    for drawn in lesson07.inputs.every("nf4_bits"):
+        answer = sol07.nf4_bits(drawn.blocksize)
+        assert lesson07.check_nf4_bits(answer, **drawn) is True, drawn
+        assert lesson07.check_nf4_bits(round(answer, 4), **drawn) is True, drawn  # four decimals are enough
+        says("✅", f"8/{drawn.blocksize}")
+        assert lesson07.check_nf4_bits(4 + 8 / drawn.blocksize, **drawn) is False, drawn  # no second-level scale
+        says("❌", "second-level")
+        assert lesson07.check_nf4_bits(4 + 32 / drawn.blocksize, **drawn) is False, drawn
+        says("❌", "without double quantization")
+    mine, theirs = _two_students("nf4_bits")
+    assert lesson07.check_nf4_bits(sol07.nf4_bits(**theirs), **mine) is False
+
+
+def test_zeros_every_drawn_input(sol07, weight, says):
+    answers = set()
+    for drawn in lesson07.inputs.every("zeros_per_tensor"):
+        answer = sol07.zeros_per_tensor(weight, **drawn)
+        assert answer == lesson07.zeros_per_tensor(weight, **drawn)
+        assert lesson07.check_zeros_per_tensor(answer, weight, **drawn) is True, drawn
+        says("✅", f"max|W|/{2 ** (drawn.bits - 1) - 1}")
+        step = weight.abs().max() / (2 ** (drawn.bits - 1) - 1)
+        assert lesson07.check_zeros_per_tensor(int((weight.abs() < step).sum()), weight, **drawn) is False
+        says("❌", "half")
+        answers.add(answer)
+    assert len(answers) == len(lesson07.inputs.every("zeros_per_tensor"))  # each bit more halves the zeros
+    mine, theirs = _two_students("zeros_per_tensor")
+    assert lesson07.check_zeros_per_tensor(sol07.zeros_per_tensor(weight, **theirs), weight, **mine) is False
+
+
+def test_awq_bytes_every_drawn_input(sol07, says):
+    for drawn in lesson07.inputs.every("awq_bytes"):
+        answer = sol07.awq_bytes(**drawn)
+        assert answer == lesson07.awq_layer_bytes(**drawn)
+        assert lesson07.check_awq_bytes(answer, **drawn) is True, drawn
+        says("✅", f"+ {2 * drawn.d_in:,} (")
+        n = drawn.d_out * drawn.d_in
+        assert lesson07.check_awq_bytes(n // 2 + 3 * n // drawn.group + 2 * drawn.d_out, **drawn) is False
+        says("❌", f"input feature ({drawn.d_in})")
+    mine, theirs = _two_students("awq_bytes")
+    assert lesson07.check_awq_bytes(sol07.awq_bytes(**theirs), **mine) is False
+
+
 # ---- exercise 4: zeropoint_blocks(x, blocksize) on fresh tensors --------------------------------------------
 def test_zeropoint_blocks_solution_passes_on_fresh_tensors(sol07, says):
     assert lesson07.check_zeropoint_blocks(sol07.zeropoint_blocks, seed=1) is True

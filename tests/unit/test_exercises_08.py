@@ -131,6 +131,60 @@ def test_lisa_opt_wrong_answers_fail_with_a_hint(gpt, says):
         says("❌", hint)
 
 
+# ---- per-student inputs: every combination a course may draw, and a classmate's answer fails -------------------
+def _two_students(key):
+    """The inputs of two students whose draws for exercise `key` differ."""
+    drawn = [lesson08.inputs(key, f"s{i}", quiet=True) for i in range(40)]
+    return drawn[0], next(d for d in drawn if d != drawn[0])
+
+
+def test_inputs_on_your_own_are_the_lessons(monkeypatch):
+    monkeypatch.delenv("LABKIT_STUDENT", raising=False)
+    assert lesson08.inputs("lora_params") == {"targets": ("query", "value"), "r": 8}
+    assert lesson08.inputs("nf4_base_bytes") == {"shape": (4096, 4096)}
+    assert lesson08.inputs("lisa_opt_bytes") == {"gamma": 1}
+    assert all(len(lesson08.inputs.every(k)) <= 24 for k in lesson08.inputs.table)
+
+
+def test_lora_params_every_drawn_input(sol08, minilm, says):
+    answers = set()
+    for drawn in lesson08.inputs.every("lora_params"):
+        answer = sol08.lora_params(minilm, **drawn)
+        assert answer == lesson08.lora_params(minilm, **drawn) == 6 * len(drawn.targets) * drawn.r * (384 + 384)
+        assert lesson08.check_lora_params(answer, minilm, **drawn) is True, drawn
+        says("✅", f"{6 * len(drawn.targets)} layers", f"r x (d_in + d_out) = {drawn.r} x")
+        assert lesson08.check_lora_params(answer // 2, minilm, **drawn) is False  # one matrix of two
+        says("❌", "one of the two")
+        answers.add(answer)
+    assert len(answers) == len(lesson08.inputs.every("lora_params"))
+    mine, theirs = _two_students("lora_params")
+    assert lesson08.check_lora_params(sol08.lora_params(minilm, **theirs), minilm, **mine) is False
+
+
+def test_nf4_base_bytes_every_drawn_input(sol08, says):
+    for drawn in lesson08.inputs.every("nf4_base_bytes"):
+        rows, cols = drawn.shape
+        answer = sol08.nf4_base_bytes(rows, cols)
+        assert answer == lesson08.nf4_base_bytes(rows, cols)
+        assert lesson08.check_nf4_base_bytes(answer, **drawn) is True, drawn
+        says("✅", f"{rows * cols // 2:,} (codes")
+        assert lesson08.check_nf4_base_bytes(answer - 4, **drawn) is False
+        says("❌", "offset")
+    mine, theirs = _two_students("nf4_base_bytes")
+    assert lesson08.check_nf4_base_bytes(sol08.nf4_base_bytes(*theirs.shape), **mine) is False
+
+
+def test_lisa_opt_every_drawn_input(sol08, says):
+    smoke = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=256))  # GPT0 in smoke mode
+    for drawn in lesson08.inputs.every("lisa_opt_bytes"):
+        answer = sol08.lisa_opt_bytes(smoke, **drawn)
+        assert answer == lesson08.lisa_opt_bound(smoke, **drawn)
+        assert lesson08.check_lisa_opt_bytes(answer, smoke, **drawn) is True, drawn
+        says("✅", "step counters")
+    mine, theirs = _two_students("lisa_opt_bytes")
+    assert lesson08.check_lisa_opt_bytes(sol08.lisa_opt_bytes(smoke, **theirs), smoke, **mine) is False
+
+
 # ---- exercise 4: gpt_lora_trainable(cfg, r, targets) on fresh configurations ---------------------------------
 def test_gpt_lora_trainable_solution_passes_on_fresh_configs(sol08, says):
     assert lesson08.check_gpt_lora_trainable(sol08.gpt_lora_trainable, seed=1) is True

@@ -66,3 +66,25 @@ def test_cases_sit_between_the_ends():
     for model, batch, seq, memory in lesson13._cases(3)[:2]:
         assert estimate(model, batch, seq, micro_batch=1).peak.total < memory < estimate(model, batch, seq).peak.total
         assert lesson13.largest_micro_batch(model, batch, seq, memory) not in (None, batch)
+
+
+# ---- per-student inputs (labkit.exercises.Inputs) -----------------------------------------------------------
+def test_zero3_state_bytes_inputs(sol13, monkeypatch, capsys):
+    from labkit import exercises
+    from labkit.estimate import spec_from
+
+    monkeypatch.delenv(exercises.STUDENT_ENV, raising=False)
+    assert lesson13.inputs("zero3_state_bytes") == {"n_params": N, "ranks": 8}  # the lesson's llama2-7b over 8
+    assert capsys.readouterr().out == ""
+    assert N == spec_from("llama2-7b").n_params
+    table = lesson13.inputs.table["zero3_state_bytes"]
+    assert [spec_from(m).n_params for m in ("llama2-7b", "llama2-13b", "llama2-70b", "llama-65b")] == \
+        list(table["n_params"])
+    every = lesson13.inputs.every("zero3_state_bytes")
+    assert 1 < len(every) <= 24
+    for ex in every:
+        assert lesson13.check_zero3_state_bytes(sol13.zero3_state_bytes(**ex), **ex) is True
+    drawn = [lesson13.inputs("zero3_state_bytes", f"s{i}", quiet=True) for i in range(12)]
+    a, b = next((a, b) for a in drawn for b in drawn
+                if sol13.zero3_state_bytes(**a) != sol13.zero3_state_bytes(**b))
+    assert lesson13.check_zero3_state_bytes(sol13.zero3_state_bytes(**a), **b) is False  # a classmate's answer
