@@ -291,14 +291,11 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
                           kind=MomentKind.GRADIENT_REDUCE, block=k))
     end = next((m for m in moments if m.kind is MomentKind.EMBEDDING_BACKWARD), None)
     if end is not None and lay.t_root:
-        terms = []
-        for t in end.terms:
-            if t.key is K.EMBEDDING_TIED_SUM:  # the sum is .grad now; the dense part waits
-                terms.append(_t(K.EMBEDDING_GRADIENT,
-                                "the embedding's dense gradient, still in autograd's buffer", T_, t.bytes // 2,
-                                "V x h x d (embedding_dense_backward's output)"))
-            elif not (lay.stage == 3 and t.key is K.GATHERED_BLOCKS):
-                terms.append(t)
+        # the root's last gradient is the embedding's: once its hook runs, the embedding's node has returned (the
+        # residual stream's gradient freed) and its dense gradient is the .grad, or a tied matrix's sum with the
+        # head's part is (both parts freed): the root's full gradients alone, then their flat copy
+        gone = {K.RESIDUAL_GRADIENT, K.EMBEDDING_GRADIENT, K.EMBEDDING_TIED_SUM}
+        terms = [t for t in end.terms if t.key not in gone and not (lay.stage == 3 and t.key is K.GATHERED_BLOCKS)]
         terms.append(flat_root)
         out.append(Moment("backward", "backward ends: the root's gradients flattened for the reduce-scatter", terms,
                           kind=MomentKind.GRADIENT_REDUCE))
@@ -357,20 +354,15 @@ def _check_zero(r) -> None:
         raise ValueError("micro_batch under ZeRO: labkit's Zero reduce-scatters every micro-batch's "
                          "gradients into the shard (Zero._reduce) and its moments for a second "
                          "micro-batch are not derived; give micro_batch=None")
-    if r.checkpoint != "none" and r.zero >= 2:
+    if r.checkpoint != "none" and r.zero == 3:
         spec = spec_from(r.model, **r.config)
         per_block = r.checkpoint in ("full", "selective") and r.segments in (None, spec.n_layer)
-        if not per_block and r.zero == 3:
+        if not per_block:
             raise ValueError("ZeRO-3 with checkpointed segments of several blocks: ZeRO-3 gathers a block's "
                              "parameters in that block's own forward hook, but a segment runs "
                              "all its blocks inside its first block's call, before the others "
                              "are gathered; checkpoint each block (checkpoint='full' or "
                              "'selective', segments=None)")
-        if not per_block:
-            raise ValueError("ZeRO-2 with checkpointed segments of several blocks: the reduce-scatter moments "
-                             "inside a multi-block segment's backward are derived per block "
-                             "only (measured 6 % above them); checkpoint each block "
-                             "(checkpoint='full' or 'selective', segments=None)")
 
 
 def data_parallel_estimate(r) -> Estimate:
@@ -385,8 +377,9 @@ def data_parallel_estimate(r) -> Estimate:
             # units (labkit's Zero runs neither: fp32 or autocast, its units made of trained
             # parameters)
             return fsdp2_estimate(r)
-    # ZeRO-2 over LoRA reduce-scatters a block's unit inside its backward, when the adapters' last gradient is made
-    single = single_estimate(_rank_recipe(r), ready=r.zero == 2 and r.lora_rank is not None)
+    # ZeRO-2/3 reduce-scatter a block's unit from its last gradient's hook: inside the block's backward (LoRA's
+    # adapters), or while a multi-block segment's earlier blocks wait with their recomputed tensors
+    single = single_estimate(_rank_recipe(r), ready=r.zero >= 2)
     tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + mixed_note(r) + " (per rank)"
     if r.zero == 0:  # labkit's data parallel: all-reduce in place on the .grad tensors, nothing more
         return keyed.attach(Estimate(_label(single, r) + tag, single.n_params, terms=list(single.terms),

@@ -49,6 +49,7 @@ def count_inside(op, body) -> None:
 
 
 @dataclass
+
 class _Rec:
     nbytes: int
     tag: Category
@@ -116,7 +117,9 @@ class Ledger(TorchDispatchMode):
             if frozen:
                 p.requires_grad_(True)  # torch refuses a grad hook on a parameter that does not require grad
             try:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                handle = p.register_post_accumulate_grad_hook(self._on_grad)
+                self._handles.append(handle)
+                _run_first(p, handle)
             finally:
                 if frozen:
                     p.requires_grad_(False)
@@ -463,3 +466,16 @@ def _freed(ledger_ref, key: int, sid: int) -> None:
     if ledger is not None:
         ledger._on_free(key, sid)
 
+
+def _run_first(p: torch.Tensor, handle) -> None:
+    """Put the ledger's post-accumulate-grad hook before the hooks registered earlier (autograd runs them in the
+    order of their dict): a gradient is GRAD from its birth even when an earlier hook frees it at once
+    (labkit.distributed.Zero reduce-scatters a unit from its last gradient's hook and sets .grad to None;
+    labkit.optim.StepInBackward steps and frees it), as the module's rule says."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    if not hooks or next(iter(hooks)) == handle.id:
+        return
+    items = list(hooks.items())
+    hooks.clear()
+    hooks[handle.id] = dict(items)[handle.id]
+    hooks.update((k, v) for k, v in items if k != handle.id)

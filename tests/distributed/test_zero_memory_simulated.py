@@ -88,10 +88,10 @@ def test_zero2_over_lora_reduces_each_block_when_its_last_adapter_gradient_is_ma
     """Issue 43 item 3: labkit's Zero reduce-scatters a block's unit (its adapters) from the hook of the unit's
     last gradient, inside the block's backward: the frozen matmuls' input gradients and the block's saved tensors
     still alive (tape: `Worst.last`, MomentKind.GRADIENTS_READY), not at the block's end (which left out 1-2 %
-    of the peak). Every phase's every category within 0.1 % of the measured peak, but one tag: the ledger counts
-    the unit's last gradient (c_attn's lora_A) as a temporary, since Zero's hook frees it before the ledger's
-    own hook (registered after) tags it .grad; the estimate keeps it a gradient."""
-    from labkit.memory import CATEGORIES, Category
+    of the peak). Every phase's every category within 0.1 % of the measured peak. (The ledger tags the unit's
+    last gradient a gradient though Zero's hook frees it at once: its own hook runs first, `ledger._run_first`;
+    before, it counted that gradient, c_attn's lora_A, as a temporary.)"""
+    from labkit.memory import CATEGORIES
     from labkit.memory.report import MomentKind
     from labkit.run.step import apply_peft
 
@@ -103,11 +103,25 @@ def test_zero2_over_lora_reduces_each_block_when_its_last_adapter_gradient_is_ma
     assert reduces >= set(range(cfg.n_layer))  # each block's, inside its backward
     worst = max((x for x in e.moments if x.phase == "backward"), key=lambda x: sum(t.bytes for t in x.terms))
     assert worst.kind is MomentKind.GRADIENT_REDUCE or quant != "none"  # (NF4: dequantizing a weight is more)
-    last = cfg.n_embd * 16 * 4  # c_attn.lora_A's gradient: n_embd x r fp32
     for ph in ("forward", "backward", "optimizer"):
-        moved = last if ph == "backward" and worst.kind is MomentKind.GRADIENT_REDUCE else 0
         for c in CATEGORIES:
-            shift = {Category.GRAD: -moved, Category.TEMP: moved}.get(c, 0)
-            assert abs(e.phases[ph][c] + shift - m.phases[ph][c]) <= 0.001 * m.peak.total, (
-                ph, c, e.phases[ph][c], m.phases[ph][c])
+            assert abs(e.phases[ph][c] - m.phases[ph][c]) <= 0.001 * m.peak.total, (ph, c, e.phases[ph][c],
+                                                                                   m.phases[ph][c])
     assert abs(e.peak.total / m.peak.total - 1) <= 0.001
+
+
+@pytest.mark.parametrize("checkpoint, segments", [("full", 2), ("sqrt", None)])
+def test_zero2_with_segments_of_several_blocks(checkpoint, segments):
+    """Issue 43 item 3: ZeRO-2 with a checkpointed segment of several blocks reduce-scatters each block's unit
+    from its last gradient's hook, while the segment's earlier blocks wait with their recomputed tensors (the
+    recompute's replay: `Worst.last`); it was refused, 6 % above the block-end moments. Every phase's every
+    category within 0.5 % of the measured peak (measured: 0.39 %, the root's reduce)."""
+    from labkit.memory import CATEGORIES
+
+    cfg = GPTConfig(vocab_size=1024, block_size=32, n_layer=4, n_head=4, n_embd=64)
+    r = Recipe(cfg, batch=4, seq=32, dp=4, zero=2, checkpoint=checkpoint, segments=segments)
+    e, m = estimate(r), zero_rank_memory(r)
+    for ph in ("forward", "backward", "optimizer"):
+        for c in CATEGORIES:
+            assert abs(e.phases[ph][c] - m.phases[ph][c]) <= 0.005 * m.peak.total, (ph, c, e.phases[ph][c],
+                                                                                   m.phases[ph][c])

@@ -62,7 +62,6 @@ def test_per_rank_estimate_shrinks_by_the_stage_rules(world):
     (dict(dp=2, zero=2, optimizer="lion"), "optimizer 'lion' under ZeRO: labkit's lion keeps its state per full"),
     (dict(dp=2, zero=3, checkpoint="sqrt"), "ZeRO-3 with checkpointed segments of several blocks: ZeRO-3 gathers"),
     (dict(dp=2, zero=3, checkpoint="full", segments=1), "before the others are gathered"),
-    (dict(dp=2, zero=2, checkpoint="sqrt"), "ZeRO-2 with checkpointed segments of several blocks"),
     (dict(dp=2, zero=3, lora_rank=4, quant="nf4"), "keeps its codes in buffers, which fully_shard does not"),
     (dict(dp=2, zero=3, lisa_layers=1), "LISA switches which layers train"),
     (dict(dp=2, zero=3, optimizer="adamw8bit"), "block-wise 8-bit"),
