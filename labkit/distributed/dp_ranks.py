@@ -254,11 +254,13 @@ def zero_redundancy_elements(rank: int, world: int, cfg: dict, seed: int = 0) ->
 def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget: int | None = None,
             prepare=None):
     """The ledger's Measurement of `steps` steps of `recipe` (a labkit.estimate.Recipe with dp = world, a
-    GPTConfig model, fp32, adamw) on this rank: its rows of each global batch, ZeRO stage
+    GPTConfig model, fp32, adamw) on this rank: its rows of each global batch (in micro-batches of
+    `recipe.micro` rows, each loss weighted by its share), ZeRO stage
     `recipe.zero`, its checkpoint policy (labkit.recompute.checkpoint_blocks)
     (0: labkit's naive data parallel, all-reduce in place after backward). budget: bytes per rank; the ledger
     raises SimulatedOutOfMemoryError where a device with that much memory would fail. prepare: a function
     that changes the model in place before ZeRO wraps it (labkit.run.zero_lora: LoRA's adapters)."""
+    from labkit.accumulate import split_sizes
     from labkit.memory.ledger import Ledger
     from labkit.models.gpt import GPTConfig
 
@@ -266,8 +268,8 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
         raise ValueError(f"per-rank measurement builds labkit's GPT: give a GPTConfig, not {type(recipe.model).__name__}")
     if recipe.dp != world:
         raise ValueError(f"the recipe is for dp={recipe.dp} ranks but {world} were launched")
-    if recipe.dtype != "fp32" or recipe.optimizer != "adamw" or recipe.micro < recipe.rank_batch:
-        raise ValueError("per-rank measurement runs fp32 AdamW without micro-batches")
+    if recipe.dtype != "fp32" or recipe.optimizer != "adamw":
+        raise ValueError("per-rank measurement runs fp32 AdamW")
     run = TrainRun({**recipe.model.__dict__, **recipe.config}, steps, recipe.batch, recipe.seq, seed)
     m = _model(run.cfg, seed).train()
     if prepare is not None:
@@ -286,9 +288,13 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
     with ckpt, Ledger(m, opt, budget=budget, label=label) as led:
         for i in range(steps):
             x, y = (t.clone() for t in rows[i])
-            loss = net(x, y)
-            loss.backward()
-            del loss
+            sizes = split_sizes(x.shape[0], recipe.micro)  # micro-batches: each loss weighted by its rows
+            for xb, yb in zip(torch.split(x, sizes), torch.split(y, sizes)):
+                loss = net(xb, yb)
+                if len(sizes) > 1:
+                    loss = loss * (xb.shape[0] / x.shape[0])
+                loss.backward()
+                del loss
             if recipe.zero:
                 net.step()
             else:

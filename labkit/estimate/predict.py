@@ -6,6 +6,8 @@ never their sum. Every term is a small function whose docstring gives its formul
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 from .families import WALKS
@@ -105,10 +107,12 @@ def walk_activations(spec: ModelSpec, prec: Precision, batch: int, seq: int, dev
 _WALKS: dict = {}  # walk_activations' last 32 walks, by everything that shapes one
 
 
-def single_estimate(r: Recipe, ready: bool = False) -> Estimate:
+def single_estimate(r: Recipe, ready: bool = False, reduced: bool = False) -> Estimate:
     """The Estimate of a recipe on one device (labkit.estimate.estimator.estimate's docstring says what each
     field does; its data, tensor and pipeline parallel layouts are built from this one). ready: with each
-    block's moment when its last parameter gradient is made (ZeRO-2's reduce, labkit.estimate.zero_terms)."""
+    block's moment when its last parameter gradient is made (ZeRO-2's reduce, labkit.estimate.zero_terms).
+    reduced: each micro-batch's gradients leave .grad in its backward (ZeRO-2/3 reduce-scatter them into
+    shards), so a later micro-batch makes them afresh, as the first does."""
     if r.tp > 1 or r.pp > 1 or r.dp > 1 or r.zero:
         raise ValueError("single_estimate takes a single-device recipe: use labkit.estimate.estimate")
     model, batch, seq, dtype, optimizer, device = r.model, r.batch, r.seq, r.dtype, r.optimizer, r.device
@@ -138,9 +142,10 @@ def single_estimate(r: Recipe, ready: bool = False) -> Estimate:
     b.states = _state_groups(_model_state_terms(spec, prec, optimizer, b, peft, _frozen_bytes(r)))
     moments = step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, step_in_backward=step_in_backward,
                            ready=ready)
-    if micro < batch:  # later micro-batches: every gradient already exists
-        moments += step_moments(b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=True,
-                                tag="micro-batch 2 on")
+    if micro < batch:  # later micro-batches: every gradient already exists (or, reduced, went to the shards)
+        moments += [dataclasses.replace(m, micro=2) for m in step_moments(
+            b, spec.n_layer, checkpoint, segments, offload_activations, grads_exist=not reduced,
+            tag="micro-batch 2 on", ready=ready)]
     extras = [f"checkpoint={checkpoint}"] * (checkpoint != "none") + ["offload"] * offload_activations
     extras += [f"selective_policy={r.selective_policy}"] * (r.selective_policy != "matmuls")
     extras += [f"micro_batch={micro}"] * (micro < batch) + [f"rank={rank}"] * optimizer.startswith("galore")

@@ -196,10 +196,19 @@ def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer
     O = _t(K.OPTIMIZER_STATE,
            "optimizer state shards" + (" (offloaded: on the host)" if lay.offload else ""), O_, lay.opt(),
            f"{lay.state_per_elem} x s x {d} B per unit" + (" + 4 B step per unit" if lay.counters else ""))
+    shards = _t(K.GRADIENTS, "gradient shards of every unit (the earlier micro-batches')", G_, lay.grads_shard(),
+                f"s x {d} B per unit")
     out = []
     for m in moments:
         terms, done = [], 0
+        later = st >= 2 and m.micro > 1  # every unit's shard holds the earlier micro-batches' sum
         for t in m.terms:
+            if later and t.key is K.BLOCK_GRADIENTS:  # reduced into the shards and freed, as they were made
+                continue
+            if later and t.key is K.GRADIENTS and m.phase == "backward":  # the embedding's backward
+                terms.append(_t(K.GRADIENTS,
+                                "root unit's full gradients (reduced last)", G_, c * lay.t_root, f"n_root x {c} B"))
+                continue
             if t.key is K.PARAMETERS:
                 terms.append(P)
             elif st == 3 and lay.trained and t.key is K.FROZEN_BASE:
@@ -227,6 +236,8 @@ def rank_moments(moments: list[Moment], lay: RankLayout, optimizer: str, n_layer
                                 "AdamW single tensor on the unit shards (optim_terms.step_bytes)"))
             else:
                 terms.append(t)
+        if later and m.phase != "optimizer":
+            terms.append(shards)
         if st == 3:
             in_fwd_bwd = m.phase in ("forward", "backward")
             terms += _gathered(lay, in_fwd_bwd, 1 if m.block is not None else 0)
@@ -254,6 +265,8 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
                    "the root's gradients, flattened for the reduce-scatter", T_, d * lay.world * lay.s_troot,
                    "N s_root x d B")
     full_block = _t(K.GRADIENTS_SO_FAR, "the block's full gradients", G_, d * lay.t_block, "n_block x d B")
+    # (a later micro-batch's reduce-scatter output, added into the shard, is made once the full gradients are
+    # freed: less than the moment of the copy, Zero._reduce)
     if lay.stage == 1:
         opt = next((m for m in moments if m.phase == "optimizer"), None)
         if opt is None:
@@ -266,14 +279,15 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
     out, seen = [], set()
     for m in moments:  # the unit's last gradient made inside its block's backward (LoRA's adapters): then
         if m.kind is MomentKind.GRADIENTS_READY:
-            seen.add(m.block)
+            seen.add((m.block, m.micro))
             out.append(Moment("backward", m.where + ": the block's gradients flattened for the reduce-scatter",
-                              [*m.terms, flat_block], kind=MomentKind.GRADIENT_REDUCE, block=m.block))
+                              [*m.terms, flat_block],
+                              kind=MomentKind.GRADIENT_REDUCE, block=m.block, micro=m.micro))
     for m in moments:
         k = m.block
-        if m.phase != "backward" or m.kind is not MomentKind.BLOCK_BACKWARD or k is None or k in seen:
+        if m.phase != "backward" or m.kind is not MomentKind.BLOCK_BACKWARD or k is None or (k, m.micro) in seen:
             continue
-        seen.add(k)
+        seen.add((k, m.micro))
         # The block's replayed moment, at its end: its saved tensors and temporaries are gone (its input too:
         # the first norm was the last op to need it), its gradients are all made, and the gradient flowing into
         # the block (rows x h, the size of its input) is alive.
@@ -288,17 +302,20 @@ def _reduce_moments(moments: list[Moment], lay: RankLayout, n_layer: int) -> lis
             terms.append(_t(K.RESIDUAL_GRADIENT,
                             "gradient flowing into the block", T_, stream.bytes, "rows x h, its input's size"))
         out.append(Moment("backward", f"block {k} backward ends: its gradients flattened for the reduce-scatter", terms,
-                          kind=MomentKind.GRADIENT_REDUCE, block=k))
-    end = next((m for m in moments if m.kind is MomentKind.EMBEDDING_BACKWARD), None)
-    if end is not None and lay.t_root:
+                          kind=MomentKind.GRADIENT_REDUCE, block=k, micro=m.micro))
+    for micro in sorted({m.micro for m in moments}):
+        end = next((m for m in moments if m.kind is MomentKind.EMBEDDING_BACKWARD and m.micro == micro), None)
+        if end is None or not lay.t_root:
+            continue
         # the root's last gradient is the embedding's: once its hook runs, the embedding's node has returned (the
         # residual stream's gradient freed) and its dense gradient is the .grad, or a tied matrix's sum with the
         # head's part is (both parts freed): the root's full gradients alone, then their flat copy
         gone = {K.RESIDUAL_GRADIENT, K.EMBEDDING_GRADIENT, K.EMBEDDING_TIED_SUM}
         terms = [t for t in end.terms if t.key not in gone and not (lay.stage == 3 and t.key is K.GATHERED_BLOCKS)]
         terms.append(flat_root)
-        out.append(Moment("backward", "backward ends: the root's gradients flattened for the reduce-scatter", terms,
-                          kind=MomentKind.GRADIENT_REDUCE))
+        out.append(Moment("backward", "backward ends: the root's gradients flattened for the reduce-scatter" +
+                          end.where.removeprefix("the embedding's backward"), terms,
+                          kind=MomentKind.GRADIENT_REDUCE, micro=micro))
     return out
 
 
@@ -350,10 +367,13 @@ def _check_zero(r) -> None:
     if r.zero < 3 and r.lisa_layers is not None:
         raise ValueError(f"ZeRO-{r.zero} over a LISA model: labkit's Zero builds its units once, from the "
                          "parameters that train then, and LISA changes which layers train every few steps")
-    if r.micro < r.rank_batch:
-        raise ValueError("micro_batch under ZeRO: labkit's Zero reduce-scatters every micro-batch's "
-                         "gradients into the shard (Zero._reduce) and its moments for a second "
-                         "micro-batch are not derived; give micro_batch=None")
+    if r.micro < r.rank_batch and r.zero == 3 and (engine_mixed(r) or r.lora_rank is not None
+                                                   or r.lisa_layers is not None):
+        raise ValueError("micro_batch under FSDP2 (ZeRO-3 over LoRA or LISA, or the engines' mixed precision): "
+                         "fully_shard sums each micro-batch's reduce-scattered gradients into sharded .grad "
+                         "DTensors, a schedule labkit's per-rank measurement does not run, so it is not "
+                         "estimated; give micro_batch=None, or zero=1/2 (labkit's Zero, estimated with "
+                         "micro-batches)")
     if r.checkpoint != "none" and r.zero == 3:
         spec = spec_from(r.model, **r.config)
         per_block = r.checkpoint in ("full", "selective") and r.segments in (None, spec.n_layer)
@@ -379,7 +399,7 @@ def data_parallel_estimate(r) -> Estimate:
             return fsdp2_estimate(r)
     # ZeRO-2/3 reduce-scatter a block's unit from its last gradient's hook: inside the block's backward (LoRA's
     # adapters), or while a multi-block segment's earlier blocks wait with their recomputed tensors
-    single = single_estimate(_rank_recipe(r), ready=r.zero >= 2)
+    single = single_estimate(_rank_recipe(r), ready=r.zero >= 2, reduced=r.zero >= 2)
     tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + mixed_note(r) + " (per rank)"
     if r.zero == 0:  # labkit's data parallel: all-reduce in place on the .grad tensors, nothing more
         return keyed.attach(Estimate(_label(single, r) + tag, single.n_params, terms=list(single.terms),

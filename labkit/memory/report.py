@@ -154,6 +154,7 @@ class Moment:
     kind: MomentKind = field(kw_only=True)  # where in the step, for code (MomentKind)
     block: int | None = field(default=None, kw_only=True)  # the block it is inside, if one
     variant: Variant | None = field(default=None, kw_only=True)  # GaLore: the refresh step's or the steady one's
+    micro: int = field(default=1, kw_only=True)  # 1: the first micro-batch's moment; 2: a later one's
 
     @property
     def total(self) -> int:
@@ -161,9 +162,9 @@ class Moment:
 
     @property
     def key(self) -> tuple:
-        """(phase, kind, block, variant): the same point of a step in another estimate of it
+        """(phase, kind, block, variant, micro): the same point of a step in another estimate of it
         (`Estimate.moment(key)`), for code; `where` says it for people."""
-        return self.phase, self.kind, self.block, self.variant
+        return self.phase, self.kind, self.block, self.variant, self.micro
 
     def breakdown(self) -> Breakdown:
         b = Breakdown()
@@ -236,7 +237,7 @@ class Estimate(_Phases):
         return max(self.moments, key=lambda m: m.total) if self.moments else None
 
     def moment(self, key: tuple) -> Moment:
-        """The moment at `key` (`Moment.key`: phase, kind, block, variant), e.g. the point where another
+        """The moment at `key` (`Moment.key`: phase, kind, block, variant, micro), e.g. the point where another
         estimate of the same step peaks; a KeyError if this step has none or several there."""
         found = [m for m in self.moments if m.key == key]
         if len(found) != 1:

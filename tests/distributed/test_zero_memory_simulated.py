@@ -125,3 +125,29 @@ def test_zero2_with_segments_of_several_blocks(checkpoint, segments):
         for c in CATEGORIES:
             assert abs(e.phases[ph][c] - m.phases[ph][c]) <= 0.005 * m.peak.total, (ph, c, e.phases[ph][c],
                                                                                    m.phases[ph][c])
+
+
+@pytest.mark.parametrize("zero, checkpoint, lora", [(1, "none", False), (2, "none", False), (2, "full", False),
+                                                    (3, "none", False), (3, "full", False), (2, "none", True)])
+def test_zero_with_micro_batches(zero, checkpoint, lora):
+    """Issue 43 item 3: gradient accumulation under labkit's Zero (it was refused, "not derived"). ZeRO-1 keeps
+    the full gradients until the step, as one device's later micro-batches do; ZeRO-2/3 reduce-scatter each
+    micro-batch's gradients into the shards and free them, so a later micro-batch makes its gradients afresh
+    beside every unit's shard. Each rank measured with its rows in micro-batches (dp_ranks.measure): the total
+    within 0.01 %, every phase's every category within 1 % of the peak (measured: 0.62 % at most, ZeRO-3's
+    forward, a gathered block's tensors the ledger counts as activations)."""
+    from labkit.memory import CATEGORIES
+    from labkit.run.step import apply_peft
+
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_head=4, n_embd=64)
+    r = Recipe(cfg, batch=8, seq=32, dp=2, zero=zero, micro_batch=2, checkpoint=checkpoint,
+               **({"lora_rank": 16} if lora else {}))
+    e = estimate(r)
+    m = zero_rank_memory(r, prepare=(lambda mod: apply_peft(mod, "fp32", 16, "all-linear")) if lora else None)
+    assert {x.micro for x in e.moments} == {1, 2}
+    assert abs(e.peak.total / m.peak.total - 1) <= 1e-4, (e.peak.total, m.peak.total)
+    for ph in ("forward", "backward", "optimizer"):
+        for c in CATEGORIES:
+            assert abs(e.phases[ph][c] - m.phases[ph][c]) <= 0.01 * m.peak.total, (ph, c, e.phases[ph][c],
+                                                                                  m.phases[ph][c])
+

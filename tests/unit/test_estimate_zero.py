@@ -64,6 +64,7 @@ def test_per_rank_estimate_shrinks_by_the_stage_rules(world):
     (dict(dp=2, zero=3, checkpoint="full", segments=1), "before the others are gathered"),
     (dict(dp=2, zero=3, lora_rank=4, quant="nf4"), "keeps its codes in buffers, which fully_shard does not"),
     (dict(dp=2, zero=3, lisa_layers=1), "LISA switches which layers train"),
+    (dict(dp=2, zero=3, lora_rank=4, micro_batch=1), "micro_batch under FSDP2"),
     (dict(dp=2, zero=3, optimizer="adamw8bit"), "block-wise 8-bit"),
     (dict(dp=2, zero=1, optimizer_offload="cpu"), "give zero_offload=True"),
     (dict(dp=2, zero=1, zero_offload=True, optimizer="adam"), "OffloadAdamW"),
