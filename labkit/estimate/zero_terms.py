@@ -371,9 +371,9 @@ def _check_zero(r) -> None:
                                                    or r.lisa_layers is not None):
         raise ValueError("micro_batch under FSDP2 (ZeRO-3 over LoRA or LISA, or the engines' mixed precision): "
                          "fully_shard sums each micro-batch's reduce-scattered gradients into sharded .grad "
-                         "DTensors, a schedule labkit's per-rank measurement does not run, so it is not "
-                         "estimated; give micro_batch=None, or zero=1/2 (labkit's Zero, estimated with "
-                         "micro-batches)")
+                         "DTensors, and FSDPMemTracker, which measures a rank here, refuses several forward "
+                         "calls in one step, so it is not estimated; give micro_batch=None, or zero=1/2 "
+                         "(labkit's Zero, estimated with micro-batches)")
     if r.checkpoint != "none" and r.zero == 3:
         spec = spec_from(r.model, **r.config)
         per_block = r.checkpoint in ("full", "selective") and r.segments in (None, spec.n_layer)
