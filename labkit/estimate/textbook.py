@@ -126,7 +126,7 @@ def figure(spec, r, n_train: int, n_quant: int = 0, stage: int = 0,
            adapters: bool = False) -> list[Term]:
     """The textbook peak of a recipe on its busiest rank: model states (shared as ZeRO, TP and PP
     divide them), all of them live, plus one layer formula x layers x micro-batches in flight, plus
-    the log-softmax. n_train: trained parameters (LoRA's adapters, LISA's active layers); n_quant:
+    the log-softmax (on the last pipeline stage, which runs the loss). n_train: trained parameters (LoRA's adapters, LISA's active layers); n_quant:
     weights stored in int8/NF4. A 16-bit frozen base (r.base_dtype) keeps 2 B per weight and needs
     no autocast copy: only what trains is cast. stage: the pipeline stage whose micro-batches in
     flight are counted (one device: one micro-batch at a time, as gradient accumulation runs them).
@@ -166,6 +166,7 @@ def figure(spec, r, n_train: int, n_quant: int = 0, stage: int = 0,
              Term("optimizer state", Category.OPT, int(o), f"{r.optimizer} on N_train = {n_train:,}", ZERO,
                   key=TermKey.OPTIMIZER_STATE),
              Term("activations", Category.ACT, int(acts), kept, KORTHIKANTI, key=acts_key),
-             Term("log-softmax of the logits", Category.ACT, logits_bytes(b, s, spec.vocab),
+             Term("log-softmax of the logits", Category.ACT,
+                  logits_bytes(b, s, spec.vocab) if stage == r.pp - 1 else 0,  # the last stage's loss only
                   "B S V x 4", LOGITS, key=TermKey.LOG_SOFTMAX)]
     return [t for t in terms if t.bytes]

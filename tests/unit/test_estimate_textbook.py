@@ -102,6 +102,9 @@ def test_every_layout_has_a_textbook_layer():
     for e in ests:
         assert e.textbook and e.keyed is not None, e.label
         assert "by key:" in e.explain()
+    first, last = estimate_ranks(Recipe("gpt2-tiny", 4, 32, "fp32", "adamw", pp=2, micro_batch=1))
+    logsoftmax = [sum(t.bytes for t in e.textbook if t.key is TermKey.LOG_SOFTMAX) for e in (first, last)]
+    assert logsoftmax[0] == 0 < logsoftmax[1]  # the last stage runs the loss: its textbook alone has the B S V term
     zero3 = stages(r)[3].textbook
     assert [t.bytes for t in zero3 if t.key is TermKey.PARAMETERS] == [
         sum(t.bytes for t in stages(r)[0].textbook if t.key is TermKey.PARAMETERS) // 2]
