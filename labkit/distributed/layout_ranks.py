@@ -127,13 +127,14 @@ def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
 
 
 def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: int = 2, fail_stage=None,
-                    checkpoint: bool = False, prepare=None):
+                    checkpoint: bool = False, prepare=None, optimizer_offload: str | None = None):
     """`steps` AdamW steps of one stage under schedule `name` with m micro-batches, measured by its own ledger:
     per-category peaks of the last step, the most activation bytes held, when each forward and backward ran, and
     the in-flight counts. A `fail_stage` raises in its first forward (to test that a failing stage ends the run).
     checkpoint: each block of the stage checkpointed (pipeline.Stage). prepare: changes the whole model before
     the stage is cut from it (e.g. functools.partial(labkit.run.apply_peft, lora_rank=8): LoRA; AdamW then
-    steps the trained parameters only)."""
+    steps the trained parameters only). optimizer_offload: "cpu" or "disk" steps them with
+    labkit.optim.OffloadAdamW instead (the state in host memory)."""
     from labkit.memory.ledger import Ledger
     from labkit.memory.report import Category
 
@@ -143,7 +144,13 @@ def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: 
     vocab = model.config.vocab_size
     stage = pl.build_stage(model, rank, world_size, checkpoint=checkpoint)
     del model
-    opt = torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], lr=1e-3)
+    trained = [p for p in stage.parameters() if p.requires_grad]
+    if optimizer_offload:
+        from labkit.optim import OffloadAdamW
+
+        opt = OffloadAdamW(trained, lr=1e-3, offload=optimizer_offload)
+    else:
+        opt = torch.optim.AdamW(trained, lr=1e-3)
     group = pl.tied_group(world_size)
     actions = pl.schedule(name, m, world_size, rank)
     if fail_stage == rank:  # this stage dies in its first forward: its peers wait in send/recv
@@ -310,10 +317,10 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
 
 
 def pipeline_memories(rank, world_size, work: Workload, m: int, names=("gpipe", "1f1b"), checkpoint: bool = False,
-                      prepare=None):
+                      prepare=None, optimizer_offload: str | None = None):
     """pipeline_memory for several schedules in one launch: {schedule: result}."""
-    return {name: pipeline_memory(rank, world_size, work, m, name, checkpoint=checkpoint, prepare=prepare)
-            for name in names}
+    return {name: pipeline_memory(rank, world_size, work, m, name, checkpoint=checkpoint, prepare=prepare,
+                                  optimizer_offload=optimizer_offload) for name in names}
 
 
 def tp_memories(rank, world_size, layer: Workload, step: Workload, micro_batch: int):

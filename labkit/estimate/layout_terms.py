@@ -183,10 +183,13 @@ def estimate_ranks(recipe) -> list[Estimate]:
         raise ValueError("zero_offload beside tensor or pipeline parallelism is not estimated yet")
     if r.zero and r.optimizer != "adamw":
         raise ValueError("ZeRO-1 beside tensor or pipeline parallelism runs labkit's Zero: AdamW only")
-    if r.offload_activations or r.lisa_layers or r.step_in_backward or r.optimizer_offload \
-            or r.optimizer.startswith("galore"):
-        raise ValueError("per-rank estimates of a tp/pp layout take full training, checkpointing and LoRA (no "
-                         "activation or optimizer offload, LISA, GaLore or step in backward)")
+    if r.optimizer_offload and (r.tp > 1 or r.zero):
+        raise ValueError("optimizer_offload in a tp/pp layout: a pipeline stage's OffloadAdamW steps the "
+                         "stage's parameters on the host (estimated); a tensor-parallel rank and ZeRO-1 step "
+                         "with their own AdamW (labkit.distributed.tensor_parallel, Zero)")
+    if r.offload_activations or r.lisa_layers or r.step_in_backward or r.optimizer.startswith("galore"):
+        raise ValueError("per-rank estimates of a tp/pp layout take full training, checkpointing, LoRA and the "
+                         "optimizer offloaded (no activation offload, LISA, GaLore or step in backward)")
     if r.lora_rank and (r.tp > 1 or r.quant != "none" or r.zero):
         raise ValueError("LoRA in a tp/pp layout: pipeline stages (labkit.distributed.pipeline) over a "
                          "full-precision base, without ZeRO; labkit's tensor parallel splits nn.Linear "
@@ -227,6 +230,8 @@ def estimate_ranks(recipe) -> list[Estimate]:
         b.G = rt.n_params * d
         b.O = predict.optimizer_state_bytes(rt, prec, r.optimizer)
         b.opt_temp = predict.optimizer_temp_bytes(rt, prec, r.optimizer, foreach)
+        if r.optimizer_offload:  # OffloadAdamW: the stage's state and its step's work in host memory
+            b.O = b.opt_temp = b.opt_cast = 0
         b.C = (predict.autocast_copy_bytes(dataclasses.replace(rs, matmul_params=_matmul(rs, spec)), prec)
                if trains is None else n_blocks * full.layer_copy + (full.head_copy if last else 0))
         b.states = {}
@@ -275,9 +280,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
             # a later stage sends each micro-batch's input gradient back with isend: the earlier one's lives
             # until this backward's send waits for it, through this forward too where a backward ran before it
             sending = (0 if first else rh * w.x_bytes, bool(acts) and _backward_before_forward(acts))
-            moments += _with_extra(step_moments(b, n_blocks, r.checkpoint, grads_exist=True,
-                                                tag="micro-batch 2 on"), k_later, a_s, r.schedule, root, sending,
-                                   received)
+            moments += [dataclasses.replace(x, micro=2) for x in _with_extra(
+                step_moments(b, n_blocks, r.checkpoint, grads_exist=True, tag="micro-batch 2 on"), k_later, a_s,
+                r.schedule, root, sending, received)]
         label = (f"{spec.name} B={r.batch} S={r.seq} {r.dtype} {r.optimizer} tp={t}{' sp' if sp else ''} pp={p}"
                  f"{' ' + r.schedule if p > 1 else ''} m={m}: stage {s}")
         terms = [Term("parameters", Category.PARAM, b.P, f"{rs.n_params:,} x {d} B (this rank's share)",
