@@ -289,15 +289,22 @@ def tp_activation_memory(rank, world_size, work: Workload, dtype="bf16"):
     return out
 
 
-def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_parallel=False, steps=2):
+def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_parallel=False, steps=2,
+                   optimizer_offload: str | None = None):
     """One tensor-parallel rank's training step (AdamW, fp32; micro-batches of `micro_batch` rows, default the
-    whole batch) measured by its own ledger: the last step's peaks."""
+    whole batch) measured by its own ledger: the last step's peaks. optimizer_offload: "cpu" or "disk" steps
+    the rank's parameters with labkit.optim.OffloadAdamW (the state in host memory)."""
     from labkit.distributed import tensor_parallel as tp
     from labkit.memory.ledger import Ledger
 
     model = tp.parallelize(build_model(_labkit_only(work)), rank, world_size,
                            sequence_parallel=sequence_parallel)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if optimizer_offload:
+        from labkit.optim import OffloadAdamW
+
+        opt = OffloadAdamW(model.parameters(), lr=1e-3, offload=optimizer_offload)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = work.batch
     micro = micro_batch or batch
     with Ledger(model, opt) as led:

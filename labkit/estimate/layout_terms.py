@@ -183,10 +183,10 @@ def estimate_ranks(recipe) -> list[Estimate]:
         raise ValueError("zero_offload beside tensor or pipeline parallelism is not estimated yet")
     if r.zero and r.optimizer != "adamw":
         raise ValueError("ZeRO-1 beside tensor or pipeline parallelism runs labkit's Zero: AdamW only")
-    if r.optimizer_offload and (r.tp > 1 or r.zero):
-        raise ValueError("optimizer_offload in a tp/pp layout: a pipeline stage's OffloadAdamW steps the "
-                         "stage's parameters on the host (estimated); a tensor-parallel rank and ZeRO-1 step "
-                         "with their own AdamW (labkit.distributed.tensor_parallel, Zero)")
+    if r.optimizer_offload and r.zero:
+        raise ValueError("optimizer_offload beside ZeRO-1: labkit's Zero steps its shards with its own AdamW; "
+                         "OffloadAdamW would step the full parameters (zero_offload offloads the shards' state, "
+                         "not estimated in a tp/pp layout)")
     if r.offload_activations or r.lisa_layers or r.step_in_backward or r.optimizer.startswith("galore"):
         raise ValueError("per-rank estimates of a tp/pp layout take full training, checkpointing, LoRA and the "
                          "optimizer offloaded (no activation offload, LISA, GaLore or step in backward)")

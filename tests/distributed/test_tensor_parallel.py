@@ -53,14 +53,15 @@ def test_korthikanti_formula():
 
 @pytest.fixture(scope="module")
 def runs():
-    """Parity and memory in one launch: [(parity, memory) per rank]."""
+    """Parity and memory in one launch: [(parity, memory, the step with the optimizer offloaded) per rank]."""
     return launch(lr.many, 2, args=([("tensor_parallel_parity", (lr.Workload(CFG, 4, 16),)),
-                                     ("tp_memories", (lr.Workload(ACT_CFG, 2, 64), lr.Workload(CFG, 8, 32), 4))],),
+                                     ("tp_memories", (lr.Workload(ACT_CFG, 2, 64), lr.Workload(CFG, 8, 32), 4)),
+                                     ("tp_step_memory", (lr.Workload(CFG, 8, 32), 4, False, 2, "cpu"))],),
                   timeout_s=240)
 
 
 def test_tensor_parallel_parity(runs):
-    for res, _ in runs:
+    for res, _, _ in runs:
         assert res["headwise_vs_model"] == 0
         for k in ("tp", "sp", "torch"):
             assert (res[k]["logits"] - res["logits"]).abs().max().item() < TOL
@@ -79,7 +80,7 @@ def test_tensor_parallel_parity(runs):
 
 def test_tensor_parallel_memory_against_formula_and_estimate(runs):
     b, s, h, a, t = 2, 64, 64, 4, 2
-    for _, res in runs:
+    for _, res, _ in runs:
         layer = res["layer"]
         for name, tt, sp in (("t=1", 1, False), ("tp", t, False), ("tp+sp", t, True)):
             extras = labkit_layer_extras(s, b, h, a, tt, sp, LabkitLayer(e=2, device="cpu"))
@@ -88,6 +89,22 @@ def test_tensor_parallel_memory_against_formula_and_estimate(runs):
             est = estimate_ranks(Recipe(GPTConfig(**CFG), 8, 32, tp=2, micro_batch=4, sequence_parallel=sp))
             assert meas["n_params"] == est[0].n_params
             assert abs(est[0].peak.total / meas["peak"]["total"] - 1) < 0.03
+
+
+def test_tensor_parallel_rank_with_the_optimizer_offloaded(runs):
+    """Issue 43 item 3: a tensor-parallel rank's OffloadAdamW keeps its state and its step's work in host memory
+    (it was refused). The rank's peak within 3 % of the ledger, as the other tensor-parallel estimates, with no
+    optimizer state on the device on either side. Measured: 8 B apart on both ranks, but in one run of three rank
+    1 held one more (micro-batch, S, h) fp32 tensor (32 KiB, 2.5 %) at its backward peak, and in another in its
+    optimizer step: a tensor whose release depends on timing, not yet named."""
+    from labkit.memory import Category
+
+    est = estimate_ranks(Recipe(GPTConfig(**CFG), 8, 32, tp=2, micro_batch=4, optimizer_offload="cpu"))
+    for (_, _, meas), e in zip(runs, est):
+        assert abs(e.peak.total / meas["peak"]["total"] - 1) < 0.03, (e.peak.total, meas["peak"]["total"])
+        assert e.peak[Category.OPT] == meas["peak"]["opt"] == 0
+    plain = estimate_ranks(Recipe(GPTConfig(**CFG), 8, 32, tp=2, micro_batch=4))
+    assert all(e.peak.total < p.peak.total for e, p in zip(est, plain))
 
 
 def test_rank_layer_bytes_from_the_walks_shares():
