@@ -6,8 +6,9 @@ table (CSV and JSON): a row per student and exercise.
 SUBMISSIONS/<student>/<NN_lesson>.ipynb: one folder per student, each lesson's notebook under its own name.
 autograde runs every cell (a cell that raises scores 0, the others are still graded) with the graded cells
 restored from the source, so a learner cannot edit a check away. Each submission is graded with its folder's
-name as the student id ($LABKIT_STUDENT): a numeric exercise's hidden check draws that student's inputs
-(labkit.exercises.Inputs), so an answer copied from a classmate, made for other inputs, scores 0.
+name as the student id ($LABKIT_STUDENT, one autograde per submission of a lesson whose exercises draw inputs):
+a numeric exercise's hidden check draws that student's inputs (labkit.exercises.Inputs), so an answer copied
+from a classmate, made for other inputs, scores 0.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import json
 import shutil
 from pathlib import Path
 
+import nbformat
+
 from labkit.exercises import STUDENT_ENV
 
-from .release import nbgrader
+from .release import nbgrader, per_student
 
 FIELDS = ("student", "lesson", "exercise", "score", "max_score")
 
@@ -77,8 +80,13 @@ def grade(submissions: Path, course: Path, out: Path) -> list[dict]:
     if not (course / "nbgrader_config.py").is_file():
         raise ValueError(f"{course}: not a grader build (run `make release` first)")
     pairs = collect(submissions, course)
-    for student, lesson in pairs:  # one autograde per submission: its kernel draws the inputs of that student
-        nbgrader(["autograde", lesson, "--student", student, "--force"], course, env={STUDENT_ENV: student})
+    for lesson in sorted({lesson for _, lesson in pairs}):
+        source = nbformat.read(course / "source" / lesson / f"{lesson}.ipynb", as_version=4)
+        if not per_student(source):  # the same inputs for everyone: one autograde for all its students
+            nbgrader(["autograde", lesson, "--force"], course)
+            continue
+        for student in sorted(s for s, l in pairs if l == lesson):  # its kernel draws that student's inputs
+            nbgrader(["autograde", lesson, "--student", student, "--force"], course, env={STUDENT_ENV: student})
     rows = scores(course, pairs)
     write(rows, out)
     return rows

@@ -88,7 +88,14 @@ STUDENT_CELL = """from labkit.exercises import use_student
 use_student("")  # your student id, as your course's roster spells it: each exercise's inputs are drawn from it"""
 
 
-def _draws_inputs(nb) -> bool:
+def per_student(source) -> bool:
+    """Whether a grader build's source notebook asks for the student's id (the cell grader_notebook adds where
+    a lesson's exercises draw their inputs): autograde then runs once per submission, with that id."""
+    return any(c.metadata.get("labkit", {}).get("student_id") for c in source.cells)
+
+
+def draws_inputs(nb) -> bool:
+    """Whether a lesson's checks take an exercise's inputs (`**EXn`): its grading needs each student's id."""
     return any(k.arg is None for c in check_calls(nb) for k in c.node.value.keywords)
 
 
@@ -129,9 +136,11 @@ def grader_notebook(nb, exercises_only: bool = False):
                 new.source = _grade_source(cell.source, group, module, f"_ok_{grade_id}")
                 new.metadata["nbgrader"] = _grade_meta(grade_id)
             cells.append(new)
-    if _draws_inputs(nb):  # the student's id, first thing in the exercises (autograde sets it from the folder)
+    if draws_inputs(nb):  # the student's id, first thing in the exercises (autograde sets it from the folder)
         at = next(i for i, c in enumerate(cells) if c.cell_type == "markdown" and c is nb.cells[start]) + 1
-        cells.insert(at, nbformat.v4.new_code_cell(STUDENT_CELL))
+        cell = nbformat.v4.new_code_cell(STUDENT_CELL)
+        cell.metadata["labkit"] = {"student_id": True}  # grade.py reads it: grade this lesson per student
+        cells.insert(at, cell)
     nb.cells = cells
     return nb
 
