@@ -302,7 +302,9 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             del x, y
-    return led.measurement()
+    # paged states (plain data parallelism): the state's bytes leave the device timeline as CUDA unified memory,
+    # as on one device (labkit.run.step.measure_step)
+    return led.measurement().as_unified() if recipe.paged_states else led.measurement()
 
 
 def measure_many(rank: int, world: int, recipes: list, steps: int = 2, seed: int = 0,

@@ -218,9 +218,11 @@ class Recipe:
         if self.paged_states and self.optimizer_offload:
             raise ValueError("paged_states and optimizer_offload both keep the optimizer state "
                              "off the device's allocator: choose one")
-        if self.paged_states and (self.distributed or self.zero):
-            raise ValueError("paged_states is modelled on one device: drop dp, zero, tp and pp, or "
-                             "paged_states")
+        if self.paged_states and (self.zero or self.tp > 1 or self.pp > 1):
+            raise ValueError("paged_states pages a bitsandbytes optimizer's full states on each device: with "
+                             "ZeRO labkit's Zero steps the shards with its own AdamW, and tensor or pipeline "
+                             "ranks are estimated with torch's AdamW; paged_states takes data parallelism "
+                             "(dp, zero=0) or one device")
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         if self.quant_group is not None:

@@ -403,7 +403,7 @@ def data_parallel_estimate(r) -> Estimate:
     tag = f" dp={r.dp} zero={r.zero}" + (" offload" if r.zero_offload else "") + mixed_note(r) + " (per rank)"
     if r.zero == 0:  # labkit's data parallel: all-reduce in place on the .grad tensors, nothing more
         return keyed.attach(Estimate(_label(single, r) + tag, single.n_params, terms=list(single.terms),
-                                     moments=list(single.moments)), r)
+                                     moments=list(single.moments), unified=single.unified), r)
     spec = spec_from(r.model, **r.config)
     if r.lora_rank is not None:  # ZeRO-1/2 over LoRA: the frozen base stays whole on every rank (in the
         # single-device terms); Zero's units are made of the adapters, which alone have gradients and states

@@ -80,7 +80,8 @@ def test_paging_under_a_budget():
     (dict(optimizer="sgd-momentum", paged_states=True), "give optimizer 'adamw', 'adamw8bit', 'adam', "),
     (dict(optimizer="adafactor", paged_states=True), "paged optimizers"),
     (dict(optimizer="adamw", optimizer_offload="cpu", paged_states=True), "choose one"),
-    (dict(batch=2, dp=2, paged_states=True), "one device"),
+    (dict(batch=2, dp=2, zero=1, paged_states=True), "labkit's Zero steps the shards with its own AdamW"),
+    (dict(batch=2, pp=2, paged_states=True), "tensor or pipeline ranks"),
     (dict(paged_states=1), "True or False"),
 ])
 def test_bad_paged_recipes_are_refused(kw, match):
