@@ -7,6 +7,8 @@ runs labkit's version and PyTorch's, and returns plain tensors and numbers (they
 
 from __future__ import annotations
 
+import contextlib
+
 import gc
 from dataclasses import dataclass
 
@@ -127,7 +129,8 @@ def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
 
 
 def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: int = 2, fail_stage=None,
-                    checkpoint: bool = False, prepare=None, optimizer_offload: str | None = None):
+                    checkpoint: bool = False, prepare=None, optimizer_offload: str | None = None,
+                    offload_activations: bool = False):
     """`steps` AdamW steps of one stage under schedule `name` with m micro-batches, measured by its own ledger:
     per-category peaks of the last step, the most activation bytes held, when each forward and backward ran, and
     the in-flight counts. A `fail_stage` raises in its first forward (to test that a failing stage ends the run).
@@ -164,7 +167,10 @@ def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: 
         x, y = (x if stage.is_first else None), (y if stage.is_last else None)
         for _ in range(steps):
             comms.barrier()
-            run = pl.run_step(stage, actions, x, y, m, ledger=led, batch_shape=(work.batch, work.seq))
+            from labkit.recompute import offload_activations as offloaded
+
+            with offloaded() if offload_activations else contextlib.nullcontext():
+                run = pl.run_step(stage, actions, x, y, m, ledger=led, batch_shape=(work.batch, work.seq))
             pl.sync_tied_grads(stage, group)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -324,10 +330,11 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
 
 
 def pipeline_memories(rank, world_size, work: Workload, m: int, names=("gpipe", "1f1b"), checkpoint: bool = False,
-                      prepare=None, optimizer_offload: str | None = None):
+                      prepare=None, optimizer_offload: str | None = None, offload_activations: bool = False):
     """pipeline_memory for several schedules in one launch: {schedule: result}."""
     return {name: pipeline_memory(rank, world_size, work, m, name, checkpoint=checkpoint, prepare=prepare,
-                                  optimizer_offload=optimizer_offload) for name in names}
+                                  optimizer_offload=optimizer_offload, offload_activations=offload_activations)
+            for name in names}
 
 
 def tp_memories(rank, world_size, layer: Workload, step: Workload, micro_batch: int):

@@ -136,7 +136,8 @@ def stages():
              "lora": (lr.Workload(LORA, 8, 64), 4, both, False, lora),
              "lora ckpt": (lr.Workload(LORA, 8, 64), 4, both, True, lora),
              "offload": (lr.Workload(LORA, 8, 64), 4, both, False, None, "cpu"),
-             "lora ckpt offload": (lr.Workload(LORA, 8, 64), 4, ("1f1b",), True, lora, "cpu")}
+             "lora ckpt offload": (lr.Workload(LORA, 8, 64), 4, ("1f1b",), True, lora, "cpu"),
+             "act offload": (lr.Workload(dict(LORA, dropout=0.0), 8, 64), 4, both, False, None, None, True)}
     out = launch(lr.many, 2, args=([("pipeline_memories", a) for a in calls.values()],), timeout_s=400)
     return {k: [rank[n] for rank in out] for n, k in enumerate(calls)}
 
@@ -210,4 +211,21 @@ def test_pipeline_estimate_with_the_optimizer_offloaded(stages, which, kw):
             Recipe(GPTConfig(**LORA), 8, 64, pp=2, micro_batch=2, schedule=name, **kw))))
         assert all(e.moment(x.key) is x for e in est for x in e.moments)  # one moment per key
         _each_category_within(est, stages[which], name, 0.001)
+
+
+def test_pipeline_estimate_with_activations_offloaded(stages):
+    """Issue 43 item 3: each stage's saved tensors go to the host (labkit.recompute.offload_activations around the
+    stage's step; it was refused). The pipeline still holds each in-flight micro-batch's received input and its
+    output on the device (without them the estimate was 1.5-4.4 % under the ledger here); every category of each
+    stage within 0.1 % of the ledger (measured: 20 B), both schedules. With dropout it is refused, quoting what
+    was measured (5 % off per category, not yet explained)."""
+    cfg = dict(LORA, dropout=0.0)
+    for name in ("gpipe", "1f1b"):
+        est = estimate_ranks(Recipe(GPTConfig(**cfg), 8, 64, pp=2, micro_batch=2, schedule=name,
+                                    offload_activations=True))
+        plain = estimate_ranks(Recipe(GPTConfig(**cfg), 8, 64, pp=2, micro_batch=2, schedule=name))
+        assert all(e.peak.total < x.peak.total for e, x in zip(est, plain))
+        _each_category_within(est, stages["act offload"], name, 0.001)
+    with pytest.raises(ValueError, match="with dropout: measured 5 % off"):
+        estimate_ranks(Recipe(GPTConfig(**LORA), 8, 64, pp=2, micro_batch=2, offload_activations=True))
 
