@@ -260,7 +260,6 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
     (0: labkit's naive data parallel, all-reduce in place after backward). budget: bytes per rank; the ledger
     raises SimulatedOutOfMemoryError where a device with that much memory would fail. prepare: a function
     that changes the model in place before ZeRO wraps it (labkit.run.zero_lora: LoRA's adapters)."""
-    from labkit.accumulate import split_sizes
     from labkit.memory.ledger import Ledger
     from labkit.models.gpt import GPTConfig
 
@@ -288,10 +287,10 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
     with ckpt, Ledger(m, opt, budget=budget, label=label) as led:
         for i in range(steps):
             x, y = (t.clone() for t in rows[i])
-            sizes = split_sizes(x.shape[0], recipe.micro)  # micro-batches: each loss weighted by its rows
-            for xb, yb in zip(torch.split(x, sizes), torch.split(y, sizes)):
+            parts = list(zip(x.split(recipe.micro), y.split(recipe.micro)))  # micro-batches of `micro` rows
+            for xb, yb in parts:  # each loss weighted by its share of the rows
                 loss = net(xb, yb)
-                if len(sizes) > 1:
+                if len(parts) > 1:
                     loss = loss * (xb.shape[0] / x.shape[0])
                 loss.backward()
                 del loss
