@@ -82,7 +82,7 @@ def _heads_view(w: Walk, base: T, name: str) -> T:
 
 def _copy(w: Walk, x: T, name: str) -> T:
     """x.contiguous() / matmul's reshape of a strided input: a copy; its gradient passes through."""
-    y = w.made(T(x.numel, x.itemsize, name, rg=x.rg))
+    y = w.made(T(x.numel, x.itemsize, name, rg=x.rg, scores=x.scores))
     if x.rg:
         w.node(f"{name} (copy)", [y], (), [("pass", x)])
     return y
@@ -182,7 +182,7 @@ def sdpa_math(w: Walk, q: T, k: T, v: T, c: AttnCall) -> T:
     if scores.rg:
         w.node("+ bias", [biased], (), [("pass", scores)])
     w.drop(scores)
-    probs = w.made(T(scores.numel, b, "attention probs", rg=rg))
+    probs = w.made(T(scores.numel, b, "attention probs", rg=rg, scores=True))
     if rg:
         w.node("softmax", [probs], [probs], [("grad", biased)])
     w.drop(biased)
@@ -239,8 +239,8 @@ def _dropout_tape(w: Walk, x: T, p: float, name: str) -> T:
     """Dropout on the tape only (the walk's own `dropout` saves): mask and output, the mask saved."""
     if p <= 0:
         return x
-    mask = w.made(T(x.numel, 1 if w.device == "cuda" else x.itemsize, f"{name} mask"))
-    y = w.made(T(x.numel, x.itemsize, name, rg=x.rg))
+    mask = w.made(T(x.numel, 1 if w.device == "cuda" else x.itemsize, f"{name} mask", scores=x.scores))
+    y = w.made(T(x.numel, x.itemsize, name, rg=x.rg, scores=x.scores))
     if x.rg:
         w.node(name, [y], [mask], [("grad", x)])
     w.drop(mask)
@@ -283,7 +283,7 @@ def _manual_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, sm: int, rg: bool) -
     notm = w.made(T(S * S, 1, "~mask", tp=TPShare.LAYER))
     masked = _pointwise(w, scaled, "masked scores", saved=[notm])
     w.drop(notm, scaled)
-    probs = w.made(T(masked.numel, sm, "attention probs", rg=rg))
+    probs = w.made(T(masked.numel, sm, "attention probs", rg=rg, scores=True))
     if rg:
         w.node("softmax", [probs], [probs], [("grad", masked)])
     dropped = _dropout_tape(w, probs, p, "attention dropout")
@@ -337,7 +337,7 @@ def _eager_tape(w: Walk, qkv: tuple[T, T, T], c: AttnCall, widths: tuple[int, in
     # softmax(dtype=float32) of 16-bit scores (Llama in fp16/bf16): aten's softmax casts its input first
     # (_to_copy, then _softmax); in backward _softmax_backward_data returns fp32, the cast's node makes it 16-bit
     soft_in = w.cast(masked, sm, "scores (fp32 for softmax)") if sm != masked.itemsize else masked
-    probs = w.made(T(masked.numel, sm, "attention probs", rg=rg))
+    probs = w.made(T(masked.numel, sm, "attention probs", rg=rg, scores=True))
     if rg:
         w.node("softmax", [probs], [probs], [("grad", soft_in)])
     if soft_in is not masked:

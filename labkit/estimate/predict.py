@@ -430,7 +430,7 @@ def _state_groups(terms: list[Term]) -> dict[str, list[Term]]:
 
 
 def _terms(spec, prec, optimizer, B, S, w, b: StepBytes, peft=None, fb: int | None = None) -> list[Term]:
-    scores = sum(t.nbytes for t in w.saved.values() if "attention probs" in t.name or "attention dropout" in t.name)
+    scores = sum(t.nbytes for t in w.saved.values() if t.scores)
     blocks = w.saved_bytes - b.lsm - scores
     return [
         *_model_state_terms(spec, prec, optimizer, b, peft, fb),

@@ -43,6 +43,8 @@ class T:
     weight: bool = False  # an autocast 16-bit copy of a weight (model-state bytes, counted apart from activations)
     expanded: bool = False  # a view with a stride-0 dimension (expand): a copy of it is whole (numel elements)
     tp: TPShare | None = None  # how a tensor-parallel rank holds it (None: STREAM; Walk.per_head sets HEADS)
+    scores: bool = False  # attention probabilities (S x S per head) or what is made from them (dropout, copies):
+    # the summary table's s^2 term (predict._terms)
 
     @property
     def nbytes(self) -> int:
@@ -196,7 +198,7 @@ class Walk:
         if x.itemsize == itemsize:
             return x
         y = self.made(self.new(x.numel, itemsize, name or f"{x.name} ({8 * itemsize}-bit copy)", x.rg))
-        y.heads_moved = x.heads_moved  # .to() keeps the strides
+        y.heads_moved, y.scores = x.heads_moved, x.scores  # .to() keeps the strides
         if x.rg:
             self.node("to_copy", [y], (), [("grad", x)])
         return y

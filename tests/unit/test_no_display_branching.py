@@ -56,7 +56,6 @@ NOT_TERMS = {
     # the walk's tensors (labkit.estimate.walk.T) are named by the op that makes them; the summary table's
     # attention-score bytes still pick them by name until the walk records each tensor's role once
     # (issue 39, step 3: one record of ops)
-    ("estimate/predict.py", "_terms", "t"): "a walk tensor (labkit.estimate.walk.T), not a Term",
 }
 # (file under labkit/, function): why it may compare display text (it only lays it out)
 FORMATTING: dict[tuple[str, str], str] = {}
