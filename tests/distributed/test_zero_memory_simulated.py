@@ -115,7 +115,8 @@ def test_zero2_with_segments_of_several_blocks(checkpoint, segments):
     """Issue 43 item 3: ZeRO-2 with a checkpointed segment of several blocks reduce-scatters each block's unit
     from its last gradient's hook, while the segment's earlier blocks wait with their recomputed tensors (the
     recompute's replay: `Worst.last`); it was refused, 6 % above the block-end moments. Every phase's every
-    category within 0.5 % of the measured peak (measured: 0.39 %, the root's reduce)."""
+    category within 0.1 % of the measured peak (measured: 0.01 %; 0.4-0.65 % before the root's reduce lost the
+    residual stream's and the dense embedding's gradients, freed by then)."""
     from labkit.memory import CATEGORIES
 
     cfg = GPTConfig(vocab_size=1024, block_size=32, n_layer=4, n_head=4, n_embd=64)
@@ -123,7 +124,7 @@ def test_zero2_with_segments_of_several_blocks(checkpoint, segments):
     e, m = estimate(r), zero_rank_memory(r)
     for ph in ("forward", "backward", "optimizer"):
         for c in CATEGORIES:
-            assert abs(e.phases[ph][c] - m.phases[ph][c]) <= 0.005 * m.peak.total, (ph, c, e.phases[ph][c],
+            assert abs(e.phases[ph][c] - m.phases[ph][c]) <= 0.001 * m.peak.total, (ph, c, e.phases[ph][c],
                                                                                    m.phases[ph][c])
 
 
@@ -134,8 +135,9 @@ def test_zero_with_micro_batches(zero, checkpoint, lora):
     the full gradients until the step, as one device's later micro-batches do; ZeRO-2/3 reduce-scatter each
     micro-batch's gradients into the shards and free them, so a later micro-batch makes its gradients afresh
     beside every unit's shard. Each rank measured with its rows in micro-batches (dp_ranks.measure): the total
-    within 0.01 %, every phase's every category within 1 % of the peak (measured: 0.62 % at most, ZeRO-3's
-    forward, a gathered block's tensors the ledger counts as activations)."""
+    within 0.01 %, every phase's every category within 1 % of the peak (measured: 0.62 % at most: at ZeRO-3's
+    forward peak of a later micro-batch, one (rows x h) fp32 tensor the estimate counts a temporary and the ledger
+    an activation; not yet named, and absent without micro-batches)."""
     from labkit.memory import CATEGORIES
     from labkit.run.step import apply_peft
 
