@@ -91,7 +91,8 @@ def resolve_targets(spec, targets: str | Sequence[str]) -> list[tuple]:
             ends = sorted({lin[0].rsplit(".", 1)[-1] for lin in spec.linears})
             raise ValueError(f"LoRA target {t!r} matches no Linear module of {spec.name}; use 'all-linear' or "
                              f"some of: {', '.join(ends)}")
-        chosen += [lin for lin in hit if lin not in chosen]
+        seen = set(chosen)
+        chosen += [lin for lin in hit if lin not in seen]
     return chosen
 
 
@@ -139,7 +140,8 @@ def peft_of(spec, lora_rank=None, lora_targets="all-linear", quant: str = "none"
         raise ValueError(f"lora_rank {lora_rank} exceeds the smaller side of LoRA target {name} ({min(d_in, d_out)})")
     others = ()
     if quant != "none" and quant_set == "all-linear":
-        others = tuple(lin for lin in resolve_targets(spec, "all-linear") if lin not in targets)
+        chosen = set(targets)
+        others = tuple(lin for lin in resolve_targets(spec, "all-linear") if lin not in chosen)
     if quant == "nf4":
         odd = [name for name, d_in, d_out, _ in [*targets, *others] if (d_in * d_out) % NF4_BLOCK]
         if odd:
