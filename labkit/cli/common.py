@@ -222,6 +222,15 @@ def _cli_words(message: str) -> str:
     return message
 
 
+def _error_words(err: Exception) -> str:
+    """An error in the command line's words; an estimator's refusal says first whether the techniques are
+    incompatible or labkit does not estimate them yet (labkit.estimate.refusal)."""
+    from labkit.estimate.refusal import Refused
+
+    kind = f"{err.kind.value}: " if isinstance(err, Refused) else ""
+    return kind + _cli_words(str(err))
+
+
 def _check_peak(peak: int, what: str) -> None:
     if peak > ADDRESS_SPACE:
         raise ValueError(f"{what}: the predicted peak, {peak:.3g} bytes, is beyond 2**64 bytes, all a 64-bit "

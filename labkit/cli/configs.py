@@ -8,7 +8,7 @@ import json
 
 from labkit.memory.units import fmt_bytes
 
-from .common import _cli_words
+from .common import _error_words
 
 # estimate's options that may go with --from: what the config leaves open, and what to print
 FROM_ALLOWED = {"from_path", "seq", "dp", "model", "batch", "budget", "headroom", "json", "waterfall", "plot",
@@ -106,7 +106,7 @@ def cmd_estimate_from(args, parser, recipe_of_args=None) -> int:
     try:
         e, host = estimate(recipe), host_needs(recipe)
     except ValueError as err:
-        raise ValueError(_cli_words(str(err))) from err
+        raise ValueError(_error_words(err)) from err
     if args.json:
         out = {"config": str(args.from_path), "format": reading.format.name, "recipe": _recipe_json(recipe),
                "ignored": dict(reading.ignored), "approximated": dict(reading.approximated),
@@ -142,7 +142,7 @@ def _waterfall(args, parser, recipe, head: str, budget) -> int:
     try:
         w = waterfall(recipe, verify=args.verify)
     except ValueError as err:
-        raise ValueError(_cli_words(str(err))) from err
+        raise ValueError(_error_words(err)) from err
     if args.plot:
         from labkit.viz.style import to_png
         from labkit.viz.waterfall import waterfall_chart
@@ -179,7 +179,7 @@ def cmd_compare(args, parser) -> int:
     try:
         c = compare(Recipe(args.model, args.batch, args.seq, dtype=args.dtype, device=args.device, dp=args.dp))
     except ValueError as err:
-        raise ValueError(_cli_words(str(err))) from err
+        raise ValueError(_error_words(err)) from err
     if args.json:
         print(json.dumps({"model": args.model, "textbook": c.textbook, "exact": c.exact,
                           "rows": [{"tool": r.tool, "what": r.what, "bytes": r.bytes, "shown": r.shown,

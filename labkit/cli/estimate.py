@@ -9,7 +9,7 @@ from labkit.memory.report import CATEGORIES, PHASES
 from labkit.memory.table import Table, wrap_line
 from labkit.memory.units import fmt_bytes
 
-from .common import (GPU_SIZED, UNITS_NOTE, _check_peak, _cli_words, _positive, _table, check_model, headroom_fraction,
+from .common import (GPU_SIZED, UNITS_NOTE, _check_peak, _error_words, _positive, _table, check_model, headroom_fraction,
                      read_model, size_option, verdict_line)
 
 
@@ -252,13 +252,13 @@ def cmd_estimate(args, parser) -> int:
     try:  # the Recipe's and the estimator's refusals, in the command line's words
         recipe = _recipe(args, spec, micro, args.device)
     except ValueError as err:
-        raise ValueError(_cli_words(str(err))) from err
+        raise ValueError(_error_words(err)) from err
 
     def run(r):
         try:
             return estimate(r), host_needs(r)
         except ValueError as err:
-            raise ValueError(_cli_words(str(err))) from err
+            raise ValueError(_error_words(err)) from err
 
     e, host = run(recipe)
     _check_peak(e.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
@@ -348,7 +348,7 @@ def _estimate_layout(args, spec, micro, budget=None, headroom=0.1) -> int:
         ranks = estimate_ranks(r)
         wire = layout_wire_bytes(r)
     except ValueError as err:
-        raise ValueError(_cli_words(str(err))) from err
+        raise ValueError(_error_words(err)) from err
     top = max(ranks, key=lambda e: e.peak.total)
     _check_peak(top.peak.total, f"{args.model} with --batch {args.batch} --seq {args.seq}")
     if args.json:

@@ -18,6 +18,7 @@ import functools
 import re
 from dataclasses import dataclass
 
+from labkit.estimate.refusal import Refused, Refusal
 from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey as K
 
 from . import keyed, peft_terms, predict, tape, zero_terms
@@ -174,41 +175,56 @@ def estimate_ranks(recipe) -> list[Estimate]:
     the dp replicas of a part hold the same bytes, so one Estimate stands for each part."""
     r = recipe
     if r.zero >= 2 and r.pp > 1:
-        raise ValueError(f"ZeRO-{r.zero} with pipeline parallelism: a stage's gradients accumulate over its "
-                         f"micro-batches, so they cannot be sharded as each is made (DeepSpeed refuses it too); "
-                         f"use zero=1 with pp")
+        raise Refused(Refusal.ZERO_SHARDED_GRADIENTS_PP,
+                      f"ZeRO-{r.zero} with pipeline parallelism: a stage's gradients accumulate over its "
+                      f"micro-batches, so they cannot be sharded as each is made (DeepSpeed refuses it too); "
+                      f"use zero=1 with pp")
     if r.zero >= 2:
-        raise ValueError(f"ZeRO-{r.zero} beside tensor parallelism is not estimated yet: use zero=0 or 1 with tp")
+        raise Refused(Refusal.ZERO_SHARDED_GRADIENTS_TP, f"ZeRO-{r.zero} beside tensor parallelism is not "
+                      "estimated yet: use zero=0 or 1 with tp")
     if r.zero_offload:
-        raise ValueError("zero_offload beside tensor or pipeline parallelism is not estimated yet")
+        raise Refused(Refusal.ZERO_OFFLOAD_LAYOUT,
+                      "zero_offload beside tensor or pipeline parallelism is not "
+                      "estimated yet")
+    if r.optimizer.startswith("galore") and r.tp > 1:
+        raise Refused(Refusal.GALORE_TP, "GaLore beside tensor parallelism: GaLore projects each weight's "
+                      "whole gradient matrix on its top singular vectors, and a tensor-parallel rank holds "
+                      "a slice of its columns or rows (the SVD of a slice is not a slice of the SVD)")
     if r.zero and r.optimizer != "adamw":
-        raise ValueError("ZeRO-1 beside tensor or pipeline parallelism runs labkit's Zero: AdamW only")
+        raise Refused(Refusal.ZERO1_LAYOUT_OPTIMIZER, "ZeRO-1 beside tensor or pipeline parallelism runs "
+                      "labkit's Zero with AdamW; other optimizers are not estimated there yet")
     if r.optimizer_offload and r.zero:
-        raise ValueError("optimizer_offload beside ZeRO-1: labkit's Zero steps its shards with its own AdamW; "
-                         "OffloadAdamW would step the full parameters (zero_offload offloads the shards' state, "
-                         "not estimated in a tp/pp layout)")
+        raise Refused(Refusal.OPTIMIZER_OFFLOAD_ZERO1_LAYOUT,
+                      "optimizer_offload beside ZeRO-1: labkit's Zero "
+                      "steps its shards with its own AdamW; OffloadAdamW would step the full parameters "
+                      "(zero_offload offloads the shards' state, not estimated in a tp/pp layout)")
     if r.offload_activations and (r.tp > 1 or r.checkpoint != "none" or r.lora_rank):
-        raise ValueError("offload_activations in a tp/pp layout: pipeline stages of full training offload their "
-                         "saved tensors (estimated); with checkpointing, LoRA or tensor parallelism they are not "
-                         "measured here")
+        raise Refused(Refusal.ACTIVATION_OFFLOAD_LAYOUT, "offload_activations in a tp/pp layout: pipeline "
+                      "stages of full training offload their saved tensors (estimated); with "
+                      "checkpointing, LoRA or tensor parallelism they are not measured here yet")
     if r.lisa_layers or r.step_in_backward or r.optimizer.startswith("galore"):
-        raise ValueError("per-rank estimates of a tp/pp layout take full training, checkpointing, LoRA and "
-                         "offload (no LISA, GaLore or step in backward)")
+        raise Refused(Refusal.LAYOUT_TECHNIQUE, "per-rank estimates of a tp/pp layout take full training, "
+                      "checkpointing, LoRA and offload; LISA, GaLore on stages and step in backward are not "
+                      "estimated there yet")
     if r.lora_rank and (r.tp > 1 or r.quant != "none" or r.zero):
-        raise ValueError("LoRA in a tp/pp layout: pipeline stages (labkit.distributed.pipeline) over a "
-                         "full-precision base, without ZeRO; labkit's tensor parallel splits nn.Linear "
-                         "weights, which LoRA wraps")
+        raise Refused(Refusal.LORA_LAYOUT, "LoRA in a tp/pp layout: estimated on pipeline stages "
+                      "(labkit.distributed.pipeline) over a full-precision base, without ZeRO; labkit's "
+                      "tensor parallel splits nn.Linear weights, which LoRA wraps (not estimated yet)")
     spec = spec_from(r.model, **r.config)
     if r.offload_activations and (spec.dropout or spec.attn_dropout):
-        raise ValueError("offload_activations in a pipeline with dropout: measured 5 % off per category (stage 0's "
-                         "temporaries, and one (r, h) activation more), not yet explained; give dropout=0")
-    if r.checkpoint != "none" and (r.tp > 1 or r.checkpoint != "full" or r.segments not in (None, spec.n_layer)):
-        raise ValueError("checkpointing in a tp/pp layout: pipeline stages checkpoint each block in full "
-                         "(labkit.distributed.pipeline.Stage, checkpoint='full', segments=None); a tensor-"
-                         "parallel rank's blocks are not checkpointed (labkit.distributed.tensor_parallel)")
+        raise Refused(Refusal.ACTIVATION_OFFLOAD_DROPOUT_PP,
+                      "offload_activations in a pipeline with dropout: "
+                      "measured 5 % off per category (stage 0's temporaries, and one (r, h) activation "
+                      "more), not yet explained; give dropout=0")
+    if r.checkpoint != "none" and (r.tp > 1 or r.checkpoint != "full"
+                                   or r.segments not in (None, spec.n_layer)):
+        raise Refused(Refusal.CHECKPOINT_LAYOUT, "checkpointing in a tp/pp layout: estimated on pipeline "
+                      "stages that checkpoint each block in full (labkit.distributed.pipeline.Stage, "
+                      "checkpoint='full', segments=None); a tensor-parallel rank's blocks are not "
+                      "checkpointed (labkit.distributed.tensor_parallel): not estimated yet")
     if spec.family != "labkit-gpt" and r.tp > 1:
-        raise ValueError(f"tensor-parallel estimates are for labkit's GPT (labkit.distributed.tensor_parallel); "
-                         f"got a {spec.family} model")
+        raise Refused(Refusal.TP_FAMILY, "tensor-parallel ranks are measured and estimated for labkit's GPT "
+                      f"(labkit.distributed.tensor_parallel), not for a {spec.family} model")
     from labkit.distributed.tensor_parallel import check_tp
 
     check_tp(spec.n_head, spec.hidden, r.tp, r.seq, r.sequence_parallel)

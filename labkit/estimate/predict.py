@@ -10,6 +10,7 @@ import dataclasses
 
 import re
 
+from labkit.estimate.refusal import Refused, Refusal
 from .families import WALKS
 from . import optim_terms, peft_terms, textbook
 from .moments import step_moments
@@ -128,8 +129,9 @@ def single_estimate(r: Recipe, ready: bool = False, reduced: bool = False) -> Es
         raise ValueError(f"rank {rank} exceeds the smaller side of a GaLore matrix "
                          f"({min(min(s) for s in spec.galore_shapes)})")
     if spec.loss_chunk is not None and step_in_backward:
-        raise ValueError("step_in_backward with the chunked loss (GPTConfig.loss_chunk) is not modelled yet: "
-                         "drop one of them")
+        raise Refused(Refusal.GPT_LOSS_CHUNK_STEP,
+                      "step_in_backward with the chunked loss (GPTConfig.loss_chunk) is not modelled yet: "
+                      "drop one of them")
     if spec.max_positions and seq > spec.max_positions:
         raise ValueError(f"seq {seq} exceeds the model's {spec.max_positions} positions")
     b, w = step_bytes(spec, r, peft)
@@ -168,13 +170,15 @@ def single_estimate(r: Recipe, ready: bool = False, reduced: bool = False) -> Es
 def _check_peft_options(peft, optimizer, optimizer_offload, step_in_backward):
     what = "lisa_layers" if peft.lisa_layers else "lora_rank"
     if optimizer.startswith("galore"):
-        raise ValueError(f"{what} and GaLore are two ways to shrink the optimizer state: choose one")
+        raise Refused(Refusal.TWO_STATE_SHRINKERS,
+                      f"{what} and GaLore are two ways to shrink the optimizer state: choose one")
     # LoRA and a quantized base step in backward within 0.4 % per category, and LoRA, QLoRA and LISA with
     # the optimizer offloaded within 0.1 % (test_estimate_peft)
     if step_in_backward and peft.lisa_layers:
-        raise ValueError("lisa_layers is not modelled with step_in_backward (measured: its sampled layers' steps "
-                         "in backward leave the step's temporaries up to 6.7 % of the peak off the estimate, the "
-                         "total up to 3.2 %); drop one of them")
+        raise Refused(Refusal.LISA_STEP_IN_BACKWARD,
+                      "lisa_layers is not modelled with step_in_backward (measured: its sampled layers' steps "
+                      "in backward leave the step's temporaries up to 6.7 % of the peak off the estimate, the "
+                      "total up to 3.2 %); drop one of them")
 
 
 def step_bytes(spec: ModelSpec, recipe: Recipe, peft=None) -> tuple[StepBytes, Walk]:

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Literal, Sequence
 
+from labkit.estimate.refusal import Refused, Refusal
 from labkit.optim.galore8bit import PROJ_DTYPES  # 8-bit GaLore's projector precisions (its module owns them)
 from labkit.recompute.segments import POLICIES  # the checkpoint policies (re-exported)
 from labkit.recompute.selective import POLICIES as _SELECTIVE  # selective checkpointing's
@@ -205,10 +206,11 @@ class Recipe:
             raise ValueError(f"optimizer_offload must be None, 'cpu' or 'disk', got {self.optimizer_offload!r}")
         if self.optimizer_offload and self.optimizer != "adamw":
             raise ValueError(f"optimizer_offload works with adamw (labkit.optim.OffloadAdamW), not {self.optimizer!r}")
-        if self.step_in_backward and micro != self.batch:
-            raise ValueError("step_in_backward cannot accumulate gradients over micro-batches")
+        if self.step_in_backward and micro != self.rank_batch:
+            raise Refused(Refusal.STEP_WITH_ACCUMULATION,
+                          "step_in_backward cannot accumulate gradients over micro-batches")
         if self.step_in_backward and self.optimizer_offload:
-            raise ValueError(STEP_AND_OFFLOAD)
+            raise Refused(Refusal.STEP_WITH_OFFLOAD, STEP_AND_OFFLOAD)
         if self.paged_states is not False and self.paged_states is not True:
             raise ValueError(f"paged_states must be True or False, got {self.paged_states!r}")
         if self.paged_states and self.optimizer not in PAGED_OPTIMIZERS:
@@ -216,13 +218,15 @@ class Recipe:
                              f"give optimizer {', '.join(map(repr, PAGED_OPTIMIZERS))}, "
                              f"not {self.optimizer!r}")
         if self.paged_states and self.optimizer_offload:
-            raise ValueError("paged_states and optimizer_offload both keep the optimizer state "
-                             "off the device's allocator: choose one")
+            raise Refused(Refusal.PAGED_WITH_OFFLOAD,
+                          "paged_states and optimizer_offload both keep the optimizer state "
+                          "off the device's allocator: choose one")
         if self.paged_states and (self.zero or self.tp > 1 or self.pp > 1):
-            raise ValueError("paged_states pages a bitsandbytes optimizer's full states on each device: with "
-                             "ZeRO labkit's Zero steps the shards with its own AdamW, and tensor or pipeline "
-                             "ranks are estimated with torch's AdamW; paged_states takes data parallelism "
-                             "(dp, zero=0) or one device")
+            raise Refused(Refusal.PAGED_LAYOUT,
+                          "paged_states pages a bitsandbytes optimizer's full states on each device: with "
+                          "ZeRO labkit's Zero steps the shards with its own AdamW, and tensor or pipeline "
+                          "ranks are estimated with torch's AdamW; paged_states takes data parallelism "
+                          "(dp, zero=0) or one device")
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         if self.quant_group is not None:

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from labkit.estimate.refusal import Refused, Refusal
 from labkit.memory.report import Category, Estimate, Moment, MomentKind, Term, TermKey as K
 
 from . import keyed, optim_terms
@@ -349,40 +350,46 @@ def mixed_note(r) -> str:
 
 def _check_zero(r) -> None:
     """The ZeRO recipes labkit refuses, each with what stands in the way."""
+    if r.optimizer.startswith("galore"):
+        raise Refused(Refusal.GALORE_SHARDED, f"optimizer {r.optimizer!r} under ZeRO: GaLore projects each "
+                      "weight's whole gradient matrix on its top singular vectors, and a ZeRO shard is a "
+                      "flat slice of the model (an FSDP2 shard a block of rows), not that matrix; use "
+                      "sgd, sgd-momentum, adam or adamw")
     if r.optimizer not in optim_terms.TORCH_STATES:
-        raise ValueError(f"optimizer {r.optimizer!r} under ZeRO: labkit's {r.optimizer} keeps its state per "
-                         "full tensor (block-wise 8-bit, factored or projected), while ZeRO's "
-                         "optimizer steps flat shards that cut tensors anywhere; use sgd, "
-                         "sgd-momentum, adam or adamw")
+        raise Refused(Refusal.OPTIMIZER_SHARDED, f"optimizer {r.optimizer!r} under ZeRO: labkit's Zero steps "
+                      "its flat shards with torch's sgd, sgd-momentum, adam or adamw, and labkit's "
+                      f"{r.optimizer} keeps its state per full tensor (block-wise 8-bit or factored); "
+                      "not estimated yet: use one of those four")
     if r.optimizer_offload is not None:
-        raise ValueError("optimizer_offload under ZeRO: OffloadAdamW would step the full parameters that ZeRO "
-                         "shards; ZeRO-Offload moves the shards' state instead: give "
-                         "zero_offload=True")
-    if r.step_in_backward:
-        raise ValueError("step_in_backward under ZeRO: the step needs each unit's reduce-scattered gradient "
-                         "shard, which exists only after the unit's reduce; labkit's Zero steps "
-                         "its shards after backward (Zero.step)")
+        raise Refused(Refusal.OPTIMIZER_OFFLOAD_ZERO,
+                      "optimizer_offload under ZeRO: OffloadAdamW would step the full parameters that ZeRO "
+                      "shards; ZeRO-Offload moves the shards' state instead: give "
+                      "zero_offload=True")
     if r.zero_offload and r.optimizer != "adamw":
-        raise ValueError("zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
+        raise Refused(Refusal.ZERO_OFFLOAD_OPTIMIZER,
+                      "zero_offload runs labkit.optim.OffloadAdamW: give optimizer='adamw'")
     if r.zero < 3 and r.lisa_layers is not None:
-        raise ValueError(f"ZeRO-{r.zero} over a LISA model: labkit's Zero builds its units once, from the "
-                         "parameters that train then, and LISA changes which layers train every few steps")
+        raise Refused(Refusal.LISA_SHARDED,
+                      f"ZeRO-{r.zero} over a LISA model: labkit's Zero builds its units once, from the "
+                      "parameters that train then, and LISA changes which layers train every few steps")
     if r.micro < r.rank_batch and r.zero == 3 and (engine_mixed(r) or r.lora_rank is not None
                                                    or r.lisa_layers is not None):
-        raise ValueError("micro_batch under FSDP2 (ZeRO-3 over LoRA or LISA, or the engines' mixed precision): "
-                         "fully_shard sums each micro-batch's reduce-scattered gradients into sharded .grad "
-                         "DTensors, and FSDPMemTracker, which measures a rank here, refuses several forward "
-                         "calls in one step, so it is not estimated; give micro_batch=None, or zero=1/2 "
-                         "(labkit's Zero, estimated with micro-batches)")
+        raise Refused(Refusal.FSDP2_MICRO_BATCHES,
+                      "micro_batch under FSDP2 (ZeRO-3 over LoRA or LISA, or the engines' mixed precision): "
+                      "fully_shard sums each micro-batch's reduce-scattered gradients into sharded .grad "
+                      "DTensors, and FSDPMemTracker, which measures a rank here, refuses several forward "
+                      "calls in one step, so it is not estimated; give micro_batch=None, or zero=1/2 "
+                      "(labkit's Zero, estimated with micro-batches)")
     if r.checkpoint != "none" and r.zero == 3:
         spec = spec_from(r.model, **r.config)
         per_block = r.checkpoint in ("full", "selective") and r.segments in (None, spec.n_layer)
         if not per_block:
-            raise ValueError("ZeRO-3 with checkpointed segments of several blocks: ZeRO-3 gathers a block's "
-                             "parameters in that block's own forward hook, but a segment runs "
-                             "all its blocks inside its first block's call, before the others "
-                             "are gathered; checkpoint each block (checkpoint='full' or "
-                             "'selective', segments=None)")
+            raise Refused(Refusal.ZERO3_SEGMENTS,
+                          "ZeRO-3 with checkpointed segments of several blocks: ZeRO-3 gathers a block's "
+                          "parameters in that block's own forward hook, but a segment runs "
+                          "all its blocks inside its first block's call, before the others "
+                          "are gathered; checkpoint each block (checkpoint='full' or "
+                          "'selective', segments=None)")
 
 
 def data_parallel_estimate(r) -> Estimate:
@@ -390,6 +397,12 @@ def data_parallel_estimate(r) -> Estimate:
     states as ZeRO stage `r.zero` keeps them."""
     if r.tp > 1 or r.pp > 1:
         raise ValueError("data_parallel_estimate takes dp and zero only: use labkit.estimate.estimate for tp/pp")
+    if r.step_in_backward:
+        raise Refused(Refusal.STEP_IN_BACKWARD_DP,
+                      f"step_in_backward with dp={r.dp}{f' ZeRO-{r.zero}' if r.zero else ''}: each parameter's "
+                      "step needs its gradient summed over the ranks first (all-reduced, or reduce-scattered "
+                      "into a shard), and labkit's data parallel and Zero sum after backward; a step in each "
+                      "bucket's or unit's hook is not estimated yet")
     if r.zero:
         _check_zero(r)
         if r.zero == 3 and (engine_mixed(r) or r.lora_rank is not None or r.lisa_layers is not None):
@@ -525,23 +538,31 @@ def _regather(terms: list[Term], lay: RankLayout, blocks: int) -> list[Term]:
 def _check_fsdp2(r, peft) -> None:
     """The recipes FSDP2 cannot run as labkit builds them, each with its reason."""
     if peft is not None and peft.lisa_layers:
-        raise ValueError("LISA under ZeRO-3 / FSDP2: LISA switches which layers train every few steps, and "
-                         "fully_shard fixes at wrapping time which parameters a unit "
-                         "reduce-scatters and steps; use LoRA, or LISA with zero=0")
+        raise Refused(Refusal.LISA_SHARDED,
+                      "LISA under ZeRO-3 / FSDP2: LISA switches which layers train every few steps, and "
+                      "fully_shard fixes at wrapping time which parameters a unit "
+                      "reduce-scatters and steps; use LoRA, or LISA with zero=0")
     if peft is not None and peft.quant != "none":
-        raise ValueError(f"quant={peft.quant!r} under ZeRO-3 / FSDP2: labkit's quantized base keeps its codes "
-                         "in buffers, which fully_shard does not shard (torchao's NF4Tensor "
-                         "implements FSDP2's all-gather extension for that); use quant='none' "
-                         "with zero=3")
+        raise Refused(Refusal.QUANT_FSDP2,
+                      f"quant={peft.quant!r} under ZeRO-3 / FSDP2: labkit's quantized base keeps its codes "
+                      "in buffers, which fully_shard does not shard (torchao's NF4Tensor "
+                      "implements FSDP2's all-gather extension for that); use quant='none' "
+                      "with zero=3")
     if r.base_dtype is not None:
-        raise ValueError("base_dtype under ZeRO-3 / FSDP2: fully_shard all-gathers a unit in one dtype, so a "
-                         "16-bit base beside fp32 adapters cannot share a unit; under "
-                         "zero_mixed='engine' every unit is gathered in 16 bits anyway: drop "
-                         "base_dtype")
+        raise Refused(Refusal.BASE_DTYPE_FSDP2,
+                      "base_dtype under ZeRO-3 / FSDP2: fully_shard all-gathers a unit in one dtype, so a "
+                      "16-bit base beside fp32 adapters cannot share a unit; under "
+                      "zero_mixed='engine' every unit is gathered in 16 bits anyway: drop "
+                      "base_dtype")
+    if r.optimizer.startswith("galore"):
+        raise Refused(Refusal.GALORE_SHARDED,
+                      f"optimizer {r.optimizer!r} under ZeRO-3 / FSDP2: GaLore projects "
+                      "each weight's whole gradient matrix, and a rank holds a dim-0 shard of it (DTensor); "
+                      "use sgd, sgd-momentum, adam or adamw")
     if r.optimizer not in optim_terms.TORCH_STATES:
-        raise ValueError(f"optimizer {r.optimizer!r} under ZeRO-3 / FSDP2: labkit's {r.optimizer} keeps its "
-                         "state per full tensor (block-wise 8-bit, factored or projected), not "
-                         "per dim-0 shard (DTensor); use sgd, sgd-momentum, adam or adamw")
+        raise Refused(Refusal.OPTIMIZER_SHARDED, f"optimizer {r.optimizer!r} under ZeRO-3 / FSDP2: labkit's "
+                      f"{r.optimizer} keeps its state per full tensor (block-wise 8-bit or factored), not per "
+                      "dim-0 shard (DTensor); not estimated yet: use sgd, sgd-momentum, adam or adamw")
 
 
 def fsdp2_estimate(recipe, reshard_after_forward: bool = True):

@@ -59,7 +59,7 @@ def test_per_rank_estimate_shrinks_by_the_stage_rules(world):
     (dict(dp=0), "dp must be a positive integer"),
     (dict(dp=2, zero=4), "ZeRO stage"),
     (dict(dp=3), "divide evenly over dp=3"),
-    (dict(dp=2, zero=2, optimizer="lion"), "optimizer 'lion' under ZeRO: labkit's lion keeps its state per full"),
+    (dict(dp=2, zero=2, optimizer="lion"), "optimizer 'lion' under ZeRO: labkit's Zero steps its flat shards"),
     (dict(dp=2, zero=3, checkpoint="sqrt"), "ZeRO-3 with checkpointed segments of several blocks: ZeRO-3 gathers"),
     (dict(dp=2, zero=3, checkpoint="full", segments=1), "before the others are gathered"),
     (dict(dp=2, zero=3, lora_rank=4, quant="nf4"), "keeps its codes in buffers, which fully_shard does not"),

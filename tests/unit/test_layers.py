@@ -24,7 +24,7 @@ ORDER = ["memory", "paths", "quant", "precision", "recompute", "data", "models",
          "accumulate", "peft", "estimate", "run", "session", "plan", "viz", "exercises", "course", "cli", "colab", "__main__"]
 MODULE_ORDER = {
     "memory": ["units", "table", "allocator", "state", "report", "memviz", "replay", "budget", "ledger"],
-    "estimate": ["recipe", "textbook", "tape", "spec", "optim_terms", "peft_terms", "walk", "families",
+    "estimate": ["refusal", "recipe", "textbook", "tape", "spec", "optim_terms", "peft_terms", "walk", "families",
                  "walk_groups", "step_bytes", "held", "moments_step", "moments_backward", "moments_forward",
                  "moments", "predict", "keyed", "zero_terms", "layout_terms", "estimator",
                  "wall", "host"],
