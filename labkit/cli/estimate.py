@@ -360,6 +360,10 @@ def _estimate_layout(args, spec, micro, budget=None, headroom=0.1) -> int:
                          "categories": {k: v for k, v in e.peak.as_dict().items() if k != "total"}}
                         for i, e in enumerate(ranks)]
         out["wire_bytes_per_step"] = {k: float(v) for k, v in wire.items()}
+        if top.unified:  # --paged: the largest rank's states in unified memory
+            out["unified"] = int(top.unified)
+            if budget is not None:
+                out["paging"] = _paging_dict(top, budget)
         print(json.dumps(out | _verdict_dict(top.peak.total, budget, headroom)))
         return 0
     rows = [["rank", "stage", "tp rank", "peak", "phase"] + [str(c) for c in CATEGORIES]]
@@ -377,5 +381,5 @@ def _estimate_layout(args, spec, micro, budget=None, headroom=0.1) -> int:
               format_estimate(top, args.device, getattr(args, "all_terms", False))]
     if budget is not None:
         lines.append(f"budget (the largest rank): {verdict_line(top.peak.total, budget, headroom)}")
-    print("\n".join(lines))
+    print("\n".join(lines) + paged_text(top, budget))
     return 0

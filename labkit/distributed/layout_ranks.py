@@ -130,14 +130,15 @@ def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
 
 def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: int = 2, fail_stage=None,
                     checkpoint: bool = False, prepare=None, optimizer_offload: str | None = None,
-                    offload_activations: bool = False):
+                    offload_activations: bool = False, paged: bool = False):
     """`steps` AdamW steps of one stage under schedule `name` with m micro-batches, measured by its own ledger:
     per-category peaks of the last step, the most activation bytes held, when each forward and backward ran, and
     the in-flight counts. A `fail_stage` raises in its first forward (to test that a failing stage ends the run).
     checkpoint: each block of the stage checkpointed (pipeline.Stage). prepare: changes the whole model before
     the stage is cut from it (e.g. functools.partial(labkit.run.apply_peft, lora_rank=8): LoRA; AdamW then
     steps the trained parameters only). optimizer_offload: "cpu" or "disk" steps them with
-    labkit.optim.OffloadAdamW instead (the state in host memory)."""
+    labkit.optim.OffloadAdamW instead (the state in host memory). paged: the optimizer state counted in CUDA
+    unified memory, off the device (bitsandbytes' paged states; as labkit.run.measure_step measures them)."""
     from labkit.memory.ledger import Ledger
     from labkit.memory.report import Category
 
@@ -174,13 +175,21 @@ def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: 
             pl.sync_tied_grads(stage, group)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    meas = led.measurement().of_step(steps)
+    meas = _paged(led.measurement(), paged).of_step(steps)
     act = max(meas.timeline.bytes[Category.ACT][i] for i in range(len(meas.timeline.total)))
     return {"peak": meas.peak.as_dict(), "peak_phase": meas.peak_phase,
             "phases": {k: v.as_dict() for k, v in meas.phases.items()},
             "act_peak": _act_peak_last_step(meas, steps), "act_any": act,
             "times": run.times, "in_flight": max(run.in_flight), "loss": run.loss, "wire": run.wire_bytes,
-            "layers": stage.layers, "n_params": sum(p.numel() for p in stage.parameters())}
+            "layers": stage.layers, "n_params": sum(p.numel() for p in stage.parameters()),
+            "unified": meas.unified}
+
+
+def _paged(meas, paged: bool):
+    """Paged optimizer states live in CUDA unified memory, which max_memory_allocated does not count: the
+    same optimizer runs here (a CPU has none to page), and its state's bytes leave the device's timeline
+    (Measurement.as_unified), as labkit.run.measure_step does on one device."""
+    return meas.as_unified() if paged else meas
 
 
 def _act_peak_last_step(meas, step: int) -> int:
@@ -296,10 +305,11 @@ def tp_activation_memory(rank, world_size, work: Workload, dtype="bf16"):
 
 
 def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_parallel=False, steps=2,
-                   optimizer_offload: str | None = None):
+                   optimizer_offload: str | None = None, paged: bool = False):
     """One tensor-parallel rank's training step (AdamW, fp32; micro-batches of `micro_batch` rows, default the
     whole batch) measured by its own ledger: the last step's peaks. optimizer_offload: "cpu" or "disk" steps
-    the rank's parameters with labkit.optim.OffloadAdamW (the state in host memory)."""
+    the rank's parameters with labkit.optim.OffloadAdamW (the state in host memory). paged: the state in
+    unified memory (pipeline_memory)."""
     from labkit.distributed import tensor_parallel as tp
     from labkit.memory.ledger import Ledger
 
@@ -323,17 +333,19 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
             tp.sync_replicated_grads(model)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    meas = led.measurement().of_step(steps)
+    meas = _paged(led.measurement(), paged).of_step(steps)
     return {"peak": meas.peak.as_dict(), "peak_phase": meas.peak_phase,
             "phases": {k: v.as_dict() for k, v in meas.phases.items()},
-            "n_params": sum(p.numel() for p in model.parameters())}
+            "n_params": sum(p.numel() for p in model.parameters()), "unified": meas.unified}
 
 
 def pipeline_memories(rank, world_size, work: Workload, m: int, names=("gpipe", "1f1b"), checkpoint: bool = False,
-                      prepare=None, optimizer_offload: str | None = None, offload_activations: bool = False):
+                      prepare=None, optimizer_offload: str | None = None, offload_activations: bool = False,
+                      paged: bool = False):
     """pipeline_memory for several schedules in one launch: {schedule: result}."""
     return {name: pipeline_memory(rank, world_size, work, m, name, checkpoint=checkpoint, prepare=prepare,
-                                  optimizer_offload=optimizer_offload, offload_activations=offload_activations)
+                                  optimizer_offload=optimizer_offload, offload_activations=offload_activations,
+                                  paged=paged)
             for name in names}
 
 

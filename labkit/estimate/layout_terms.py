@@ -255,6 +255,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
         b.opt_temp = predict.optimizer_temp_bytes(rt, prec, r.optimizer, foreach)
         if r.optimizer_offload:  # OffloadAdamW: the stage's state and its step's work in host memory
             b.O = b.opt_temp = b.opt_cast = 0
+        unified = 0
+        if r.paged_states:  # the rank's states in CUDA unified memory, outside the allocator's peak; the
+            unified, b.O = b.O, 0  # step's temporaries stay on the device (as predict.single_estimate)
         b.C = (predict.autocast_copy_bytes(dataclasses.replace(rs, matmul_params=_matmul(rs, spec)), prec)
                if trains is None else n_blocks * full.layer_copy + (full.head_copy if last else 0))
         b.states = {}
@@ -329,6 +332,7 @@ def estimate_ranks(recipe) -> list[Estimate]:
                       "Korthikanti et al. 2022 per layer", key=K.SAVED_ACTIVATIONS)]
         if r.dp > 1:
             label += f" dp={r.dp}" + (f" zero={r.zero}" if r.zero else "")
+        label += " paged_states" * r.paged_states
         if r.zero:
             lay = zero_terms.rank_layout(rs, d, r.zero, r.dp, r.optimizer)
             moments = zero_terms.rank_moments(moments, lay, r.optimizer, n_blocks)
@@ -338,7 +342,7 @@ def estimate_ranks(recipe) -> list[Estimate]:
             terms[0] = Term("parameters", Category.PARAM, lay.params(), f"the part's flat buffers, padded to dp",
                             zero_terms.SOURCE, key=K.PARAMETERS)
         names = [label + (f" tp rank {k}" if t > 1 else "") for k in range(t)]
-        est = [keyed.attach(Estimate(n, rs.n_params, terms=terms, moments=moments), r, stage=s)
+        est = [keyed.attach(Estimate(n, rs.n_params, terms=terms, moments=moments, unified=unified), r, stage=s)
                for n in names]
         out += est
     return out

@@ -43,7 +43,7 @@ class Refusal(enum.Enum):
     ZERO3_SEGMENTS = (I, "ZeRO-3 x segments of several blocks")
     QUANT_FSDP2 = (N, "quantized base x ZeRO-3 / FSDP2")
     BASE_DTYPE_FSDP2 = (I, "16-bit base beside fp32 adapters x FSDP2 (one dtype per unit)")
-    PAGED_LAYOUT = (N, "paged states x ZeRO, tensor or pipeline parallel")
+    PAGED_ZERO = (N, "paged states x ZeRO")
     # ---- tensor and pipeline parallel
     ZERO_SHARDED_GRADIENTS_PP = (I, "ZeRO-2/3 x pipeline stages (gradients accumulate)")
     ZERO_SHARDED_GRADIENTS_TP = (N, "ZeRO-2/3 x tensor parallel")

@@ -79,7 +79,7 @@ EXAMPLES = {
     Refusal.ZERO3_SEGMENTS: dict(dp=2, zero=3, checkpoint="sqrt"),
     Refusal.QUANT_FSDP2: dict(dp=2, zero=3, lora_rank=8, quant="nf4"),
     Refusal.BASE_DTYPE_FSDP2: dict(dp=2, zero=3, lora_rank=8, dtype="mixed-bf16", base_dtype="bf16"),
-    Refusal.PAGED_LAYOUT: dict(pp=2, micro_batch=2, paged_states=True),
+    Refusal.PAGED_ZERO: dict(dp=2, zero=1, paged_states=True),
     Refusal.ZERO_SHARDED_GRADIENTS_PP: dict(model=GPT, dp=2, zero=2, pp=2, micro_batch=1),
     Refusal.ZERO_SHARDED_GRADIENTS_TP: dict(model=GPT, dp=2, zero=2, tp=2),
     Refusal.ZERO_OFFLOAD_LAYOUT: dict(model=GPT, dp=2, zero=1, zero_offload=True, pp=2, micro_batch=1),

@@ -81,7 +81,6 @@ def test_paging_under_a_budget():
     (dict(optimizer="adafactor", paged_states=True), "paged optimizers"),
     (dict(optimizer="adamw", optimizer_offload="cpu", paged_states=True), "choose one"),
     (dict(batch=2, dp=2, zero=1, paged_states=True), "labkit's Zero steps the shards with its own AdamW"),
-    (dict(batch=2, pp=2, paged_states=True), "tensor or pipeline ranks"),
     (dict(paged_states=1), "True or False"),
 ])
 def test_bad_paged_recipes_are_refused(kw, match):
@@ -103,3 +102,19 @@ def test_the_cli_prints_the_states_apart_and_what_the_budget_pages(capsys):
     assert "in CUDA unified memory" in out and "pages about" in out
     assert main(base[:-1] + ["--optimizer", "sgd", "--paged"]) == 2
     assert "--paged" in capsys.readouterr().err
+
+
+def test_paged_states_on_pipeline_stages_print_their_unified_bytes(capsys):
+    """Paged states on pipeline stages (measured: tests/distributed/test_layout_paged.py): the largest
+    stage's states in unified memory, in the text and the JSON."""
+    from labkit.estimate import estimate_ranks
+
+    ranks = estimate_ranks(Recipe.of("gpt2-tiny", 4, 32, pp=2, micro_batch=2, schedule="1f1b", dtype="mixed-bf16",
+                                     paged_states=True))  # the CLI's defaults
+    top = max(ranks, key=lambda e: e.peak.total)
+    base = ["estimate", "--model", "gpt2-tiny", "--batch", "4", "--seq", "32", "--pp", "2", "--micro-batch", "2",
+            "--paged"]
+    assert main(base + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unified"] == top.unified > 0
+    assert main(base) == 0
+    assert "paged optimizer states" in capsys.readouterr().out
