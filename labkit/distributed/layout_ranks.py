@@ -130,7 +130,7 @@ def _torch_pipelining(model, rank, world_size, name, m, x, y, group):
 
 def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: int = 2, fail_stage=None,
                     checkpoint: bool = False, prepare=None, optimizer_offload: str | None = None,
-                    offload_activations: bool = False, paged: bool = False):
+                    offload_activations: bool = False, paged: bool = False, galore_rank: int = 0):
     """`steps` AdamW steps of one stage under schedule `name` with m micro-batches, measured by its own ledger:
     per-category peaks of the last step, the most activation bytes held, when each forward and backward ran, and
     the in-flight counts. A `fail_stage` raises in its first forward (to test that a failing stage ends the run).
@@ -138,7 +138,9 @@ def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: 
     the stage is cut from it (e.g. functools.partial(labkit.run.apply_peft, lora_rank=8): LoRA; AdamW then
     steps the trained parameters only). optimizer_offload: "cpu" or "disk" steps them with
     labkit.optim.OffloadAdamW instead (the state in host memory). paged: the optimizer state counted in CUDA
-    unified memory, off the device (bitsandbytes' paged states; as labkit.run.measure_step measures them)."""
+    unified memory, off the device (bitsandbytes' paged states; as labkit.run.measure_step measures them).
+    galore_rank: GaLoreAdamW (labkit.optim) of that rank on the stage's attention and MLP matrices (its first
+    step makes the projectors; the measured last step reuses them)."""
     from labkit.memory.ledger import Ledger
     from labkit.memory.report import Category
 
@@ -153,6 +155,10 @@ def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: 
         from labkit.optim import OffloadAdamW
 
         opt = OffloadAdamW(trained, lr=1e-3, offload=optimizer_offload)
+    elif galore_rank:
+        from labkit.optim import GaLoreAdamW, galore_param_groups
+
+        opt = GaLoreAdamW(galore_param_groups(stage, galore_rank), lr=1e-3)
     else:
         opt = torch.optim.AdamW(trained, lr=1e-3)
     group = pl.tied_group(world_size)
@@ -341,11 +347,11 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
 
 def pipeline_memories(rank, world_size, work: Workload, m: int, names=("gpipe", "1f1b"), checkpoint: bool = False,
                       prepare=None, optimizer_offload: str | None = None, offload_activations: bool = False,
-                      paged: bool = False):
+                      paged: bool = False, galore_rank: int = 0):
     """pipeline_memory for several schedules in one launch: {schedule: result}."""
     return {name: pipeline_memory(rank, world_size, work, m, name, checkpoint=checkpoint, prepare=prepare,
                                   optimizer_offload=optimizer_offload, offload_activations=offload_activations,
-                                  paged=paged)
+                                  paged=paged, galore_rank=galore_rank)
             for name in names}
 
 

@@ -137,9 +137,13 @@ def rank_spec(spec, stage: int = 0, n_stages: int = 1, t: int = 1):
         k = _layer_of(name)
         if k in per_layer:
             per_layer[k] += n
+    # GaLore's matrices are the blocks' (attention and MLP), the same per block: a stage's are its blocks'
+    # (a tensor-parallel rank's slices are no GaLore matrices: refusal.Refusal.GALORE_TP)
+    per = len(spec.galore_shapes) // max(spec.n_layer, 1)
+    galore = list(spec.galore_shapes[start * per:stop * per]) if t == 1 else []
     return dataclasses.replace(spec, n_params=sum(numels), param_numels=numels, param_shapes=[s for _, s in params],
                                param_names=[n for n, _ in params], n_layer=stop - start,
-                               layer_params=max(per_layer.values(), default=0), galore_shapes=[], linears=[])
+                               layer_params=max(per_layer.values(), default=0), galore_shapes=galore, linears=[])
 
 
 def _numel(shape) -> int:
@@ -202,10 +206,10 @@ def estimate_ranks(recipe) -> list[Estimate]:
         raise Refused(Refusal.ACTIVATION_OFFLOAD_LAYOUT, "offload_activations in a tp/pp layout: pipeline "
                       "stages of full training offload their saved tensors (estimated); with "
                       "checkpointing, LoRA or tensor parallelism they are not measured here yet")
-    if r.lisa_layers or r.step_in_backward or r.optimizer.startswith("galore"):
+    if r.lisa_layers or r.step_in_backward:
         raise Refused(Refusal.LAYOUT_TECHNIQUE, "per-rank estimates of a tp/pp layout take full training, "
-                      "checkpointing, LoRA and offload; LISA, GaLore on stages and step in backward are not "
-                      "estimated there yet")
+                      "checkpointing, LoRA, GaLore on stages, paged states and offload; LISA and step in "
+                      "backward are not estimated there yet")
     if r.lora_rank and (r.tp > 1 or r.quant != "none" or r.zero):
         raise Refused(Refusal.LORA_LAYOUT, "LoRA in a tp/pp layout: estimated on pipeline stages "
                       "(labkit.distributed.pipeline) over a full-precision base, without ZeRO; labkit's "
@@ -251,8 +255,8 @@ def estimate_ranks(recipe) -> list[Estimate]:
         b = dataclasses.replace(full)
         b.P = rs.n_params * d if trains is None else rs.n_params * fb + rt.n_params * d
         b.G = rt.n_params * d
-        b.O = predict.optimizer_state_bytes(rt, prec, r.optimizer)
-        b.opt_temp = predict.optimizer_temp_bytes(rt, prec, r.optimizer, foreach)
+        b.O = predict.optimizer_state_bytes(rt, prec, r.optimizer, r.rank, r.proj_dtype)
+        b.opt_temp = predict.optimizer_temp_bytes(rt, prec, r.optimizer, foreach, r.rank, False, r.proj_dtype)
         if r.optimizer_offload:  # OffloadAdamW: the stage's state and its step's work in host memory
             b.O = b.opt_temp = b.opt_cast = 0
         unified = 0
@@ -309,10 +313,14 @@ def estimate_ranks(recipe) -> list[Estimate]:
         if m > 1:
             # a later stage sends each micro-batch's input gradient back with isend: the earlier one's lives
             # until this backward's send waits for it, through this forward too where a backward ran before it
-            sending = (0 if first else rh * w.x_bytes, bool(acts) and _backward_before_forward(acts))
-            moments += [dataclasses.replace(x, micro=2) for x in _with_extra(
-                step_moments(b, n_blocks, r.checkpoint, offload=off, grads_exist=True, tag="micro-batch 2 on"), k_later, a_s,
-                r.schedule, root, sending, received)]
+            interleaved = bool(acts) and _backward_before_forward(acts)
+            sending = (0 if first else rh * w.x_bytes, interleaved)
+            later = step_moments(b, n_blocks, r.checkpoint, offload=off, grads_exist=True, tag="micro-batch 2 on")
+            if not interleaved:  # every forward of the stage runs before its first backward: no gradient yet
+                fresh = step_moments(b, n_blocks, r.checkpoint, offload=off, tag="micro-batch 2 on")
+                later = [x for x in fresh if x.phase == "forward"] + [x for x in later if x.phase != "forward"]
+            moments += [dataclasses.replace(x, micro=2) for x in _with_extra(later, k_later, a_s, r.schedule, root,
+                                                                             sending, received)]
         if off and not first:  # the micro-batch's own received input: the pipeline holds it, its saved copy
             held_in = custom(K.BLOCK_INPUT, "this micro-batch's input, received and held by the pipeline (its saved "
                              "copy offloaded)", Category.ACT, rh * w.x_bytes, "r x h x d",
