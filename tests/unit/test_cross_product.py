@@ -5,8 +5,9 @@ optimizer x chunked loss, on gpt2-tiny and llama-tiny) every combination is esti
 The whole grid (3,072 combinations, about 50 s) is the bench's; here every pair of levels of any two factors is
 met at least once (a greedy pairwise covering of the grid), each refusal key has a recipe that still meets it
 (so the table of gaps stays true: a gap that closes fails its example, and is deleted from the table), and a
-stride of the estimated single-device combinations, and labkit's Zero over checkpointing and LoRA per rank,
-are measured with the ledger.
+stride of the estimated single-device combinations, and labkit's Zero over checkpointing, LoRA and
+micro-batches per rank, are measured with the ledger (FSDP2 over LoRA and checkpointing:
+tests/distributed/test_simulate.py; paged states and GaLore on stages: test_layout_combinations.py).
 """
 
 import importlib.util
@@ -17,7 +18,6 @@ import pytest
 from estimate_checks import assert_categories_within
 from labkit.estimate import Recipe, estimate
 from labkit.estimate.refusal import GAPS, Kind, Refusal, Refused
-from labkit.memory import Category
 from labkit.models.gpt import GPTConfig
 from labkit.paths import REPO_ROOT
 
@@ -43,10 +43,12 @@ def _pairwise(grid: list) -> list:
     return chosen
 
 
+COVERING = _pairwise(list(cp.combinations()))  # 60 rows or so, made once (collection needs them too)
+
+
 @pytest.fixture(scope="module")
 def covering():
-    rows = _pairwise(list(cp.combinations()))
-    return [(row, *cp.classify(row[0], row[2])) for row in rows]
+    return [(row, *cp.classify(row[0], row[2])) for row in COVERING]
 
 
 def test_every_pair_of_levels_is_estimated_or_refused_with_a_key(covering):
@@ -113,7 +115,7 @@ def test_the_examples_name_every_key():
 
 
 def _single_device_stride(n: int = 8) -> list:
-    rows = [r for r in _pairwise(list(cp.combinations())) if r[1][0] == "one device"]
+    rows = [r for r in COVERING if r[1][0] == "one device"]
     return rows[:: max(1, len(rows) // n)][:n]
 
 
@@ -146,15 +148,3 @@ def test_zero_combinations_per_rank_within_3_percent_per_category(kw):
     lora = r.lora_rank
     m = zero_rank_memory(r, prepare=(lambda mod: apply_peft(mod, "fp32", lora, "all-linear")) if lora else None)
     assert_categories_within(estimate(r), m)
-
-
-def test_fsdp2_over_lora_and_checkpointing_on_llama_per_rank():
-    """ZeRO-3 over LoRA is FSDP2 (fully_shard on every block, then the root): llama-tiny, selective
-    checkpointing, mixed bf16 as the engines run it, rank 0 of 4 under FSDPMemTracker: its peak within 3 %
-    and the optimizer state (the adapters' shards) exact."""
-    from labkit.run.fsdp2 import fsdp2_recipe_memory
-
-    r = Recipe.of("llama-tiny", 8, 32, dp=4, zero=3, checkpoint="selective", lora_rank=8, dtype="mixed-bf16")
-    e, m = estimate(r), fsdp2_recipe_memory(r)
-    assert abs(e.peak.total / m["peak"] - 1) <= 0.03, (e.peak.total, m)
-    assert e.peak[Category.OPT] == m["by_category"]["opt"]
