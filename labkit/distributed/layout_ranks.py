@@ -19,7 +19,7 @@ from labkit.distributed import comms
 from labkit.distributed import pipeline as pl
 
 
-FAMILIES = ("labkit", "gpt2")
+FAMILIES = ("labkit", "gpt2", "llama")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class Workload:
     cfg: dict               # the model's fields: labkit's GPTConfig, or overrides of transformers' gpt2-tiny preset
     batch: int              # rows of the batch: the whole pipeline's (cut into micro-batches), or each tp rank's
     seq: int                # tokens per row
-    family: str = "labkit"  # "labkit" (labkit's GPT) or "gpt2" (transformers' GPT-2, for the pipeline only)
+    family: str = "labkit"  # "labkit" (labkit's GPT), "gpt2" (transformers' GPT-2, for the pipeline only) or
+    # "llama" (transformers' Llama from the llama-tiny preset, for tensor parallelism only)
 
     def __post_init__(self):
         from labkit.optim.base import check_int
@@ -39,7 +40,7 @@ class Workload:
         check_int("batch", self.batch)
         check_int("seq", self.seq)
         if self.family not in FAMILIES:
-            raise ValueError(f"unknown model family {self.family!r}: 'labkit' or 'gpt2'")
+            raise ValueError(f"unknown model family {self.family!r}: 'labkit', 'gpt2' or 'llama'")
 
 
 def _labkit_only(work: Workload) -> Workload:
@@ -51,10 +52,10 @@ def _labkit_only(work: Workload) -> Workload:
 def build_model(work: Workload) -> torch.nn.Module:
     """`work`'s model, fp32, from seed 0: labkit's GPT or transformers' GPT-2 (from the gpt2-tiny preset)."""
     torch.manual_seed(0)
-    if work.family == "gpt2":
+    if work.family in ("gpt2", "llama"):
         from labkit.models.hf import build
 
-        return build("gpt2-tiny", device="cpu", **work.cfg)
+        return build(f"{work.family}-tiny", device="cpu", **work.cfg)
     from labkit.models.gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(**work.cfg))
@@ -221,6 +222,38 @@ def _shard_of(name: str, full: torch.Tensor, rank: int, t: int) -> torch.Tensor:
     return full
 
 
+def _llama_shard_of(name: str, full: torch.Tensor, rank: int, t: int) -> torch.Tensor:
+    """This rank's slice of a whole Llama's tensor (tensor_parallel.LlamaTP: nn.Linear weights are (out, in))."""
+    if any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+        n = full.shape[0] // t
+        return full[rank * n:(rank + 1) * n]
+    if ".o_proj." in name or ".down_proj." in name:
+        n = full.shape[1] // t
+        return full[:, rank * n:(rank + 1) * n]
+    return full
+
+
+def llama_tensor_parallel_parity(rank, world_size, work: Workload):
+    """tensor_parallel.LlamaTP against one process (the whole model): the loss and this rank's gradients,
+    as the largest absolute differences."""
+    import copy
+
+    from labkit.distributed import tensor_parallel as tp
+
+    model = build_model(work)
+    x, y = batch_of(work.batch, work.seq, model.config.vocab_size)
+    whole = copy.deepcopy(model)
+    loss = whole(input_ids=x, labels=y, use_cache=False).loss
+    loss.backward()
+    m = tp.parallelize_llama(model, rank, world_size)
+    ls = m(x, y)
+    ls.backward()
+    grads = dict(whole.named_parameters())
+    worst = max((p.grad - _llama_shard_of(n, grads[n].grad, rank, world_size)).abs().max().item()
+                for n, p in m.model.named_parameters())
+    return {"loss": abs(ls.item() - loss.item()), "grad": worst, "n_params": sum(p.numel() for p in m.parameters())}
+
+
 def tensor_parallel_parity(rank, world_size, work: Workload, torch_ref=True):
     """labkit's tensor parallel (plain and sequence parallel) and PyTorch's parallelize_module
     (ColwiseParallel / RowwiseParallel) against one process: logits, loss and this rank's gradients."""
@@ -319,8 +352,13 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
     from labkit.distributed import tensor_parallel as tp
     from labkit.memory.ledger import Ledger
 
-    model = tp.parallelize(build_model(_labkit_only(work)), rank, world_size,
-                           sequence_parallel=sequence_parallel)
+    if work.family == "llama":  # transformers' Llama: no sequence parallelism here
+        if sequence_parallel:
+            raise ValueError("sequence parallelism runs labkit's GPT only (tensor_parallel.TPGPT)")
+        model = tp.parallelize_llama(build_model(work), rank, world_size)
+    else:
+        model = tp.parallelize(build_model(_labkit_only(work)), rank, world_size,
+                               sequence_parallel=sequence_parallel)
     if optimizer_offload:
         from labkit.optim import OffloadAdamW
 

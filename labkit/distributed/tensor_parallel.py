@@ -304,6 +304,49 @@ def parallelize(model: nn.Module, rank: int, t: int, sequence_parallel: bool = F
     return TPGPT(model, rank, t, sequence_parallel, group)
 
 
+def check_tp_llama(config, t: int) -> None:
+    """A Llama split t ways: its query heads, key/value heads (GQA) and MLP features must divide by t."""
+    check_tp(config.num_attention_heads, config.hidden_size, t)
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv % t:
+        raise ValueError(f"tensor parallel: {kv} key/value heads (GQA) do not divide over t={t} ranks")
+    if config.intermediate_size % t:
+        raise ValueError(f"tensor parallel: the MLP's {config.intermediate_size} features do not divide over "
+                         f"t={t} ranks")
+
+
+class LlamaTP(nn.Module):
+    """transformers' LlamaForCausalLM split t ways (Megatron-LM's layout on its own Linears): in every decoder
+    layer q_proj, k_proj, v_proj, gate_proj and up_proj column-parallel (this rank's heads: 1/t of the query
+    heads and of the key/value heads, GQA's groups whole; 1/t of the MLP features), o_proj and down_proj
+    row-parallel (the partial sums all-reduced); embeddings, norms and the head replicated. The attention
+    reshapes its projections with -1 heads (transformers 5), so it runs this rank's heads as they are.
+    forward(x, y) -> the loss, as transformers computes it (labels shifted inside)."""
+
+    COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+    def __init__(self, model: nn.Module, rank: int, t: int, group=None):
+        super().__init__()
+        check_tp_llama(model.config, t)
+        self.model, self.config = model, model.config
+        for layer in model.model.layers:
+            for path, cls in [(p, ColumnParallelLinear) for p in self.COLUMN] + [(p, RowParallelLinear)
+                                                                                 for p in self.ROW]:
+                parent_path, name = path.rsplit(".", 1)
+                parent = layer.get_submodule(parent_path)
+                setattr(parent, name, cls(getattr(parent, name), rank, t, False, group))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.model(input_ids=idx, labels=targets, use_cache=False)
+        return out.loss if targets is not None else out.logits
+
+
+def parallelize_llama(model: nn.Module, rank: int, t: int, group=None) -> LlamaTP:
+    """This rank's part of a transformers Llama split t ways (LlamaTP)."""
+    return LlamaTP(model, rank, t, group)
+
+
 def sync_replicated_grads(model: nn.Module, group=None) -> None:
     """With sequence parallelism, the LayerNorms (and row-parallel biases) see only this rank's part of the
     sequence, so their gradients are partial sums: add them up over the tensor-parallel ranks."""

@@ -120,9 +120,11 @@ def rank_params(spec, stage: int = 0, n_stages: int = 1, t: int = 1) -> list[tup
 def _tp_shape(name: str, shape: tuple, t: int) -> tuple:
     if t == 1:
         return shape
-    if re.search(r"(c_attn|c_fc)\.(weight|bias)$", name):  # column-parallel (GPT-2's Conv1D is (in, out))
+    # labkit's GPT and transformers' Llama hold nn.Linear weights, (out, in): column-parallel splits the
+    # outputs (and a bias), row-parallel the inputs (tensor_parallel.TPGPT, tensor_parallel.LlamaTP)
+    if re.search(r"(c_attn|c_fc|q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$", name):
         return (shape[0] // t, *shape[1:])
-    if name.endswith("c_proj.weight"):  # row-parallel
+    if re.search(r"(c_proj|o_proj|down_proj)\.weight$", name):
         return (shape[0], shape[1] // t)
     return shape
 
@@ -226,12 +228,20 @@ def estimate_ranks(recipe) -> list[Estimate]:
                       "stages that checkpoint each block in full (labkit.distributed.pipeline.Stage, "
                       "checkpoint='full', segments=None); a tensor-parallel rank's blocks are not "
                       "checkpointed (labkit.distributed.tensor_parallel): not estimated yet")
-    if spec.family != "labkit-gpt" and r.tp > 1:
+    if spec.family not in ("labkit-gpt", "llama") and r.tp > 1:
         raise Refused(Refusal.TP_FAMILY, "tensor-parallel ranks are measured and estimated for labkit's GPT "
-                      f"(labkit.distributed.tensor_parallel), not for a {spec.family} model")
+                      "and transformers' Llama (labkit.distributed.tensor_parallel), not yet for a "
+                      f"{spec.family} model")
     from labkit.distributed.tensor_parallel import check_tp
 
     check_tp(spec.n_head, spec.hidden, r.tp, r.seq, r.sequence_parallel)
+    if spec.family == "llama" and r.tp > 1:
+        if r.sequence_parallel:
+            raise Refused(Refusal.TP_FAMILY, "sequence parallelism is measured and estimated for labkit's GPT "
+                          "(labkit.distributed.tensor_parallel.TPGPT), not for a llama model")
+        if spec.n_kv_head % r.tp or spec.ffn % r.tp:
+            raise ValueError(f"tensor parallel: {spec.n_kv_head} key/value heads and {spec.ffn} MLP features "
+                             f"must divide over t={r.tp} ranks")
     split_layers(spec.n_layer, r.pp)
     prec = predict.Precision.of(r.dtype)
     micro, rows = r.micro, r.rank_batch
@@ -313,8 +323,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
         if m > 1:
             # a later stage sends each micro-batch's input gradient back with isend: the earlier one's lives
             # until this backward's send waits for it, through this forward too where a backward ran before it
-            interleaved = bool(acts) and _backward_before_forward(acts)
-            sending = (0 if first else rh * w.x_bytes, interleaved)
+            # one stage (tp only): each micro-batch's forward follows the one before's backward
+            interleaved = _backward_before_forward(acts) if acts else True
+            sending = (0 if first else rh * w.x_bytes, bool(acts) and interleaved)
             later = step_moments(b, n_blocks, r.checkpoint, offload=off, grads_exist=True, tag="micro-batch 2 on")
             if not interleaved:  # every forward of the stage runs before its first backward: no gradient yet
                 fresh = step_moments(b, n_blocks, r.checkpoint, offload=off, tag="micro-batch 2 on")

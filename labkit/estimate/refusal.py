@@ -56,7 +56,7 @@ class Refusal(enum.Enum):
     LAYOUT_TECHNIQUE = (N, "LISA or step in backward x tp/pp")
     LORA_LAYOUT = (N, "LoRA x tensor parallel, or a quantized base or ZeRO x stages")
     CHECKPOINT_LAYOUT = (N, "checkpointing x tensor parallel, or a policy but full x stages")
-    TP_FAMILY = (N, "tensor parallel x a model but labkit's GPT")
+    TP_FAMILY = (N, "tensor parallel x transformers' GPT-2, or sequence parallel x Llama")
 
     @property
     def kind(self) -> Kind:

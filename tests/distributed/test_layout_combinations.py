@@ -6,7 +6,8 @@ rank's estimate against its own ledger (real gloo ranks, one launch):
   without the states, and the states' bytes in `Estimate.unified`;
 - GaLore on pipeline stages, checkpointed: each stage projects its own blocks' attention and MLP matrices
   (layout_terms.rank_spec keeps the stage's GaLore matrices; it kept none, and the state was 13-37 % of the
-  peak over).
+  peak over);
+- tensor parallelism on transformers' Llama (GQA's key/value heads split with the query heads).
 """
 
 from labkit.distributed import launch
@@ -47,3 +48,22 @@ def test_paged_states_and_galore_on_stages_and_ranks():
         # the measured steps reuse the projectors the first step made: the steady step's moments
         _within(galore[k].without(Variant.REFRESH), out[k][2]["1f1b"], f"GaLore stage {k}")
         assert galore[k].peak[Category.OPT] == out[k][2]["1f1b"]["peak"]["opt"]
+
+
+def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
+    """transformers' Llama split 2 ways (tensor_parallel.LlamaTP: q, k, v, gate and up column-parallel, GQA's
+    2 key/value heads one per rank; o and down row-parallel): the loss and each rank's gradients as one
+    process computes them, and each rank's peak per category against its estimate (the whole batch, and
+    2 micro-batches)."""
+    whole = lr.Workload({}, 2, 32, family="llama")
+    out = launch(lr.many, 2, args=([("llama_tensor_parallel_parity", (whole,)),
+                                    ("tp_step_memory", (whole,)),
+                                    ("tp_step_memory", (lr.Workload({}, 4, 32, family="llama"), 2))],),
+                 timeout_s=300)
+    plain = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32"))
+    micro = estimate_ranks(Recipe.of("llama-tiny", 4, 32, tp=2, micro_batch=2, dtype="fp32"))
+    for k in range(2):
+        assert out[k][0]["loss"] < 1e-5 and out[k][0]["grad"] < 1e-6, out[k][0]
+        _within(plain[k], out[k][1], f"tp rank {k}")
+        _within(micro[k], out[k][2], f"tp rank {k}, 2 micro-batches")
+        assert plain[k].n_params == out[k][0]["n_params"]

@@ -94,7 +94,7 @@ EXAMPLES = {
     Refusal.LAYOUT_TECHNIQUE: dict(pp=2, micro_batch=2, lisa_layers=1),
     Refusal.LORA_LAYOUT: dict(model=GPT, tp=2, lora_rank=8),
     Refusal.CHECKPOINT_LAYOUT: dict(model=GPT, tp=2, checkpoint="full"),
-    Refusal.TP_FAMILY: dict(model="llama-tiny", tp=2),
+    Refusal.TP_FAMILY: dict(tp=2),
 }
 
 
