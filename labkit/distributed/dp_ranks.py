@@ -267,14 +267,17 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
         raise ValueError(f"per-rank measurement builds labkit's GPT: give a GPTConfig, not {type(recipe.model).__name__}")
     if recipe.dp != world:
         raise ValueError(f"the recipe is for dp={recipe.dp} ranks but {world} were launched")
-    if recipe.dtype != "fp32" or recipe.optimizer != "adamw":
-        raise ValueError("per-rank measurement runs fp32 AdamW")
+    from .zero import SHARD_OPTIMIZERS
+
+    if recipe.dtype != "fp32" or recipe.optimizer not in (SHARD_OPTIMIZERS if recipe.zero else ("adamw",)):
+        raise ValueError("per-rank measurement runs fp32 AdamW (under ZeRO also "
+                         f"{', '.join(SHARD_OPTIMIZERS[1:])} on the shards)")
     run = TrainRun({**recipe.model.__dict__, **recipe.config}, steps, recipe.batch, recipe.seq, seed)
     m = _model(run.cfg, seed).train()
     if prepare is not None:
         prepare(m)
     if recipe.zero:
-        net = Zero(m, recipe.zero, lr=1e-3, offload=recipe.zero_offload)
+        net = Zero(m, recipe.zero, lr=1e-3, offload=recipe.zero_offload, optimizer=recipe.optimizer)
         opt = net.optimizer
     else:
         net = DataParallelNaive(m)

@@ -70,6 +70,11 @@ class Unit:
         return self.flat.numel()
 
 
+# what steps the shards: torch's AdamW, or labkit.optim's element-wise optimizers, which step a flat shard as
+# they would any 1-D tensor (8-bit Adam's blocks run along it, as over FSDP1's flat parameters)
+SHARD_OPTIMIZERS = ("adamw", "adamw8bit", "adam8bit", "lion")
+
+
 class Zero(nn.Module):
     """A model trained with ZeRO stage 1, 2 or 3 over `group` (default: every rank).
 
@@ -77,10 +82,11 @@ class Zero(nn.Module):
         loss = z(x, y); loss.backward(); z.step()        # step() also zeroes the gradients
 
     Every rank starts from rank 0's parameters. AdamW (torch.optim's single-tensor update, or OffloadAdamW)
-    with lr, betas, eps, weight_decay runs on the shards. Gradients are averaged over ranks."""
+    with lr, betas, eps, weight_decay runs on the shards, or `optimizer` names one of labkit.optim's
+    (SHARD_OPTIMIZERS: 8-bit Adam(W) or Lion, with lr). Gradients are averaged over ranks."""
 
     def __init__(self, model: nn.Module, stage: int = 1, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, offload: bool = False, group=None):
+                 weight_decay: float = 1e-2, offload: bool = False, group=None, optimizer: str = "adamw"):
         super().__init__()
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(f"stage must be a ZeRO stage 1, 2 or 3, got {stage!r} (stage 0 is plain data "
@@ -93,10 +99,20 @@ class Zero(nn.Module):
         self.units = self._build_units(model)
         self._by_param = {p: u for u in self.units for p in u.params}
         shards = [u.shard for u in self.units]
+        if optimizer not in SHARD_OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(SHARD_OPTIMIZERS)} (each steps a flat shard "
+                             f"as a tensor), got {optimizer!r}")
+        if offload and optimizer != "adamw":
+            raise ValueError(f"offload runs OffloadAdamW: give optimizer='adamw', not {optimizer!r}")
         if offload:
             from labkit.optim import OffloadAdamW
 
             self.optimizer = OffloadAdamW(shards, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        elif optimizer != "adamw":  # labkit.optim's: block-wise 8-bit Adam(W) over the flat shard, or Lion
+            from labkit import optim as lo
+
+            cls = {"adamw8bit": lo.AdamW8bit, "adam8bit": lo.Adam8bit, "lion": lo.Lion}[optimizer]
+            self.optimizer = cls(shards, lr=lr)
         else:
             self.optimizer = torch.optim.AdamW(shards, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                                foreach=False)

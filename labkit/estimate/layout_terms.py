@@ -199,6 +199,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
     if r.zero and r.optimizer != "adamw":
         raise Refused(Refusal.ZERO1_LAYOUT_OPTIMIZER, "ZeRO-1 beside tensor or pipeline parallelism runs "
                       "labkit's Zero with AdamW; other optimizers are not estimated there yet")
+    if r.paged_states and r.zero:
+        raise Refused(Refusal.PAGED_SHARDED, "paged_states beside ZeRO-1 over tensor or pipeline ranks is not "
+                      "estimated yet (without ZeRO it is)")
     if r.optimizer_offload and r.zero:
         raise Refused(Refusal.OPTIMIZER_OFFLOAD_ZERO1_LAYOUT,
                       "optimizer_offload beside ZeRO-1: labkit's Zero "

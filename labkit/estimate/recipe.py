@@ -221,12 +221,6 @@ class Recipe:
             raise Refused(Refusal.PAGED_WITH_OFFLOAD,
                           "paged_states and optimizer_offload both keep the optimizer state "
                           "off the device's allocator: choose one")
-        if self.paged_states and self.zero:
-            raise Refused(Refusal.PAGED_ZERO,
-                          "paged_states pages a bitsandbytes optimizer's states: under ZeRO labkit's Zero "
-                          "steps the shards with its own AdamW, whose paged shards are not estimated yet; "
-                          "paged_states takes one device, data parallelism (zero=0), tensor or pipeline "
-                          "ranks")
         if self.quant not in QUANTS:
             raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         if self.quant_group is not None:

@@ -34,7 +34,8 @@ class Refusal(enum.Enum):
     GPT_LOSS_CHUNK_STEP = (N, "labkit GPT's loss_chunk x step in backward")
     # ---- data parallel (labkit's Zero, FSDP2)
     GALORE_SHARDED = (I, "GaLore x ZeRO (a shard is not a matrix)")
-    OPTIMIZER_SHARDED = (N, "8-bit, factored or Lion states x ZeRO")
+    OPTIMIZER_SHARDED = (N, "8-bit or Lion states x FSDP2")
+    FACTORED_SHARDED = (I, "Adafactor x ZeRO (a shard is not a matrix)")
     OPTIMIZER_OFFLOAD_ZERO = (I, "OffloadAdamW x ZeRO (use zero_offload)")
     STEP_IN_BACKWARD_DP = (N, "step in backward x data parallel or ZeRO")
     ZERO_OFFLOAD_OPTIMIZER = (I, "zero_offload x an optimizer but AdamW")
@@ -43,7 +44,7 @@ class Refusal(enum.Enum):
     ZERO3_SEGMENTS = (I, "ZeRO-3 x segments of several blocks")
     QUANT_FSDP2 = (N, "quantized base x ZeRO-3 / FSDP2")
     BASE_DTYPE_FSDP2 = (I, "16-bit base beside fp32 adapters x FSDP2 (one dtype per unit)")
-    PAGED_ZERO = (N, "paged states x ZeRO")
+    PAGED_SHARDED = (N, "paged states x FSDP2, or ZeRO-1 over tp/pp ranks")
     # ---- tensor and pipeline parallel
     ZERO_SHARDED_GRADIENTS_PP = (I, "ZeRO-2/3 x pipeline stages (gradients accumulate)")
     ZERO_SHARDED_GRADIENTS_TP = (N, "ZeRO-2/3 x tensor parallel")

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from labkit.distributed.zero import SHARD_OPTIMIZERS
 from labkit.estimate.refusal import Refused, Refusal
 from labkit.memory.report import Category, Estimate, Moment, MomentKind, Term, TermKey as K
 
@@ -63,6 +64,10 @@ class RankLayout:
     # adapters get gradients and optimizer state: (rank 0's chunks of a block's trained tensors,
     # the root's; the trained elements of a block, of the root). Empty: every parameter trains
     trained: tuple = ()
+    # what steps the shards: torch's (state_per_elem values per element), or one of labkit.optim's that
+    # step each flat shard as a 1-D tensor (labkit.distributed.zero.SHARD_OPTIMIZERS: 8-bit Adam, Lion)
+    optimizer: str = "adamw"
+    paged: bool = False  # the states in CUDA unified memory (bitsandbytes' paged optimizers): off the device
 
     @property
     def s_tblock(self) -> int:
@@ -133,27 +138,38 @@ class RankLayout:
     def grads_shard(self) -> int:
         return self.d * self.tshard
 
+    def shard_shapes(self) -> list[tuple[int]]:
+        """The tensors the optimizer steps on this rank: one flat shard per unit (labkit's Zero), rank 0's
+        chunk of each parameter (FSDP2), of each adapter (FSDP2 over LoRA)."""
+        if self.trained:
+            return [(n,) for n in self.trained[0]] * self.n_blocks + [(n,) for n in self.trained[1]]
+        if self.per_param[0] or self.per_param[1]:
+            return [(n,) for n in self.per_param[0]] * self.n_blocks + [(n,) for n in self.per_param[1]]
+        return [(self.s_block,)] * self.n_blocks + ([(self.s_root,)] if self.root else [])
+
     def opt(self) -> int:
-        if self.offload:
-            return 0
+        """The optimizer state on the device: 0 offloaded (on the host) or paged (in unified memory)."""
+        return 0 if self.offload or self.paged else self.state()
+
+    def state(self) -> int:
+        """The optimizer state's bytes, wherever it lives."""
+        if self.optimizer not in optim_terms.TORCH_STATES:  # per shard, as labkit.optim keeps any 1-D tensor's
+            return optim_terms.state_bytes(SimpleNamespace(param_shapes=self.shard_shapes()), self.d,
+                                           self.optimizer)
         return self.state_per_elem * self.d * self.tshard + (4 * self.tensors if self.counters else 0)
 
     def opt_temp(self, optimizer: str) -> int:
         """AdamW (single tensor) on the unit shards: the largest shard's sqrt(v) and quotient beside the
-        previous shard's (optim_terms.step_bytes); 0 offloaded (the host does it)."""
+        previous shard's; labkit.optim's, the worst shard's (optim_terms.step_bytes); 0 offloaded (the host
+        does it)."""
         if self.offload:
             return 0
-        if self.trained:
-            shapes = [(n,) for n in self.trained[0]] * self.n_blocks + [(n,) for n in self.trained[1]]
-        elif self.per_param[0] or self.per_param[1]:
-            shapes = [(n,) for n in self.per_param[0]] * self.n_blocks + [(n,) for n in self.per_param[1]]
-        else:
-            shapes = [(self.s_block,)] * self.n_blocks + ([(self.s_root,)] if self.root else [])
-        return optim_terms.step_bytes(SimpleNamespace(param_shapes=shapes), self.d, optimizer, False)[1]
+        return optim_terms.step_bytes(SimpleNamespace(param_shapes=self.shard_shapes()), self.d, optimizer,
+                                      False)[1]
 
 
 def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", offload: bool = False,
-                gather_bytes: int = 0) -> RankLayout:
+                gather_bytes: int = 0, paged: bool = False) -> RankLayout:
     """labkit.distributed.Zero's units for a model spec: its blocks, and the root (every other parameter).
     gather_bytes: bytes per gathered element when they differ from d (RankLayout.gather_bytes)."""
     zero_shares(0, 0, 0, world, stage)  # raises on a bad world or stage
@@ -164,11 +180,11 @@ def rank_layout(spec, d: int, stage: int, world: int, optimizer: str = "adamw", 
         if 0 < n < world:
             raise ValueError(f"{name} has {n} parameter elements, fewer than the {world} ranks to shard them over")
     k = optim_terms.TORCH_STATES.get(optimizer)
-    if k is None:
-        raise ValueError(f"per-rank ZeRO estimates model torch.optim's sgd, sgd-momentum, adam and adamw, "
-                         f"not {optimizer!r}")
-    return RankLayout(stage, world, d, block, root, L, k, optimizer in ("adam", "adamw"), offload,
-                      gather_bytes=gather_bytes)
+    if k is None and optimizer not in SHARD_OPTIMIZERS:
+        raise ValueError(f"per-rank ZeRO estimates model torch.optim's sgd, sgd-momentum, adam and adamw, and "
+                         f"labkit.optim's {', '.join(SHARD_OPTIMIZERS)} on flat shards, not {optimizer!r}")
+    return RankLayout(stage, world, d, block, root, L, k or 0, optimizer in ("adam", "adamw"), offload,
+                      gather_bytes=gather_bytes, optimizer=optimizer, paged=paged)
 
 
 # ---- turning the single-device moments (at the rank's batch) into a rank's moments ----------------------
@@ -355,11 +371,13 @@ def _check_zero(r) -> None:
                       "weight's whole gradient matrix on its top singular vectors, and a ZeRO shard is a "
                       "flat slice of the model (an FSDP2 shard a block of rows), not that matrix; use "
                       "sgd, sgd-momentum, adam or adamw")
-    if r.optimizer not in optim_terms.TORCH_STATES:
-        raise Refused(Refusal.OPTIMIZER_SHARDED, f"optimizer {r.optimizer!r} under ZeRO: labkit's Zero steps "
-                      "its flat shards with torch's sgd, sgd-momentum, adam or adamw, and labkit's "
-                      f"{r.optimizer} keeps its state per full tensor (block-wise 8-bit or factored); "
-                      "not estimated yet: use one of those four")
+    if r.optimizer == "adafactor":
+        raise Refused(Refusal.FACTORED_SHARDED, "optimizer 'adafactor' under ZeRO: Adafactor factors each "
+                      "weight matrix's second moment into its row and column averages, and a ZeRO shard is "
+                      "a flat slice of the model, not that matrix; use adamw8bit or lion for small states")
+    if r.optimizer not in optim_terms.TORCH_STATES and r.optimizer not in SHARD_OPTIMIZERS:
+        raise Refused(Refusal.OPTIMIZER_SHARDED, f"optimizer {r.optimizer!r} under ZeRO is not estimated yet: "
+                      f"use sgd, sgd-momentum, adam or one of {', '.join(SHARD_OPTIMIZERS)}")
     if r.optimizer_offload is not None:
         raise Refused(Refusal.OPTIMIZER_OFFLOAD_ZERO,
                       "optimizer_offload under ZeRO: OffloadAdamW would step the full parameters that ZeRO "
@@ -409,6 +427,11 @@ def data_parallel_estimate(r) -> Estimate:
             # the engines' mixed precision, or a frozen base sharded beside its adapters: FSDP2's
             # units (labkit's Zero runs neither: fp32 or autocast, its units made of trained
             # parameters)
+            if r.paged_states:
+                raise Refused(Refusal.PAGED_SHARDED, "paged_states under FSDP2 (ZeRO-3 over LoRA or "
+                              "LISA, or the engines' mixed precision): paged states on DTensor shards are "
+                              "not estimated yet; labkit's Zero (zero=1 or 2, or zero=3 in fp32) pages its "
+                              "flat shards' states")
             return fsdp2_estimate(r)
     # ZeRO-2/3 reduce-scatter a block's unit from its last gradient's hook: inside the block's backward (LoRA's
     # adapters), or while a multi-block segment's earlier blocks wait with their recomputed tensors
@@ -424,13 +447,15 @@ def data_parallel_estimate(r) -> Estimate:
 
         spec = trainable_spec(spec, peft_of(spec, r.lora_rank, r.lora_targets, r.quant, None, r.quant_group,
                                             r.quant_set))
-    lay = rank_layout(spec, Precision.of(r.dtype).weight, r.zero, r.dp, r.optimizer, r.zero_offload)
+    lay = rank_layout(spec, Precision.of(r.dtype).weight, r.zero, r.dp, r.optimizer, r.zero_offload,
+                      paged=r.paged_states)
     moments = rank_moments(single.moments, lay, r.optimizer, spec.n_layer)
     terms = [t for t in single.terms if t.category not in (P_, G_, O_)] + [
         _t(K.PARAMETERS, "parameters" if r.zero < 3 else "parameter shards", P_, lay.params(), "per rank"),
         _t(K.GRADIENTS, "gradient shards", G_, lay.grads_shard(), "per rank, after the reduce-scatter"),
         _t(K.OPTIMIZER_STATE, "optimizer state shards", O_, lay.opt(), "per rank")]
-    est = Estimate(_label(single, r) + tag, single.n_params, terms=terms, moments=moments)
+    est = Estimate(_label(single, r) + tag, single.n_params, terms=terms, moments=moments,
+                   unified=lay.state() if lay.paged else 0)
     return keyed.attach(est, r)
 
 
@@ -590,5 +615,6 @@ def fsdp2_estimate(recipe, reshard_after_forward: bool = True):
            "optimizer state shards", O_, lay.opt(), f"{lay.state_per_elem} x s x {d} B + 4 B step per tensor")]
     off = " offload" if r.zero_offload else ""
     tag = f" dp={r.dp} FSDP2{off} reshard_after_forward={reshard_after_forward}{mixed_note(r)} (rank 0)"
-    est = Estimate(_label(single, r) + tag, single.n_params, terms=terms, moments=moments)
+    est = Estimate(_label(single, r) + tag, single.n_params, terms=terms, moments=moments,
+                   unified=lay.state() if lay.paged else 0)
     return keyed.attach(est, r)
