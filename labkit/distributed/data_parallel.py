@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from . import comms
 
-__all__ = ["broadcast_parameters", "DataParallelNaive", "DataParallelBucket", "buckets_of"]
+__all__ = ["broadcast_parameters", "DataParallelNaive", "DataParallelBucket", "average_in_backward", "buckets_of"]
 
 
 @torch.no_grad()
@@ -53,6 +53,19 @@ class DataParallelNaive(nn.Module):
         for name, p in self.module.named_parameters():
             if p.grad is not None:
                 comms.all_reduce(p.grad, op="avg", tag=f"grad {name}")
+
+
+def average_in_backward(model: nn.Module, group=None) -> list:
+    """Each gradient averaged over the ranks (all-reduce in place) as soon as backward has accumulated it, from
+    its post-accumulate-grad hook: registered before an optimizer that steps in backward
+    (labkit.optim.StepInBackward), each parameter then steps on the average (hooks run in the order they
+    were registered). One message per parameter (DDP's buckets would make fewer); no buffer: the all-reduce
+    works in .grad. Returns the hooks' handles."""
+    @torch.no_grad()
+    def hook(p: torch.Tensor) -> None:
+        comms.all_reduce(p.grad, op="avg", group=group, tag="grad (in backward)")
+
+    return [p.register_post_accumulate_grad_hook(hook) for p in model.parameters() if p.requires_grad]
 
 
 def buckets_of(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

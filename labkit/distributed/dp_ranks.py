@@ -279,6 +279,15 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
     if recipe.zero:
         net = Zero(m, recipe.zero, lr=1e-3, offload=recipe.zero_offload, optimizer=recipe.optimizer)
         opt = net.optimizer
+    elif recipe.step_in_backward:  # each gradient averaged, then stepped, in its own hooks (in that order)
+        from labkit.optim import StepInBackward
+
+        from .data_parallel import average_in_backward
+
+        net = DataParallelNaive(m)
+        average_in_backward(m)
+        opt = StepInBackward([p for p in m.parameters() if p.requires_grad], torch.optim.AdamW, lr=1e-3,
+                             foreach=recipe.foreach)
     else:
         net = DataParallelNaive(m)
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, foreach=recipe.foreach)
@@ -300,7 +309,8 @@ def measure(rank: int, world: int, recipe, steps: int = 2, seed: int = 0, budget
             if recipe.zero:
                 net.step()
             else:
-                net.sync_gradients()
+                if not recipe.step_in_backward:
+                    net.sync_gradients()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             del x, y

@@ -37,7 +37,7 @@ class Refusal(enum.Enum):
     OPTIMIZER_SHARDED = (N, "8-bit or Lion states x FSDP2")
     FACTORED_SHARDED = (I, "Adafactor x ZeRO (a shard is not a matrix)")
     OPTIMIZER_OFFLOAD_ZERO = (I, "OffloadAdamW x ZeRO (use zero_offload)")
-    STEP_IN_BACKWARD_DP = (N, "step in backward x data parallel or ZeRO")
+    STEP_IN_BACKWARD_ZERO = (N, "step in backward x ZeRO")
     ZERO_OFFLOAD_OPTIMIZER = (I, "zero_offload x an optimizer but AdamW")
     LISA_SHARDED = (I, "LISA x ZeRO (units fixed at wrapping)")
     FSDP2_MICRO_BATCHES = (N, "FSDP2 x gradient accumulation")

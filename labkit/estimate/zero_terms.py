@@ -415,12 +415,13 @@ def data_parallel_estimate(r) -> Estimate:
     states as ZeRO stage `r.zero` keeps them."""
     if r.tp > 1 or r.pp > 1:
         raise ValueError("data_parallel_estimate takes dp and zero only: use labkit.estimate.estimate for tp/pp")
-    if r.step_in_backward:
-        raise Refused(Refusal.STEP_IN_BACKWARD_DP,
-                      f"step_in_backward with dp={r.dp}{f' ZeRO-{r.zero}' if r.zero else ''}: each parameter's "
-                      "step needs its gradient summed over the ranks first (all-reduced, or reduce-scattered "
-                      "into a shard), and labkit's data parallel and Zero sum after backward; a step in each "
-                      "bucket's or unit's hook is not estimated yet")
+    # plain data parallelism steps in backward on each gradient averaged in place in its own hook first
+    # (labkit.distributed.average_in_backward): one device's moments at the rank's batch
+    if r.step_in_backward and r.zero:
+        raise Refused(Refusal.STEP_IN_BACKWARD_ZERO,
+                      f"step_in_backward with ZeRO-{r.zero}: each unit's shard would step once its gradients "
+                      "are reduce-scattered, in the unit's hook (torchtune's optimizer_in_bwd over FSDP2); "
+                      "labkit's Zero steps its shards after backward, so it is not estimated yet")
     if r.zero:
         _check_zero(r)
         if r.zero == 3 and (engine_mixed(r) or r.lora_rank is not None or r.lisa_layers is not None):

@@ -75,7 +75,7 @@ EXAMPLES = {
     Refusal.OPTIMIZER_SHARDED: dict(dp=2, zero=3, lora_rank=8, optimizer="adamw8bit"),
     Refusal.FACTORED_SHARDED: dict(dp=2, zero=1, optimizer="adafactor"),
     Refusal.OPTIMIZER_OFFLOAD_ZERO: dict(dp=2, zero=1, optimizer_offload="cpu"),
-    Refusal.STEP_IN_BACKWARD_DP: dict(dp=2, step_in_backward=True),
+    Refusal.STEP_IN_BACKWARD_ZERO: dict(dp=2, zero=2, step_in_backward=True),
     Refusal.ZERO_OFFLOAD_OPTIMIZER: dict(dp=2, zero=1, zero_offload=True, optimizer="adam"),
     Refusal.LISA_SHARDED: dict(dp=2, zero=2, lisa_layers=1),
     Refusal.FSDP2_MICRO_BATCHES: dict(dp=2, zero=3, lora_rank=8, micro_batch=1),
@@ -138,7 +138,8 @@ def test_single_device_combinations_within_3_percent_per_category(row):
                                 dict(zero=2, checkpoint="full", micro_batch=1),
                                 dict(zero=2, optimizer="adamw8bit", checkpoint="full"),
                                 dict(zero=3, optimizer="lion"),
-                                dict(zero=1, optimizer="adamw8bit", paged_states=True)],
+                                dict(zero=1, optimizer="adamw8bit", paged_states=True),
+                                dict(zero=0, step_in_backward=True, checkpoint="full")],
                          ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_zero_combinations_per_rank_within_3_percent_per_category(kw):
     """labkit's Zero (ZeRO-1/2/3) on 4 ranks of labkit's GPT under the fake process group, over checkpointing,
