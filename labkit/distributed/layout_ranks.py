@@ -135,7 +135,8 @@ def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: 
     """`steps` AdamW steps of one stage under schedule `name` with m micro-batches, measured by its own ledger:
     per-category peaks of the last step, the most activation bytes held, when each forward and backward ran, and
     the in-flight counts. A `fail_stage` raises in its first forward (to test that a failing stage ends the run).
-    checkpoint: each block of the stage checkpointed (pipeline.Stage). prepare: changes the whole model before
+    checkpoint: each block of the stage checkpointed (pipeline.Stage), or a policy name ("selective", "sqrt":
+    labkit.recompute.checkpoint_blocks over the stage's blocks). prepare: changes the whole model before
     the stage is cut from it (e.g. functools.partial(labkit.run.apply_peft, lora_rank=8): LoRA; AdamW then
     steps the trained parameters only). optimizer_offload: "cpu" or "disk" steps them with
     labkit.optim.OffloadAdamW instead (the state in host memory). paged: the optimizer state counted in CUDA
@@ -145,11 +146,17 @@ def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: 
     from labkit.memory.ledger import Ledger
     from labkit.memory.report import Category
 
+    from labkit.recompute import checkpoint_blocks
+
     model = build_model(work)
     if prepare is not None:
         prepare(model)
     vocab = model.config.vocab_size
-    stage = pl.build_stage(model, rank, world_size, checkpoint=checkpoint)
+    # checkpoint: True (or "full") each block by the Stage; another policy ("selective", "sqrt") over the
+    # stage's own blocks by labkit.recompute.checkpoint_blocks
+    policy = checkpoint if isinstance(checkpoint, str) else ("full" if checkpoint else "none")
+    stage = pl.build_stage(model, rank, world_size, checkpoint=policy == "full")
+    ckpt = checkpoint_blocks(stage, policy if policy != "full" else "none")
     del model
     trained = [p for p in stage.parameters() if p.requires_grad]
     if optimizer_offload:
@@ -170,7 +177,7 @@ def pipeline_memory(rank, world_size, work: Workload, m: int, name: str, steps: 
 
         stage.register_forward_hook(fail)
     comms.barrier()
-    with Ledger(stage, opt) as led:
+    with ckpt, Ledger(stage, opt) as led:
         x, y = (t.clone() for t in batch_of(work.batch, work.seq, vocab))  # contiguous; the stage keeps what it reads
         x, y = (x if stage.is_first else None), (y if stage.is_last else None)
         for _ in range(steps):

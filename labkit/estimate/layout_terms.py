@@ -22,7 +22,7 @@ from labkit.estimate.refusal import Refused, Refusal
 from labkit.memory.report import Category, Estimate, MomentKind, Term, TermKey as K
 
 from . import keyed, peft_terms, predict, tape, zero_terms
-from .held import block_saved, checkpoint_held
+from .held import block_saved, checkpoint_held, segments_of
 from .moments import step_moments
 from .spec import spec_from
 from .step_bytes import custom
@@ -225,12 +225,11 @@ def estimate_ranks(recipe) -> list[Estimate]:
                       "offload_activations in a pipeline with dropout: "
                       "measured 5 % off per category (stage 0's temporaries, and one (r, h) activation "
                       "more), not yet explained; give dropout=0")
-    if r.checkpoint != "none" and (r.tp > 1 or r.checkpoint != "full"
-                                   or r.segments not in (None, spec.n_layer)):
+    if r.checkpoint != "none" and (r.tp > 1 or r.segments not in (None, spec.n_layer)):
         raise Refused(Refusal.CHECKPOINT_LAYOUT, "checkpointing in a tp/pp layout: estimated on pipeline "
-                      "stages that checkpoint each block in full (labkit.distributed.pipeline.Stage, "
-                      "checkpoint='full', segments=None); a tensor-parallel rank's blocks are not "
-                      "checkpointed (labkit.distributed.tensor_parallel): not estimated yet")
+                      "stages, each checkpointing its own blocks by the policy (full, selective, or sqrt "
+                      "over the stage's blocks; segments=None); a tensor-parallel rank's checkpointed blocks "
+                      "are not estimated yet")
     if spec.family not in ("labkit-gpt", "llama") and r.tp > 1:
         raise Refused(Refusal.TP_FAMILY, "tensor-parallel ranks are measured and estimated for labkit's GPT "
                       "and transformers' Llama (labkit.distributed.tensor_parallel), not yet for a "
@@ -307,7 +306,8 @@ def estimate_ranks(recipe) -> list[Estimate]:
             # "gradients" counts it): no head's part to sum with on this stage, nothing beside it
             b.emb_temp = 0
         # one micro-batch's activations on this stage: what its blocks save, or the checkpointed blocks' inputs
-        inputs = checkpoint_held(b, r.checkpoint, False, [1] * n_blocks, n_blocks)
+        sizes = segments_of(n_blocks, r.checkpoint, None)  # the policy over this stage's blocks
+        inputs = checkpoint_held(b, r.checkpoint, False, sizes, len(sizes))
         held = (sum(x.bytes for x in inputs)
                 if r.checkpoint != "none" else n_blocks * b.layer if trains is None
                 else sum(block_saved(b, k) for k in range(n_blocks)))  # LoRA: blocks save unlike
