@@ -174,7 +174,7 @@ def test_pipeline_estimate_with_checkpointed_blocks(stages, which):
         plain = estimate_ranks(Recipe(GPTConfig(**cfg), 8, seq, pp=2, micro_batch=2, schedule=name))
         assert all(e.peak.total < p.peak.total for e, p in zip(est, plain))  # the option visibly changes it
         _each_category_within(est, stages[f"ckpt {which}"], name, 0.001)
-    with pytest.raises(ValueError, match="checkpoint each block in full"):
+    with pytest.raises(ValueError, match="each checkpointing its own blocks by the policy"):
         estimate_ranks(Recipe(GPTConfig(**cfg), 8, seq, pp=2, micro_batch=2, checkpoint="full", segments=2))
 
 
