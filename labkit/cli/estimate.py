@@ -372,7 +372,8 @@ def _estimate_layout(args, spec, micro, budget=None, headroom=0.1) -> int:
                     + [fmt_bytes(e.peak[c]) for c in CATEGORIES])
     lines = [wrap_line(f"per-rank peaks (tp={args.tp} pp={args.pp}"
              + (f" {args.schedule}" if args.pp > 1 else "") + (" sequence-parallel" if args.sequence_parallel else "")
-             + f", {r.rank_batch // r.micro} micro-batches of {r.micro} rows; {kernels(args.device)})"
+             + f", {r.rank_batch // r.micro} micro-batch{'es' * (r.rank_batch // r.micro > 1)} of {r.micro} rows;"
+             + f" {kernels(args.device)})"
              + (f"; each of the dp={args.dp} replicas (ZeRO-{args.zero}) holds the same" if args.dp > 1 else "")),
              _table(rows, right={3}), ""]
     lines.append("bytes sent per step (by the collectives' definitions)")

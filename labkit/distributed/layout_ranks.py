@@ -351,11 +351,14 @@ def tp_activation_memory(rank, world_size, work: Workload, dtype="bf16"):
 
 
 def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_parallel=False, steps=2,
-                   optimizer_offload: str | None = None, paged: bool = False):
+                   optimizer_offload: str | None = None, paged: bool = False, checkpoint: str = "none"):
     """One tensor-parallel rank's training step (AdamW, fp32; micro-batches of `micro_batch` rows, default the
     whole batch) measured by its own ledger: the last step's peaks. optimizer_offload: "cpu" or "disk" steps
     the rank's parameters with labkit.optim.OffloadAdamW (the state in host memory). paged: the state in
-    unified memory (pipeline_memory)."""
+    unified memory (pipeline_memory). checkpoint: the rank's blocks checkpointed by that policy
+    (labkit.recompute.checkpoint_blocks; a recomputed block runs its all-reduces again in backward)."""
+    from labkit.recompute import checkpoint_blocks
+
     from labkit.distributed import tensor_parallel as tp
     from labkit.memory.ledger import Ledger
 
@@ -374,7 +377,7 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = work.batch
     micro = micro_batch or batch
-    with Ledger(model, opt) as led:
+    with checkpoint_blocks(model.model if work.family == "llama" else model, checkpoint), Ledger(model, opt) as led:
         x, y = (t.clone() for t in batch_of(batch, work.seq, model.config.vocab_size))
         for _ in range(steps):
             for xs, ys in zip(x.split(micro), y.split(micro)):

@@ -171,6 +171,18 @@ def tp_layer_bytes(w, marks, t: int, sp: bool = False) -> int:
     return int(round(total))
 
 
+def llama_tp_rank(r, spec):
+    """The Recipe of one tensor-parallel rank of transformers' Llama, as one device runs it: a Llama with 1/t
+    of the query heads, of the key/value heads (GQA's groups whole) and of the MLP features, the same width,
+    head size, embeddings, norms and head (labkit.distributed.tensor_parallel.LlamaTP). The collectives add
+    no bytes: copy_to_tp's backward and reduce_from_tp's forward all-reduce in place, so one device's walk of
+    that Llama (its replays, checkpointing and all) is the rank's (measured within 0.05 % per category)."""
+    hd = spec.head_dim or spec.hidden // spec.n_head
+    narrow = {"num_attention_heads": spec.n_head // r.tp, "num_key_value_heads": spec.n_kv_head // r.tp,
+              "intermediate_size": spec.ffn // r.tp, "head_dim": hd}
+    return r.replace(tp=1, sequence_parallel=False, overrides=tuple({**r.config, **narrow}.items()))
+
+
 # ---- the per-rank estimate -----------------------------------------------------------------------------------------
 def estimate_ranks(recipe) -> list[Estimate]:
     """One Estimate per rank of a tp x pp layout, in the order (stage 0: tp ranks 0..t-1, stage 1, ...): the
@@ -225,7 +237,8 @@ def estimate_ranks(recipe) -> list[Estimate]:
                       "offload_activations in a pipeline with dropout: "
                       "measured 5 % off per category (stage 0's temporaries, and one (r, h) activation "
                       "more), not yet explained; give dropout=0")
-    if r.checkpoint != "none" and (r.tp > 1 or r.segments not in (None, spec.n_layer)):
+    llama_tp = spec.family == "llama" and r.tp > 1  # a rank is a narrower Llama (llama_tp_rank)
+    if r.checkpoint != "none" and ((r.tp > 1 and not llama_tp) or r.segments not in (None, spec.n_layer)):
         raise Refused(Refusal.CHECKPOINT_LAYOUT, "checkpointing in a tp/pp layout: estimated on pipeline "
                       "stages, each checkpointing its own blocks by the policy (full, selective, or sqrt "
                       "over the stage's blocks; segments=None); a tensor-parallel rank's checkpointed blocks "
@@ -244,6 +257,13 @@ def estimate_ranks(recipe) -> list[Estimate]:
         if spec.n_kv_head % r.tp or spec.ffn % r.tp:
             raise ValueError(f"tensor parallel: {spec.n_kv_head} key/value heads and {spec.ffn} MLP features "
                              f"must divide over t={r.tp} ranks")
+        if r.pp > 1:
+            raise Refused(Refusal.TP_FAMILY, "pipeline stages are built for labkit's GPT and transformers' "
+                          "GPT-2 (labkit.distributed.pipeline), not yet for a llama model")
+        rank = llama_tp_rank(r, spec)
+        e = zero_terms.data_parallel_estimate(rank) if r.dp > 1 else predict.single_estimate(rank)
+        return [dataclasses.replace(e, label=f"{e.label} (a tp={r.tp} rank of {spec.name}): tp rank {k}")
+                for k in range(r.tp)]
     split_layers(spec.n_layer, r.pp)
     prec = predict.Precision.of(r.dtype)
     micro, rows = r.micro, r.rank_batch
