@@ -351,13 +351,18 @@ def tp_activation_memory(rank, world_size, work: Workload, dtype="bf16"):
 
 
 def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_parallel=False, steps=2,
-                   optimizer_offload: str | None = None, paged: bool = False, checkpoint: str = "none"):
+                   optimizer_offload: str | None = None, paged: bool = False, checkpoint: str = "none",
+                   step_in_backward: bool = False, offload_activations: bool = False):
     """One tensor-parallel rank's training step (AdamW, fp32; micro-batches of `micro_batch` rows, default the
     whole batch) measured by its own ledger: the last step's peaks. optimizer_offload: "cpu" or "disk" steps
     the rank's parameters with labkit.optim.OffloadAdamW (the state in host memory). paged: the state in
     unified memory (pipeline_memory). checkpoint: the rank's blocks checkpointed by that policy
-    (labkit.recompute.checkpoint_blocks; a recomputed block runs its all-reduces again in backward)."""
+    (labkit.recompute.checkpoint_blocks; a recomputed block runs its all-reduces again in backward).
+    step_in_backward: each parameter steps as its gradient is made (labkit.optim.StepInBackward; without
+    sequence parallelism a replicated parameter's gradient is already the same on every rank).
+    offload_activations: the saved tensors go to host memory (labkit.recompute.offload_activations)."""
     from labkit.recompute import checkpoint_blocks
+    from labkit.recompute import offload_activations as offloaded
 
     from labkit.distributed import tensor_parallel as tp
     from labkit.memory.ledger import Ledger
@@ -369,10 +374,17 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
     else:
         model = tp.parallelize(build_model(_labkit_only(work)), rank, world_size,
                                sequence_parallel=sequence_parallel)
+    if step_in_backward and sequence_parallel:
+        raise ValueError("step_in_backward with sequence parallelism: the norms' gradients are partial sums "
+                         "until sync_replicated_grads, after backward")
     if optimizer_offload:
         from labkit.optim import OffloadAdamW
 
         opt = OffloadAdamW(model.parameters(), lr=1e-3, offload=optimizer_offload)
+    elif step_in_backward:
+        from labkit.optim import StepInBackward
+
+        opt = StepInBackward(model.parameters(), torch.optim.AdamW, lr=1e-3)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = work.batch
@@ -381,8 +393,9 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
         x, y = (t.clone() for t in batch_of(batch, work.seq, model.config.vocab_size))
         for _ in range(steps):
             for xs, ys in zip(x.split(micro), y.split(micro)):
-                loss = model(xs, ys) * (micro / batch)
-                loss.backward()
+                with offloaded() if offload_activations else contextlib.nullcontext():
+                    loss = model(xs, ys) * (micro / batch)
+                    loss.backward()
                 del loss
             tp.sync_replicated_grads(model)
             opt.step()

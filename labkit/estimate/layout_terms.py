@@ -219,11 +219,12 @@ def estimate_ranks(recipe) -> list[Estimate]:
                       "optimizer_offload beside ZeRO-1: labkit's Zero "
                       "steps its shards with its own AdamW; OffloadAdamW would step the full parameters "
                       "(zero_offload offloads the shards' state, not estimated in a tp/pp layout)")
-    if r.offload_activations and (r.tp > 1 or r.checkpoint != "none" or r.lora_rank):
+    llama_tp = r.tp > 1 and spec_from(r.model, **r.config).family == "llama"  # llama_tp_rank: one device's
+    if r.offload_activations and ((r.tp > 1 and not llama_tp) or r.checkpoint != "none" or r.lora_rank):
         raise Refused(Refusal.ACTIVATION_OFFLOAD_LAYOUT, "offload_activations in a tp/pp layout: pipeline "
                       "stages of full training offload their saved tensors (estimated); with "
                       "checkpointing, LoRA or tensor parallelism they are not measured here yet")
-    if r.lisa_layers or r.step_in_backward:
+    if r.lisa_layers or (r.step_in_backward and not llama_tp):
         raise Refused(Refusal.LAYOUT_TECHNIQUE, "per-rank estimates of a tp/pp layout take full training, "
                       "checkpointing, LoRA, GaLore on stages, paged states and offload; LISA and step in "
                       "backward are not estimated there yet")
@@ -237,7 +238,6 @@ def estimate_ranks(recipe) -> list[Estimate]:
                       "offload_activations in a pipeline with dropout: "
                       "measured 5 % off per category (stage 0's temporaries, and one (r, h) activation "
                       "more), not yet explained; give dropout=0")
-    llama_tp = spec.family == "llama" and r.tp > 1  # a rank is a narrower Llama (llama_tp_rank)
     if r.checkpoint != "none" and ((r.tp > 1 and not llama_tp) or r.segments not in (None, spec.n_layer)):
         raise Refused(Refusal.CHECKPOINT_LAYOUT, "checkpointing in a tp/pp layout: estimated on pipeline "
                       "stages, each checkpointing its own blocks by the policy (full, selective, or sqrt "

@@ -78,8 +78,8 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
     """transformers' Llama split 2 ways (tensor_parallel.LlamaTP: q, k, v, gate and up column-parallel, GQA's
     2 key/value heads one per rank; o and down row-parallel): the loss and each rank's gradients as one
     process computes them, and each rank's peak per category against its estimate (the whole batch, 2
-    micro-batches, full and selective checkpointing: a rank is estimated as one device's narrower Llama,
-    layout_terms.llama_tp_rank)."""
+    micro-batches, full and selective checkpointing, step in backward, activations or optimizer offloaded: a
+    rank is estimated as one device's narrower Llama, layout_terms.llama_tp_rank)."""
     whole = lr.Workload({}, 2, 32, family="llama")
     out = launch(lr.many, 2, args=([("llama_tensor_parallel_parity", (whole,)),
                                     ("tp_step_memory", (whole,)),
@@ -87,12 +87,18 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
                                     ("tp_step_memory", (lr.Workload({}, 4, 32, family="llama"), 2, False, 2, None,
                                                         False, "full")),
                                     ("tp_step_memory", (lr.Workload({}, 4, 32, family="llama"), 2, False, 2, None,
-                                                        False, "selective"))],),
+                                                        False, "selective")),
+                                    ("tp_step_memory", (whole, None, False, 2, None, False, "full", True)),
+                                    ("tp_step_memory", (whole, None, False, 2, None, False, "none", False, True)),
+                                    ("tp_step_memory", (whole, None, False, 2, "cpu"))],),
                  timeout_s=300)
     plain = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32"))
     micro = estimate_ranks(Recipe.of("llama-tiny", 4, 32, tp=2, micro_batch=2, dtype="fp32"))
     full = estimate_ranks(Recipe.of("llama-tiny", 4, 32, tp=2, micro_batch=2, dtype="fp32", checkpoint="full"))
     sel = estimate_ranks(Recipe.of("llama-tiny", 4, 32, tp=2, micro_batch=2, dtype="fp32", checkpoint="selective"))
+    sib = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", checkpoint="full", step_in_backward=True))
+    act = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", offload_activations=True))
+    off = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", optimizer_offload="cpu"))
     for k in range(2):
         assert out[k][0]["loss"] < 1e-5 and out[k][0]["grad"] < 1e-6, out[k][0]
         _within(plain[k], out[k][1], f"tp rank {k}")
@@ -103,4 +109,7 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
         # the backward's peak is sometimes its earlier moment (at the head, 0.6 % lower without it)
         _each_phase_within(full[k], out[k][3], f"tp rank {k}, checkpointed")
         _each_phase_within(sel[k], out[k][4], f"tp rank {k}, selective")
+        for e, got, why in ((sib[k], out[k][5], "step in backward, checkpointed"),
+                            (act[k], out[k][6], "activations offloaded"), (off[k], out[k][7], "optimizer offloaded")):
+            _within(e, got, f"tp rank {k}, {why}")
         assert plain[k].n_params == out[k][0]["n_params"]
