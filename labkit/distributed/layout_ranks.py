@@ -231,23 +231,28 @@ def _shard_of(name: str, full: torch.Tensor, rank: int, t: int) -> torch.Tensor:
 
 def _llama_shard_of(name: str, full: torch.Tensor, rank: int, t: int) -> torch.Tensor:
     """This rank's slice of a whole Llama's tensor (tensor_parallel.LlamaTP: nn.Linear weights are (out, in))."""
-    if any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+    column = any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    row = ".o_proj." in name or ".down_proj." in name
+    if column and not name.endswith("lora_A"):  # the weight and LoRA's B: split by rows (outputs)
         n = full.shape[0] // t
         return full[rank * n:(rank + 1) * n]
-    if ".o_proj." in name or ".down_proj." in name:
+    if row and not name.endswith("lora_B"):  # the weight and LoRA's A: split by columns (inputs)
         n = full.shape[1] // t
         return full[:, rank * n:(rank + 1) * n]
-    return full
+    return full  # replicated: norms, embeddings, the head, a column adapter's A, a row adapter's B
 
 
-def llama_tensor_parallel_parity(rank, world_size, work: Workload):
-    """tensor_parallel.LlamaTP against one process (the whole model): the loss and this rank's gradients,
-    as the largest absolute differences."""
+def llama_tensor_parallel_parity(rank, world_size, work: Workload, prepare=None):
+    """tensor_parallel.LlamaTP against one process (the whole model): the loss and this rank's gradients of
+    what trains, as the largest absolute differences. prepare: changes the model before it is split (e.g.
+    functools.partial(labkit.run.apply_peft, lora_rank=8): LoRA adapters, split with their Linears)."""
     import copy
 
     from labkit.distributed import tensor_parallel as tp
 
     model = build_model(work)
+    if prepare is not None:
+        prepare(model)
     x, y = batch_of(work.batch, work.seq, model.config.vocab_size)
     whole = copy.deepcopy(model)
     loss = whole(input_ids=x, labels=y, use_cache=False).loss
@@ -255,9 +260,10 @@ def llama_tensor_parallel_parity(rank, world_size, work: Workload):
     m = tp.parallelize_llama(model, rank, world_size)
     ls = m(x, y)
     ls.backward()
+    tp.sync_replicated_grads(m)
     grads = dict(whole.named_parameters())
     worst = max((p.grad - _llama_shard_of(n, grads[n].grad, rank, world_size)).abs().max().item()
-                for n, p in m.model.named_parameters())
+                for n, p in m.model.named_parameters() if p.requires_grad)
     return {"loss": abs(ls.item() - loss.item()), "grad": worst, "n_params": sum(p.numel() for p in m.parameters())}
 
 
@@ -352,7 +358,7 @@ def tp_activation_memory(rank, world_size, work: Workload, dtype="bf16"):
 
 def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_parallel=False, steps=2,
                    optimizer_offload: str | None = None, paged: bool = False, checkpoint: str = "none",
-                   step_in_backward: bool = False, offload_activations: bool = False):
+                   step_in_backward: bool = False, offload_activations: bool = False, prepare=None):
     """One tensor-parallel rank's training step (AdamW, fp32; micro-batches of `micro_batch` rows, default the
     whole batch) measured by its own ledger: the last step's peaks. optimizer_offload: "cpu" or "disk" steps
     the rank's parameters with labkit.optim.OffloadAdamW (the state in host memory). paged: the state in
@@ -360,7 +366,9 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
     (labkit.recompute.checkpoint_blocks; a recomputed block runs its all-reduces again in backward).
     step_in_backward: each parameter steps as its gradient is made (labkit.optim.StepInBackward; without
     sequence parallelism a replicated parameter's gradient is already the same on every rank).
-    offload_activations: the saved tensors go to host memory (labkit.recompute.offload_activations)."""
+    offload_activations: the saved tensors go to host memory (labkit.recompute.offload_activations).
+    prepare: changes the whole model before it is split (Llama: LoRA adapters, llama_tensor_parallel_parity);
+    the optimizer then steps what trains."""
     from labkit.recompute import checkpoint_blocks
     from labkit.recompute import offload_activations as offloaded
 
@@ -370,7 +378,10 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
     if work.family == "llama":  # transformers' Llama: no sequence parallelism here
         if sequence_parallel:
             raise ValueError("sequence parallelism runs labkit's GPT only (tensor_parallel.TPGPT)")
-        model = tp.parallelize_llama(build_model(work), rank, world_size)
+        base = build_model(work)
+        if prepare is not None:
+            prepare(base)
+        model = tp.parallelize_llama(base, rank, world_size)
     else:
         model = tp.parallelize(build_model(_labkit_only(work)), rank, world_size,
                                sequence_parallel=sequence_parallel)
@@ -386,7 +397,7 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
 
         opt = StepInBackward(model.parameters(), torch.optim.AdamW, lr=1e-3)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     batch = work.batch
     micro = micro_batch or batch
     with checkpoint_blocks(model.model if work.family == "llama" else model, checkpoint), Ledger(model, opt) as led:

@@ -304,6 +304,44 @@ def parallelize(model: nn.Module, rank: int, t: int, sequence_parallel: bool = F
     return TPGPT(model, rank, t, sequence_parallel, group)
 
 
+class LoRAColumnParallel(nn.Module):
+    """A LoRA adapter over a column-parallel Linear: the frozen base split by outputs, B (d_out/t, r) split
+    with it, A (r, d_in) whole on every rank. y_r = base_r(x) + s B_r A x. A's gradient sum_r B_r^T g_r x^T is
+    partial on each rank: `tp_partial_grad` asks sync_replicated_grads to sum it; the adapter's input goes
+    through f too, so its input gradient is summed with the base's."""
+
+    def __init__(self, full: nn.Module, rank: int, t: int, group=None):
+        super().__init__()
+        self.base = ColumnParallelLinear(full.base, rank, t, False, group).requires_grad_(False)  # frozen
+        n = full.out_features // t
+        self.lora_A = nn.Parameter(full.lora_A.detach().clone())
+        self.lora_A.tp_partial_grad = True
+        self.lora_B = nn.Parameter(full.lora_B.detach()[rank * n:(rank + 1) * n].clone())
+        self.scaling, self.group = full.scaling, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = copy_to_tp(x, self.group)
+        return self.base(x) + F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling
+
+
+class LoRARowParallel(nn.Module):
+    """A LoRA adapter over a row-parallel Linear: the frozen base split by inputs, A (r, d_in/t) split with it,
+    B (d_out, r) whole. The rank's partial A_r x_r is summed over ranks (g) before B, so B's gradient is the
+    same on every rank: y = base(x) + s B sum_r A_r x_r."""
+
+    def __init__(self, full: nn.Module, rank: int, t: int, group=None):
+        super().__init__()
+        self.base = RowParallelLinear(full.base, rank, t, False, group).requires_grad_(False)  # frozen
+        n = full.in_features // t
+        self.lora_A = nn.Parameter(full.lora_A.detach()[:, rank * n:(rank + 1) * n].clone())
+        self.lora_B = nn.Parameter(full.lora_B.detach().clone())
+        self.scaling, self.group = full.scaling, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = reduce_from_tp(F.linear(x, self.lora_A), self.group)  # (..., r), summed over ranks
+        return self.base(x) + F.linear(z, self.lora_B) * self.scaling
+
+
 def check_tp_llama(config, t: int) -> None:
     """A Llama split t ways: its query heads, key/value heads (GQA) and MLP features must divide by t."""
     check_tp(config.num_attention_heads, config.hidden_size, t)
@@ -331,11 +369,16 @@ class LlamaTP(nn.Module):
         check_tp_llama(model.config, t)
         self.model, self.config = model, model.config
         for layer in model.model.layers:
-            for path, cls in [(p, ColumnParallelLinear) for p in self.COLUMN] + [(p, RowParallelLinear)
-                                                                                 for p in self.ROW]:
+            for path, column in [(p, True) for p in self.COLUMN] + [(p, False) for p in self.ROW]:
                 parent_path, name = path.rsplit(".", 1)
                 parent = layer.get_submodule(parent_path)
-                setattr(parent, name, cls(getattr(parent, name), rank, t, False, group))
+                full = getattr(parent, name)
+                if hasattr(full, "lora_A"):  # a LoRA adapter over the Linear (labkit.peft.LoRALinear)
+                    split = LoRAColumnParallel if column else LoRARowParallel
+                    setattr(parent, name, split(full, rank, t, group))
+                else:
+                    cls = ColumnParallelLinear if column else RowParallelLinear
+                    setattr(parent, name, cls(full, rank, t, False, group))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         out = self.model(input_ids=idx, labels=targets, use_cache=False)
@@ -353,3 +396,5 @@ def sync_replicated_grads(model: nn.Module, group=None) -> None:
     for p in model.parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             comms.all_reduce(p.grad, group=group, tag="sequence-parallel norm grads")
+        elif getattr(p, "tp_partial_grad", False) and p.grad is not None:  # LoRAColumnParallel's A
+            comms.all_reduce(p.grad, group=group, tag="LoRA A grads")

@@ -228,10 +228,12 @@ def estimate_ranks(recipe) -> list[Estimate]:
         raise Refused(Refusal.LAYOUT_TECHNIQUE, "per-rank estimates of a tp/pp layout take full training, "
                       "checkpointing, LoRA, GaLore on stages, paged states and offload; LISA and step in "
                       "backward are not estimated there yet")
-    if r.lora_rank and (r.tp > 1 or r.quant != "none" or r.zero):
+    if r.lora_rank and ((r.tp > 1 and not llama_tp) or r.quant != "none" or r.zero):
         raise Refused(Refusal.LORA_LAYOUT, "LoRA in a tp/pp layout: estimated on pipeline stages "
-                      "(labkit.distributed.pipeline) over a full-precision base, without ZeRO; labkit's "
-                      "tensor parallel splits nn.Linear weights, which LoRA wraps (not estimated yet)")
+                      "(labkit.distributed.pipeline) and on Llama's tensor-parallel ranks "
+                      "(tensor_parallel.LoRAColumnParallel, LoRARowParallel) over a full-precision base, "
+                      "without ZeRO; a quantized base, ZeRO, and LoRA on labkit GPT's tensor-parallel "
+                      "ranks are not estimated yet")
     spec = spec_from(r.model, **r.config)
     if r.offload_activations and (spec.dropout or spec.attn_dropout):
         raise Refused(Refusal.ACTIVATION_OFFLOAD_DROPOUT_PP,

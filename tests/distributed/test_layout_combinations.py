@@ -12,12 +12,15 @@ rank's estimate against its own ledger (real gloo ranks, one launch):
 - tensor parallelism on transformers' Llama (GQA's key/value heads split with the query heads).
 """
 
+import functools
+
 from labkit.distributed import launch
 from labkit.distributed import layout_ranks as lr
 from labkit.estimate import Recipe, estimate_ranks
 from labkit.memory import CATEGORIES, Category
 from labkit.memory.report import Variant
 from labkit.models.gpt import GPTConfig
+from labkit.run.step import apply_peft
 
 TOL = 0.03  # of the measured peak, per category (tests/unit/estimate_checks.py)
 CFG = dict(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=32)
@@ -78,9 +81,11 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
     """transformers' Llama split 2 ways (tensor_parallel.LlamaTP: q, k, v, gate and up column-parallel, GQA's
     2 key/value heads one per rank; o and down row-parallel): the loss and each rank's gradients as one
     process computes them, and each rank's peak per category against its estimate (the whole batch, 2
-    micro-batches, full and selective checkpointing, step in backward, activations or optimizer offloaded: a
-    rank is estimated as one device's narrower Llama, layout_terms.llama_tp_rank)."""
+    micro-batches, full and selective checkpointing, step in backward, activations or optimizer offloaded,
+    LoRA (its adapters split with their Linears, parity with one process): a rank is estimated as one
+    device's narrower Llama, layout_terms.llama_tp_rank)."""
     whole = lr.Workload({}, 2, 32, family="llama")
+    lora = functools.partial(apply_peft, dtype="fp32", lora_rank=8)  # adapters split with their Linears
     out = launch(lr.many, 2, args=([("llama_tensor_parallel_parity", (whole,)),
                                     ("tp_step_memory", (whole,)),
                                     ("tp_step_memory", (lr.Workload({}, 4, 32, family="llama"), 2)),
@@ -90,7 +95,10 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
                                                         False, "selective")),
                                     ("tp_step_memory", (whole, None, False, 2, None, False, "full", True)),
                                     ("tp_step_memory", (whole, None, False, 2, None, False, "none", False, True)),
-                                    ("tp_step_memory", (whole, None, False, 2, "cpu"))],),
+                                    ("tp_step_memory", (whole, None, False, 2, "cpu")),
+                                    ("llama_tensor_parallel_parity", (whole, lora)),
+                                    ("tp_step_memory", (whole, None, False, 2, None, False, "full", False, False,
+                                                        lora))],),
                  timeout_s=300)
     plain = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32"))
     micro = estimate_ranks(Recipe.of("llama-tiny", 4, 32, tp=2, micro_batch=2, dtype="fp32"))
@@ -99,6 +107,7 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
     sib = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", checkpoint="full", step_in_backward=True))
     act = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", offload_activations=True))
     off = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", optimizer_offload="cpu"))
+    lora_ck = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", lora_rank=8, checkpoint="full"))
     for k in range(2):
         assert out[k][0]["loss"] < 1e-5 and out[k][0]["grad"] < 1e-6, out[k][0]
         _within(plain[k], out[k][1], f"tp rank {k}")
@@ -112,4 +121,6 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
         for e, got, why in ((sib[k], out[k][5], "step in backward, checkpointed"),
                             (act[k], out[k][6], "activations offloaded"), (off[k], out[k][7], "optimizer offloaded")):
             _within(e, got, f"tp rank {k}, {why}")
+        assert out[k][8]["loss"] < 1e-5 and out[k][8]["grad"] < 1e-6, out[k][8]  # LoRA: A and B as one process
+        _within(lora_ck[k], out[k][9], f"tp rank {k}, LoRA, checkpointed", phases=False)
         assert plain[k].n_params == out[k][0]["n_params"]
