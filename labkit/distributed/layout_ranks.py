@@ -358,7 +358,7 @@ def tp_activation_memory(rank, world_size, work: Workload, dtype="bf16"):
 
 def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_parallel=False, steps=2,
                    optimizer_offload: str | None = None, paged: bool = False, checkpoint: str = "none",
-                   step_in_backward: bool = False, offload_activations: bool = False, prepare=None):
+                   step_in_backward: bool = False, offload_activations: bool = False, prepare=None, lisa=None):
     """One tensor-parallel rank's training step (AdamW, fp32; micro-batches of `micro_batch` rows, default the
     whole batch) measured by its own ledger: the last step's peaks. optimizer_offload: "cpu" or "disk" steps
     the rank's parameters with labkit.optim.OffloadAdamW (the state in host memory). paged: the state in
@@ -368,7 +368,9 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
     sequence parallelism a replicated parameter's gradient is already the same on every rank).
     offload_activations: the saved tensors go to host memory (labkit.recompute.offload_activations).
     prepare: changes the whole model before it is split (Llama: LoRA adapters, llama_tensor_parallel_parity);
-    the optimizer then steps what trains."""
+    the optimizer then steps what trains. lisa: Llama only, a factory (model, optimizer) -> an object whose
+    step() runs before each optimizer step (functools.partial(labkit.peft.LISA, gamma=1, interval=20, seed=0):
+    the optimizer is then over every parameter, as LISA requires)."""
     from labkit.recompute import checkpoint_blocks
     from labkit.recompute import offload_activations as offloaded
 
@@ -397,12 +399,14 @@ def tp_step_memory(rank, world_size, work: Workload, micro_batch=None, sequence_
 
         opt = StepInBackward(model.parameters(), torch.optim.AdamW, lr=1e-3)
     else:
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad or lisa], lr=1e-3)
+    before = lisa(model.model, opt).step if lisa is not None else (lambda: None)
     batch = work.batch
     micro = micro_batch or batch
     with checkpoint_blocks(model.model if work.family == "llama" else model, checkpoint), Ledger(model, opt) as led:
         x, y = (t.clone() for t in batch_of(batch, work.seq, model.config.vocab_size))
         for _ in range(steps):
+            before()
             for xs, ys in zip(x.split(micro), y.split(micro)):
                 with offloaded() if offload_activations else contextlib.nullcontext():
                     loss = model(xs, ys) * (micro / batch)

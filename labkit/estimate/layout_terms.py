@@ -224,10 +224,9 @@ def estimate_ranks(recipe) -> list[Estimate]:
         raise Refused(Refusal.ACTIVATION_OFFLOAD_LAYOUT, "offload_activations in a tp/pp layout: pipeline "
                       "stages of full training offload their saved tensors (estimated); with "
                       "checkpointing, LoRA or tensor parallelism they are not measured here yet")
-    if r.lisa_layers or (r.step_in_backward and not llama_tp):
-        raise Refused(Refusal.LAYOUT_TECHNIQUE, "per-rank estimates of a tp/pp layout take full training, "
-                      "checkpointing, LoRA, GaLore on stages, paged states and offload; LISA and step in "
-                      "backward are not estimated there yet")
+    if (r.lisa_layers or r.step_in_backward) and not llama_tp:
+        raise Refused(Refusal.LAYOUT_TECHNIQUE, "LISA and step in backward are estimated on Llama's "
+                      "tensor-parallel ranks, not yet on pipeline stages or labkit GPT's tensor-parallel ranks")
     if r.lora_rank and ((r.tp > 1 and not llama_tp) or r.quant != "none" or r.zero):
         raise Refused(Refusal.LORA_LAYOUT, "LoRA in a tp/pp layout: estimated on pipeline stages "
                       "(labkit.distributed.pipeline) and on Llama's tensor-parallel ranks "

@@ -20,6 +20,7 @@ from labkit.estimate import Recipe, estimate_ranks
 from labkit.memory import CATEGORIES, Category
 from labkit.memory.report import Variant
 from labkit.models.gpt import GPTConfig
+from labkit.peft import LISA
 from labkit.run.step import apply_peft
 
 TOL = 0.03  # of the measured peak, per category (tests/unit/estimate_checks.py)
@@ -82,7 +83,7 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
     2 key/value heads one per rank; o and down row-parallel): the loss and each rank's gradients as one
     process computes them, and each rank's peak per category against its estimate (the whole batch, 2
     micro-batches, full and selective checkpointing, step in backward, activations or optimizer offloaded,
-    LoRA (its adapters split with their Linears, parity with one process): a rank is estimated as one
+    LoRA (its adapters split with their Linears, parity with one process), LISA: a rank is estimated as one
     device's narrower Llama, layout_terms.llama_tp_rank)."""
     whole = lr.Workload({}, 2, 32, family="llama")
     lora = functools.partial(apply_peft, dtype="fp32", lora_rank=8)  # adapters split with their Linears
@@ -98,7 +99,10 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
                                     ("tp_step_memory", (whole, None, False, 2, "cpu")),
                                     ("llama_tensor_parallel_parity", (whole, lora)),
                                     ("tp_step_memory", (whole, None, False, 2, None, False, "full", False, False,
-                                                        lora))],),
+                                                        lora)),
+                                    ("tp_step_memory", (lr.Workload({"num_hidden_layers": 4}, 2, 32, family="llama"),
+                                                        None, False, 2, None, False, "none", False, False, None,
+                                                        functools.partial(LISA, gamma=1, interval=20, seed=0)))],),
                  timeout_s=300)
     plain = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32"))
     micro = estimate_ranks(Recipe.of("llama-tiny", 4, 32, tp=2, micro_batch=2, dtype="fp32"))
@@ -107,6 +111,7 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
     sib = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", checkpoint="full", step_in_backward=True))
     act = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", offload_activations=True))
     off = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", optimizer_offload="cpu"))
+    lisa = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", lisa_layers=1, num_hidden_layers=4))
     lora_ck = estimate_ranks(Recipe.of("llama-tiny", 2, 32, tp=2, dtype="fp32", lora_rank=8, checkpoint="full"))
     for k in range(2):
         assert out[k][0]["loss"] < 1e-5 and out[k][0]["grad"] < 1e-6, out[k][0]
@@ -123,4 +128,5 @@ def test_tensor_parallel_llama_matches_one_process_and_its_estimate():
             _within(e, got, f"tp rank {k}, {why}")
         assert out[k][8]["loss"] < 1e-5 and out[k][8]["grad"] < 1e-6, out[k][8]  # LoRA: A and B as one process
         _within(lora_ck[k], out[k][9], f"tp rank {k}, LoRA, checkpointed", phases=False)
+        _within(lisa[k], out[k][10], f"tp rank {k}, LISA (1 of 4 layers)")
         assert plain[k].n_params == out[k][0]["n_params"]
