@@ -21,7 +21,7 @@ CFG = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
     (lambda: TrainRun(dict(CFG, heads=2), 2, 8, 8), "cfg: .*heads"),
     (lambda: TrainRun(CFG, 2, 8, 8, text_chars=1000), "vocab_size is 64"),
     (lambda: TrainRun(CFG, 2, 8, 8, seed=-1), "seed must be an integer >= 0"),
-    (lambda: Workload(CFG, 4, 8, family="llama"), "unknown model family 'llama'"),
+    (lambda: Workload(CFG, 4, 8, family="mistral"), "unknown model family 'mistral'"),
     (lambda: Workload(CFG, 0, 8), "batch must be an integer >= 1"),
     (lambda: PowerSGDConfig(rank=0), "PowerSGD rank must be an integer >= 1"),
     (lambda: PowerSGDConfig(start_iter=1), "start_iter must be >= 2 with error feedback or warm start"),
