@@ -461,7 +461,16 @@ def _signature(events) -> tuple:
 
 
 def replay_blocks(tape: Tape) -> list[BlockReplay]:
-    """Every replay of every block (blocks with the same ops replayed once)."""
+    """Every replay of every block (blocks with the same ops replayed once). A finished walk's tape does not
+    change (predict.walk_activations caches and shares the walk), so its replays are made once too: the
+    planner estimates the same walk of an 80-layer model dozens of times."""
+    cached = tape.__dict__.get("_replays")
+    if cached is None:
+        cached = tape._replays = _replay_all(tape)
+    return list(cached)  # the caller's list (a pipeline stage swaps its last block's replay)
+
+
+def _replay_all(tape: Tape) -> list[BlockReplay]:
     blocks = tape.blocks()
     ends = [ev.t for ev in tape.events if ev.kind is Ev.END]
     outs = [x for _, x in blocks[1:]] + ends[:1]
@@ -530,6 +539,12 @@ class TailReplay:
 
 
 def replay_tail(tape: Tape) -> TailReplay | None:
+    if "_tail" not in tape.__dict__:
+        tape._tail = _replay_tail(tape)
+    return tape._tail
+
+
+def _replay_tail(tape: Tape) -> TailReplay | None:
     t = tape.tail()
     if t is None:
         return None
