@@ -227,12 +227,12 @@ def estimate_ranks(recipe) -> list[Estimate]:
     if (r.lisa_layers or r.step_in_backward) and not llama_tp:
         raise Refused(Refusal.LAYOUT_TECHNIQUE, "LISA and step in backward are estimated on Llama's "
                       "tensor-parallel ranks, not yet on pipeline stages or labkit GPT's tensor-parallel ranks")
-    if r.lora_rank and ((r.tp > 1 and not llama_tp) or r.quant != "none" or r.zero):
+    if r.lora_rank and ((r.tp > 1 and not llama_tp) or (r.quant != "none" and r.tp > 1) or r.zero):
         raise Refused(Refusal.LORA_LAYOUT, "LoRA in a tp/pp layout: estimated on pipeline stages "
-                      "(labkit.distributed.pipeline) and on Llama's tensor-parallel ranks "
-                      "(tensor_parallel.LoRAColumnParallel, LoRARowParallel) over a full-precision base, "
-                      "without ZeRO; a quantized base, ZeRO, and LoRA on labkit GPT's tensor-parallel "
-                      "ranks are not estimated yet")
+                      "(labkit.distributed.pipeline; over a quantized base too) and on Llama's "
+                      "tensor-parallel ranks (tensor_parallel.LoRAColumnParallel, LoRARowParallel), without "
+                      "ZeRO; a quantized base on tensor-parallel ranks, ZeRO, and LoRA on labkit GPT's "
+                      "tensor-parallel ranks are not estimated yet")
     spec = spec_from(r.model, **r.config)
     if r.offload_activations and (spec.dropout or spec.attn_dropout):
         raise Refused(Refusal.ACTIVATION_OFFLOAD_DROPOUT_PP,
@@ -287,6 +287,14 @@ def estimate_ranks(recipe) -> list[Estimate]:
         n_blocks = rs.n_layer
         b = dataclasses.replace(full)
         b.P = rs.n_params * d if trains is None else rs.n_params * fb + rt.n_params * d
+        if peft is not None and peft.quant != "none":  # QLoRA: the stage's quantized Linears leave the
+            # parameters for buffers (codes and statistics); the others (embeddings, norms, head) stay
+            lo, hi = split_layers(spec.n_layer, p)[s]
+            on_stage = lambda lin: (k := _layer_of(lin[0])) is not None and lo <= k < hi  # noqa: E731
+            mine = dataclasses.replace(peft, **{f: tuple(filter(on_stage, getattr(peft, f)))
+                                                for f in ("targets", "frozen_quant")})
+            b.P -= peft_terms.quantized_weights(spec, mine) * fb
+            b.buffers = peft_terms.base_buffer_bytes(spec, mine)
         b.G = rt.n_params * d
         b.O = predict.optimizer_state_bytes(rt, prec, r.optimizer, r.rank, r.proj_dtype)
         b.opt_temp = predict.optimizer_temp_bytes(rt, prec, r.optimizer, foreach, r.rank, False, r.proj_dtype)

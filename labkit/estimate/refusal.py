@@ -55,7 +55,7 @@ class Refusal(enum.Enum):
     ACTIVATION_OFFLOAD_DROPOUT_PP = (N, "activation offload x dropout on pipeline stages")
     GALORE_TP = (I, "GaLore x tensor parallel (a rank's shard is not the matrix)")
     LAYOUT_TECHNIQUE = (N, "LISA or step in backward x GPT tp ranks or stages")
-    LORA_LAYOUT = (N, "LoRA x GPT tp ranks; a quantized base or ZeRO x tp/pp")
+    LORA_LAYOUT = (N, "LoRA x GPT tp ranks; a quantized base x tp; ZeRO x tp/pp")
     CHECKPOINT_LAYOUT = (N, "checkpointing x GPT tp ranks, or segments x stages")
     TP_FAMILY = (N, "tp x HF GPT-2; sequence parallel or stages x Llama")
 
